@@ -1,0 +1,215 @@
+"""What is inside a golden image: OS, root filesystem geometry, guest kernel.
+
+libguestfs does the inspection (it knows partition tables, LVM, fstab and
+distributions far better than anything we would write); the answer is cached
+per image file, since the appliance boot takes tens of seconds under TCG.
+The analyzer supports what it can map back to disk sectors exactly: a Linux
+root on ext4, on a partition or on the whole disk.
+"""
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import cache_dir, inputs_key
+from .errors import UserError
+
+INSPECT_VERSION = 2
+SUPPORTED_FS = ("ext4",)
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    path: str
+    format: str
+    virtual_size: int
+    distro: str
+    product: str
+    major: int
+    minor: int
+    root_device: str          # as libguestfs names it, e.g. /dev/sda1
+    root_partition: int       # 0 = whole disk
+    root_start_sector: int
+    root_fstype: str
+    root_uuid: str
+    block_size: int
+    fs_features: str
+    kernel_version: str
+    kernel_path: str          # inside the image
+    initrd_path: str          # inside the image, "" if none
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_format(path: Path) -> tuple[str, int]:
+    """(format, virtual size) from qemu-img, with a clear error for non-images."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file", "give the path of a golden image (qcow2 or raw)")
+    if not path.is_file():
+        raise UserError(f"{path}: not a regular file", "give the path of a golden image file")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{path}: not readable", "check the file's permissions")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"QFI\xfb":
+        # Raw images have no magic; qemu-img would call anything "raw".  Only
+        # accept raw when a partition table or an ext superblock is visible.
+        if not _looks_like_raw_disk(path):
+            raise UserError(f"{path}: not a disk image (neither qcow2 nor a raw disk with a "
+                            "partition table or ext4 file system)",
+                            "analyze-image takes a qcow2 or raw golden image")
+    out = subprocess.run(["qemu-img", "info", "--output=json", str(path)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UserError(f"{path}: qemu-img cannot read it: {out.stderr.strip()}",
+                        "check that the file is a complete, uncorrupted image")
+    info = json.loads(out.stdout)
+    fmt = info["format"]
+    if fmt not in ("qcow2", "raw"):
+        raise UserError(f"{path}: image format {fmt} is not supported", "convert it with "
+                        "qemu-img convert -O qcow2")
+    if info.get("backing-filename"):
+        raise UserError(f"{path}: has a backing file ({info['backing-filename']})",
+                        "a golden image must be self-contained: qemu-img convert -O qcow2 it "
+                        "into a standalone image first")
+    return fmt, int(info["virtual-size"])
+
+
+def _looks_like_raw_disk(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(2048)
+    if len(head) < 2048:
+        return False
+    mbr = head[510:512] == b"\x55\xaa"
+    gpt = head[512:520] == b"EFI PART"
+    ext = head[1024 + 56:1024 + 58] == b"\x53\xef"
+    return mbr or gpt or ext
+
+
+def _cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = inputs_key([INSPECT_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns])
+    return cache_dir("inspect") / key
+
+
+def _version_key(v: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"[.\-+~]", v)]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    info: ImageInfo
+    kernel: Path              # the guest kernel, copied out of the image
+    initrd: Path | None
+
+
+def inspect_image(path: Path, fmt: str, virtual_size: int, tcg: bool = True) -> Inspection:
+    """Inspects the image and copies its kernel and initrd out, in one appliance boot."""
+    d = _cache_dir(path)
+    meta = d / "info.json"
+    if not meta.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        info = _inspect_with_guestfs(path, fmt, virtual_size, tcg, d)
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info.to_json(), indent=1))
+        os.replace(tmp, meta)
+    info = ImageInfo(**json.loads(meta.read_text()))
+    initrd = d / "initrd.img"
+    return Inspection(info, d / "vmlinuz", initrd if info.initrd_path else None)
+
+
+def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
+                          outdir: Path) -> ImageInfo:
+    try:
+        import guestfs  # Debian's python3-guestfs; the venv sees system site-packages
+    except ImportError:
+        raise UserError("python3-guestfs is not importable",
+                        "run scripts/install-deps.sh (apt: python3-guestfs) and use the "
+                        "project's venv, which sees Debian's site-packages") from None
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        if tcg:
+            # /dev/kvm may exist yet not run guests; the appliance would hang.
+            g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(path), readonly=1, format=fmt)
+        g.launch()
+        roots = g.inspect_os()
+        if not roots:
+            fss = g.list_filesystems()
+            raise UserError(f"{path}: no Linux installation found (file systems: "
+                            f"{', '.join(f'{d}={t}' for d, t in fss.items()) or 'none'})",
+                            "analyze-image needs a bootable Linux golden image")
+        root = roots[0]
+        ostype = g.inspect_get_type(root)
+        if ostype != "linux":
+            raise UserError(f"{path}: the OS inside is {ostype}, not Linux",
+                            "analyze-image analyses Linux guests only")
+        fstype = g.vfs_type(root)
+        if fstype not in SUPPORTED_FS:
+            raise UserError(f"{path}: root file system is {fstype} on {root}; only ext4 is "
+                            "supported", "mapping page-cache pages back to disk sectors is "
+                            "implemented for ext4 (the Debian cloud images' root)")
+        m = re.fullmatch(r"/dev/sda(\d*)", root)
+        if not m:
+            raise UserError(f"{path}: root file system is on {root} (LVM, RAID or a second "
+                            "disk); not supported", "use an image with the root file system "
+                            "on a partition or on the whole disk")
+        partno = int(m.group(1) or 0)
+        start = 0
+        if partno:
+            for p in g.part_list("/dev/sda"):
+                if p["part_num"] == partno:
+                    start = p["part_start"] // 512
+        tune = g.tune2fs_l(root)
+        block_size = int(tune.get("Block size", "4096"))
+        features = tune.get("Filesystem features", "")
+        g.mount_ro(root, "/")
+        kernel, initrd, version = _find_kernel(g)
+        g.download(kernel, str(outdir / "vmlinuz"))
+        if initrd:
+            g.download(initrd, str(outdir / "initrd.img"))
+        return ImageInfo(
+            path=str(path.resolve()), format=fmt, virtual_size=virtual_size,
+            distro=g.inspect_get_distro(root), product=g.inspect_get_product_name(root),
+            major=g.inspect_get_major_version(root), minor=g.inspect_get_minor_version(root),
+            root_device=root, root_partition=partno, root_start_sector=start,
+            root_fstype=fstype, root_uuid=g.vfs_uuid(root), block_size=block_size,
+            fs_features=features, kernel_version=version, kernel_path=kernel,
+            initrd_path=initrd)
+    except RuntimeError as e:
+        raise UserError(f"{path}: libguestfs could not inspect the image: {e}",
+                        "check the image with virt-inspector; it must be a readable disk image"
+                        ) from None
+    finally:
+        g.close()
+
+
+def _find_kernel(g: Any) -> tuple[str, str, str]:
+    """The kernel the image boots by default: the /vmlinuz symlink, else the newest."""
+    for link in ("/vmlinuz", "/boot/vmlinuz"):
+        if g.is_symlink(link):
+            target = g.readlink(link)
+            name = target.rsplit("/", 1)[-1]
+            if name.startswith("vmlinuz-"):
+                return _kernel_files(g, name[len("vmlinuz-"):])
+    if not g.is_dir("/boot"):
+        raise UserError("the image has no /boot", "the analyzer boots the image's own kernel")
+    versions = sorted((n[len("vmlinuz-"):] for n in g.ls("/boot") if n.startswith("vmlinuz-")),
+                      key=_version_key)
+    if not versions:
+        raise UserError("no kernel (/boot/vmlinuz-*) in the image",
+                        "install a kernel package in the golden image")
+    return _kernel_files(g, versions[-1])
+
+
+def _kernel_files(g: Any, version: str) -> tuple[str, str, str]:
+    kernel = f"/boot/vmlinuz-{version}"
+    initrd = f"/boot/initrd.img-{version}"
+    if not g.is_file(kernel):
+        raise UserError(f"kernel {kernel} missing in the image", "repair the golden image")
+    return kernel, initrd if g.is_file(initrd) else "", version

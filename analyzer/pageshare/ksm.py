@@ -1,0 +1,170 @@
+"""Driving host KSM for an analysis, and giving the host back as it was.
+
+KSM is host-global: whatever we change affects every process on the host, so
+the settings are saved before any change and written back on every exit path
+(normal return, exception, Ctrl-C, SIGTERM).  We never write run=2: it would
+unmerge every KSM page of every process on the host.
+"""
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+
+# Tunables we may change, in the order they are written back.  advisor_mode
+# must go first (in scan-time mode pages_to_scan is read-only) and run last
+# (so that ksmd does not briefly run with our aggressive settings).
+RESTORE_ORDER = ("advisor_mode", "smart_scan", "use_zero_pages", "max_page_sharing",
+                 "pages_to_scan", "sleep_millisecs", "run")
+
+COUNTERS = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared", "pages_volatile",
+            "ksm_zero_pages", "pages_scanned", "general_profit", "pages_skipped")
+
+
+def ksm_sysfs() -> Path:
+    # Overridable so the "host has no KSM" error path can be tested for real.
+    return Path(os.environ.get("PAGESHARE_KSM_SYSFS", "/sys/kernel/mm/ksm"))
+
+
+@dataclass
+class Sample:
+    t: float
+    values: dict[str, int]
+
+
+@dataclass
+class Convergence:
+    converged: bool
+    seconds: float
+    full_scans: int
+    samples: list[Sample] = field(default_factory=list)
+
+
+class KSM:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or ksm_sysfs()
+        self.saved: dict[str, str] = {}
+
+    def check_usable(self) -> None:
+        if not (self.root / "run").exists():
+            raise UserError(f"host KSM is not available ({self.root}/run does not exist)",
+                            "run on a host kernel built with CONFIG_KSM=y")
+        if not os.access(self.root / "run", os.W_OK):
+            raise UserError("cannot write host KSM settings (need root)",
+                            "run analyze-image as root (sudo)")
+
+    def read(self, name: str) -> str:
+        return (self.root / name).read_text().strip()
+
+    def write(self, name: str, value: str) -> None:
+        (self.root / name).write_text(value + "\n")
+
+    def counters(self) -> dict[str, int]:
+        out = {}
+        for name in COUNTERS:
+            p = self.root / name
+            if p.exists():
+                try:
+                    out[name] = int(p.read_text().split()[0])
+                except (ValueError, IndexError, OSError):
+                    pass
+        return out
+
+    def save(self) -> dict[str, str]:
+        self.saved = {n: self.read(n) for n in RESTORE_ORDER if (self.root / n).exists()}
+        return dict(self.saved)
+
+    def tune(self, pages_to_scan: int = 20000, sleep_ms: int = 10) -> dict[str, str]:
+        """Aggressive settings for a short, dedicated analysis; returns what was set."""
+        if not self.saved:
+            self.save()
+        wanted = [
+            # Scan-time advisor would overwrite pages_to_scan.
+            ("advisor_mode", "none"),
+            # smart_scan skips pages that failed to merge recently: late merges would be lost.
+            ("smart_scan", "0"),
+            # Zero pages map to the zero page instead of forming huge KSM chains.
+            ("use_zero_pages", "1"),
+            ("pages_to_scan", str(pages_to_scan)),
+            ("sleep_millisecs", str(sleep_ms)),
+            ("run", "1"),
+        ]
+        applied = {}
+        for name, value in wanted:
+            if (self.root / name).exists():
+                self.write(name, value)
+                applied[name] = value
+        return applied
+
+    def restore(self) -> None:
+        """Writes back every saved setting; keeps going past individual failures."""
+        errors = []
+        for name in RESTORE_ORDER:
+            if name in self.saved:
+                try:
+                    if self.read(name) != self.saved[name]:
+                        self.write(name, self.saved[name])
+                except OSError as e:
+                    errors.append(f"{name}: {e}")
+        if errors:
+            raise RuntimeError("could not restore KSM settings: " + "; ".join(errors))
+
+    def converge(self, timeout: float = 600.0, min_scans: int = 3, interval: float = 1.0,
+                 on_sample: Callable[[Sample], None] | None = None) -> Convergence:
+        """Waits until KSM has done min_scans full scans and pages_sharing is stable.
+
+        Stable means it moved by less than max(0.1 %, 50 pages) across the last full
+        scan: one more pass over all mergeable memory found (almost) nothing new.
+        """
+        t0 = time.monotonic()
+        first = self.counters()
+        f0 = first.get("full_scans", 0)
+        samples = [Sample(0.0, first)]
+        at_scan: dict[int, int] = {f0: first.get("pages_sharing", 0)}
+        while True:
+            time.sleep(interval)
+            c = self.counters()
+            s = Sample(time.monotonic() - t0, c)
+            samples.append(s)
+            if on_sample:
+                on_sample(s)
+            fs, sharing = c.get("full_scans", 0), c.get("pages_sharing", 0)
+            at_scan.setdefault(fs, sharing)
+            if fs - f0 >= min_scans and fs - 1 in at_scan:
+                delta = abs(sharing - at_scan[fs - 1])
+                if delta < max(0.001 * sharing, 50):
+                    return Convergence(True, s.t, fs - f0, samples)
+            if s.t > timeout:
+                return Convergence(False, s.t, fs - f0, samples)
+
+
+@contextmanager
+def ksm_session(ksm: KSM) -> Iterator[KSM]:
+    """Saves KSM settings, yields, and restores them however the block ends.
+
+    SIGTERM is turned into SystemExit for the duration, so that `kill` of the
+    analyzer still restores the host; SIGINT is ignored while restoring so a
+    second Ctrl-C cannot interrupt the write-back half way.
+    """
+    ksm.check_usable()
+    ksm.save()
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield ksm
+    finally:
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            ksm.restore()
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)

@@ -1,0 +1,72 @@
+"""A small synchronous QMP client.
+
+The analyzer needs a handful of commands (stop, dump-guest-memory, query-dump,
+human-monitor-command, quit) on a socket QEMU created; asyncio and the
+qemu.qmp package would be more machinery than the job needs.
+"""
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+
+class QMPError(RuntimeError):
+    """QEMU answered a command with an error, or the connection broke."""
+
+
+class QMP:
+    def __init__(self, path: Path, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(timeout)
+                self._sock.connect(str(path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self._sock.close()
+                # QEMU creates the socket a moment after it starts.
+                if time.monotonic() > deadline:
+                    raise QMPError(f"no QMP socket at {path} after {timeout:.0f}s") from None
+                time.sleep(0.1)
+        self._file = self._sock.makefile("rw", encoding="utf-8")
+        self.greeting = self._read()
+        self.events: list[dict[str, Any]] = []
+        self.command("qmp_capabilities")
+
+    def _read(self) -> dict[str, Any]:
+        line = self._file.readline()
+        if not line:
+            raise QMPError("QEMU closed the QMP connection")
+        msg: dict[str, Any] = json.loads(line)
+        return msg
+
+    def command(self, name: str, timeout: float | None = None, **args: Any) -> Any:
+        if timeout is not None:
+            self._sock.settimeout(timeout)
+        msg: dict[str, Any] = {"execute": name}
+        if args:
+            msg["arguments"] = args
+        self._file.write(json.dumps(msg) + "\n")
+        self._file.flush()
+        while True:
+            reply = self._read()
+            if "event" in reply:
+                self.events.append(reply)
+                continue
+            if "error" in reply:
+                err = reply["error"]
+                raise QMPError(f"{name}: {err.get('class')}: {err.get('desc')}")
+            return reply.get("return")
+
+    def hmp(self, line: str) -> str:
+        out: str = self.command("human-monitor-command", **{"command-line": line})
+        return out
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        finally:
+            self._sock.close()
