@@ -1,0 +1,943 @@
+"""The "pcsl v1" sector list: which 4 KiB blocks of a base image to preload.
+
+The analyzer writes one list per golden image; a page server on every host
+reads it, re-reads each listed block from its copy of the base image, checks
+the block against the list's hash and only then preloads it.  The format is
+therefore built so that a reader can never act on a list that is corrupted,
+truncated or meant for another image:
+
+* the header names the image by virtual size and a layout-independent content
+  hash (the same for the qcow2 and a raw conversion of it);
+* ``count`` and ``list-digest`` (sha256 of the exact body bytes) catch
+  truncation and edits of the body;
+* every body line carries the sha256 of its block, so a reader that checks
+  blocks against the image never preloads stale data even if the header lies.
+
+The authoritative description of the format is lists/README.md; keep the two
+in sync.
+"""
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pageshare.errors import UserError
+
+FORMAT_VERSION = 1
+BLOCK_SIZE = 4096
+SECTOR_SIZE = 512
+SECTORS_PER_BLOCK = BLOCK_SIZE // SECTOR_SIZE
+HASH_NAME = "sha256"
+MAGIC = f"# pcsl v{FORMAT_VERSION}"
+SEPARATOR = "---"
+QCOW2_MAGIC = b"QFI\xfb"
+
+# Header keys in the order dumps() writes them.
+HEADER_KEYS: tuple[str, ...] = (
+    "image-virtual-size",
+    "image-content-sha256",
+    "image-name",
+    "block-size",
+    "sector-size",
+    "hash",
+    "count",
+    "list-digest",
+    "generator",
+    "created",
+    "criteria",
+    "runs",
+)
+# Keys a reader needs to use the list safely.  The rest are informational, so a
+# hand-written example list may leave them out; dumps() always writes them.
+REQUIRED_KEYS: tuple[str, ...] = (
+    "image-virtual-size",
+    "image-content-sha256",
+    "block-size",
+    "sector-size",
+    "hash",
+    "count",
+    "list-digest",
+)
+
+# At most 19 digits: every size and sector fits in a signed 64-bit integer (what
+# a C page server will parse them into), and Python's int() refuses strings
+# longer than 4300 digits with a plain ValueError, which must not escape loads().
+_MAX_DIGITS = 19
+_UINT = re.compile(r"0|[1-9][0-9]*")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_KEY = re.compile(r"[a-z][a-z0-9-]*")
+_EXT_KEY = re.compile(r"x-[a-z0-9][a-z0-9-]*")
+_BODY_LINE = re.compile(r"(0|[1-9][0-9]{0,18}) ([0-9a-f]{64})")
+_VERSION_LINE = re.compile(r"# pcsl v([0-9]+)")
+# Characters a free-text header value must not contain: line breaks would end
+# the header line early (here or in tools using str.splitlines()), and other
+# control characters make the file unreadable in a terminal.  Tab is allowed.
+_BAD_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class ListFormatError(ValueError):
+    """A sector list that must not be used; the message names the line.
+
+    ``line`` is 1-based; ``reason`` says what is wrong; ``source`` is the file
+    name when the text came from read().
+    """
+
+    def __init__(self, line: int, reason: str, source: str = "") -> None:
+        self.line = line
+        self.reason = reason
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__(f"{prefix}line {line}: {reason}")
+
+
+@dataclass(frozen=True)
+class ImageIdentity:
+    """Which base image a list belongs to.
+
+    ``virtual_size`` and ``content_sha256`` identify the image's virtual disk
+    content independently of its on-disk layout; ``name`` is informational.
+    """
+
+    virtual_size: int
+    content_sha256: str
+    name: str = ""
+
+
+@dataclass
+class SectorList:
+    """The blocks of one base image that guests keep cached, with their hashes."""
+
+    image: ImageIdentity
+    blocks: dict[int, str]  # first 512-byte sector of the 4 KiB block -> sha256 hex
+    generator: str = ""
+    created: str = ""  # ISO 8601 UTC; dumps() writes the current time if empty
+    criteria: str = ""
+    runs: str = ""
+    extra: dict[str, str] = field(default_factory=dict)  # x-* header keys, in file order
+
+    def sorted_sectors(self) -> list[int]:
+        return sorted(self.blocks)
+
+    def body_bytes(self) -> bytes:
+        return "".join(f"{s} {self.blocks[s]}\n" for s in self.sorted_sectors()).encode()
+
+    def digest(self) -> str:
+        return f"{HASH_NAME}:{hashlib.sha256(self.body_bytes()).hexdigest()}"
+
+    def total_bytes(self) -> int:
+        return len(self.blocks) * BLOCK_SIZE
+
+
+def block_hash(data: bytes) -> str:
+    """sha256 hex of one 4 KiB block (the per-line hash of the body)."""
+    if len(data) != BLOCK_SIZE:
+        raise ValueError(f"block_hash needs exactly {BLOCK_SIZE} bytes, got {len(data)}")
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _check_text(what: str, value: str) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"cannot write list: {what} must be a str, got {type(value).__name__}")
+    m = _BAD_TEXT.search(value)
+    if m:
+        raise ValueError(
+            f"cannot write list: {what} contains control character {m.group()!r} "
+            "(header values are single lines)"
+        )
+
+
+def _is_uint(value: object) -> bool:
+    # bool is an int subclass; True as a size is always a bug.
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 0
+        and len(str(value)) <= _MAX_DIGITS
+    )
+
+
+def _validate_for_write(sl: SectorList) -> None:
+    """Refuse to write anything loads() would reject: a writer bug must not
+    produce a file that every page server then throws away."""
+    img = sl.image
+    if not _is_uint(img.virtual_size):
+        raise ValueError(f"cannot write list: bad image virtual size {img.virtual_size!r}")
+    if not isinstance(img.content_sha256, str) or not _HEX64.fullmatch(img.content_sha256):
+        raise ValueError(
+            "cannot write list: image content_sha256 must be 64 lowercase hex digits, "
+            f"got {img.content_sha256!r}"
+        )
+    _check_text("image name", img.name)
+    for name in ("generator", "created", "criteria", "runs"):
+        _check_text(name, getattr(sl, name))
+    for key, value in sl.extra.items():
+        if not isinstance(key, str) or not _EXT_KEY.fullmatch(key):
+            raise ValueError(
+                f"cannot write list: extra header key {key!r} must look like 'x-name' "
+                "(lowercase letters, digits, '-')"
+            )
+        _check_text(f"header value of {key}", value)
+    for sector, digest in sl.blocks.items():
+        if not _is_uint(sector):
+            raise ValueError(f"cannot write list: bad sector {sector!r}")
+        if sector % SECTORS_PER_BLOCK:
+            raise ValueError(f"cannot write list: sector {sector} is not 4 KiB aligned")
+        if sector * SECTOR_SIZE + BLOCK_SIZE > img.virtual_size:
+            raise ValueError(
+                f"cannot write list: block at sector {sector} extends past the image end "
+                f"({img.virtual_size} bytes)"
+            )
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise ValueError(
+                f"cannot write list: hash of sector {sector} must be 64 lowercase hex "
+                f"digits, got {digest!r}"
+            )
+
+
+def _header_line(key: str, value: str) -> str:
+    # No trailing space for empty values: editors strip it, and loads() accepts both.
+    return f"{key}: {value}" if value else f"{key}:"
+
+
+def dumps(sl: SectorList) -> str:
+    """Serialise to pcsl v1 text.  Raises ValueError for a list that is not
+    writable (unaligned or out-of-range sectors, bad hashes, multi-line values).
+    An empty ``created`` is written as the current UTC time; ``sl`` itself is
+    not modified."""
+    _validate_for_write(sl)
+    body = sl.body_bytes()
+    values = {
+        "image-virtual-size": str(sl.image.virtual_size),
+        "image-content-sha256": sl.image.content_sha256,
+        "image-name": sl.image.name,
+        "block-size": str(BLOCK_SIZE),
+        "sector-size": str(SECTOR_SIZE),
+        "hash": HASH_NAME,
+        "count": str(len(sl.blocks)),
+        "list-digest": f"{HASH_NAME}:{hashlib.sha256(body).hexdigest()}",
+        "generator": sl.generator,
+        "created": sl.created or _now_iso(),
+        "criteria": sl.criteria,
+        "runs": sl.runs,
+    }
+    lines = [MAGIC]
+    lines += [_header_line(k, values[k]) for k in HEADER_KEYS]
+    lines += [_header_line(k, v) for k, v in sl.extra.items()]
+    lines.append(SEPARATOR)
+    return "\n".join(lines) + "\n" + body.decode()
+
+
+def write(sl: SectorList, path: Path) -> None:
+    """Write atomically: readers (and a crash) see the old file or the new one,
+    never a partial list."""
+    path = Path(path)
+    data = dumps(sl).encode()
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        # mkstemp creates 0600; lists are read by page servers that may run as
+        # another user, so keep the mode of the file we replace, else 0644.
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o644
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    # Persist the rename itself; without this a crash can leave the old name.
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _show(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _parse_uint(line_no: int, key: str, value: str) -> int:
+    if not _UINT.fullmatch(value):
+        # int() alone would accept " 5", "+5", "1_000" and non-ASCII digits.
+        raise ListFormatError(
+            line_no,
+            f"{key}: expected a decimal integer (digits only, no sign or leading zeros), "
+            f"got {_show(value)}",
+        )
+    if len(value) > _MAX_DIGITS:
+        raise ListFormatError(line_no, f"{key}: value {_show(value)} is too large")
+    return int(value)
+
+
+def _diagnose_body_line(line: str) -> str:
+    expected = "expected '<sector> <sha256hex>'"
+    if line == "":
+        return f"empty line in the body ({expected})"
+    if line.endswith("\r"):
+        return "line ends with CR: CRLF line endings are not allowed, use LF"
+    parts = line.split(" ")
+    if len(parts) != 2:
+        return f"{expected} separated by a single space, got {_show(line)}"
+    sector, digest = parts
+    if not _UINT.fullmatch(sector):
+        return f"sector {_show(sector)} is not a decimal integer (no sign or leading zeros)"
+    if len(sector) > _MAX_DIGITS:
+        return f"sector {_show(sector)} is too large"
+    return f"malformed hash {_show(digest)}: must be 64 lowercase hex digits (sha256)"
+
+
+def _check_magic(first: str) -> None:
+    if first == MAGIC:
+        return
+    if first.rstrip("\r") == MAGIC:
+        raise ListFormatError(1, "line ends with CR: CRLF line endings are not allowed, use LF")
+    if first.startswith("\ufeff"):
+        raise ListFormatError(1, "file starts with a byte-order mark; save it as UTF-8 without BOM")
+    m = _VERSION_LINE.fullmatch(first)
+    if m:
+        raise ListFormatError(
+            1,
+            f"unsupported format version pcsl v{m[1]} (this reader understands only "
+            f"v{FORMAT_VERSION}); update pageshare",
+        )
+    raise ListFormatError(
+        1, f"not a pcsl sector list: first line must be {MAGIC!r}, got {_show(first)}"
+    )
+
+
+def loads(text: str) -> SectorList:
+    """Parse and fully validate pcsl v1 text; raises ListFormatError naming the line."""
+    if not isinstance(text, str):
+        raise TypeError(f"loads() needs str, got {type(text).__name__}")
+    if text == "":
+        raise ListFormatError(1, f"empty file: expected {MAGIC!r}")
+    lines = text.split("\n")  # not splitlines(): that also splits at \r, \x0c, \u2028...
+    _check_magic(lines[0])
+    if lines[-1] != "":
+        raise ListFormatError(len(lines), "last line has no terminating newline: truncated file?")
+    lines.pop()
+
+    # ---- header
+    values: dict[str, tuple[int, str]] = {}  # key -> (line number, value)
+    extra: dict[str, str] = {}
+    first_seen: dict[str, int] = {}
+    sep_index = -1
+    for index in range(1, len(lines)):
+        line_no = index + 1
+        line = lines[index]
+        if line == SEPARATOR:
+            sep_index = index
+            break
+        if line.endswith("\r"):
+            raise ListFormatError(
+                line_no, "line ends with CR: CRLF line endings are not allowed, use LF"
+            )
+        if line.startswith("#"):
+            continue
+        key, colon, rest = line.partition(":")
+        if not colon or not _KEY.fullmatch(key):
+            raise ListFormatError(
+                line_no, f"expected a 'key: value' header line or '---', got {_show(line)}"
+            )
+        if rest and not rest.startswith(" "):
+            raise ListFormatError(line_no, f"expected a space after '{key}:'")
+        value = rest[1:]
+        bad = _BAD_TEXT.search(value)
+        if bad:
+            raise ListFormatError(
+                line_no, f"value of '{key}' contains control character {bad.group()!r}"
+            )
+        if key in first_seen:
+            raise ListFormatError(
+                line_no, f"duplicate header key '{key}' (first on line {first_seen[key]})"
+            )
+        first_seen[key] = line_no
+        if key.startswith("x-"):
+            if not _EXT_KEY.fullmatch(key):
+                raise ListFormatError(line_no, f"extension key {key!r} needs a name after 'x-'")
+            extra[key] = value
+        elif key in HEADER_KEYS:
+            values[key] = (line_no, value)
+        else:
+            # Refuse rather than ignore: a future incompatible header must not be
+            # silently misread by this version.
+            raise ListFormatError(
+                line_no,
+                f"unknown header key '{key}' (extensions must start with 'x-'; "
+                "is this list from a newer pageshare?)",
+            )
+    if sep_index < 0:
+        raise ListFormatError(
+            len(lines), "file ends before the '---' line that ends the header: truncated file?"
+        )
+    sep_line_no = sep_index + 1
+    for key in REQUIRED_KEYS:
+        if key not in values:
+            raise ListFormatError(sep_line_no, f"header lacks required key '{key}'")
+
+    def text_of(key: str) -> str:
+        return values[key][1] if key in values else ""
+
+    def uint_of(key: str) -> int:
+        line_no, value = values[key]
+        return _parse_uint(line_no, key, value)
+
+    virtual_size = uint_of("image-virtual-size")
+    content_line, content = values["image-content-sha256"]
+    if not _HEX64.fullmatch(content):
+        raise ListFormatError(
+            content_line,
+            f"image-content-sha256 must be 64 lowercase hex digits, got {_show(content)}",
+        )
+    for key, supported in (("block-size", BLOCK_SIZE), ("sector-size", SECTOR_SIZE)):
+        if uint_of(key) != supported:
+            raise ListFormatError(
+                values[key][0],
+                f"unsupported {key} {values[key][1]} (pcsl v{FORMAT_VERSION} supports only "
+                f"{supported})",
+            )
+    hash_line, hash_name = values["hash"]
+    if hash_name != HASH_NAME:
+        raise ListFormatError(
+            hash_line,
+            f"unsupported hash {_show(hash_name)} (pcsl v{FORMAT_VERSION} supports only "
+            f"{HASH_NAME})",
+        )
+    count_line = values["count"][0]
+    count = uint_of("count")
+    digest_line, digest = values["list-digest"]
+    if not (digest.startswith(f"{HASH_NAME}:") and _HEX64.fullmatch(digest[len(HASH_NAME) + 1 :])):
+        raise ListFormatError(
+            digest_line,
+            f"list-digest must be 'sha256:' and 64 lowercase hex digits, got {_show(digest)}",
+        )
+
+    # ---- body: structure first (precise line numbers), the digest last.
+    body = lines[sep_index + 1 :]
+    first_body_line = sep_line_no + 1
+    if len(body) < count:
+        raise ListFormatError(
+            len(lines),
+            f"file ends after {len(body)} of the {count} block lines announced by 'count' "
+            f"(line {count_line}): truncated file?",
+        )
+    if len(body) > count:
+        raise ListFormatError(
+            first_body_line + count,
+            f"unexpected line after the {count} block lines announced by 'count' "
+            f"(line {count_line}): trailing garbage or a wrong count",
+        )
+    blocks: dict[int, str] = {}
+    previous = -1
+    for offset, line in enumerate(body):
+        line_no = first_body_line + offset
+        m = _BODY_LINE.fullmatch(line)
+        if m is None:
+            raise ListFormatError(line_no, _diagnose_body_line(line))
+        sector = int(m[1])
+        if sector == previous:
+            raise ListFormatError(line_no, f"duplicate sector {sector}")
+        if sector < previous:
+            raise ListFormatError(
+                line_no,
+                f"sector {sector} follows sector {previous}: the body must be sorted ascending",
+            )
+        if sector % SECTORS_PER_BLOCK:
+            raise ListFormatError(
+                line_no,
+                f"sector {sector} is not 4 KiB aligned (must be a multiple of {SECTORS_PER_BLOCK})",
+            )
+        end = sector * SECTOR_SIZE + BLOCK_SIZE
+        if end > virtual_size:
+            raise ListFormatError(
+                line_no,
+                f"block at sector {sector} (bytes {sector * SECTOR_SIZE}..{end - 1}) extends "
+                f"past the image end (image-virtual-size {virtual_size})",
+            )
+        blocks[sector] = m[2]
+        previous = sector
+
+    body_start = sum(len(line) + 1 for line in lines[: sep_index + 1])
+    actual = hashlib.sha256(text[body_start:].encode()).hexdigest()
+    if f"{HASH_NAME}:{actual}" != digest:
+        raise ListFormatError(
+            digest_line, "list body does not match list-digest: file corrupted or edited"
+        )
+
+    return SectorList(
+        image=ImageIdentity(
+            virtual_size=virtual_size, content_sha256=content, name=text_of("image-name")
+        ),
+        blocks=blocks,
+        generator=text_of("generator"),
+        created=text_of("created"),
+        criteria=text_of("criteria"),
+        runs=text_of("runs"),
+        extra=extra,
+    )
+
+
+def read(path: Path) -> SectorList:
+    """Read and validate a list file.  Bad content raises ListFormatError whose
+    message starts with the file name; OSErrors (FileNotFoundError...) pass through."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ListFormatError(
+            data.count(b"\n", 0, e.start) + 1,
+            f"not valid UTF-8 (byte offset {e.start})",
+            str(path),
+        ) from None
+    try:
+        return loads(text)
+    except ListFormatError as e:
+        raise ListFormatError(e.line, e.reason, str(path)) from None
+
+
+# --------------------------------------------------------------------------- images
+
+
+def verify_against_image(sl: SectorList, read_block: Callable[[int], bytes]) -> list[int]:
+    """Sorted sectors whose block in the image does not hash to the listed value.
+
+    ``read_block(sector)`` must return the 4096 bytes at ``sector * 512``; a
+    wrong-length answer (e.g. the image ends early) counts as a mismatch so the
+    caller never preloads that block.
+    """
+    bad: list[int] = []
+    for sector in sl.sorted_sectors():
+        data = read_block(sector)
+        if len(data) != BLOCK_SIZE or block_hash(data) != sl.blocks[sector]:
+            bad.append(sector)
+    return bad
+
+
+def image_content_sha256(
+    read_at: Callable[[int, int], bytes], virtual_size: int, chunk: int = 4 << 20
+) -> str:
+    """sha256 of the virtual disk content, read as [off, off+len) chunks.
+
+    Hashing what the guest sees (not the file) makes the identity independent
+    of the image format: a qcow2 and its raw conversion hash the same.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    if virtual_size < 0:
+        raise ValueError(f"virtual_size must not be negative, got {virtual_size}")
+    h = hashlib.sha256()
+    offset = 0
+    while offset < virtual_size:
+        n = min(chunk, virtual_size - offset)
+        data = read_at(offset, n)
+        if len(data) != n:
+            # A silently short read would hash to a plausible but wrong identity.
+            raise ValueError(f"reader returned {len(data)} bytes at offset {offset}, expected {n}")
+        h.update(data)
+        offset += n
+    return h.hexdigest()
+
+
+class _RawFile:
+    """An open raw image; closed explicitly or when garbage collected."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            # st_size is 0 for block devices; seeking to the end gives their size.
+            self.size = os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else st.st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if not self._finalizer.alive:
+            # The fd number may already belong to another file.
+            raise ValueError("read from a closed image")
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad read: offset {offset}, length {length}")
+        parts: list[bytes] = []
+        got = 0
+        while got < length:
+            chunk = os.pread(self._fd, length - got, offset + got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        # Past EOF the virtual disk reads as zeros (as qemu does for raw images).
+        parts.append(bytes(length - got))
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def raw_file_reader(path: Path) -> tuple[Callable[[int, int], bytes], int]:
+    """A ``read_at(offset, length)`` over a raw image file (or block device) and
+    its size.  Reads past EOF are zero-filled.  The file stays open as long as
+    the returned reader is referenced."""
+    f = _RawFile(Path(path))
+    return f.read_at, f.size
+
+
+_IMAGE_EXTENSIONS = (".qcow2", ".raw", ".img")
+
+
+def list_file_name(image: ImageIdentity) -> str:
+    """The file name the analyzer gives a list: ``<image-name>-<12 hex>.pcsl``.
+
+    The content hash prefix keeps lists of different builds of the same image
+    name apart; the name part is the image file name without directory and
+    without a .qcow2/.raw/.img extension, reduced to characters that are safe
+    in file names.
+    """
+    stem = Path(image.name).name if image.name else ""
+    for ext in _IMAGE_EXTENSIONS:
+        if stem.endswith(ext) and len(stem) > len(ext):
+            stem = stem[: -len(ext)]
+            break
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem).lstrip(".") or "image"
+    return f"{stem}-{image.content_sha256[:12]}.pcsl"
+
+
+# --------------------------------------------------------------------------- human view
+
+
+def extents_runs(sectors: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs of 4 KiB blocks as (start_sector, n_blocks)."""
+    runs: list[tuple[int, int]] = []
+    for sector in sorted(set(sectors)):
+        if runs:
+            start, n = runs[-1]
+            if sector == start + n * SECTORS_PER_BLOCK:
+                runs[-1] = (start, n + 1)
+                continue
+        runs.append((sector, 1))
+    return runs
+
+
+def _fmt_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def format_human(sl: SectorList, limit: int | None = 50) -> str:
+    """Header summary, run count and the first ``limit`` runs (all if None)."""
+    img = sl.image
+    mib = sl.total_bytes() / (1 << 20)
+    share = ""
+    if img.virtual_size:
+        share = f" ({100 * sl.total_bytes() / img.virtual_size:.2f}% of the image)"
+    lines = [
+        f"pcsl v{FORMAT_VERSION} sector list",
+        f"image:          {img.name or '(unnamed)'}, virtual size {img.virtual_size} bytes "
+        f"({_fmt_size(img.virtual_size)})",
+        f"content sha256: {img.content_sha256}",
+        f"blocks:         {len(sl.blocks)} x 4 KiB = {mib:.2f} MiB{share}",
+        f"list-digest:    {sl.digest()}",
+    ]
+    for label, value in (
+        ("generator", sl.generator),
+        ("created", sl.created),
+        ("criteria", sl.criteria),
+        ("analysis runs", sl.runs),
+    ):
+        if value:
+            lines.append(f"{label + ':':<15} {value}")
+    for key, value in sl.extra.items():
+        lines.append(f"{key + ':':<15} {value}")
+    runs = extents_runs(sl.sorted_sectors())
+    lines.append(f"contiguous runs: {len(runs)}")
+    shown = runs if limit is None else runs[: max(limit, 0)]
+    for start, n in shown:
+        end = start + n * SECTORS_PER_BLOCK - 1
+        noun = "block" if n == 1 else "blocks"
+        lines.append(f"  sector {start}..{end} ({n} {noun}, {n * BLOCK_SIZE // 1024} KiB)")
+    if len(shown) < len(runs):
+        lines.append(f"  ... {len(runs) - len(shown)} more runs (--all shows every run)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse would print its own message and sys.exit(2); cli_main() reports
+    # errors uniformly as "error: ..." and returns the code instead.
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+_DESCRIPTION = """\
+Inspect and check pcsl v1 sector lists.
+
+A sector list names the 4 KiB blocks of one golden (base) image that guests
+keep unchanged in their page caches, so a page server can preload them.  It is
+UTF-8 text: a header of 'key: value' lines (image virtual size, image content
+sha256, count, list-digest = sha256 of the body, ...), a '---' line, then one
+'<sector> <sha256 of the 4 KiB block>' line per block, sectors in 512-byte
+units, sorted.  The full format is described in lists/README.md.
+"""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pageshare list",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 success/match, 1 list does not match the image, 2 error.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    show = sub.add_parser(
+        "show",
+        help="summarise a list: image, block count, size, digest, contiguous runs",
+        description="Validate a sector list and summarise it: the image it belongs to, "
+        "the number of blocks and MiB, the list digest and the contiguous runs of blocks "
+        "(first 50 unless --all).  Format: lists/README.md.",
+    )
+    show.add_argument("file", metavar="FILE", help="a .pcsl sector list")
+    show.add_argument("--all", action="store_true", help="list every contiguous run")
+    show.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON for scripts: header fields, count, bytes and all runs as "
+        "[start_sector, n_blocks] pairs",
+    )
+    show.set_defaults(func=_cmd_show)
+
+    verify = sub.add_parser(
+        "verify",
+        help="check a list against an image (size, content sha256, every block hash)",
+        description="Check that a sector list belongs to an image: the image's virtual "
+        "size and content sha256 must match the list header, and every listed 4 KiB "
+        "block must hash to its listed sha256.  Prints a one-line verdict; exit 0 if "
+        "everything matches, 1 if not, 2 on errors.  qcow2 images are converted to a "
+        "temporary raw file with 'qemu-img convert' first (needs qemu-img and free "
+        "space for the raw image's data).  Format: lists/README.md.",
+    )
+    verify.add_argument("file", metavar="FILE", help="a .pcsl sector list")
+    verify.add_argument(
+        "--image", required=True, metavar="IMG", help="the base image: raw or qcow2"
+    )
+    verify.add_argument(
+        "--no-content-hash",
+        action="store_true",
+        help="skip the image content sha256 (it reads the whole virtual disk); the "
+        "size and every listed block are still checked",
+    )
+    verify.add_argument(
+        "--tmpdir",
+        metavar="DIR",
+        help="where to put the temporary raw conversion of a qcow2 image "
+        "(default: the system temporary directory)",
+    )
+    verify.add_argument("--json", action="store_true", help="print the result as JSON")
+    verify.set_defaults(func=_cmd_verify)
+    return parser
+
+
+def _header_dict(sl: SectorList) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "image-virtual-size": sl.image.virtual_size,
+        "image-content-sha256": sl.image.content_sha256,
+        "image-name": sl.image.name,
+        "block-size": BLOCK_SIZE,
+        "sector-size": SECTOR_SIZE,
+        "hash": HASH_NAME,
+        "count": len(sl.blocks),
+        "list-digest": sl.digest(),
+        "generator": sl.generator,
+        "created": sl.created,
+        "criteria": sl.criteria,
+        "runs": sl.runs,
+    }
+    header.update(sl.extra)
+    return header
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    sl = read(path)
+    if args.json:
+        runs = extents_runs(sl.sorted_sectors())
+        out = {
+            "file": str(path),
+            "format": f"pcsl v{FORMAT_VERSION}",
+            "header": _header_dict(sl),
+            "count": len(sl.blocks),
+            "bytes": sl.total_bytes(),
+            "run_count": len(runs),
+            "runs": [[start, n] for start, n in runs],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_human(sl, limit=None if args.all else 50))
+    return 0
+
+
+@contextmanager
+def _open_image(image: Path, tmpdir: str | None) -> Iterator[tuple[_RawFile, str]]:
+    """The image as a raw reader, converting qcow2 to a temporary raw file."""
+    with open(image, "rb") as f:
+        magic = f.read(len(QCOW2_MAGIC))
+    if magic != QCOW2_MAGIC:
+        raw = _RawFile(image)
+        try:
+            yield raw, "raw"
+        finally:
+            raw.close()
+        return
+    qemu_img = shutil.which("qemu-img")
+    if qemu_img is None:
+        raise UserError(
+            f"{image} is a qcow2 image and qemu-img is not installed",
+            hint="install qemu-utils (Debian/Ubuntu) or qemu-img (Fedora), or convert it "
+            f"yourself: qemu-img convert -O raw {image} IMAGE.raw",
+        )
+    with tempfile.TemporaryDirectory(prefix="pageshare-verify-", dir=tmpdir) as td:
+        raw_path = Path(td) / "image.raw"
+        proc = subprocess.run(
+            [qemu_img, "convert", "-O", "raw", str(image), str(raw_path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise UserError(
+                f"qemu-img convert of {image} failed: {proc.stderr.strip() or proc.returncode}",
+                hint="check that the image is readable and not locked by a running VM, "
+                "and that --tmpdir has room for the raw data",
+            )
+        raw = _RawFile(raw_path)
+        try:
+            yield raw, "qcow2"
+        finally:
+            # Close before the directory is removed so the space is really freed.
+            raw.close()
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    list_path = Path(args.file)
+    image_path = Path(args.image)
+    sl = read(list_path)
+    with _open_image(image_path, args.tmpdir) as (raw, fmt):
+        size_ok = raw.size == sl.image.virtual_size
+        content: str | None = None
+        if not args.no_content_hash:
+            content = image_content_sha256(raw.read_at, raw.size)
+        bad = verify_against_image(sl, lambda sector: raw.read_at(sector * SECTOR_SIZE, BLOCK_SIZE))
+    content_ok = None if content is None else content == sl.image.content_sha256
+    ok = size_ok and content_ok is not False and not bad
+
+    problems = []
+    if not size_ok:
+        problems.append(f"virtual size {raw.size} != {sl.image.virtual_size} in the list")
+    if content_ok is False:
+        problems.append("content sha256 differs (list is for another image, or it changed)")
+    if bad:
+        first = ", ".join(str(s) for s in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        problems.append(f"{len(bad)} of {len(sl.blocks)} blocks differ (sectors {first})")
+
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "list": str(list_path),
+                    "image": str(image_path),
+                    "image_format": fmt,
+                    "virtual_size": {
+                        "list": sl.image.virtual_size,
+                        "image": raw.size,
+                        "ok": size_ok,
+                    },
+                    "content_sha256": {
+                        "list": sl.image.content_sha256,
+                        "image": content,
+                        "ok": content_ok,  # null: not checked (--no-content-hash)
+                    },
+                    "blocks": len(sl.blocks),
+                    "bad_sectors": bad,
+                },
+                indent=2,
+            )
+        )
+    elif ok:
+        checked = "size, every block" + (
+            " and content sha256" if content_ok else "; content sha256 not checked"
+        )
+        print(
+            f"OK: {list_path} matches {image_path} ({fmt}; {len(sl.blocks)} blocks, "
+            f"{sl.total_bytes() / (1 << 20):.2f} MiB; {checked})"
+        )
+    else:
+        print(f"MISMATCH: {list_path} vs {image_path} ({fmt}): " + "; ".join(problems))
+    return 0 if ok else 1
+
+
+def cli_main(argv: list[str]) -> int:
+    """``pageshare list ...``; argv excludes "pageshare list"."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        print(f"error: {e} (see 'pageshare list --help')", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        result: int = args.func(args)
+        return result
+    except (ListFormatError, UserError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))
