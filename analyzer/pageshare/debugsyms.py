@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .cache import cache_dir
@@ -25,6 +26,7 @@ DEBIAN_SUITES = {
     "trixie": ["trixie", "trixie-updates"],
 }
 MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+LogFn = Callable[[str], None]
 SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
 
 
@@ -84,7 +86,7 @@ class AptCache:
 
 
 def find_vmlinux(kernel_version: str, want_build_id: str | None,
-                 log: "LogFn | None" = None) -> Path:
+                 log: LogFn | None = None) -> Path:
     """A cached or freshly downloaded vmlinux for this kernel version."""
     root = cache_dir("vmlinux")
     if want_build_id:
@@ -144,7 +146,3 @@ def check_vmlinux(vmlinux: Path, want_build_id: str | None) -> str:
                         "give the debug vmlinux of the exact kernel build the image boots")
     return bid
 
-
-from collections.abc import Callable  # noqa: E402
-
-LogFn = Callable[[str], None]

@@ -7,6 +7,7 @@ unmerge every KSM page of every process on the host.
 """
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -59,7 +60,10 @@ class KSM:
                             "run analyze-image as root (sudo)")
 
     def read(self, name: str) -> str:
-        return (self.root / name).read_text().strip()
+        """A setting's value; for choice files ("[none] scan-time") the chosen one."""
+        text = (self.root / name).read_text().strip()
+        m = re.search(r"\[(\S+)\]", text)
+        return m.group(1) if m else text
 
     def write(self, name: str, value: str) -> None:
         (self.root / name).write_text(value + "\n")
@@ -125,7 +129,6 @@ class KSM:
         first = self.counters()
         f0 = first.get("full_scans", 0)
         samples = [Sample(0.0, first)]
-        at_scan: dict[int, int] = {f0: first.get("pages_sharing", 0)}
         while True:
             time.sleep(interval)
             c = self.counters()
@@ -134,9 +137,12 @@ class KSM:
             if on_sample:
                 on_sample(s)
             fs, sharing = c.get("full_scans", 0), c.get("pages_sharing", 0)
-            at_scan.setdefault(fs, sharing)
-            if fs - f0 >= min_scans and fs - 1 in at_scan:
-                delta = abs(sharing - at_scan[fs - 1])
+            # Reference: the newest sample taken at least one whole scan ago
+            # (small guests finish several scans per sample interval).
+            ref = next((p for p in reversed(samples)
+                        if p.values.get("full_scans", 0) <= fs - 2), None)
+            if fs - f0 >= min_scans and ref is not None:
+                delta = abs(sharing - ref.values.get("pages_sharing", 0))
                 if delta < max(0.001 * sharing, 50):
                     return Convergence(True, s.t, fs - f0, samples)
             if s.t > timeout:

@@ -1,0 +1,528 @@
+"""analyze-image: from a golden image to a verified sector list.
+
+One analysis = N runs.  Each run boots a pair of guests from fresh overlays
+of the base, lets host KSM merge them, records which frames merged across
+the pair (host view), classifies those frames inside the guests with crash
+and pagescan (guest view), and maps clean page-cache pages back to
+base-image sectors, verifying every byte.  Blocks seen in at least
+`min_runs` runs form the list.  docs/ARCHITECTURE.md explains the why.
+"""
+
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__, sectorlist
+from .classify import PageRecord
+from .crash_backend import classify_pfns, crash_version
+from .debugsyms import check_vmlinux, find_vmlinux
+from .dump import ElfDump, parse_vmcoreinfo
+from .errors import UserError
+from .ext4map import read_extents, read_paths
+from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
+from .image_inspect import Inspection, inspect_image, probe_format
+from .ksm import KSM, Sample, ksm_session
+from .mapping import STABLE, Geometry, norm_uuid, page_sector, verify
+from .progress import Progress
+from .resultsdb import connect
+from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
+from .workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script
+
+PAGE = 4096
+VMS = ("A", "B")
+
+
+def default_db() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
+    return Path(os.environ.get("PAGESHARE_DB", Path(base) / "pageshare" / "results.sqlite"))
+
+
+@dataclass
+class Options:
+    image: Path
+    lists_dir: Path = Path("lists")
+    db: Path = field(default_factory=default_db)
+    runs: int = 1
+    min_runs: int | None = None
+    ram_mib: int = 1024
+    accel: str = "auto"
+    workload: Workload = field(default_factory=Workload)
+    settle: float = 20.0
+    boot_timeout: float = 900.0
+    ksm_timeout: float = 600.0
+    vmlinux: Path | None = None
+    include_metadata: bool = False
+    workdir_parent: Path = Path(os.environ.get("PAGESHARE_WORKDIR", "/var/tmp"))
+
+    def effective_min_runs(self) -> int:
+        return self.min_runs if self.min_runs else self.runs // 2 + 1
+
+
+@dataclass
+class PageFact:
+    """A verified page seen in one VM of one run."""
+    sector: int
+    ino: int
+    index: int
+    kind: str
+
+
+@dataclass
+class RunResult:
+    stable: dict[str, dict[int, PageFact]]          # vm -> sector -> fact
+    categories: dict[str, Counter[str]]             # vm -> category -> frames
+    merged_nonzero: dict[str, int]
+    listed_candidates: dict[str, set[int]]          # vm -> gpfns that verified (for coverage)
+    gpfn_sector: dict[str, dict[int, int]]
+
+
+@dataclass
+class Summary:
+    image: str
+    list_path: str
+    analysis_id: int
+    accel: str
+    accel_reason: str
+    runs: int
+    min_runs: int
+    listed_blocks: int
+    listed_mib: float
+    breakdown_pages: dict[str, int]
+    coverage: float
+    top_files: list[tuple[str, float]]
+    phases: dict[str, float]
+    ksm: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def preflight(opts: Options) -> None:
+    """Everything that can be checked before spending minutes."""
+    if os.geteuid() != 0:
+        raise UserError("analyze-image must run as root",
+                        "it reads /proc/PID/pagemap and /proc/kpageflags and drives host KSM: "
+                        "run it with sudo")
+    KSM().check_usable()
+    require_qemu()
+    for tool in ("debugfs", "crash", "readelf", "dpkg-deb"):
+        if not shutil.which(tool):
+            raise UserError(f"{tool} not found", "run scripts/install-deps.sh")
+    if opts.runs < 1:
+        raise UserError("--runs must be at least 1", "")
+    if not 1 <= opts.effective_min_runs() <= opts.runs:
+        raise UserError(f"--min-runs must be between 1 and --runs ({opts.runs})", "")
+    if opts.ram_mib < 256:
+        raise UserError("--ram below 256 MiB cannot boot a Debian guest", "use --ram 1024")
+
+
+def analyze(opts: Options, progress: Progress) -> Summary:
+    preflight(opts)
+    fmt, vsize = probe_format(opts.image)
+    with progress.phase("inspect", f"inspecting {opts.image} with libguestfs"):
+        insp = inspect_image(opts.image, fmt, vsize, tcg=opts.accel != "kvm")
+    info = insp.info
+    progress.say(f"{info.product} ({info.distro} {info.major}.{info.minor}), kernel "
+                 f"{info.kernel_version}, root {info.root_fstype} on {info.root_device} at "
+                 f"sector {info.root_start_sector}, {info.block_size}-byte blocks")
+    if "inline_data" in info.fs_features or "encrypt" in info.fs_features:
+        progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
+
+    with progress.phase("debug-symbols", "finding debug symbols for the guest kernel"):
+        if opts.vmlinux:
+            vmlinux = opts.vmlinux
+            check_vmlinux(vmlinux, None)
+        else:
+            vmlinux = find_vmlinux(info.kernel_version, None, progress.say)
+    accel, accel_reason = choose_accel(opts.accel, insp.kernel)
+    progress.say(f"accelerator: {accel} ({accel_reason})")
+
+    opts.workdir_parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="pageshare-analyze-", dir=opts.workdir_parent))
+    db = connect(opts.db)
+    analysis_id = 0
+    try:
+        with progress.phase("base-image", "reading the base image (raw copy, content hash)"):
+            raw = workdir / "base.raw"
+            subprocess.run(["qemu-img", "convert", "-O", "raw", str(opts.image), str(raw)],
+                           check=True)
+            read_at, _ = sectorlist.raw_file_reader(raw)
+            content = sectorlist.image_content_sha256(read_at, vsize)
+        image_id = _store_image(db, opts.image, fmt, vsize, content, insp)
+        cur = db.execute(
+            "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
+            "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
+            "workload, settle_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (image_id, _now(), "running", __version__, platform.release(), qemu_version(),
+             crash_version(), accel, accel_reason, opts.ram_mib, opts.runs,
+             opts.effective_min_runs(), opts.workload.describe(), opts.settle))
+        analysis_id = int(cur.lastrowid or 0)
+        db.commit()
+
+        geo = Geometry(info.root_start_sector, norm_uuid(info.root_uuid), vsize)
+        boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
+        results: list[RunResult] = []
+        ksm_series: list[dict[str, Any]] = []
+        with ksm_session(KSM()) as ksm:
+            for seq in range(1, opts.runs + 1):
+                results.append(_run_once(seq, opts, progress, db, analysis_id, ksm, boot, fmt,
+                                         accel, workdir, raw, geo, vmlinux, ksm_series))
+        with progress.phase("write-list", "aggregating runs and writing the list"):
+            summary = _finish(opts, progress, db, analysis_id, insp, content, raw, results,
+                              accel, accel_reason, ksm_series)
+        db.execute("UPDATE analysis SET status='ok', finished_at=? WHERE id=?",
+                   (_now(), analysis_id))
+        db.executemany("INSERT OR REPLACE INTO phase VALUES (?,?,?)",
+                       [(analysis_id, k, v) for k, v in progress.phases.items()])
+        db.commit()
+        summary.phases = dict(progress.phases)
+        return summary
+    except BaseException as e:
+        if analysis_id:
+            db.execute("UPDATE analysis SET status='failed', finished_at=?, error=? WHERE id=?",
+                       (_now(), f"{type(e).__name__}: {e}"[:2000], analysis_id))
+            db.commit()
+        raise
+    finally:
+        db.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _store_image(db: Any, path: Path, fmt: str, vsize: int, content: str,
+                 insp: Inspection) -> int:
+    i = insp.info
+    db.execute(
+        "INSERT INTO image (path, format, virtual_size, content_sha256, distro, product, "
+        "kernel_version, root_partition, root_start_sector, root_uuid, block_size) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (content_sha256, virtual_size) "
+        "DO UPDATE SET path=excluded.path",
+        (str(path.resolve()), fmt, vsize, content, i.distro, i.product, i.kernel_version,
+         i.root_partition, i.root_start_sector, i.root_uuid, i.block_size))
+    row = db.execute("SELECT id FROM image WHERE content_sha256=? AND virtual_size=?",
+                     (content, vsize)).fetchone()
+    return int(row[0])
+
+
+def _wait_ready(guests: list[Guest], markers: Markers, timeout: float,
+                progress: Progress) -> dict[str, float]:
+    t0 = time.monotonic()
+    done: dict[str, float] = {}
+    last_note = t0
+    while len(done) < len(guests):
+        for g in guests:
+            if g.name in done:
+                continue
+            g.check_alive()
+            text = g.serial_text()
+            if markers.ready in text:
+                done[g.name] = time.monotonic() - t0
+                rc = text.split(markers.ready, 1)[1].split()[0:1]
+                progress.say(f"guest {g.name} ready after {done[g.name]:.0f}s ({' '.join(rc)})")
+                if rc and rc[0] != "rc=0":
+                    progress.say(f"warning: the workload in guest {g.name} exited with {rc[0]}")
+        now = time.monotonic()
+        if now - t0 > timeout:
+            late = [g for g in guests if g.name not in done]
+            tail = "\n    ".join(late[0].serial_text().strip().splitlines()[-12:])
+            booted = markers.booted in late[0].serial_text()
+            what = "the workload did not finish" if booted else "the guest did not finish booting"
+            raise UserError(f"guest {late[0].name}: {what} within {timeout:.0f}s; last serial "
+                            f"lines:\n    {tail}",
+                            "check that the image boots to multi-user (systemd) with console="
+                            "ttyS0, or raise --boot-timeout (TCG is slow)")
+        if now - last_note > 30:
+            progress.say(f"waiting for guests ({now - t0:.0f}s; TCG boots take a minute or two)")
+            last_note = now
+        time.sleep(0.5)
+    return done
+
+
+def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id: int, ksm: KSM,
+              boot: BootSpec, fmt: str, accel: str, workdir: Path, raw: Path, geo: Geometry,
+              vmlinux: Path, ksm_series: list[dict[str, Any]]) -> RunResult:
+    tag = f"run {seq}/{opts.runs}"
+    markers = Markers.new()
+    script = write_script(workdir, opts.workload, markers)
+    guests = [Guest(name, workdir, opts.image, fmt, boot, accel, opts.ram_mib,
+                    {FW_CFG_NAME: script}) for name in VMS]
+    cur = db.execute("INSERT INTO run (analysis_id, seq) VALUES (?,?)", (analysis_id, seq))
+    run_id = int(cur.lastrowid or 0)
+    dumps: dict[str, Path] = {}
+    try:
+        with progress.phase("boot", f"{tag}: booting guests A and B from fresh overlays"):
+            for g in guests:
+                g.start()
+            boot_s = _wait_ready(guests, markers, opts.boot_timeout + opts.workload.timeout,
+                                 progress)
+        with progress.phase("ksm", f"{tag}: host KSM merging (settle {opts.settle:.0f}s, then "
+                            "until a full scan finds nothing new)"):
+            params = ksm.tune()
+            t_settle = time.monotonic()
+            samples: list[Sample] = []
+            while time.monotonic() - t_settle < opts.settle:
+                time.sleep(1)
+            last = [time.monotonic()]
+
+            def note(s: Sample) -> None:
+                if time.monotonic() - last[0] > 15:
+                    progress.say(f"{tag}: KSM full_scans={s.values.get('full_scans')} "
+                                 f"pages_sharing={s.values.get('pages_sharing')}")
+                    last[0] = time.monotonic()
+
+            conv = ksm.converge(timeout=opts.ksm_timeout, on_sample=note)
+            samples = conv.samples
+            if not conv.converged:
+                progress.say(f"warning: KSM did not converge within {opts.ksm_timeout:.0f}s; "
+                             "using what merged so far")
+        with progress.phase("host-view", f"{tag}: pausing guests, reading host page tables"):
+            for g in guests:
+                g.stop_cpus()
+            views = {}
+            for g in guests:
+                assert g.qmp and g.proc
+                views[g.name] = snapshot(g.proc.pid, ram_ranges(g.qmp))
+            mc = dict(zip(VMS, classify_pair(views["A"], views["B"]), strict=True))
+            # KSM is not needed any more this run: give the host its settings back
+            # before the long introspection phase.
+            ksm.restore()
+        with progress.phase("dump", f"{tag}: dumping guest memory"):
+            for g in guests:
+                dumps[g.name] = workdir / f"{g.name}.elf"
+                g.dump(dumps[g.name])
+        db.execute("UPDATE run SET ksm_converged=?, ksm_seconds=?, ksm_full_scans=?, "
+                   "ksm_params_json=? WHERE id=?",
+                   (int(conv.converged), conv.seconds, conv.full_scans, json.dumps(params),
+                    run_id))
+        for g in guests:
+            assert g.proc
+            m = mc[g.name]
+            db.execute("INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
+                       (run_id, g.name, g.proc.pid, boot_s[g.name], m.present, len(m.cross),
+                        len(m.intra), len(m.zero)))
+    finally:
+        for g in guests:
+            g.shutdown()
+    _store_samples(db, run_id, samples, ksm_series, seq)
+    try:
+        with progress.phase("introspect", f"{tag}: classifying merged frames with crash"):
+            recs, contents, build_id = _introspect(dumps, mc, vmlinux, workdir, progress, tag)
+        db.execute("UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?",
+                   (build_id[0], build_id[1], run_id))
+        with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
+            result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo,
+                                     opts.include_metadata)
+        db.commit()
+        return result
+    finally:
+        for d in dumps.values():
+            d.unlink(missing_ok=True)
+
+
+def _store_samples(db: Any, run_id: int, samples: list[Sample],
+                   series: list[dict[str, Any]], seq: int) -> None:
+    keys = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared", "pages_volatile",
+            "ksm_zero_pages", "pages_scanned", "general_profit")
+    for s in samples:
+        db.execute("INSERT OR REPLACE INTO ksm_sample VALUES (?,?,?,?,?,?,?,?,?,?)",
+                   (run_id, round(s.t, 3), *(s.values.get(k) for k in keys)))
+        series.append({"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in keys}})
+
+
+def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path, workdir: Path,
+                progress: Progress, tag: str
+                ) -> tuple[dict[str, dict[int, PageRecord]], dict[str, dict[int, bytes]],
+                           tuple[str, str]]:
+    recs: dict[str, dict[int, PageRecord]] = {}
+    contents: dict[str, dict[int, bytes]] = {}
+    build_id = ("", "")
+    for vm, path in dumps.items():
+        elf = ElfDump(path)
+        try:
+            info = elf.vmcoreinfo()
+            if info is None:
+                raise UserError(f"guest {vm}: no VMCOREINFO in the dump or guest memory",
+                                "the guest kernel must be built with CONFIG_CRASH_CORE "
+                                "(Debian kernels are)")
+            vmci = parse_vmcoreinfo(info)
+            build_id = (vmci.get("OSRELEASE", ""), vmci.get("BUILD-ID", ""))
+            check_vmlinux(vmlinux, build_id[1] or None)
+            merged = {**mc[vm].cross, **mc[vm].intra}
+            contents[vm] = {}
+            for gpfn in merged:
+                page = elf.page(gpfn)
+                if page is not None:
+                    contents[vm][gpfn] = page
+        finally:
+            elf.close()
+        nonzero = [g for g, b in contents[vm].items() if any(b)]
+        progress.say(f"{tag}: guest {vm}: {len(merged)} merged frames, {len(nonzero)} non-zero; "
+                     "running crash")
+        recs[vm] = classify_pfns(vmlinux, path, nonzero, workdir)
+    return recs, contents, build_id
+
+
+def category_of(rec: PageRecord | None, zero: bool, listed: bool) -> str:
+    if zero:
+        return "zero"
+    if rec is None:
+        return "kernel"
+    if listed:
+        return "listed"
+    if rec.kind in ("file", "bdev", "shmem"):
+        return "page-cache"
+    if rec.kind in ("anon", "ksm"):
+        return "anon"
+    return "kernel"
+
+
+def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
+                    recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
+                    raw: Path, geo: Geometry, include_metadata: bool) -> RunResult:
+    read_at, _ = sectorlist.raw_file_reader(raw)
+    inodes = sorted({r.ino for v in recs.values() for r in v.values() if r.kind == "file"
+                     and norm_uuid(r.fs_uuid) == geo.root_uuid})
+    extents = read_extents(raw, geo.root_start_sector * 512, inodes)
+    stable: dict[str, dict[int, PageFact]] = {}
+    cats: dict[str, Counter[str]] = {}
+    gpfn_sector: dict[str, dict[int, int]] = {}
+    listed_candidates: dict[str, set[int]] = {}
+    merged_nonzero: dict[str, int] = {}
+    for vm in VMS:
+        stable[vm], cats[vm], gpfn_sector[vm], listed_candidates[vm] = {}, Counter(), {}, set()
+        rows = []
+        for gpfn in mc[vm].zero:
+            rows.append((run_id, vm, gpfn, None, "zero", None, "zero", None, None, None, None,
+                         "zero"))
+            cats[vm]["zero"] += 1
+        for merge, frames in (("cross", mc[vm].cross), ("intra", mc[vm].intra)):
+            for gpfn, pfn in frames.items():
+                data = contents[vm].get(gpfn)
+                rec = recs[vm].get(gpfn)
+                is_zero = data is not None and not any(data)
+                verdict, sector = "", None
+                if is_zero:
+                    verdict = "zero"
+                elif rec is not None and rec.page_cache:
+                    sector, verdict = page_sector(rec, extents, geo, include_metadata)
+                    if sector is not None:
+                        verdict = verify(sector, data, lambda s: read_at(s * 512, PAGE))
+                ok = verdict == STABLE and merge == "cross"
+                if verdict == STABLE and merge != "cross":
+                    verdict = "intra-only"
+                if ok and rec is not None and sector is not None:
+                    stable[vm][sector] = PageFact(sector, rec.ino if rec.kind == "file" else 0,
+                                                  rec.index, rec.kind)
+                    gpfn_sector[vm][gpfn] = sector
+                    listed_candidates[vm].add(gpfn)
+                cat = category_of(rec, is_zero, ok)
+                cats[vm][cat] += 1
+                rows.append((run_id, vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
+                             rec.ino if rec else None, rec.index if rec else None,
+                             rec.state if rec else None, sector, verdict or None))
+        merged_nonzero[vm] = sum(n for c, n in cats[vm].items() if c != "zero")
+        db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector)
+
+
+def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: Inspection,
+            content: str, raw: Path, results: list[RunResult], accel: str, accel_reason: str,
+            ksm_series: list[dict[str, Any]]) -> Summary:
+    min_runs = opts.effective_min_runs()
+    seen: Counter[int] = Counter()
+    both: dict[int, bool] = {}
+    fact: dict[int, PageFact] = {}
+    for r in results:
+        sectors = set(r.stable["A"]) | set(r.stable["B"])
+        for s in sectors:
+            seen[s] += 1
+            both[s] = both.get(s, False) or (s in r.stable["A"] and s in r.stable["B"])
+            fact[s] = r.stable["A"].get(s) or r.stable["B"][s]
+    keep = sorted(s for s, n in seen.items() if n >= min_runs)
+    read_at, _ = sectorlist.raw_file_reader(raw)
+    blocks = {s: sectorlist.block_hash(read_at(s * 512, PAGE)) for s in keep}
+    info = insp.info
+    sl = sectorlist.SectorList(
+        image=sectorlist.ImageIdentity(info.virtual_size, content, opts.image.name),
+        blocks=blocks, generator=f"analyze-image {__version__}",
+        criteria="cross-vm-ksm,clean,verified,aligned8,nonzero"
+                 + (",metadata" if opts.include_metadata else ",no-metadata"),
+        runs=f"{opts.runs} run(s), kept blocks seen in >= {min_runs}",
+        extra={"x-guest-kernel": info.kernel_version, "x-accel": accel})
+    opts.lists_dir.mkdir(parents=True, exist_ok=True)
+    list_path = opts.lists_dir / sectorlist.list_file_name(sl.image)
+    sectorlist.write(sl, list_path)
+
+    inos = sorted({fact[s].ino for s in keep if fact[s].ino})
+    paths = read_paths(raw, info.root_start_sector * 512, inos)
+    db.executemany("INSERT OR REPLACE INTO file VALUES (?,?,?)",
+                   [(analysis_id, i, paths.get(i)) for i in inos])
+    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?)",
+                   [(analysis_id, s, blocks[s], fact[s].ino or None, fact[s].index * PAGE,
+                     fact[s].kind, seen[s], int(both[s])) for s in keep])
+    db.execute("UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
+               "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
+               (analysis_id, str(list_path.resolve()), len(keep), analysis_id))
+
+    # Breakdown over all runs and both VMs, with "listed" meaning: in the final list.
+    keep_set = set(keep)
+    breakdown: Counter[str] = Counter()
+    covered = total = 0
+    for r in results:
+        for vm in VMS:
+            cats = r.categories[vm].copy()
+            in_list = sum(1 for s in r.gpfn_sector[vm].values() if s in keep_set)
+            dropped = cats["listed"] - in_list
+            cats["listed"] = in_list
+            cats["page-cache"] += dropped
+            breakdown.update(cats)
+            covered += in_list
+            total += r.merged_nonzero[vm]
+    per_file: Counter[str] = Counter()
+    for s in keep:
+        per_file[paths.get(fact[s].ino, "(metadata)" if fact[s].kind == "bdev" else "?")] += 1
+    top = [(p, n * PAGE / 2**20) for p, n in per_file.most_common(15)]
+    return Summary(
+        image=str(opts.image), list_path=str(list_path), analysis_id=analysis_id, accel=accel,
+        accel_reason=accel_reason, runs=opts.runs, min_runs=min_runs, listed_blocks=len(keep),
+        listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=dict(breakdown),
+        coverage=covered / total if total else 0.0, top_files=top, phases={},
+        ksm=ksm_series)
+
+
+def format_summary(s: Summary) -> str:
+    lines = [
+        f"analyze-image: {s.image}",
+        f"  list:         {s.list_path}",
+        f"  listed:       {s.listed_blocks} blocks, {s.listed_mib:.1f} MiB "
+        f"({s.runs} run(s), kept blocks seen in >= {s.min_runs})",
+        f"  accelerator:  {s.accel} ({s.accel_reason})",
+        f"  results DB:   analysis #{s.analysis_id}",
+        "  KSM-merged guest memory (both VMs, all runs):",
+    ]
+    total = sum(s.breakdown_pages.values()) or 1
+    for cat in ("listed", "page-cache", "anon", "kernel", "zero"):
+        n = s.breakdown_pages.get(cat, 0)
+        label = {"listed": "listed page cache", "page-cache": "other page cache",
+                 "anon": "anonymous", "kernel": "kernel/other", "zero": "zero pages"}[cat]
+        lines.append(f"    {label:<18} {n * PAGE / 2**20:9.1f} MiB  {100 * n / total:5.1f} %")
+    lines.append(f"  list covers {100 * s.coverage:.1f} % of merged non-zero memory")
+    if s.top_files:
+        lines.append("  top files by listed MiB:")
+        lines += [f"    {mib:7.2f} MiB  {p}" for p, mib in s.top_files[:10]]
+    lines.append("  time per phase:")
+    lines += [f"    {k:<14} {v:7.1f} s" for k, v in s.phases.items()]
+    return "\n".join(lines)
+

@@ -1,0 +1,154 @@
+"""Command-line entry points: `analyze-image` and `pageshare`."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import UserError
+
+ANALYZE_EPILOG = """\
+what it does:
+  1. inspects the image (libguestfs): distribution, root ext4 geometry, guest kernel
+  2. fetches the guest kernel's debug symbols (Debian linux-image-<ver>-dbg, cached)
+  3. boots two guests A and B from fresh copy-on-write overlays of the image
+     (direct kernel boot with the image's own kernel; KVM if a probe boot works,
+     otherwise TCG), optionally runs --workload in both, then waits --settle s
+  4. tunes host KSM, waits until a full scan finds nothing new, pauses the guests
+  5. reads which guest frames KSM merged across A and B (pagemap, kpageflags),
+     dumps guest memory and classifies those frames with crash + pagescan
+  6. maps clean page-cache pages to base-image sectors via the image's ext4
+     block map and byte-verifies every block against the image
+  7. writes the sector list (lists/, format in lists/README.md) and the results DB
+Host KSM settings are saved first and restored on every exit path (also Ctrl-C);
+guests, overlays and dumps are removed.  Needs root.
+
+examples:
+  analyze-image base.qcow2
+  analyze-image --runs 3 --workload 'curl -s localhost >/dev/null; python3 -c pass' base.qcow2
+  analyze-image --json base.qcow2 | jq .listed_blocks
+"""
+
+
+def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Find the blocks of a golden VM image that guests keep, unchanged, in "
+                    "their page caches, and write them as a verified sector list.",
+        epilog=ANALYZE_EPILOG)
+    p.add_argument("image", type=Path, help="golden image (qcow2 or raw), Debian 12/13 on ext4")
+    p.add_argument("--runs", type=int, default=1,
+                   help="boot the pair N times; one run is a noisy sample (default 1)")
+    p.add_argument("--min-runs", type=int, default=None,
+                   help="keep blocks seen in at least this many runs (default: a majority)")
+    p.add_argument("--workload", default="", metavar="CMD",
+                   help="shell command run as root in both guests after boot, before KSM "
+                        "settles (e.g. start your services, run a warm-up request)")
+    p.add_argument("--workload-file", type=Path, metavar="FILE",
+                   help="like --workload, with the commands read from a file")
+    p.add_argument("--workload-timeout", type=float, default=600,
+                   help="seconds the workload may take (default 600)")
+    p.add_argument("--settle", type=float, default=20,
+                   help="seconds to let the guests idle after boot/workload (default 20)")
+    p.add_argument("--ram", type=int, default=1024, metavar="MIB",
+                   help="guest RAM in MiB (default 1024)")
+    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
+                   help="auto: KVM only if a probe boot works, else TCG (default)")
+    p.add_argument("--vmlinux", type=Path,
+                   help="DWARF vmlinux of the guest kernel, instead of fetching Debian's -dbg")
+    p.add_argument("--include-metadata", action="store_true",
+                   help="also list verified block-device cache pages (ext4 metadata); volatile")
+    p.add_argument("--lists-dir", type=Path, default=Path("lists"),
+                   help="where the list goes (default ./lists)")
+    p.add_argument("--db", type=Path, default=None,
+                   help="results database (default ~/.local/share/pageshare/results.sqlite)")
+    p.add_argument("--boot-timeout", type=float, default=900,
+                   help="seconds a guest may take to boot (default 900; TCG is slow)")
+    p.add_argument("--ksm-timeout", type=float, default=600,
+                   help="seconds to wait for KSM to converge (default 600)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return p
+
+
+def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
+    from .analyze import Options, analyze, default_db, format_summary
+    from .progress import Progress
+    from .workload import Workload
+
+    args = analyze_parser(prog).parse_args(argv)
+    try:
+        command = args.workload
+        if args.workload_file:
+            try:
+                command = args.workload_file.read_text()
+            except OSError as e:
+                raise UserError(f"--workload-file: {e}", "give a readable shell script") from None
+        opts = Options(
+            image=args.image, lists_dir=args.lists_dir, db=args.db or default_db(),
+            runs=args.runs, min_runs=args.min_runs, ram_mib=args.ram, accel=args.accel,
+            workload=Workload(command, args.workload_timeout), settle=args.settle,
+            boot_timeout=args.boot_timeout, ksm_timeout=args.ksm_timeout, vmlinux=args.vmlinux,
+            include_metadata=args.include_metadata)
+        progress = Progress(quiet=args.quiet)
+        summary = analyze(opts, progress)
+    except UserError as e:
+        print(f"analyze-image: error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"analyze-image: hint: {e.hint}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("analyze-image: interrupted; guests stopped, KSM settings restored",
+              file=sys.stderr)
+        return 130
+    if args.json:
+        json.dump(summary.to_json(), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+def analyze_image_main() -> int:
+    return run_analyze(sys.argv[1:])
+
+
+USAGE = """\
+usage: pageshare COMMAND [ARGS]
+
+commands:
+  analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
+  list show|verify ...  inspect a sector list, or check it against an image
+  image build ...       build the project's demo/small golden images (cached)
+
+Run `pageshare COMMAND --help` for details.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "--version":
+        print(f"pageshare {__version__}")
+        return 0
+    if cmd == "analyze":
+        return run_analyze(rest, prog="pageshare analyze")
+    if cmd == "list":
+        from .sectorlist import cli_main
+        return cli_main(rest)
+    if cmd == "image":
+        from . import golden
+        if rest[:1] == ["build"]:
+            rest = rest[1:]
+        return golden.main(rest)
+    print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The base image's own ext4 block map, read offline with debugfs.
+
+The guest tells us (inode number, page index); the base image is the ground
+truth for where that page's bytes live on disk.  debugfs reads the file
+system inside the raw image at the partition's byte offset (e2fsprogs'
+"image?offset=N" syntax) without mounting anything, and one process answers
+for all inodes at once.
+"""
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# " 1/ 1   1/ 12     0 -    10  5678 -  5688     11 Uninit"
+_EXTENT = re.compile(
+    r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+) -\s+(\d+)\s+(\d+) -\s+(\d+)\s+(\d+)\s*(\S*)")
+_CMD = re.compile(r"^debugfs: ex <(\d+)>")
+
+
+@dataclass(frozen=True)
+class Extent:
+    logical: int
+    physical: int
+    length: int
+
+
+def parse_extents(output: str) -> dict[int, list[Extent]]:
+    """Leaf extents per inode from `debugfs -f` output of `ex <ino>` commands.
+
+    Unwritten (Uninit) extents read as zeros and have no data on disk, so
+    they are left out: a page there is treated as a hole.
+    """
+    res: dict[int, list[Extent]] = {}
+    cur: int | None = None
+    for line in output.splitlines():
+        m = _CMD.match(line)
+        if m:
+            cur = int(m.group(1))
+            res[cur] = []
+            continue
+        m = _EXTENT.match(line)
+        if m and cur is not None and m.group(1) == m.group(2) and m.group(8) != "Uninit":
+            res[cur].append(Extent(int(m.group(3)), int(m.group(5)), int(m.group(7))))
+    for exts in res.values():
+        exts.sort(key=lambda e: e.logical)
+    return res
+
+
+def lookup(extents: list[Extent], lblk: int) -> int | None:
+    """Physical block of logical block lblk, None for a hole."""
+    lo, hi = 0, len(extents)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = extents[mid]
+        if lblk < e.logical:
+            hi = mid
+        elif lblk >= e.logical + e.length:
+            lo = mid + 1
+        else:
+            return e.physical + (lblk - e.logical)
+    return None
+
+
+def _debugfs(raw: Path, part_offset: int, commands: str) -> str:
+    p = subprocess.run(["debugfs", "-c", "-f", "-", f"{raw}?offset={part_offset}"],
+                       input=commands, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"debugfs failed: {p.stderr.strip()[-300:]}")
+    return p.stdout
+
+
+def read_extents(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, list[Extent]]:
+    if not inodes:
+        return {}
+    return parse_extents(_debugfs(raw, part_offset, "".join(f"ex <{i}>\n" for i in inodes)))
+
+
+def read_paths(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, str]:
+    """One path per inode (hard links: the first one found)."""
+    if not inodes:
+        return {}
+    out = _debugfs(raw, part_offset, "ncheck -c " + " ".join(map(str, inodes)) + "\n")
+    paths: dict[int, str] = {}
+    for line in out.splitlines():
+        ino, sep, path = line.partition("\t")
+        if sep and ino.strip().isdigit():
+            paths.setdefault(int(ino), path)
+    return paths
+
+
+def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
+                 block_size: int) -> list[int]:
+    """4 KiB-aligned base-image sectors holding a file's data (for tests and reports)."""
+    out = _debugfs(raw, part_offset, f"ex {path}\n")
+    exts = next(iter(parse_extents(out.replace(f"ex {path}", "ex <0>", 1)).values()), [])
+    per = block_size // 512
+    sectors = set()
+    for e in exts:
+        for b in range(e.physical, e.physical + e.length):
+            s = start_sector + b * per
+            sectors.add(s - s % 8)
+    return sorted(sectors)

@@ -1,0 +1,91 @@
+"""From a classified guest page to a verified base-image block.
+
+A page is listed only when all of this holds (see docs/ARCHITECTURE.md):
+clean page cache of a regular file on the base image's root ext4 (or, with
+include_metadata, block-device cache of the base disk); its file offset maps
+to 4096/blocksize contiguous, allocated blocks; the block starts on an
+8-sector boundary; the page is not all zeros; and its bytes equal the base
+image at that sector.  The verdict names the first rule that failed.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .classify import PageRecord
+from .ext4map import Extent, lookup
+
+PAGE = 4096
+ZERO_PAGE = bytes(PAGE)
+SECTORS_PER_PAGE = PAGE // 512
+
+STABLE = "stable"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    root_start_sector: int
+    root_uuid: str            # hex, no dashes
+    virtual_size: int
+    disk: str = "vda"
+
+
+def norm_uuid(u: str) -> str:
+    return u.replace("-", "").lower()
+
+
+def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
+                     ) -> tuple[int | None, str]:
+    """Sector of a file page per the base image's block map, or (None, reason)."""
+    if rec.fstype != "ext4":
+        return None, "unsupported-fs"
+    if norm_uuid(rec.fs_uuid) != geo.root_uuid:
+        return None, "other-fs"
+    if rec.start_sect != geo.root_start_sector:
+        return None, "other-disk"
+    if extents is None:
+        return None, "unmapped"
+    if rec.blkbits < 9 or rec.blkbits > 12:
+        return None, "unsupported-blocksize"
+    bs = 1 << rec.blkbits
+    per_page = PAGE // bs
+    first = rec.index * per_page
+    blocks = [lookup(extents, first + k) for k in range(per_page)]
+    if blocks[0] is None or any(b is None for b in blocks):
+        return None, "hole"
+    b0 = blocks[0]
+    if any(b != b0 + k for k, b in enumerate(blocks)):
+        return None, "discontiguous"
+    return geo.root_start_sector + b0 * (bs // 512), ""
+
+
+def page_sector(rec: PageRecord, extents: dict[int, list[Extent]], geo: Geometry,
+                include_metadata: bool) -> tuple[int | None, str]:
+    if rec.kind == "file":
+        sector, why = file_page_sector(rec, extents.get(rec.ino), geo)
+    elif rec.kind == "bdev":
+        if rec.disk != geo.disk:
+            return None, "other-disk"
+        if not include_metadata:
+            return None, "metadata"
+        sector, why = rec.start_sect + rec.index * SECTORS_PER_PAGE, ""
+    else:
+        return None, "not-page-cache"
+    if sector is None:
+        return None, why
+    if not rec.clean:
+        return None, "dirty"
+    if sector % SECTORS_PER_PAGE:
+        return None, "unaligned"
+    if (sector * 512) + PAGE > geo.virtual_size:
+        return None, "out-of-range"
+    return sector, ""
+
+
+def verify(sector: int, guest_bytes: bytes | None, read_base: Callable[[int], bytes]) -> str:
+    if guest_bytes is None:
+        return "not-in-dump"
+    if guest_bytes == ZERO_PAGE:
+        return "zero"
+    if read_base(sector) != guest_bytes:
+        return "mismatch"
+    return STABLE
