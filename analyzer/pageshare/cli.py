@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -103,6 +104,15 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         print("analyze-image: interrupted; guests stopped, KSM settings restored",
               file=sys.stderr)
         return 130
+    except Exception as e:
+        # Not the operator's fault: say what broke, keep the traceback one
+        # environment variable away.
+        if os.environ.get("PAGESHARE_DEBUG"):
+            raise
+        print(f"analyze-image: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("analyze-image: hint: rerun with PAGESHARE_DEBUG=1 for a traceback; guests were "
+              "stopped and KSM settings restored", file=sys.stderr)
+        return 1
     if args.json:
         json.dump(summary.to_json(), sys.stdout, indent=1)
         print()

@@ -164,10 +164,15 @@ class Guest:
             raise
 
     def check_alive(self) -> None:
+        """Raises when QEMU is gone: a guest that panics or powers off during analysis."""
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.workdir / f"{self.name}.qemu.log").read_text(errors="replace").strip()
-            raise RuntimeError(f"QEMU for guest {self.name} exited ({self.proc.returncode}): "
-                               f"{log[-500:]}")
+            tail = "\n    ".join(self.serial_text().strip().splitlines()[-12:])
+            raise UserError(f"guest {self.name} stopped during the analysis (QEMU exit "
+                            f"{self.proc.returncode}{': ' + log[-300:] if log else ''}); last "
+                            f"serial lines:\n    {tail}",
+                            "the image must boot with its own kernel and initrd to multi-user; "
+                            "try it by hand with qemu-system-x86_64 -kernel/-initrd")
 
     def serial_text(self) -> str:
         try:

@@ -1,0 +1,30 @@
+# pageshare: the two commands a newcomer needs.
+#   make demo   installs what is needed, builds the demo golden image (cached
+#               in ~/.cache/pageshare) and runs analyze-image on it
+#   make test   installs what is needed and runs every test
+PY := .venv/bin/python
+export PAGESHARE_CACHE ?= $(HOME)/.cache/pageshare
+
+.PHONY: deps demo test lint unit clean
+
+deps:
+	@scripts/install-deps.sh
+
+demo: deps
+	$(PY) -m pageshare.golden --variant demo
+	.venv/bin/analyze-image $$($(PY) -m pageshare.golden --variant demo)
+
+lint: deps
+	.venv/bin/ruff check analyzer tests
+	.venv/bin/mypy
+	$(MAKE) -s -C crash-ext clean all
+
+unit: deps
+	$(PY) -m pytest -q -m "not vm"
+
+test: deps lint
+	$(PY) -m pytest -ra
+
+clean:
+	$(MAKE) -s -C crash-ext clean
+	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,54 @@
+#!/bin/bash
+# Installs everything pageshare needs on a Debian 12 host and creates the
+# project's Python venv (.venv).  Idempotent: a second run only checks.
+#
+# The venv is made from Debian's /usr/bin/python3 with system site-packages,
+# because libguestfs' Python binding comes only as the Debian package
+# python3-guestfs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+	# guests and images
+	qemu-system-x86 qemu-utils ovmf libguestfs-tools python3-guestfs mmdebstrap
+	e2fsprogs gdisk fdisk zstd
+	# introspection: crash ships its defs.h for extensions
+	crash binutils gcc make
+	# Python
+	python3 python3-venv python3-dev
+	# results and distribution
+	sqlite3 redis-server
+)
+
+if [ "$(id -u)" != 0 ]; then
+	echo "install-deps: run as root (it installs Debian packages)" >&2
+	exit 2
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+	echo "install-deps: installing ${missing[*]}" >&2
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		"${missing[@]}" >/dev/null
+	# libguestfs needs a host kernel for its appliance; Recommends are off above.
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-image-amd64 >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import guestfs' 2>/dev/null; then
+	echo "install-deps: creating .venv" >&2
+	rm -rf .venv
+	/usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.pageshare-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+	echo "install-deps: installing Python packages into .venv" >&2
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q -e '.[notebooks,dev]'
+	touch "$stamp"
+fi
+make -s -C crash-ext
+echo "install-deps: ok" >&2

@@ -1,0 +1,74 @@
+"""Shared fixtures: golden images, and a guard that the host is left as found."""
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pageshare import golden
+from pageshare.ksm import RESTORE_ORDER, KSM
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def small_image() -> Path:
+    return golden.build_image("small").path
+
+
+@pytest.fixture(scope="session")
+def demo_image() -> Path:
+    return golden.build_image("demo").path
+
+
+def ksm_settings() -> dict[str, str]:
+    k = KSM()
+    return {n: k.read(n) for n in RESTORE_ORDER if (k.root / n).exists()}
+
+
+def qemu_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+@dataclass
+class Analysis:
+    rc: int
+    stdout: str
+    stderr: str
+    workdir: Path
+    lists: Path
+    db: Path
+
+    def json(self) -> dict[str, object]:
+        data: dict[str, object] = json.loads(self.stdout)
+        return data
+
+
+@pytest.fixture
+def host_guard() -> Iterator[None]:
+    """Fails the test if it changed host KSM settings or left QEMU running."""
+    before_ksm, before_qemu = ksm_settings(), qemu_pids()
+    yield
+    assert ksm_settings() == before_ksm, "host KSM settings were not restored"
+    assert qemu_pids() <= before_qemu, "a QEMU process was left running"
+
+
+def run_analyze(tmp: Path, *args: str, env: dict[str, str] | None = None,
+                timeout: float = 1800, user: str | None = None) -> Analysis:
+    workdir, lists, db = tmp / "work", tmp / "lists", tmp / "results.sqlite"
+    workdir.mkdir(exist_ok=True)
+    e = dict(os.environ, PAGESHARE_WORKDIR=str(workdir), PYTHONPATH=str(REPO / "analyzer"))
+    e.update(env or {})
+    cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--lists-dir", str(lists),
+           "--db", str(db), *args]
+    if user:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout,
+                       cwd=tmp)
+    return Analysis(p.returncode, p.stdout, p.stderr, workdir, lists, db)

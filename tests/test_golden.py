@@ -1,0 +1,307 @@
+"""Golden image builder: cache key and geometry (fast), real images (vm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pageshare import golden
+from pageshare.errors import UserError
+
+# --- fast unit tests --------------------------------------------------------
+
+
+def test_key_is_stable_and_differs_between_variants() -> None:
+    assert golden.image_key("demo") == golden.image_key("demo")
+    assert golden.image_key("demo") != golden.image_key("small")
+    assert len(golden.image_key("small")) == 16
+
+
+def test_key_changes_with_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = golden.image_key("small")
+    changed = dict(golden.VARIANTS["small"])
+    changed["packages"] = [*golden._spec("small").packages, "less"]
+    monkeypatch.setitem(golden.VARIANTS, "small", changed)
+    assert golden.image_key("small") != before
+    monkeypatch.undo()
+    assert golden.image_key("small") == before
+
+
+def test_key_changes_with_builder_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = golden.image_key("demo")
+    monkeypatch.setattr(golden, "BUILDER_VERSION", golden.BUILDER_VERSION + 1)
+    assert golden.image_key("demo") != before
+
+
+def test_unknown_variant_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="unknown golden image variant"):
+        golden.image_key("nope")
+    with pytest.raises(UserError):
+        golden.build_image("nope")
+
+
+def test_variant_specs_are_well_formed() -> None:
+    for name in golden.VARIANTS:
+        spec = golden._spec(name)
+        assert spec.suite == "bookworm"
+        assert {"linux-image-cloud-amd64", "systemd-sysv", "udev"} <= set(spec.packages)
+        assert str(uuid.UUID(spec.fs_uuid)) == spec.fs_uuid
+    demo = golden._spec("demo")
+    assert {"openssh-server", "nginx", "python3"} <= set(demo.packages)
+    assert demo.disk_guid is not None
+    assert set(demo.partition_guids) == {"1", "14", "15"}
+    all_ids = [demo.fs_uuid, demo.disk_guid, *demo.partition_guids.values()]
+    assert len(set(all_ids)) == len(all_ids)
+
+
+def test_gpt_geometry_matches_debian_cloud_layout() -> None:
+    g = golden.geometry("demo")
+    assert g.layout == "gpt"
+    assert g.virtual_size == 3 * 1024**3
+    assert (g.root_partition, g.root_start_sector) == (1, 262144)
+    total = g.virtual_size // 512
+    assert g.root_end_sector == total - 34  # last usable LBA with a 128-entry GPT
+    part_bytes = (g.root_end_sector - g.root_start_sector + 1) * 512
+    assert g.fs_bytes % 4096 == 0
+    assert part_bytes - 4096 < g.fs_bytes <= part_bytes
+    assert golden.GPT_BIOS_BOOT == (14, 2048, 8191)
+    assert golden.GPT_ESP == (15, 8192, 262143)
+
+
+def test_whole_disk_geometry() -> None:
+    g = golden.geometry("small")
+    assert g.layout == "whole-disk"
+    assert g.root_partition is None
+    assert g.root_start_sector == 0
+    assert g.fs_bytes == g.virtual_size == 2 * 1024**3
+
+
+def test_cached_image_needs_manifest_with_current_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path))
+    assert golden.cached_image("small") is None
+    d = tmp_path / "images" / f"small-{golden.image_key('small')}"
+    d.mkdir(parents=True)
+    (d / "base.qcow2").write_bytes(b"")
+    (d / "manifest.json").write_text(json.dumps({"key": "stale"}))
+    assert golden.cached_image("small") is None
+    (d / "manifest.json").write_text(json.dumps({"key": golden.image_key("small")}))
+    image = golden.cached_image("small")
+    assert image is not None and image.path == d / "base.qcow2"
+    assert golden.build_image("small") == image  # cached: no root, no tools needed
+
+
+def test_copy_sparse_keeps_data_and_holes(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    with src.open("wb") as f:
+        f.truncate(16 << 20)
+        f.write(b"head")
+        f.seek(9 << 20)
+        f.write(b"x" * 5000)
+    with dst.open("wb") as f:
+        f.truncate(64 << 20)
+    golden._copy_sparse(src, dst, 1 << 20)
+    data = dst.read_bytes()
+    assert data[1 << 20 : (1 << 20) + 4] == b"head"
+    assert data[(10 << 20) : (10 << 20) + 5000] == b"x" * 5000
+    assert data.count(0) == len(data) - 4 - 5000
+    assert dst.stat().st_blocks * 512 < 4 << 20
+
+
+def test_mountinfo_unescape() -> None:
+    assert golden._unescape_mountinfo(r"/a\040b\011c") == "/a b\tc"
+
+
+def test_main_reports_user_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail(variant: str, **_: Any) -> golden.GoldenImage:
+        raise UserError("building a golden image needs root", "run as root")
+
+    monkeypatch.setattr(golden, "build_image", fail)
+    assert golden.main(["--variant", "small"]) == 2
+    err = capsys.readouterr().err
+    assert "error: building a golden image needs root" in err
+    assert "hint: run as root" in err
+
+
+# --- real images --------------------------------------------------------------
+
+
+def _image(variant: str) -> golden.GoldenImage:
+    cached = golden.cached_image(variant)
+    if cached is not None:
+        return cached
+    if os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
+        pytest.skip(f"{variant} image not built and cannot build it here (needs root)")
+    return golden.build_image(variant)
+
+
+@pytest.fixture(scope="module", params=["small", "demo"])
+def image(request: pytest.FixtureRequest) -> golden.GoldenImage:
+    return _image(str(request.param))
+
+
+@pytest.fixture(scope="module")
+def raw_disk(image: golden.GoldenImage, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    raw = tmp_path_factory.mktemp(image.variant) / "disk.raw"
+    subprocess.run(
+        ["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image.path), str(raw)], check=True
+    )
+    yield raw
+    raw.unlink()
+
+
+def _fs_spec(raw: Path, manifest: dict[str, Any]) -> str:
+    offset = int(manifest["root_start_sector"]) * 512
+    return f"{raw}?offset={offset}" if offset else str(raw)
+
+
+def _debugfs(fs: str, request: str) -> str:
+    proc = subprocess.run(["debugfs", "-R", request, fs], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _exists(fs: str, path: str) -> bool:
+    return "File not found" not in _debugfs(fs, f"stat {path}")
+
+
+def _gpt_partitions(raw: Path) -> tuple[uuid.UUID, dict[int, tuple[uuid.UUID, int, int]]]:
+    with raw.open("rb") as f:
+        f.seek(512)
+        header = f.read(92)
+        assert header[:8] == b"EFI PART"
+        disk_guid = uuid.UUID(bytes_le=header[56:72])
+        entries_lba, count, size = struct.unpack_from("<QII", header, 72)
+        f.seek(entries_lba * 512)
+        table = f.read(count * size)
+    parts = {}
+    for i in range(count):
+        entry = table[i * size : (i + 1) * size]
+        if entry[:16] == bytes(16):
+            continue
+        first, last = struct.unpack_from("<QQ", entry, 32)
+        parts[i + 1] = (uuid.UUID(bytes_le=entry[16:32]), first, last)
+    return disk_guid, parts
+
+
+@pytest.mark.vm
+def test_qcow2_header_and_size(image: golden.GoldenImage) -> None:
+    info = json.loads(
+        subprocess.run(
+            ["qemu-img", "info", "--output=json", str(image.path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    assert info["format"] == "qcow2"
+    assert info["virtual-size"] == image.manifest["virtual_size"]
+    assert info["virtual-size"] == golden.geometry(image.variant).virtual_size
+    assert info["cluster-size"] == 65536
+    assert "backing-filename" not in info
+    assert image.manifest["sha256"] == golden._sha256(image.path)
+
+
+@pytest.mark.vm
+def test_partition_layout(image: golden.GoldenImage, raw_disk: Path) -> None:
+    spec = golden._spec(image.variant)
+    if image.manifest["layout"] == "whole-disk":
+        assert image.manifest["root_partition"] is None
+        with raw_disk.open("rb") as f:
+            f.seek(512)
+            assert f.read(8) != b"EFI PART"
+        return
+    disk_guid, parts = _gpt_partitions(raw_disk)
+    assert str(disk_guid) == spec.disk_guid
+    assert sorted(parts) == [1, 14, 15]
+    guid, first, last = parts[1]
+    assert (first, last) == (262144, golden.geometry("demo").root_end_sector)
+    assert str(guid) == spec.partition_guids["1"]
+    assert parts[14][1:] == (2048, 8191)
+    assert parts[15][1:] == (8192, 262143)
+
+
+@pytest.mark.vm
+def test_root_filesystem_contents(image: golden.GoldenImage, raw_disk: Path) -> None:
+    m = image.manifest
+    fs = _fs_spec(raw_disk, m)
+    stats = _debugfs(fs, "stats")
+    assert f"Filesystem UUID:          {m['fs_uuid']}" in stats
+    assert "Block size:               4096" in stats
+    kernel = m["kernel_version"]
+    assert kernel.endswith("-cloud-amd64")
+    for path in (
+        "/usr/lib/systemd/systemd",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        f"/boot/vmlinuz-{kernel}",
+        f"/boot/initrd.img-{kernel}",
+    ):
+        assert _exists(fs, path), path
+    assert _exists(fs, "/usr/sbin/nginx") == (image.variant == "demo")
+    assert _debugfs(fs, "cat /etc/fstab").count(f"UUID={m['fs_uuid']}\t/\text4") == 1
+    assert "pageshare-golden" in _debugfs(fs, "cat /etc/hostname")
+    assert "root:!" in _debugfs(fs, "cat /etc/shadow")
+    assert "Size: 0" in _debugfs(fs, "stat /etc/machine-id")
+    assert not _exists(fs, "/etc/resolv.conf")
+    if image.variant == "demo":
+        wants = _debugfs(fs, "ls /etc/systemd/system/multi-user.target.wants")
+        assert "nginx.service" in wants and "ssh.service" in wants
+        assert "ssh_host_" not in _debugfs(fs, "ls /etc/ssh")
+
+
+@pytest.mark.vm
+def test_demo_boots_to_login_prompt(tmp_path: Path) -> None:
+    """Direct kernel boot under TCG, on a throwaway overlay, reaches a serial login."""
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 not installed")
+    image = _image("demo")
+    m = image.manifest
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    fs = _fs_spec(raw, m)
+    kernel, initrd = tmp_path / "vmlinuz", tmp_path / "initrd.img"
+    _debugfs(fs, f"dump /boot/vmlinuz-{m['kernel_version']} {kernel}")
+    _debugfs(fs, f"dump /boot/initrd.img-{m['kernel_version']} {initrd}")
+    raw.unlink()
+    overlay, serial = tmp_path / "overlay.qcow2", tmp_path / "serial.log"
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(image.path),
+         str(overlay)],
+        check=True,
+    )  # fmt: skip
+    qemu = subprocess.Popen(
+        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
+         "-m", "1024", "-smp", "1", "-nodefaults", "-display", "none",
+         "-serial", f"file:{serial}", "-kernel", str(kernel), "-initrd", str(initrd),
+         "-append", f"console=ttyS0 root=UUID={m['fs_uuid']} ro",
+         "-drive", f"file={overlay},if=virtio,format=qcow2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        log = ""
+        while time.monotonic() < deadline and qemu.poll() is None:
+            log = serial.read_text(errors="replace") if serial.exists() else ""
+            if "login:" in log:
+                break
+            time.sleep(2)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert "login:" in log, log[-3000:]
+    assert "pageshare-golden login:" in log
+    assert "[FAILED]" not in log, log
+    assert "nginx" in log

@@ -1,0 +1,88 @@
+"""KSM controller: save/tune/restore and convergence, against a sysfs-shaped directory.
+
+The real host KSM is driven by the end-to-end tests; here the logic runs on
+a directory laid out like /sys/kernel/mm/ksm so every path can be forced.
+"""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pageshare.errors import UserError
+from pageshare.ksm import KSM, ksm_session
+
+SETTINGS = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "smart_scan": "1",
+            "use_zero_pages": "0", "max_page_sharing": "256",
+            "advisor_mode": "[none] scan-time"}
+
+
+def fake_ksm(tmp_path: Path) -> Path:
+    for k, v in SETTINGS.items():
+        (tmp_path / k).write_text(v + "\n")
+    for k in ("full_scans", "pages_sharing", "pages_shared"):
+        (tmp_path / k).write_text("0\n")
+    return tmp_path
+
+
+def test_choice_files_read_as_selected_value(tmp_path: Path) -> None:
+    assert KSM(fake_ksm(tmp_path)).read("advisor_mode") == "none"
+
+
+def test_session_restores_after_tune(tmp_path: Path) -> None:
+    root = fake_ksm(tmp_path)
+    with ksm_session(KSM(root)) as k:
+        k.tune()
+        assert (root / "run").read_text().strip() == "1"
+        assert (root / "pages_to_scan").read_text().strip() == "20000"
+        assert (root / "smart_scan").read_text().strip() == "0"
+    for name in ("run", "pages_to_scan", "sleep_millisecs", "smart_scan", "use_zero_pages"):
+        assert (root / name).read_text().strip() == SETTINGS[name]
+
+
+def test_session_restores_on_exception_and_keyboard_interrupt(tmp_path: Path) -> None:
+    root = fake_ksm(tmp_path)
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)), ksm_session(KSM(root)) as k:
+            k.tune()
+            raise exc
+        assert (root / "run").read_text().strip() == "0"
+        assert (root / "pages_to_scan").read_text().strip() == "100"
+
+
+def test_missing_ksm_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not available"), ksm_session(KSM(tmp_path / "none")):
+        pass
+
+
+def test_converges_when_a_full_scan_finds_nothing_new(tmp_path: Path) -> None:
+    root = fake_ksm(tmp_path)
+    stop = threading.Event()
+
+    def ksmd() -> None:
+        # several full scans per sampling interval, sharing grows then settles
+        scans, sharing = 0, 0
+        while not stop.is_set():
+            scans += 3
+            sharing = min(sharing + 5000, 20000)
+            (root / "full_scans").write_text(f"{scans}\n")
+            (root / "pages_sharing").write_text(f"{sharing}\n")
+            time.sleep(0.02)
+
+    t = threading.Thread(target=ksmd)
+    t.start()
+    try:
+        conv = KSM(root).converge(timeout=10, interval=0.05)
+    finally:
+        stop.set()
+        t.join()
+    assert conv.converged
+    assert conv.full_scans >= 3
+    assert conv.samples[-1].values["pages_sharing"] == 20000
+
+
+def test_gives_up_at_timeout(tmp_path: Path) -> None:
+    root = fake_ksm(tmp_path)   # full_scans never moves
+    conv = KSM(root).converge(timeout=0.3, interval=0.05)
+    assert not conv.converged

@@ -1,0 +1,109 @@
+"""Page -> base-image sector mapping: partition offsets, extents, holes, verification."""
+
+from dataclasses import replace
+
+import pytest
+
+from pageshare.classify import PageRecord
+from pageshare.ext4map import Extent, lookup, parse_extents
+from pageshare.mapping import Geometry, page_sector, verify
+
+UUID = "059a5ac684ce4b8f88bf106cefac840b"
+GEO = Geometry(root_start_sector=262144, root_uuid=UUID, virtual_size=3 << 30)
+REC = PageRecord(pfn=1, kind="file", index=0, ino=12, fstype="ext4",
+                 fs_uuid=UUID, disk="vda", start_sect=262144, blkbits=12, state="U----")
+
+DEBUGFS = """debugfs 1.47.0 (5-Feb-2023)
+debugfs: ex <12>
+Level Entries       Logical      Physical Length Flags
+ 0/ 0   1/  2     0 -     9 33000 - 33009     10 
+ 0/ 0   2/  2    12 -    15 40000 - 40003      4 Uninit
+debugfs: ex <13>
+Level Entries       Logical      Physical Length Flags
+ 0/ 1   1/  1     0 - 4294967295 5000            4294967296
+ 1/ 1   1/  2     0 -     3  7000 -  7003      4 
+ 1/ 1   2/  2     4 -     7  9000 -  9003      4 
+debugfs: ex <14>
+ex: Inode does not use extents
+"""
+
+
+def test_parse_extents_leaf_only_and_skips_unwritten() -> None:
+    ext = parse_extents(DEBUGFS)
+    assert ext[12] == [Extent(0, 33000, 10)]
+    assert ext[13] == [Extent(0, 7000, 4), Extent(4, 9000, 4)]
+    assert ext[14] == []
+
+
+def test_lookup_holes() -> None:
+    ext = parse_extents(DEBUGFS)[13]
+    assert lookup(ext, 0) == 7000 and lookup(ext, 3) == 7003 and lookup(ext, 4) == 9000
+    assert lookup(ext, 8) is None
+    assert lookup([], 0) is None
+
+
+def test_partition_offset_and_block_size() -> None:
+    ext = {12: [Extent(0, 33000, 10)]}
+    sector, why = page_sector(replace(REC, index=3), ext, GEO, False)
+    assert why == "" and sector == 262144 + (33000 + 3) * 8
+
+
+def test_whole_disk_layout() -> None:
+    geo = replace(GEO, root_start_sector=0)
+    rec = replace(REC, start_sect=0, index=1)
+    assert page_sector(rec, {12: [Extent(0, 500, 4)]}, geo, False) == (501 * 8, "")
+
+
+def test_small_blocks_need_four_contiguous() -> None:
+    # 1 KiB blocks: page 1 = logical blocks 4..7
+    rec = replace(REC, blkbits=10, index=1)
+    ok = {12: [Extent(0, 2000, 8)]}
+    assert page_sector(rec, ok, GEO, False) == (262144 + 2004 * 2, "")
+    split = {12: [Extent(0, 2000, 6), Extent(6, 3000, 2)]}
+    assert page_sector(rec, split, GEO, False) == (None, "discontiguous")
+    hole = {12: [Extent(0, 2000, 6)]}
+    assert page_sector(rec, hole, GEO, False) == (None, "hole")
+
+
+def test_unaligned_block_is_refused() -> None:
+    rec = replace(REC, blkbits=10, index=0)
+    # 1 KiB blocks starting at an odd block: sector not a multiple of 8
+    assert page_sector(rec, {12: [Extent(0, 2001, 4)]}, GEO, False) == (None, "unaligned")
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"fs_uuid": "00" * 16}, "other-fs"),
+    ({"start_sect": 2048}, "other-disk"),
+    ({"fstype": "vfat"}, "unsupported-fs"),
+    ({"state": "UD---"}, "dirty"),
+    ({"kind": "anon"}, "not-page-cache"),
+    ({"index": 10}, "hole"),
+])
+def test_rejections(change: dict[str, object], why: str) -> None:
+    rec = replace(REC, **change)  # type: ignore[arg-type]
+    assert page_sector(rec, {12: [Extent(0, 33000, 10)]}, GEO, False) == (None, why)
+
+
+def test_unmapped_inode() -> None:
+    assert page_sector(REC, {}, GEO, False) == (None, "unmapped")
+
+
+def test_past_end_of_image() -> None:
+    geo = replace(GEO, virtual_size=(262144 + 8) * 512)
+    assert page_sector(replace(REC, index=1), {12: [Extent(0, 0, 10)]}, geo, False) \
+        == (None, "out-of-range")
+
+
+def test_bdev_pages_only_with_metadata() -> None:
+    rec = replace(REC, kind="bdev", index=5, fstype="bdev")
+    assert page_sector(rec, {}, GEO, False) == (None, "metadata")
+    assert page_sector(rec, {}, GEO, True) == (262144 + 40, "")
+    assert page_sector(replace(rec, disk="vdb"), {}, GEO, True) == (None, "other-disk")
+
+
+def test_verify() -> None:
+    disk = {8: b"\x01" * 4096}
+    assert verify(8, b"\x01" * 4096, disk.__getitem__) == "stable"
+    assert verify(8, b"\x02" * 4096, disk.__getitem__) == "mismatch"
+    assert verify(8, bytes(4096), disk.__getitem__) == "zero"
+    assert verify(8, None, disk.__getitem__) == "not-in-dump"
