@@ -127,6 +127,9 @@ def preflight(opts: Options) -> None:
         raise UserError(f"--min-runs must be between 1 and --runs ({opts.runs})", "")
     if opts.ram_mib < 256:
         raise UserError("--ram below 256 MiB cannot boot a Debian guest", "use --ram 1024")
+    if opts.vmlinux:
+        # The build-id is checked against the guest once it runs.
+        check_vmlinux(opts.vmlinux, None)
 
 
 def analyze(opts: Options, progress: Progress) -> Summary:
@@ -142,11 +145,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
 
     with progress.phase("debug-symbols", "finding debug symbols for the guest kernel"):
-        if opts.vmlinux:
-            vmlinux = opts.vmlinux
-            check_vmlinux(vmlinux, None)
-        else:
-            vmlinux = find_vmlinux(info.kernel_version, None, progress.say)
+        vmlinux = opts.vmlinux or find_vmlinux(info.kernel_version, None, progress.say)
     accel, accel_reason = choose_accel(opts.accel, insp.kernel)
     progress.say(f"accelerator: {accel} ({accel_reason})")
 

@@ -1,0 +1,161 @@
+"""Bad input and hostile host conditions: one clear message, non-zero exit, nothing left.
+
+Each case runs the real CLI.  The host_guard fixture checks that KSM settings
+are unchanged and no QEMU is left; each test checks the work directory is empty.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Analysis, run_analyze
+from pageshare.debugsyms import find_vmlinux
+from pageshare.errors import UserError
+
+
+def assert_clean_failure(r: Analysis, message: str, rc: int = 2) -> None:
+    assert r.rc == rc, r.stderr
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "hint:" in r.stderr
+    assert list(r.workdir.iterdir()) == []
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_missing_file(tmp_path: Path) -> None:
+    assert_clean_failure(run_analyze(tmp_path, str(tmp_path / "nope.qcow2")), "no such file")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_not_an_image(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("this is not a disk image\n" * 200)
+    assert_clean_failure(run_analyze(tmp_path, str(f)), "not a disk image")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_truncated_qcow2(tmp_path: Path, small_image: Path) -> None:
+    f = tmp_path / "cut.qcow2"
+    with open(small_image, "rb") as src:
+        f.write_bytes(src.read(1 << 20))
+    assert_clean_failure(run_analyze(tmp_path, str(f)), "cut.qcow2")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_image_with_backing_file(tmp_path: Path, small_image: Path) -> None:
+    f = tmp_path / "overlay.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(small_image), "-F",
+                    "qcow2", str(f)], check=True)
+    assert_clean_failure(run_analyze(tmp_path, str(f)), "backing file")
+
+
+def mkfs_image(tmp: Path, fstype: str, tree: dict[str, str]) -> Path:
+    root = tmp / "tree"
+    for rel, content in tree.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content)
+    img = tmp / f"{fstype}.raw"
+    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    subprocess.run([f"mkfs.{fstype}", "-q", "-F", "-d", str(root), str(img)], check=True)
+    return img
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_no_linux_inside(tmp_path: Path) -> None:
+    img = mkfs_image(tmp_path, "ext4", {"data/readme.txt": "just data\n"})
+    assert_clean_failure(run_analyze(tmp_path, str(img)), "no Linux installation found")
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_unsupported_root_filesystem(tmp_path: Path) -> None:
+    # A Debian-looking root on ext2: inspected as Linux, but its files use
+    # indirect block maps, which the sector mapping does not support.
+    tree = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
+            "etc/debian_version": "12.0\n", "etc/fstab": "/dev/sda / ext2 defaults 0 1\n",
+            "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n"}
+    img = mkfs_image(tmp_path, "ext2", tree)
+    assert_clean_failure(run_analyze(tmp_path, str(img)), "only ext4 is supported")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_not_root(tmp_path: Path, small_image: Path) -> None:
+    os.chmod(tmp_path, 0o777)
+    r = run_analyze(tmp_path, str(small_image), user="65534")
+    assert_clean_failure(r, "must run as root")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_no_ksm(tmp_path: Path, small_image: Path) -> None:
+    r = run_analyze(tmp_path, str(small_image), env={"PAGESHARE_KSM_SYSFS": "/nonexistent"})
+    assert_clean_failure(r, "host KSM is not available")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_vmlinux_without_debug_info(tmp_path: Path, small_image: Path) -> None:
+    stripped = next(Path("/boot").glob("vmlinuz-*"))
+    r = run_analyze(tmp_path, "--vmlinux", str(stripped), str(small_image))
+    assert_clean_failure(r, "no DWARF debug info")
+
+
+def test_no_debug_symbols_in_the_archive() -> None:
+    # A real lookup in Debian's archive for a kernel that never existed.
+    with pytest.raises(UserError, match="no debug symbols") as e:
+        find_vmlinux("6.1.0-999-nonexistent-amd64", None)
+    assert "--vmlinux" in e.value.hint
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_guest_that_never_boots(tmp_path: Path, small_image: Path) -> None:
+    # The image's init is gone: the initramfs cannot hand over and the guest
+    # never reaches multi-user.
+    broken = tmp_path / "broken.qcow2"
+    raw = tmp_path / "broken.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(small_image), str(raw)], check=True)
+    subprocess.run(["debugfs", "-w", "-R", "rm /usr/lib/systemd/systemd", str(raw)], check=True,
+                   capture_output=True)
+    subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(broken)], check=True)
+    raw.unlink()
+    r = run_analyze(tmp_path, "--boot-timeout", "150", str(broken))
+    assert r.rc == 2, r.stderr
+    assert "did not finish booting" in r.stderr or "stopped during the analysis" in r.stderr
+    assert "last serial lines" in r.stderr
+    assert list(r.workdir.iterdir()) == []
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = dict(os.environ, PAGESHARE_WORKDIR=str(workdir), PYTHONPATH=str(REPO / "analyzer"))
+    p = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "analyze", "--settle", "600",
+                          "--lists-dir", str(tmp_path), "--db", str(tmp_path / "r.sqlite"),
+                          str(small_image)], stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    assert p.stderr is not None
+    seen = []
+    deadline = time.monotonic() + 900
+    for line in p.stderr:
+        seen.append(line)
+        if "host KSM merging" in line:
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    time.sleep(3)
+    ksm_run = Path("/sys/kernel/mm/ksm/run").read_text().strip()
+    assert ksm_run == "1", "KSM should be running during the analysis"
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    assert p.wait(timeout=120) == 130, "".join(seen) + rest
+    assert "interrupted" in rest
+    assert list(workdir.iterdir()) == []
+    assert shutil.which("qemu-img")
