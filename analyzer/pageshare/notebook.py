@@ -1,0 +1,145 @@
+"""Run notebooks/analysis.ipynb headless against a results database.
+
+The notebook reads its settings from the environment (PAGESHARE_DB,
+PAGESHARE_ANALYSIS, PAGESHARE_FIGURES); run_notebook() sets them for the
+kernel only, executes every cell with nbclient and writes the executed
+notebook.  The kernel is ipykernel's own "python3" kernel for the interpreter
+running this code (sys.executable), never a "python3" kernel spec registered
+elsewhere on the machine, so the notebook sees the same packages as the
+caller.  Needs the "notebooks" extra: pip install 'pageshare[notebooks]'.
+"""
+
+import atexit
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO_ROOT / "notebooks" / "analysis.ipynb"
+KERNEL_NAME = "python3"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _kernel_env(db: Path, analysis_id: int | None, figures_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PAGESHARE_DB"] = str(db)
+    env.pop("PAGESHARE_ANALYSIS", None)
+    env.pop("PAGESHARE_FIGURES", None)
+    if analysis_id is not None:
+        env["PAGESHARE_ANALYSIS"] = str(analysis_id)
+    if figures_dir is not None:
+        env["PAGESHARE_FIGURES"] = str(figures_dir)
+    env["MPLBACKEND"] = "Agg"
+    return env
+
+
+def _first_error(nb: Any) -> tuple[int, str, str] | None:
+    """(cell index, cell id, error text) of the first cell with an error output."""
+    for index, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                tb = _strip_ansi("\n".join(out.get("traceback", [])))
+                text = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
+                if tb:
+                    text += "\n" + tb
+                return index, str(cell.get("id", "?")), text
+    return None
+
+
+def run_notebook(db: Path, analysis_id: int | None, out_ipynb: Path,
+                 figures_dir: Path | None, timeout: int = 300) -> Path:
+    """Execute notebooks/analysis.ipynb on `db` and write the executed notebook.
+
+    analysis_id None means the newest analysis with status 'ok'; figures_dir
+    None means figures are only embedded in the notebook, not saved as PNG.
+    `timeout` is per cell, in seconds.  Returns out_ipynb.  Raises
+    RuntimeError naming the failing cell and its error if any cell fails (the
+    partly executed notebook is still written to out_ipynb).
+    """
+    try:
+        import nbformat
+        from jupyter_client.kernelspec import KernelSpecManager
+        from jupyter_client.manager import AsyncKernelManager
+        from jupyter_core.utils import run_sync
+        from nbclient import NotebookClient
+        from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    except ImportError as e:
+        raise RuntimeError(f"running the analysis notebook needs {e.name}: "
+                           "pip install 'pageshare[notebooks]'") from e
+    try:
+        import ipykernel  # noqa: F401  (the kernel must run in this interpreter)
+    except ImportError as e:
+        raise RuntimeError(f"ipykernel is not installed for {sys.executable}: "
+                           "pip install 'pageshare[notebooks]'") from e
+
+    db = Path(db).expanduser().resolve()
+    if not db.is_file():
+        raise RuntimeError(f"results database not found: {db}")
+    if not NOTEBOOK.is_file():
+        raise RuntimeError(f"analysis notebook not found: {NOTEBOOK}")
+    figures = Path(figures_dir).expanduser().resolve() if figures_dir is not None else None
+    out_ipynb = Path(out_ipynb).expanduser().resolve()
+    out_ipynb.parent.mkdir(parents=True, exist_ok=True)
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)  # type: ignore[no-untyped-call]
+    # An empty kernel search path leaves only ipykernel's native spec, whose
+    # argv is [sys.executable, "-m", "ipykernel_launcher", ...].
+    specs = KernelSpecManager(kernel_dirs=[])
+    # IPC transport (Unix sockets in a private directory): no TCP ports, no
+    # unencrypted-TCP warning.  The socket path must be absolute: the kernel
+    # runs in notebooks/, not in the caller's working directory.
+    sockets = Path(tempfile.mkdtemp(prefix="pageshare-kernel-"))
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs,
+                            transport="ipc", ip=str(sockets / "kernel"))
+    client = NotebookClient(
+        nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout,
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+
+    failure: str | None = None
+    cause: BaseException | None = None
+    try:
+        client.execute(cleanup_kc=True, env=_kernel_env(db, analysis_id, figures))
+    except CellExecutionError as e:
+        cause = e
+        found = _first_error(nb)
+        if found is not None:
+            index, cell_id, text = found
+            failure = f"cell {index} ({cell_id}) failed: {text}"
+        else:
+            failure = f"a cell failed: {e.ename}: {e.evalue}"
+    except CellTimeoutError as e:
+        cause = e
+        failure = f"a cell ran longer than {timeout} s: {_strip_ansi(str(e))}"
+    except DeadKernelError as e:
+        cause = e
+        failure = f"the kernel died: {e}"
+    except Exception as e:  # kernel start-up and messaging failures (plain RuntimeError etc.)
+        cause = e
+        failure = f"could not run the {KERNEL_NAME} kernel ({sys.executable}): {e}"
+        # nbclient leaves its exit-time kernel cleanup registered when start-up fails.
+        atexit.unregister(client._cleanup_kernel)
+        if km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+    nb.metadata["pageshare"] = {
+        "db": str(db),
+        "analysis_id": analysis_id,
+        "figures_dir": str(figures) if figures is not None else None,
+        "kernel_python": sys.executable,
+    }
+    nbformat.write(nb, out_ipynb)  # type: ignore[no-untyped-call]
+    if failure is not None:
+        raise RuntimeError(f"analysis notebook {NOTEBOOK.name} on {db}: {failure}\n"
+                           f"(partly executed notebook: {out_ipynb})") from cause
+    return out_ipynb
