@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from pageshare import golden
-from pageshare.ksm import RESTORE_ORDER, KSM
+from pageshare.ksm import KSM, RESTORE_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 

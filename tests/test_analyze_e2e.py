@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import Analysis, run_analyze
 from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
@@ -54,7 +53,7 @@ def load_list(result: Analysis) -> sectorlist.SectorList:
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[str, Path, Analysis, Path]
                                                     ) -> None:
-    _, image, result, raw = analysed
+    _, _image, result, raw = analysed
     sl = load_list(result)
     assert sl.blocks, "the list is empty"
     with open(raw, "rb") as f:
@@ -71,7 +70,7 @@ def test_every_listed_block_matches_the_base_image(analysed: tuple[str, Path, An
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[str, Path, Analysis, Path]) -> None:
-    variant, image, result, raw = analysed
+    variant, _image, result, raw = analysed
     sl = load_list(result)
     manifest = golden.build_image(variant).manifest
     start = int(manifest["root_start_sector"])
@@ -82,7 +81,7 @@ def test_files_every_boot_reads_are_listed(analysed: tuple[str, Path, Analysis, 
 
 
 def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> None:
-    variant, _, result, _ = analysed
+    _variant, _, result, _ = analysed
     summary = result.json()
     db = sqlite3.connect(result.db)
     status, listed, runs = db.execute(
@@ -103,7 +102,9 @@ def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> N
     (paths,) = db.execute("SELECT count(*) FROM file WHERE path LIKE '/usr/%'").fetchone()
     assert paths > 0
     # The breakdown adds up to the merged frames recorded.
-    total = sum(int(v) for v in summary["breakdown_pages"].values())  # type: ignore[union-attr]
+    breakdown = summary["breakdown_pages"]
+    assert isinstance(breakdown, dict)
+    total = sum(int(v) for v in breakdown.values())
     (frames,) = db.execute("SELECT count(*) FROM guest_page").fetchone()
     assert total == frames
     assert 0 < float(summary["coverage"]) <= 1  # type: ignore[arg-type]

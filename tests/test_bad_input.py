@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, Analysis, run_analyze
 from pageshare.debugsyms import find_vmlinux
 from pageshare.errors import UserError

@@ -1,7 +1,6 @@
 """pagescan output parsing."""
 
 import pytest
-
 from pageshare.classify import COLUMNS, ClassificationError, parse
 
 HEADER = "#pagescan v1\t" + "\t".join(COLUMNS) + "\n"

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pageshare.errors import UserError
 from pageshare.ksm import KSM, ksm_session
 
@@ -86,3 +85,18 @@ def test_gives_up_at_timeout(tmp_path: Path) -> None:
     root = fake_ksm(tmp_path)   # full_scans never moves
     conv = KSM(root).converge(timeout=0.3, interval=0.05)
     assert not conv.converged
+
+
+def test_settle_time_is_sampled_but_not_cut_short(tmp_path: Path) -> None:
+    root = fake_ksm(tmp_path)
+    (root / "full_scans").write_text("100\n")
+    (root / "pages_sharing").write_text("5000\n")
+
+    def scans_advance(s: object) -> None:
+        n = int((root / "full_scans").read_text()) + 2
+        (root / "full_scans").write_text(f"{n}\n")
+
+    conv = KSM(root).converge(timeout=5, interval=0.05, min_time=0.5, on_sample=scans_advance)
+    assert conv.converged
+    assert conv.seconds >= 0.5
+    assert len(conv.samples) >= 8     # sampled throughout the settle period

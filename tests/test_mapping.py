@@ -3,7 +3,6 @@
 from dataclasses import replace
 
 import pytest
-
 from pageshare.classify import PageRecord
 from pageshare.ext4map import Extent, lookup, parse_extents
 from pageshare.mapping import Geometry, page_sector, verify
@@ -16,13 +15,13 @@ REC = PageRecord(pfn=1, kind="file", index=0, ino=12, fstype="ext4",
 DEBUGFS = """debugfs 1.47.0 (5-Feb-2023)
 debugfs: ex <12>
 Level Entries       Logical      Physical Length Flags
- 0/ 0   1/  2     0 -     9 33000 - 33009     10 
+ 0/ 0   1/  2     0 -     9 33000 - 33009     10
  0/ 0   2/  2    12 -    15 40000 - 40003      4 Uninit
 debugfs: ex <13>
 Level Entries       Logical      Physical Length Flags
  0/ 1   1/  1     0 - 4294967295 5000            4294967296
- 1/ 1   1/  2     0 -     3  7000 -  7003      4 
- 1/ 1   2/  2     4 -     7  9000 -  9003      4 
+ 1/ 1   1/  2     0 -     3  7000 -  7003      4
+ 1/ 1   2/  2     4 -     7  9000 -  9003      4
 debugfs: ex <14>
 ex: Inode does not use extents
 """

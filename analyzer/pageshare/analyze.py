@@ -215,38 +215,47 @@ def _store_image(db: Any, path: Path, fmt: str, vsize: int, content: str,
     return int(row[0])
 
 
-def _wait_ready(guests: list[Guest], markers: Markers, timeout: float,
-                progress: Progress) -> dict[str, float]:
+def _wait_ready(guests: list[Guest], markers: Markers, boot_timeout: float,
+                workload_timeout: float, progress: Progress) -> dict[str, float]:
+    """Waits for each guest's boot marker, then its ready marker (after the workload)."""
     t0 = time.monotonic()
+    booted: dict[str, float] = {}
     done: dict[str, float] = {}
     last_note = t0
     while len(done) < len(guests):
+        now = time.monotonic()
         for g in guests:
             if g.name in done:
                 continue
             g.check_alive()
             text = g.serial_text()
+            if g.name not in booted and markers.booted in text:
+                booted[g.name] = now - t0
             if markers.ready in text:
-                done[g.name] = time.monotonic() - t0
+                done[g.name] = now - t0
                 rc = text.split(markers.ready, 1)[1].split()[0:1]
                 progress.say(f"guest {g.name} ready after {done[g.name]:.0f}s ({' '.join(rc)})")
                 if rc and rc[0] != "rc=0":
                     progress.say(f"warning: the workload in guest {g.name} exited with {rc[0]}")
-        now = time.monotonic()
-        if now - t0 > timeout:
-            late = [g for g in guests if g.name not in done]
-            tail = "\n    ".join(late[0].serial_text().strip().splitlines()[-12:])
-            booted = markers.booted in late[0].serial_text()
-            what = "the workload did not finish" if booted else "the guest did not finish booting"
-            raise UserError(f"guest {late[0].name}: {what} within {timeout:.0f}s; last serial "
-                            f"lines:\n    {tail}",
-                            "check that the image boots to multi-user (systemd) with console="
-                            "ttyS0, or raise --boot-timeout (TCG is slow)")
+                continue
+            if g.name not in booted and now - t0 > boot_timeout:
+                raise UserError(f"guest {g.name}: the guest did not finish booting within "
+                                f"{boot_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
+                                "check that the image boots to multi-user (systemd) with console="
+                                "ttyS0, or raise --boot-timeout (TCG is slow)")
+            if g.name in booted and now - t0 - booted[g.name] > workload_timeout:
+                raise UserError(f"guest {g.name}: the workload did not finish within "
+                                f"{workload_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
+                                "check the --workload command, or raise --workload-timeout")
         if now - last_note > 30:
             progress.say(f"waiting for guests ({now - t0:.0f}s; TCG boots take a minute or two)")
             last_note = now
         time.sleep(0.5)
     return done
+
+
+def _tail(g: Guest, n: int = 12) -> str:
+    return "\n    ".join(g.serial_text().strip().splitlines()[-n:])
 
 
 def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id: int, ksm: KSM,
@@ -264,15 +273,11 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
         with progress.phase("boot", f"{tag}: booting guests A and B from fresh overlays"):
             for g in guests:
                 g.start()
-            boot_s = _wait_ready(guests, markers, opts.boot_timeout + opts.workload.timeout,
+            boot_s = _wait_ready(guests, markers, opts.boot_timeout, opts.workload.timeout,
                                  progress)
         with progress.phase("ksm", f"{tag}: host KSM merging (settle {opts.settle:.0f}s, then "
                             "until a full scan finds nothing new)"):
             params = ksm.tune()
-            t_settle = time.monotonic()
-            samples: list[Sample] = []
-            while time.monotonic() - t_settle < opts.settle:
-                time.sleep(1)
             last = [time.monotonic()]
 
             def note(s: Sample) -> None:
@@ -281,7 +286,7 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
                                  f"pages_sharing={s.values.get('pages_sharing')}")
                     last[0] = time.monotonic()
 
-            conv = ksm.converge(timeout=opts.ksm_timeout, on_sample=note)
+            conv = ksm.converge(timeout=opts.ksm_timeout, on_sample=note, min_time=opts.settle)
             samples = conv.samples
             if not conv.converged:
                 progress.say(f"warning: KSM did not converge within {opts.ksm_timeout:.0f}s; "
@@ -401,7 +406,7 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
     merged_nonzero: dict[str, int] = {}
     for vm in VMS:
         stable[vm], cats[vm], gpfn_sector[vm], listed_candidates[vm] = {}, Counter(), {}, set()
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         for gpfn in mc[vm].zero:
             rows.append((run_id, vm, gpfn, None, "zero", None, "zero", None, None, None, None,
                          "zero"))

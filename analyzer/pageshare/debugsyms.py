@@ -127,7 +127,8 @@ def find_vmlinux(kernel_version: str, want_build_id: str | None,
     by_version.unlink(missing_ok=True)
     by_version.symlink_to(final)
     if want_build_id and bid != want_build_id:
-        raise UserError(f"the archive's {package} has build-id {bid}, the guest runs {want_build_id}",
+        raise UserError(f"the archive's {package} has build-id {bid}, the guest runs "
+                        f"{want_build_id}",
                         "the guest kernel was rebuilt or patched: pass --vmlinux with its own "
                         "debug vmlinux")
     return final

@@ -127,7 +127,9 @@ def classify_pair(a: HostView, b: HostView) -> tuple[MergeClass, MergeClass]:
     ka, kb = ksm_pfns(a), ksm_pfns(b)
 
     def one(v: HostView, other: set[int]) -> MergeClass:
-        cross, intra, zero = {}, {}, set()
+        cross: dict[int, int] = {}
+        intra: dict[int, int] = {}
+        zero: set[int] = set()
         for g, p, f in zip(v.gpfns, v.pfns, v.flags, strict=True):
             if f & KPF_ZERO_PAGE:
                 zero.add(g)

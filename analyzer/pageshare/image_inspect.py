@@ -56,13 +56,12 @@ def probe_format(path: Path) -> tuple[str, int]:
         raise UserError(f"{path}: not readable", "check the file's permissions")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != b"QFI\xfb":
-        # Raw images have no magic; qemu-img would call anything "raw".  Only
-        # accept raw when a partition table or an ext superblock is visible.
-        if not _looks_like_raw_disk(path):
-            raise UserError(f"{path}: not a disk image (neither qcow2 nor a raw disk with a "
-                            "partition table or ext4 file system)",
-                            "analyze-image takes a qcow2 or raw golden image")
+    # Raw images have no magic; qemu-img would call anything "raw".  Only
+    # accept raw when a partition table or an ext superblock is visible.
+    if magic != b"QFI\xfb" and not _looks_like_raw_disk(path):
+        raise UserError(f"{path}: not a disk image (neither qcow2 nor a raw disk with a "
+                        "partition table or ext4 file system)",
+                        "analyze-image takes a qcow2 or raw golden image")
     out = subprocess.run(["qemu-img", "info", "--output=json", str(path)],
                          capture_output=True, text=True)
     if out.returncode != 0:

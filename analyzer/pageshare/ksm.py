@@ -6,6 +6,7 @@ the settings are saved before any change and written back on every exit path
 unmerge every KSM page of every process on the host.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -73,10 +74,9 @@ class KSM:
         for name in COUNTERS:
             p = self.root / name
             if p.exists():
-                try:
+                # A counter that vanished or is unreadable is just left out.
+                with contextlib.suppress(ValueError, IndexError, OSError):
                     out[name] = int(p.read_text().split()[0])
-                except (ValueError, IndexError, OSError):
-                    pass
         return out
 
     def save(self) -> dict[str, str]:
@@ -119,8 +119,12 @@ class KSM:
             raise RuntimeError("could not restore KSM settings: " + "; ".join(errors))
 
     def converge(self, timeout: float = 600.0, min_scans: int = 3, interval: float = 1.0,
-                 on_sample: Callable[[Sample], None] | None = None) -> Convergence:
+                 on_sample: Callable[[Sample], None] | None = None,
+                 min_time: float = 0.0) -> Convergence:
         """Waits until KSM has done min_scans full scans and pages_sharing is stable.
+
+        Samples from the start, but does not call it converged before min_time
+        (the settle period, during which the guests keep running).
 
         Stable means it moved by less than max(0.1 %, 50 pages) across the last full
         scan: one more pass over all mergeable memory found (almost) nothing new.
@@ -141,11 +145,11 @@ class KSM:
             # (small guests finish several scans per sample interval).
             ref = next((p for p in reversed(samples)
                         if p.values.get("full_scans", 0) <= fs - 2), None)
-            if fs - f0 >= min_scans and ref is not None:
+            if s.t >= min_time and fs - f0 >= min_scans and ref is not None:
                 delta = abs(sharing - ref.values.get("pages_sharing", 0))
                 if delta < max(0.001 * sharing, 50):
                     return Convergence(True, s.t, fs - f0, samples)
-            if s.t > timeout:
+            if s.t > min_time + timeout:
                 return Convergence(False, s.t, fs - f0, samples)
 
 

@@ -62,7 +62,8 @@ class QMP:
             return reply.get("return")
 
     def hmp(self, line: str) -> str:
-        out: str = self.command("human-monitor-command", **{"command-line": line})
+        args: dict[str, Any] = {"command-line": line}
+        out: str = self.command("human-monitor-command", None, **args)
         return out
 
     def close(self) -> None:

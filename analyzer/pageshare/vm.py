@@ -8,6 +8,7 @@ process (PR_SET_THP_DISABLE): KSM would otherwise split huge pages as it
 merges, which slows convergence and adds noise.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -43,7 +44,8 @@ def qemu_version() -> str:
 def require_qemu() -> None:
     for tool in (QEMU, "qemu-img"):
         if not shutil.which(tool):
-            raise UserError(f"{tool} not found", "run scripts/install-deps.sh (apt: qemu-system-x86 qemu-utils)")
+            raise UserError(f"{tool} not found",
+                            "run scripts/install-deps.sh (apt: qemu-system-x86 qemu-utils)")
 
 
 @dataclass
@@ -193,10 +195,9 @@ class Guest:
     def shutdown(self) -> None:
         """Kills QEMU and removes its overlay and sockets; safe to call twice."""
         if self.qmp:
-            try:
+            # It may be gone already; the process is killed below regardless.
+            with contextlib.suppress(Exception):
                 self.qmp.command("quit", timeout=5)
-            except Exception:  # noqa: S110 - it may be gone already; kill below
-                pass
             self.qmp.close()
             self.qmp = None
         if self.proc:

@@ -1,0 +1,706 @@
+"""Build the golden images that guests are cloned from.
+
+A golden image here is an ordinary Debian 12 (bookworm) system disk as qcow2,
+the kind an operator would make once and clone many VMs from.  Nothing in it
+knows about the analysis: the point of the project is to measure what ordinary
+guests keep in their page caches, so the image must not be special.
+
+The image is built without mounting anything: mmdebstrap installs into a
+directory, ``mkfs.ext4 -d`` turns that directory into a filesystem image, and
+for the partitioned layout the filesystem is copied into a GPT disk at the same
+offset Debian's cloud images use.  No bootloader is installed because the
+analyzer boots guests by direct kernel boot with the image's own kernel and
+initrd from /boot.
+
+Images are cached under ``cache_dir("images")/<variant>-<key>/`` where the key
+hashes the variant's spec and BUILDER_VERSION.  The Debian mirror moves on, so
+two builds with the same key may differ in package versions; the cached image
+is kept until ``--force``.  Bump BUILDER_VERSION whenever a change to this file
+changes what ends up in an image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pageshare.cache import cache_dir, inputs_key
+from pageshare.errors import UserError
+
+BUILDER_VERSION = 2
+
+SECTOR = 512
+FS_BLOCK = 4096
+GIB = 1024**3
+
+# Debian's cloud images put the root filesystem at this sector, after a BIOS
+# boot partition (14) and an ESP (15); copying the layout keeps block offsets
+# comparable with images operators really use.
+GPT_ROOT_START_SECTOR = 262144
+GPT_ROOT_PARTITION = 1
+GPT_BIOS_BOOT = (14, 2048, 8191)
+GPT_ESP = (15, 8192, GPT_ROOT_START_SECTOR - 1)
+# The backup GPT at the end of the disk: 32 sectors of entries plus the header.
+GPT_BACKUP_SECTORS = 33
+
+QCOW2_CLUSTER_SIZE = 65536
+HOSTNAME = "pageshare-golden"
+FS_LABEL = "root"
+
+_MIRROR = "http://deb.debian.org/debian"
+_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
+_SOURCES = [
+    f"deb {_MIRROR} bookworm main",
+    f"deb {_MIRROR} bookworm-updates main",
+    f"deb {_SECURITY_MIRROR} bookworm-security main",
+]
+_BOOT_PACKAGES = ["linux-image-cloud-amd64", "systemd-sysv", "udev", "kmod", "initramfs-tools"]
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "demo": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        # "important" is what debootstrap and the installer give a plain
+        # server (ifupdown, cron, logrotate, vim-tiny, ...), so the demo
+        # guests carry the usual background daemons and libraries.
+        "mmdebstrap_variant": "important",
+        "packages": [*_BOOT_PACKAGES, "openssh-server", "nginx", "python3", "dbus"],
+        "layout": "gpt",
+        "virtual_size": 3 * GIB,
+        "fs_uuid": "15bd0f73-494c-405f-90b0-e639164e0f52",
+        "disk_guid": "dd41a87d-3f86-49cb-acfa-f136dcb3f4b0",
+        "partition_guids": {
+            "1": "21fbc2c0-54ca-4dc7-a341-aba7d1073ff6",
+            "14": "d8737d59-35f2-41c7-9b07-9ff94762ab6c",
+            "15": "e3ae3e4c-7fde-4180-8293-3dbfbf5018fb",
+        },
+        "hostname": HOSTNAME,
+    },
+    "small": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": list(_BOOT_PACKAGES),
+        "layout": "whole-disk",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "059a5ac6-84ce-4b8f-88bf-106cefac840b",
+        "disk_guid": None,
+        "partition_guids": {},
+        "hostname": HOSTNAME,
+    },
+}
+
+# Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
+_MIN_FREE_BYTES = 4 * GIB
+_HEARTBEAT_SECONDS = 60
+
+Log = Callable[[str], None]
+
+
+def _log_stderr(message: str) -> None:
+    print(f"[golden] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class GoldenImage:
+    variant: str
+    path: Path
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    suite: str
+    sources: list[str]
+    mmdebstrap_variant: str
+    packages: list[str]
+    layout: str
+    virtual_size: int
+    fs_uuid: str
+    disk_guid: str | None
+    partition_guids: dict[str, str]
+    hostname: str
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the root filesystem sits on the virtual disk."""
+
+    layout: str
+    virtual_size: int
+    root_partition: int | None
+    root_start_sector: int
+    root_end_sector: int  # inclusive, like sgdisk
+    fs_bytes: int
+
+
+# --- spec and key ---------------------------------------------------------
+
+
+def _variant_dict(variant: str) -> dict[str, object]:
+    try:
+        return VARIANTS[variant]
+    except KeyError:
+        raise UserError(
+            f"unknown golden image variant {variant!r}",
+            f"choose one of: {', '.join(sorted(VARIANTS))}",
+        ) from None
+
+
+def _field(d: dict[str, object], name: str, kind: type) -> Any:
+    value = d[name]
+    if not isinstance(value, kind):
+        raise TypeError(f"variant field {name!r} must be {kind.__name__}, not {value!r}")
+    return value
+
+
+def _spec(variant: str) -> _Spec:
+    d = _variant_dict(variant)
+    disk_guid = d["disk_guid"]
+    if disk_guid is not None and not isinstance(disk_guid, str):
+        raise TypeError("variant field 'disk_guid' must be str or None")
+    return _Spec(
+        suite=_field(d, "suite", str),
+        sources=[str(s) for s in _field(d, "sources", list)],
+        mmdebstrap_variant=_field(d, "mmdebstrap_variant", str),
+        packages=[str(p) for p in _field(d, "packages", list)],
+        layout=_field(d, "layout", str),
+        virtual_size=_field(d, "virtual_size", int),
+        fs_uuid=_field(d, "fs_uuid", str),
+        disk_guid=disk_guid,
+        partition_guids={str(k): str(v) for k, v in _field(d, "partition_guids", dict).items()},
+        hostname=_field(d, "hostname", str),
+    )
+
+
+def image_key(variant: str) -> str:
+    """Hash of everything that decides the image's content, short and stable."""
+    spec = _variant_dict(variant)
+    return inputs_key({"builder_version": BUILDER_VERSION, "variant": variant, "spec": spec})
+
+
+def geometry(variant: str) -> Geometry:
+    spec = _spec(variant)
+    size = spec.virtual_size
+    if spec.layout == "whole-disk":
+        return Geometry(spec.layout, size, None, 0, size // SECTOR - 1, size)
+    if spec.layout != "gpt":
+        raise ValueError(f"unknown layout {spec.layout!r}")
+    last_usable = size // SECTOR - GPT_BACKUP_SECTORS - 1
+    part_bytes = (last_usable - GPT_ROOT_START_SECTOR + 1) * SECTOR
+    # The partition ends where Debian's does (last usable sector), which is
+    # not a whole number of 4 KiB blocks; the filesystem leaves the tail.
+    fs_bytes = part_bytes // FS_BLOCK * FS_BLOCK
+    return Geometry(
+        spec.layout, size, GPT_ROOT_PARTITION, GPT_ROOT_START_SECTOR, last_usable, fs_bytes
+    )
+
+
+def _image_dir(variant: str) -> Path:
+    return cache_dir("images") / f"{variant}-{image_key(variant)}"
+
+
+# --- cache lookup ---------------------------------------------------------
+
+
+def cached_image(variant: str) -> GoldenImage | None:
+    """The finished image for this variant's current key, or None."""
+    d = _image_dir(variant)
+    qcow, manifest_path = d / "base.qcow2", d / "manifest.json"
+    if not (qcow.is_file() and manifest_path.is_file()):
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("key") != image_key(variant):
+        return None
+    return GoldenImage(variant, qcow, manifest)
+
+
+# --- host checks ----------------------------------------------------------
+
+
+def _required_tools(spec: _Spec) -> dict[str, str]:
+    tools = {"mmdebstrap": "mmdebstrap", "mkfs.ext4": "e2fsprogs", "qemu-img": "qemu-utils"}
+    if spec.layout == "gpt":
+        tools["sgdisk"] = "gdisk"
+    return tools
+
+
+def _preflight(spec: _Spec, where: Path) -> None:
+    if os.geteuid() != 0:
+        raise UserError(
+            "building a golden image needs root",
+            "run as root: mmdebstrap --mode=root chroots and creates device nodes",
+        )
+    missing = {t: p for t, p in _required_tools(spec).items() if shutil.which(t) is None}
+    if missing:
+        raise UserError(
+            f"missing tools: {', '.join(sorted(missing))}",
+            f"apt-get install -y {' '.join(sorted(set(missing.values())))}",
+        )
+    _check_free_space(where)
+
+
+def _check_free_space(where: Path) -> None:
+    free = shutil.disk_usage(where).free
+    if free < _MIN_FREE_BYTES:
+        raise _disk_full(where, free)
+
+
+def _disk_full(where: Path, free: int | None = None) -> UserError:
+    if free is None:
+        free = shutil.disk_usage(where).free
+    return UserError(
+        f"not enough free space in {where}: {free / GIB:.1f} GiB free, "
+        f"a build needs about {_MIN_FREE_BYTES // GIB} GiB",
+        "free some space or set PAGESHARE_CACHE to a directory on a bigger filesystem",
+    )
+
+
+# --- running tools --------------------------------------------------------
+
+
+@contextmanager
+def _step(log: Log, what: str) -> Iterator[None]:
+    start = time.monotonic()
+    log(f"{what}...")
+    yield
+    log(f"{what}: done in {time.monotonic() - start:.0f} s")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{proc.stderr.strip()}"
+        )
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _run_logged(cmd: list[str], logfile: Path, log: Log) -> int:
+    """Run a long command with its output in logfile, saying now and then that it lives."""
+    start = time.monotonic()
+    with logfile.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=_HEARTBEAT_SECONDS)
+                except subprocess.TimeoutExpired:
+                    log(f"  ... still running ({time.monotonic() - start:.0f} s)")
+        except BaseException:
+            # Let the child undo its own mounts before our cleanup removes the tree.
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+
+
+# --- build steps ----------------------------------------------------------
+
+
+# initramfs-tools finds the root's type for its fsck hook by probing the
+# device named in fstab, which does not exist in a chroot; without this the
+# initrd has no fsck.ext4 and every boot warns "fsck not present".  It must be
+# in place before the kernel package builds the initrd, hence an essential hook.
+_ROOT_FSTYPE_HOOK = (
+    'mkdir -p "$1/etc/initramfs-tools/conf.d" && '
+    'echo FSTYPE=ext4 > "$1/etc/initramfs-tools/conf.d/root-fstype"'
+)
+
+
+def _mmdebstrap(spec: _Spec, rootdir: Path, work: Path, log: Log) -> None:
+    cmd = [
+        "mmdebstrap",
+        "--mode=root",
+        f"--variant={spec.mmdebstrap_variant}",
+        f"--include={','.join(spec.packages)}",
+        f"--essential-hook={_ROOT_FSTYPE_HOOK}",
+        spec.suite,
+        str(rootdir),
+        *spec.sources,
+    ]
+    logfile = work / "mmdebstrap.log"
+    with _step(log, f"mmdebstrap {spec.suite} (this takes 5-10 min on first run)"):
+        rc = _run_logged(cmd, logfile, log)
+    if rc != 0:
+        log(f"last lines of {logfile}:\n{_tail(logfile)}")
+        _check_free_space(work)
+        raise UserError(
+            f"mmdebstrap failed with exit code {rc}",
+            f"see the output above; check that {_MIRROR} is reachable",
+        )
+
+
+def _kernel_version(rootdir: Path) -> str:
+    kernels = sorted((rootdir / "boot").glob("vmlinuz-*"))
+    if len(kernels) != 1:
+        raise RuntimeError(f"expected exactly one kernel in {rootdir}/boot, found {kernels}")
+    return kernels[0].name.removeprefix("vmlinuz-")
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _lock_root(rootdir: Path) -> None:
+    # Same effect as `passwd --lock root`: a leading "!" makes the hash unmatchable.
+    shadow = rootdir / "etc/shadow"
+    lines = shadow.read_text().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split(":")
+        if fields[0] == "root" and not fields[1].startswith("!"):
+            fields[1] = "!" + fields[1]
+            lines[i] = ":".join(fields)
+    shadow.write_text("\n".join(lines) + "\n")
+
+
+_SSH_KEYGEN_UNIT = """\
+[Unit]
+Description=Generate SSH host keys missing after cloning
+ConditionPathExistsGlob=!/etc/ssh/ssh_host_*_key
+Before=ssh.service
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/ssh-keygen -A
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _enable_unit(rootdir: Path, unit: str, target: str = "multi-user.target") -> None:
+    wants = rootdir / "etc/systemd/system" / f"{target}.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / unit
+    if link.is_symlink() or link.exists():
+        return
+    for base in ("etc/systemd/system", "lib/systemd/system"):
+        if (rootdir / base / unit).exists():
+            link.symlink_to(f"/{base}/{unit}")
+            return
+    raise RuntimeError(f"cannot enable {unit}: no unit file in the image")
+
+
+def _prepare_ssh(rootdir: Path) -> None:
+    # Clones must not share host keys, so the image ships without them and,
+    # as on any sysprepped golden image, the first boot generates them.
+    for key in (rootdir / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    _write(rootdir / "etc/systemd/system/ssh-host-keys.service", _SSH_KEYGEN_UNIT)
+    _enable_unit(rootdir, "ssh-host-keys.service")
+    _enable_unit(rootdir, "ssh.service")
+
+
+def _clean_apt(rootdir: Path) -> None:
+    # mmdebstrap already drops lists and .debs; these are the leftovers.
+    for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/apt/archives/*.deb"):
+        for p in rootdir.glob(pattern):
+            if p.is_file() and p.name != "lock":
+                p.unlink()
+
+
+def _customize(rootdir: Path, spec: _Spec) -> None:
+    _write(rootdir / "etc/hostname", f"{spec.hostname}\n")
+    _write(
+        rootdir / "etc/hosts",
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{spec.hostname}\n\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+        "ff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n",
+    )
+    _write(
+        rootdir / "etc/fstab",
+        f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n",
+    )
+    # mmdebstrap copies the build host's resolver config in; it is not ours to ship.
+    (rootdir / "etc/resolv.conf").unlink(missing_ok=True)
+    # Empty, not absent: systemd then makes a fresh id per clone at boot.
+    _write(rootdir / "etc/machine-id", "")
+    dbus_id = rootdir / "var/lib/dbus/machine-id"
+    if dbus_id.is_file() and not dbus_id.is_symlink():
+        dbus_id.unlink()
+    _lock_root(rootdir)
+    if "openssh-server" in spec.packages:
+        _prepare_ssh(rootdir)
+    if "nginx" in spec.packages:
+        _enable_unit(rootdir, "nginx.service")
+    _clean_apt(rootdir)
+
+
+def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
+    with fs_image.open("wb") as f:
+        f.truncate(fs_bytes)
+    # Zeroing inode tables and journal now is free on a sparse file, and it
+    # spares every clone the ext4lazyinit writes after its first mount.
+    extended = f"hash_seed={fs_uuid},lazy_itable_init=0,lazy_journal_init=0"
+    _run(
+        ["mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-L", FS_LABEL, "-U", fs_uuid,
+         "-E", extended, "-d", str(rootdir), str(fs_image)]
+    )  # fmt: skip
+
+
+def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
+    guids = spec.partition_guids
+    root_no = GPT_ROOT_PARTITION
+    cmd = ["sgdisk", "--clear", f"--disk-guid={spec.disk_guid}"]
+    for number, first, last, code in (
+        (*GPT_BIOS_BOOT, "ef02"),
+        (*GPT_ESP, "ef00"),
+        (root_no, geom.root_start_sector, geom.root_end_sector, "8300"),
+    ):
+        cmd += [f"--new={number}:{first}:{last}", f"--typecode={number}:{code}"]
+        cmd += [f"--partition-guid={number}:{guids[str(number)]}"]
+    _run([*cmd, str(disk)])
+
+
+_COPY_CHUNK = 1 << 20
+
+
+def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
+    """Copy src into dst at offset, writing only non-zero data so dst stays sparse."""
+    zero = bytes(_COPY_CHUNK)
+    with src.open("rb") as s, dst.open("r+b") as d:
+        fd_in, fd_out = s.fileno(), d.fileno()
+        size = os.fstat(fd_in).st_size
+        pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(fd_in, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole is left
+                    break
+                raise
+            end = os.lseek(fd_in, data, os.SEEK_HOLE)
+            for chunk_at in range(data, end, _COPY_CHUNK):
+                chunk = os.pread(fd_in, min(_COPY_CHUNK, end - chunk_at), chunk_at)
+                if chunk != zero[: len(chunk)]:
+                    os.pwrite(fd_out, chunk, offset + chunk_at)
+            pos = end
+
+
+def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry) -> Path:
+    if geom.layout == "whole-disk":
+        return fs_image
+    disk = work / "disk.raw"
+    with disk.open("wb") as f:
+        f.truncate(geom.virtual_size)
+    _write_gpt(disk, spec, geom)
+    _copy_sparse(fs_image, disk, geom.root_start_sector * SECTOR)
+    fs_image.unlink()
+    return disk
+
+
+def _to_qcow2(raw: Path, qcow: Path) -> None:
+    # Uncompressed on purpose: the page server reads clusters directly.
+    _run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2",
+         "-o", f"cluster_size={QCOW2_CLUSTER_SIZE}", str(raw), str(qcow)]
+    )  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# --- cleanup and publication ---------------------------------------------
+
+
+def _unescape_mountinfo(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def _mounts_below(path: Path) -> list[str]:
+    top = str(path.resolve())
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mountpoint = _unescape_mountinfo(line.split()[4])
+        if mountpoint == top or mountpoint.startswith(top + "/"):
+            found.append(mountpoint)
+    return found
+
+
+def _remove_tree(path: Path, log: Log) -> None:
+    """rmtree that refuses to descend into mounts an interrupted mmdebstrap may leave."""
+    if not path.exists():
+        return
+    # rmtree does not stop at mount points; a leftover /dev or /proc bind
+    # mount inside the chroot would otherwise be emptied on the host.
+    for mountpoint in sorted(_mounts_below(path), key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", mountpoint], check=False, capture_output=True)
+    if _mounts_below(path):
+        log(f"warning: not removing {path}: something is still mounted below it")
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(out: Path, final: Path, work: Path, force: bool) -> Path:
+    """Rename the finished directory into place; a rename is all-or-nothing."""
+    if final.exists():
+        if not force:
+            return final  # another build finished first; its image is as good
+        final.rename(work / "replaced")
+    out.rename(final)
+    return final
+
+
+# --- the build ------------------------------------------------------------
+
+
+def _manifest(
+    variant: str, spec: _Spec, geom: Geometry, kernel: str, qcow: Path, seconds: float
+) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "key": image_key(variant),
+        "builder_version": BUILDER_VERSION,
+        "suite": spec.suite,
+        "sources": spec.sources,
+        "mmdebstrap_variant": spec.mmdebstrap_variant,
+        "packages": spec.packages,
+        "kernel_version": kernel,
+        "layout": geom.layout,
+        "root_partition": geom.root_partition,
+        "root_start_sector": geom.root_start_sector,
+        "root_fs_bytes": geom.fs_bytes,
+        "fs_uuid": spec.fs_uuid,
+        "hostname": spec.hostname,
+        "virtual_size": geom.virtual_size,
+        "file_size": qcow.stat().st_size,
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "build_seconds": round(seconds, 1),
+        "sha256": _sha256(qcow),
+    }
+
+
+def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
+    start = time.monotonic()
+    spec, geom = _spec(variant), geometry(variant)
+    rootdir = work / "rootfs"
+    _mmdebstrap(spec, rootdir, work, log)
+    _customize(rootdir, spec)
+    kernel = _kernel_version(rootdir)
+    fs_image = work / "root.ext4"
+    with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
+        _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid)
+    _remove_tree(rootdir, log)  # frees ~1 GB before the next copies
+    out = work / "out"
+    out.mkdir()
+    qcow = out / "base.qcow2"
+    with _step(log, f"assemble {geom.layout} disk and convert to qcow2"):
+        _to_qcow2(_assemble_disk(fs_image, work, spec, geom), qcow)
+    manifest = _manifest(variant, spec, geom, kernel, qcow, time.monotonic() - start)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    final = _publish(out, _image_dir(variant), work, force)
+    log(f"{variant}: {final / 'base.qcow2'} (kernel {kernel}, {manifest['build_seconds']} s)")
+    image = cached_image(variant)
+    if image is None:
+        raise RuntimeError(f"{final} was published but does not read back as an image")
+    return image
+
+
+def build_image(variant: str, *, force: bool = False, log: Log = _log_stderr) -> GoldenImage:
+    """Build the variant's image, or return the cached one unless force."""
+    spec = _spec(variant)
+    if not force:
+        cached = cached_image(variant)
+        if cached is not None:
+            return cached
+    images = cache_dir("images")
+    _preflight(spec, images)
+    # The work dir sits beside the final one so publication is a rename
+    # within one filesystem, and so big temporaries stay off a small /tmp.
+    work = Path(tempfile.mkdtemp(prefix=f".build-{variant}-", dir=images))
+    try:
+        return _build_in(work, variant, force, log)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(images) from e
+        raise
+    finally:
+        _remove_tree(work, log)
+
+
+# --- CLI ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    lines = []
+    for name in VARIANTS:
+        spec = _spec(name)
+        lines.append(
+            f"  {name}: Debian {spec.suite} ({spec.mmdebstrap_variant}), {spec.layout}, "
+            f"{spec.virtual_size // GIB} GiB, plus {' '.join(spec.packages)}"
+        )
+    variants = "\n".join(lines)
+    return argparse.ArgumentParser(
+        prog="python -m pageshare.golden",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Build the Debian golden images (plain qcow2) that analysed guests are cloned\n"
+            "from, with mmdebstrap and mkfs.ext4 -d (needs root, no mounting).\n\n"
+            f"Variants:\n{variants}\n\n"
+            "Images are cached in $PAGESHARE_CACHE/images (default ~/.cache/pageshare/images)\n"
+            "as <variant>-<key>/base.qcow2 + manifest.json, keyed by a hash of the variant's\n"
+            "spec and the builder version; a cached image is reused unless --force.\n"
+            "Prints the image path, or with --json one JSON object per image per line."
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    parser.add_argument("--variant", choices=[*VARIANTS, "all"], default="demo")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--json", action="store_true", help="print path and manifest as JSON")
+    args = parser.parse_args(argv)
+    names = list(VARIANTS) if args.variant == "all" else [args.variant]
+    try:
+        for name in names:
+            image = build_image(name, force=args.force)
+            if args.json:
+                record = {"variant": name, "path": str(image.path), "manifest": image.manifest}
+                print(json.dumps(record), flush=True)
+            else:
+                print(image.path, flush=True)
+    except UserError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        if e.hint:
+            print(f"  hint: {e.hint}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; temporary files were removed", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
