@@ -28,12 +28,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -304,7 +305,16 @@ def _run_logged(cmd: list[str], logfile: Path, log: Log) -> int:
     """Run a long command with its output in logfile, saying now and then that it lives."""
     start = time.monotonic()
     with logfile.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Its own session, so that on interrupt the whole tree (mmdebstrap's
+        # worker and the apt/dpkg inside the chroot) can be stopped: signalling
+        # only the main mmdebstrap process leaves it waiting for the worker.
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             while True:
                 try:
@@ -312,14 +322,20 @@ def _run_logged(cmd: list[str], logfile: Path, log: Log) -> int:
                 except subprocess.TimeoutExpired:
                     log(f"  ... still running ({time.monotonic() - start:.0f} s)")
         except BaseException:
-            # Let the child undo its own mounts before our cleanup removes the tree.
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
             raise
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    # TERM first so mmdebstrap can undo its own mounts before our cleanup;
+    # KILL afterwards for whatever in the group outlived it.
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=60)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # --- build steps ----------------------------------------------------------
