@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from pageshare import golden
-from pageshare.ksm import KSM, RESTORE_ORDER
+from pageshare.ksm import KSM, RESTORE_ORDER, host_lock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,10 @@ def ksm_settings() -> dict[str, str]:
     return {n: k.read(n) for n in RESTORE_ORDER if (k.root / n).exists()}
 
 
-def qemu_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True)
+def qemu_pids(marker: str = "") -> set[int]:
+    """QEMU processes, optionally only those whose command line contains marker."""
+    out = subprocess.run(["pgrep", "-f", f"qemu-system-x86_64.*{marker}"], capture_output=True,
+                         text=True)
     return {int(p) for p in out.stdout.split()}
 
 
@@ -50,12 +52,18 @@ class Analysis:
 
 
 @pytest.fixture
-def host_guard() -> Iterator[None]:
-    """Fails the test if it changed host KSM settings or left QEMU running."""
-    before_ksm, before_qemu = ksm_settings(), qemu_pids()
+def host_guard(tmp_path: Path) -> Iterator[None]:
+    """Fails the test if it changed host KSM settings or left its QEMU running.
+
+    Holds the host KSM lock around the comparison, so that a concurrent
+    analysis (another developer's, on a shared machine) cannot make it flaky.
+    """
+    with host_lock():
+        before_ksm = ksm_settings()
     yield
-    assert ksm_settings() == before_ksm, "host KSM settings were not restored"
-    assert qemu_pids() <= before_qemu, "a QEMU process was left running"
+    with host_lock():
+        assert ksm_settings() == before_ksm, "host KSM settings were not restored"
+    assert qemu_pids(str(tmp_path)) == set(), "a QEMU process was left running"
 
 
 def run_analyze(tmp: Path, *args: str, env: dict[str, str] | None = None,

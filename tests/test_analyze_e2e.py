@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Analysis, run_analyze
+from conftest import Analysis, ksm_settings, qemu_pids, run_analyze
 from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
+from pageshare.ksm import host_lock
 
 pytestmark = pytest.mark.vm
 
@@ -31,17 +32,18 @@ def raw_copy(image: Path, tmp: Path) -> Path:
 @pytest.fixture(scope="module", params=["demo", "small"])
 def analysed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[str, Path, Analysis, Path]]:
-    from conftest import ksm_settings, qemu_pids
     variant = request.param
     image = golden.build_image(variant).path
     tmp = tmp_path_factory.mktemp(f"e2e-{variant}")
-    before_ksm, before_qemu = ksm_settings(), qemu_pids()
+    with host_lock():
+        before_ksm = ksm_settings()
     result = run_analyze(tmp, "--json", "--runs", "2" if variant == "demo" else "1",
                          "--settle", "10", str(image))
     assert result.rc == 0, result.stderr
     # The host is left as found: KSM settings, no QEMU, no work files.
-    assert ksm_settings() == before_ksm
-    assert qemu_pids() <= before_qemu
+    with host_lock():
+        assert ksm_settings() == before_ksm
+    assert qemu_pids(str(tmp)) == set()
     assert list(result.workdir.iterdir()) == []
     yield variant, image, result, raw_copy(image, tmp)
 

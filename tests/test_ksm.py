@@ -100,3 +100,21 @@ def test_settle_time_is_sampled_but_not_cut_short(tmp_path: Path) -> None:
     assert conv.converged
     assert conv.seconds >= 0.5
     assert len(conv.samples) >= 8     # sampled throughout the settle period
+
+
+def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pageshare.ksm import host_lock
+    monkeypatch.setenv("PAGESHARE_KSM_LOCK", str(tmp_path / "ksm.lock"))
+    order: list[str] = []
+    waited: list[str] = []
+    with host_lock():
+        def second() -> None:
+            with host_lock(waited.append):
+                order.append("second")
+        t = threading.Thread(target=second)
+        t.start()
+        time.sleep(0.3)
+        order.append("first done")
+    t.join(timeout=5)
+    assert order == ["first done", "second"]
+    assert waited and "another analysis" in waited[0]

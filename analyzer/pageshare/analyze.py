@@ -175,7 +175,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
         results: list[RunResult] = []
         ksm_series: list[dict[str, Any]] = []
-        with ksm_session(KSM()) as ksm:
+        with ksm_session(KSM(), progress.say) as ksm:
             for seq in range(1, opts.runs + 1):
                 results.append(_run_once(seq, opts, progress, db, analysis_id, ksm, boot, fmt,
                                          accel, workdir, raw, geo, vmlinux, ksm_series))

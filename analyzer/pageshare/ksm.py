@@ -7,6 +7,7 @@ unmerge every KSM page of every process on the host.
 """
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -153,8 +154,35 @@ class KSM:
                 return Convergence(False, s.t, fs - f0, samples)
 
 
+def lock_path() -> Path:
+    return Path(os.environ.get("PAGESHARE_KSM_LOCK", "/run/lock/pageshare-ksm.lock"))
+
+
 @contextmanager
-def ksm_session(ksm: KSM) -> Iterator[KSM]:
+def host_lock(on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """One KSM user at a time on this host.
+
+    Two analyses that each save, tune and restore KSM would interleave: the
+    second saves the first one's tuned values and restores them last, leaving
+    the host tuned.  The lock is released by the kernel if we die.
+    """
+    path = lock_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                on_wait(f"another analysis is using host KSM ({path}); waiting for it to finish")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def ksm_session(ksm: KSM, on_wait: Callable[[str], None] | None = None) -> Iterator[KSM]:
     """Saves KSM settings, yields, and restores them however the block ends.
 
     SIGTERM is turned into SystemExit for the duration, so that `kill` of the
@@ -162,6 +190,12 @@ def ksm_session(ksm: KSM) -> Iterator[KSM]:
     second Ctrl-C cannot interrupt the write-back half way.
     """
     ksm.check_usable()
+    with host_lock(on_wait), _saved(ksm):
+        yield ksm
+
+
+@contextmanager
+def _saved(ksm: KSM) -> Iterator[None]:
     ksm.save()
     old_term = signal.getsignal(signal.SIGTERM)
 
@@ -170,7 +204,7 @@ def ksm_session(ksm: KSM) -> Iterator[KSM]:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        yield ksm
+        yield
     finally:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
