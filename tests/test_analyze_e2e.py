@@ -19,6 +19,7 @@ from pageshare.ksm import host_lock
 
 pytestmark = pytest.mark.vm
 
+WORKLOAD = "python3 -c 'import json, email.parser' && nginx -t"
 ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
                "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-252.so")
 
@@ -37,8 +38,9 @@ def analysed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     tmp = tmp_path_factory.mktemp(f"e2e-{variant}")
     with host_lock():
         before_ksm = ksm_settings()
-    result = run_analyze(tmp, "--json", "--runs", "2" if variant == "demo" else "1",
-                         "--settle", "10", str(image))
+    # The demo runs a workload in both guests: python3 is read only by it.
+    extra = ["--runs", "2", "--workload", WORKLOAD] if variant == "demo" else ["--runs", "1"]
+    result = run_analyze(tmp, "--json", "--settle", "10", *extra, str(image))
     assert result.rc == 0, result.stderr
     # The host is left as found: KSM settings, no QEMU, no work files.
     with host_lock():
@@ -80,6 +82,33 @@ def test_files_every_boot_reads_are_listed(analysed: tuple[str, Path, Analysis, 
         sectors = set(file_sectors(raw, start * 512, path, start, 4096))
         assert sectors, f"{path} not found in the image"
         assert sectors & set(sl.blocks), f"no block of {path} is listed"
+
+
+def test_workload_files_are_listed(analysed: tuple[str, Path, Analysis, Path]) -> None:
+    variant, _, result, raw = analysed
+    if variant != "demo":
+        return   # the small image runs no workload; nothing to check there
+    sl = load_list(result)
+    start = 262144
+    sectors = set(file_sectors(raw, start * 512, "/usr/bin/python3.11", start, 4096))
+    assert sectors & set(sl.blocks), "python3, read only by the workload, is not listed"
+    db = sqlite3.connect(result.db)
+    (workload,) = db.execute("SELECT workload FROM analysis WHERE id=?",
+                             (result.json()["analysis_id"],)).fetchone()
+    assert workload == WORKLOAD
+
+
+def test_notebook_runs_on_the_real_results(analysed: tuple[str, Path, Analysis, Path],
+                                          tmp_path: Path) -> None:
+    from pageshare.notebook import run_notebook
+    _, _, result, _ = analysed
+    figures = tmp_path / "fig"
+    figures.mkdir()
+    run_notebook(result.db, int(str(result.json()["analysis_id"])), tmp_path / "out.ipynb",
+                 figures)
+    pngs = sorted(figures.glob("*.png"))
+    assert len(pngs) >= 4
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
 def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> None:
