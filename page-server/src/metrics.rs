@@ -1,0 +1,139 @@
+//! Prometheus text endpoint: a tiny HTTP/1.0 server on its own thread that
+//! answers GET /metrics with the text the main loop renders every 0.5 s.
+
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub fn spawn(listen: &str, text: Arc<Mutex<String>>) -> Result<(), String> {
+    if let Some(path) = listen.strip_prefix("unix:") {
+        let _ = std::fs::remove_file(path);
+        let l = std::os::unix::net::UnixListener::bind(path).map_err(|e| format!("metrics socket {path}: {e}"))?;
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || {
+                for s in l.incoming().flatten() {
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+                    serve(s, &text);
+                }
+            })
+            .map_err(|e| e.to_string())?;
+    } else {
+        let l = std::net::TcpListener::bind(listen).map_err(|e| format!("metrics_listen {listen}: {e}"))?;
+        crate::log::info(&format!("metrics on http://{}/metrics", l.local_addr().map(|a| a.to_string()).unwrap_or_default()));
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || {
+                for s in l.incoming().flatten() {
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+                    serve(s, &text);
+                }
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn serve<S: Read + Write>(mut s: S, text: &Arc<Mutex<String>>) {
+    let mut req = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") && !req.windows(2).any(|w| w == b"\n\n") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => req.extend_from_slice(&buf[..n]),
+        }
+        if req.len() > 8192 {
+            break;
+        }
+    }
+    let line = String::from_utf8_lossy(&req);
+    let first = line.lines().next().unwrap_or("");
+    let mut parts = first.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (status, body) = if method == "GET" && (path == "/metrics" || path == "/") {
+        ("200 OK", text.lock().expect("metrics").clone())
+    } else {
+        ("404 Not Found", "try GET /metrics\n".to_string())
+    };
+    let _ = write!(
+        s,
+        "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Prometheus exposition text from the status JSON.
+pub fn render(st: &Value) -> String {
+    let mut o = String::new();
+    let num = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let mut metric = |name: &str, help: &str, kind: &str, rows: Vec<(String, f64)>| {
+        o.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, v) in rows {
+            o.push_str(&format!("{name}{labels} {v}\n"));
+        }
+    };
+    metric(
+        "pageshare_server_info",
+        "Server version and host.",
+        "gauge",
+        vec![(format!("{{version=\"{}\",host=\"{}\"}}", esc(st["version"].as_str().unwrap_or("")), esc(st["host"].as_str().unwrap_or(""))), 1.0)],
+    );
+    metric(
+        "pageshare_degraded",
+        "1 if the kernel lacks MADV_ALLOWMERGED (clients cannot merge, guests read from disk).",
+        "gauge",
+        vec![(String::new(), if st["degraded"].as_bool().unwrap_or(false) { 1.0 } else { 0.0 })],
+    );
+    metric("pageshare_rss_bytes", "Resident memory of the server.", "gauge", vec![(String::new(), num(&st["memory"]["rss_bytes"]))]);
+    metric(
+        "pageshare_loaded_bytes",
+        "Bytes of verified blocks held, all images and generations.",
+        "gauge",
+        vec![(String::new(), num(&st["memory"]["loaded_bytes"]))],
+    );
+    metric("pageshare_clients", "Connected clients on image sockets.", "gauge", vec![(String::new(), num(&st["clients"]))]);
+    if !st["redis"].is_null() {
+        metric(
+            "pageshare_redis_connected",
+            "1 while the Redis connection is up.",
+            "gauge",
+            vec![(String::new(), if st["redis"]["connected"].as_bool().unwrap_or(false) { 1.0 } else { 0.0 })],
+        );
+        metric(
+            "pageshare_redis_failures_total",
+            "Redis connection failures.",
+            "counter",
+            vec![(String::new(), num(&st["redis"]["failures"]))],
+        );
+    }
+    let images = st["images"].as_array().cloned().unwrap_or_default();
+    let per = |f: &dyn Fn(&Value) -> f64| -> Vec<(String, f64)> {
+        images.iter().map(|i| (format!("{{image=\"{}\"}}", esc(i["name"].as_str().unwrap_or(""))), f(i))).collect()
+    };
+    metric("pageshare_image_serving", "1 if a table is published for the image.", "gauge", per(&|i| if i["generation"].is_null() { 0.0 } else { 1.0 }));
+    metric("pageshare_image_generation", "Published table generation.", "gauge", per(&|i| num(&i["generation"])));
+    metric("pageshare_image_blocks", "Blocks in the published table.", "gauge", per(&|i| num(&i["blocks"])));
+    metric("pageshare_image_bytes", "Bytes of the published blocks.", "gauge", per(&|i| num(&i["bytes"])));
+    metric("pageshare_image_clients", "Connected clients.", "gauge", per(&|i| num(&i["clients"])));
+    metric("pageshare_image_live_generations", "Generations still held by clients or current.", "gauge", per(&|i| i["live_generations"].as_array().map(|a| a.len() as f64).unwrap_or(0.0)));
+    metric("pageshare_image_loads_total", "Successful list loads.", "counter", per(&|i| num(&i["loads_ok"])));
+    metric("pageshare_image_load_failures_total", "Refused or failed list loads.", "counter", per(&|i| num(&i["loads_failed"])));
+    metric("pageshare_image_last_load_seconds", "Duration of the last successful load.", "gauge", per(&|i| num(&i["last_load"]["seconds"])));
+    for (k, help) in [
+        ("lookups", "Table lookups reported by clients."),
+        ("hits", "Lookups that found the block."),
+        ("merged", "Pages merged into guests (merge_pages successes)."),
+        ("merge_errors", "merge_pages failures."),
+        ("fallbacks", "Reads that went to disk instead."),
+    ] {
+        metric(&format!("pageshare_client_{k}_total"), help, "counter", per(&|i| num(&i["client_stats"][k])));
+    }
+    o
+}

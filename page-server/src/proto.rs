@@ -1,0 +1,188 @@
+//! Socket protocol framing (page-server/PROTOCOL.md): SOCK_STREAM, every
+//! message is an 8-byte header {u32 type; u32 payload length} (little
+//! endian) and the payload; file descriptors travel with SCM_RIGHTS on the
+//! sendmsg() that carries the header.
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+pub const HDR: usize = 8;
+
+// server -> client (image sockets)
+pub const MSG_TABLE: u32 = 1;
+pub const MSG_NO_TABLE: u32 = 2;
+pub const MSG_BYE: u32 = 3;
+// client -> server (image sockets)
+pub const MSG_SWITCHED: u32 = 16;
+pub const MSG_STATS: u32 = 17;
+// control socket
+pub const MSG_STATUS_REQ: u32 = 32;
+pub const MSG_STATUS_REPLY: u32 = 33;
+pub const MSG_RELOAD_REQ: u32 = 34;
+pub const MSG_RELOAD_REPLY: u32 = 35;
+
+/// Largest payload a client may send; anything larger is a protocol error.
+pub const MAX_CLIENT_PAYLOAD: usize = 4096;
+/// Largest payload the server sends (status replies).
+pub const MAX_SERVER_PAYLOAD: usize = 16 << 20;
+
+pub const TABLE_PAYLOAD_LEN: usize = 96;
+pub const NO_GENERATION: u64 = u64::MAX;
+
+// NO_TABLE reasons
+pub const NT_LOADING: u32 = 1;
+pub const NT_NO_LIST: u32 = 2;
+pub const NT_REFUSED: u32 = 3;
+pub const NT_IMAGE_CHANGED: u32 = 4;
+pub const NT_SHUTDOWN: u32 = 5;
+
+pub fn frame(kind: u32, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HDR + payload.len());
+    v.extend_from_slice(&kind.to_le_bytes());
+    v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    v.extend_from_slice(payload);
+    v
+}
+
+/// Send one whole message (with optional fds) on a non-blocking socket.
+/// A message that does not fit in the socket buffer at once is an error:
+/// our messages are small, so a full buffer means the peer stopped reading.
+pub fn send_msg(fd: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: msg.as_ptr() as *mut libc::c_void, iov_len: msg.len() };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8).max(1)];
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    if !fds.is_empty() {
+        mh.msg_control = cbuf.as_mut_ptr().cast();
+        mh.msg_controllen = space;
+        // SAFETY: the control buffer is large enough for one cmsg with fds.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&mh);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut RawFd, fds.len());
+        }
+    }
+    loop {
+        // SAFETY: mh describes valid buffers.
+        let n = unsafe { libc::sendmsg(fd, &mh, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n as usize != msg.len() {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "peer is not reading (socket buffer full)"));
+        }
+        return Ok(());
+    }
+}
+
+/// recvmsg() into `buf`; returns bytes read (0 = EOF) and any fds received.
+/// Fds are returned owned (closed on drop) so a hostile peer cannot make us
+/// leak descriptors.
+pub fn recv_some(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>, bool)> {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut cbuf = [0u64; 64];
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = std::mem::size_of_val(&cbuf);
+    let n = loop {
+        // SAFETY: mh describes valid buffers.
+        let n = unsafe { libc::recvmsg(fd, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        break n as usize;
+    };
+    let mut fds = Vec::new();
+    // SAFETY: walking the control buffer the kernel filled.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&mh);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const RawFd;
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&mh, c);
+        }
+    }
+    Ok((n, fds, mh.msg_flags & libc::MSG_CTRUNC != 0))
+}
+
+/// Split complete messages off the front of `buf`.
+/// Err on a header announcing more than `max` bytes.
+pub fn take_messages(buf: &mut Vec<u8>, max: usize) -> Result<Vec<(u32, Vec<u8>)>, String> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while buf.len() - pos >= HDR {
+        let kind = u32::from_le_bytes(buf[pos..pos + 4].try_into().expect("4"));
+        let len = u32::from_le_bytes(buf[pos + 4..pos + 8].try_into().expect("4")) as usize;
+        if len > max {
+            return Err(format!("message type {kind} announces {len} bytes (limit {max})"));
+        }
+        if buf.len() - pos - HDR < len {
+            break;
+        }
+        out.push((kind, buf[pos + HDR..pos + HDR + len].to_vec()));
+        pos += HDR + len;
+    }
+    buf.drain(..pos);
+    Ok(out)
+}
+
+pub fn u64_at(p: &[u8], off: usize) -> Option<u64> {
+    p.get(off..off + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+}
+
+/// Blocking client side: send a request and read one reply (for `status`).
+pub fn request(path: &std::path::Path, kind: u32, payload: &[u8]) -> Result<(u32, Vec<u8>), String> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+    s.write_all(&frame(kind, payload)).map_err(|e| e.to_string())?;
+    let mut hdr = [0u8; HDR];
+    s.read_exact(&mut hdr).map_err(|e| format!("reading reply: {e}"))?;
+    let k = u32::from_le_bytes(hdr[..4].try_into().expect("4"));
+    let len = u32::from_le_bytes(hdr[4..].try_into().expect("4")) as usize;
+    if len > MAX_SERVER_PAYLOAD {
+        return Err(format!("reply of {len} bytes is too large"));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(|e| format!("reading reply: {e}"))?;
+    Ok((k, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn framing_roundtrip_and_limits() {
+        let mut buf = frame(MSG_STATS, &[1, 2, 3]);
+        buf.extend(frame(MSG_SWITCHED, &7u64.to_le_bytes()));
+        buf.extend(&frame(MSG_STATS, &[9; 10])[..5]); // partial header
+        let msgs = take_messages(&mut buf, 4096).unwrap();
+        assert_eq!(msgs.len(), 2);
+        assert_eq!(msgs[0], (MSG_STATS, vec![1, 2, 3]));
+        assert_eq!(buf.len(), 5);
+        let mut big = frame(MSG_STATS, &[]);
+        big[4..8].copy_from_slice(&100_000u32.to_le_bytes());
+        assert!(take_messages(&mut big, 4096).is_err());
+    }
+}
