@@ -131,6 +131,8 @@ usage: pageshare COMMAND [ARGS]
 commands:
   analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
   list show|verify ...  inspect a sector list, or check it against an image
+  list publish|fetch|ls ...  distribute lists to page servers through Redis
+  fleet [--json]        what every page server reported to Redis
   image build ...       build the project's demo/small golden images (cached)
 
 Run `pageshare COMMAND --help` for details.
@@ -149,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "analyze":
         return run_analyze(rest, prog="pageshare analyze")
     if cmd == "list":
+        if rest[:1] in (["publish"], ["fetch"], ["ls"]):
+            from . import distribute
+            return distribute.cli_main(rest)
         from .sectorlist import cli_main
         return cli_main(rest)
+    if cmd == "fleet":
+        from . import distribute
+        return distribute.cli_main(["fleet", *rest], prog="pageshare")
     if cmd == "image":
         from . import golden
         if rest[:1] == ["build"]:

@@ -26,7 +26,7 @@ pub const MAX_CLIENT_PAYLOAD: usize = 4096;
 /// Largest payload the server sends (status replies).
 pub const MAX_SERVER_PAYLOAD: usize = 16 << 20;
 
-pub const TABLE_PAYLOAD_LEN: usize = 96;
+pub const TABLE_PAYLOAD_LEN: usize = 88;
 pub const NO_GENERATION: u64 = u64::MAX;
 
 // NO_TABLE reasons

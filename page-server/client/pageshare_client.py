@@ -1,0 +1,239 @@
+"""Reference client for pageshare-server's socket protocol (PROTOCOL.md).
+
+What QEMU's pageshare filter does, in Python, for tests and tools:
+connect to an image socket, receive the TABLE message with the sealed table
+memfd and the server's pidfd, map and check the table, look blocks up,
+acknowledge new generations (SWITCHED) and report counters (STATS).
+
+    with PageshareClient("/run/pageshare/debian12.sock") as c:
+        msg = c.recv()                       # TableMsg, NoTableMsg or ByeMsg
+        if isinstance(msg, TableMsg):
+            addr = msg.table.lookup(sector // 8)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+MSG_TABLE = 1
+MSG_NO_TABLE = 2
+MSG_BYE = 3
+MSG_SWITCHED = 16
+MSG_STATS = 17
+MSG_STATUS_REQ = 32
+MSG_STATUS_REPLY = 33
+MSG_RELOAD_REQ = 34
+MSG_RELOAD_REPLY = 35
+
+NO_GENERATION = (1 << 64) - 1
+TABLE_MAGIC = b"PSTABLE1"
+TABLE_HEADER = struct.Struct("<8sII Q Q 32s Q Q I I Q I I Q Q Q")
+TABLE_PAYLOAD = struct.Struct("<II Q Q Q Q 32s I I Q")
+HASH_MULT = 0x9E3779B97F4A7C15
+MASK64 = (1 << 64) - 1
+FLAG_DEGRADED = 1
+NO_TABLE_REASONS = {1: "loading", 2: "no-list", 3: "refused", 4: "image-changed", 5: "shutdown"}
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+class ProtocolError(Exception):
+    pass
+
+
+@dataclass
+class Table:
+    """A mapped, validated table memfd."""
+
+    generation: int
+    entries: int
+    virtual_size: int
+    content_sha256: str
+    server_pid: int
+    flags: int
+    bits: int
+    buckets: int
+    arena: tuple[int, int]
+    map: mmap.mmap = field(repr=False)
+
+    @classmethod
+    def from_fd(cls, fd: int) -> Table:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise ProtocolError(f"table memfd seals {seals:#x} lack {REQUIRED_SEALS:#x}")
+        size = os.fstat(fd).st_size
+        if size < TABLE_HEADER.size:
+            raise ProtocolError(f"table memfd is {size} bytes")
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        (magic, version, hsize, gen, vsize, sha, entries, buckets, bits, bsize, boff, pid, flags,
+         abase, alen, _r) = TABLE_HEADER.unpack_from(m, 0)
+        if magic != TABLE_MAGIC or version != 1 or hsize != 128 or bsize != 4096 or boff != 128:
+            raise ProtocolError(f"bad table header {magic!r} v{version}")
+        if buckets != 1 << bits or not 4 <= bits <= 40 or entries * 2 > buckets:
+            raise ProtocolError(f"bad table geometry: {entries} entries, {buckets} buckets")
+        if size < 128 + 16 * buckets:
+            raise ProtocolError("table memfd shorter than its buckets")
+        return cls(gen, entries, vsize, sha.hex(), pid, flags, bits, buckets, (abase, alen), m)
+
+    def lookup(self, block: int) -> int | None:
+        """Server address of 4 KiB block ``block`` (sector // 8), or None."""
+        key = block + 1
+        i = ((key * HASH_MULT) & MASK64) >> (64 - self.bits)
+        mask = self.buckets - 1
+        for _ in range(self.buckets):
+            k, addr = struct.unpack_from("<QQ", self.map, 128 + 16 * i)
+            if k == key:
+                return int(addr)
+            if k == 0:
+                return None
+            i = (i + 1) & mask
+        return None
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """Every (block, address) in the table, in bucket order."""
+        for i in range(self.buckets):
+            k, addr = struct.unpack_from("<QQ", self.map, 128 + 16 * i)
+            if k:
+                yield k - 1, addr
+
+    def close(self) -> None:
+        self.map.close()
+
+
+@dataclass
+class TableMsg:
+    generation: int
+    entries: int
+    virtual_size: int
+    content_sha256: str
+    server_pid: int
+    flags: int
+    table: Table
+    pidfd: int
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.flags & FLAG_DEGRADED)
+
+
+@dataclass
+class NoTableMsg:
+    reason: str
+    text: str
+
+
+@dataclass
+class ByeMsg:
+    text: str
+
+
+Message = TableMsg | NoTableMsg | ByeMsg
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return struct.pack("<II", kind, len(payload)) + payload
+
+
+class PageshareClient:
+    def __init__(self, path: str | os.PathLike[str], timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(os.fspath(path))
+        self.fds: list[int] = []
+
+    def __enter__(self) -> PageshareClient:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+        self.sock.close()
+
+    def _read_exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise EOFError("server closed the connection")
+            out += chunk
+        return out
+
+    def recv(self) -> Message:
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 8, 4)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise EOFError("server closed the connection")
+        if len(data) < 8:
+            data += self._read_exact(8 - len(data))
+        kind, length = struct.unpack("<II", data)
+        payload = self._read_exact(length) if length else b""
+        if kind == MSG_TABLE:
+            if len(fds) != 2 or len(payload) < TABLE_PAYLOAD.size:
+                raise ProtocolError(f"TABLE with {len(fds)} fds and {len(payload)} bytes")
+            (version, flags, gen, entries, _tbytes, vsize, sha, pid, _r,
+             _t) = TABLE_PAYLOAD.unpack_from(payload)
+            if version != 1:
+                raise ProtocolError(f"protocol version {version}")
+            self.fds += fds
+            table = Table.from_fd(fds[0])
+            if table.generation != gen or table.entries != entries:
+                raise ProtocolError("TABLE message and memfd header disagree")
+            return TableMsg(gen, entries, vsize, sha.hex(), pid, flags, table, fds[1])
+        for fd in fds:
+            os.close(fd)
+        if kind == MSG_NO_TABLE:
+            _version, reason = struct.unpack_from("<II", payload)
+            return NoTableMsg(NO_TABLE_REASONS.get(reason, str(reason)),
+                              payload[8:].decode(errors="replace"))
+        if kind == MSG_BYE:
+            return ByeMsg(payload.decode(errors="replace"))
+        raise ProtocolError(f"unknown message type {kind}")
+
+    def switched(self, generation: int) -> None:
+        self.sock.sendall(frame(MSG_SWITCHED, struct.pack("<Q", generation)))
+
+    def stats(self, generation: int, lookups: int, hits: int, merged: int, merge_errors: int,
+              fallbacks: int) -> None:
+        self.sock.sendall(frame(MSG_STATS, struct.pack(
+            "<6Q", generation, lookups, hits, merged, merge_errors, fallbacks)))
+
+
+def control_request(path: str | os.PathLike[str], kind: int, payload: bytes = b"",
+                    timeout: float = 10.0) -> tuple[int, bytes]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(os.fspath(path))
+        s.sendall(frame(kind, payload))
+        hdr = b""
+        while len(hdr) < 8:
+            chunk = s.recv(8 - len(hdr))
+            if not chunk:
+                raise EOFError("no reply")
+            hdr += chunk
+        k, n = struct.unpack("<II", hdr)
+        body = b""
+        while len(body) < n:
+            chunk = s.recv(n - len(body))
+            if not chunk:
+                raise EOFError("short reply")
+            body += chunk
+        return k, body
+
+
+def read_server_memory(pid: int, addr: int, length: int) -> bytes:
+    """Bytes at ``addr`` in process ``pid`` (needs ptrace rights, e.g. root)."""
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+        f.seek(addr)
+        return f.read(length)
