@@ -1,6 +1,6 @@
 """Build the golden images that guests are cloned from.
 
-A golden image here is an ordinary Debian 12 (bookworm) system disk as qcow2,
+A golden image here is an ordinary Debian 12 (bookworm) or 13 (trixie) system disk as qcow2,
 the kind an operator would make once and clone many VMs from.  Nothing in it
 knows about the analysis: the point of the project is to measure what ordinary
 guests keep in their page caches, so the image must not be special.
@@ -70,6 +70,11 @@ _SOURCES = [
     f"deb {_MIRROR} bookworm-updates main",
     f"deb {_SECURITY_MIRROR} bookworm-security main",
 ]
+_TRIXIE_SOURCES = [
+    f"deb {_MIRROR} trixie main",
+    f"deb {_MIRROR} trixie-updates main",
+    f"deb {_SECURITY_MIRROR} trixie-security main",
+]
 _BOOT_PACKAGES = ["linux-image-cloud-amd64", "systemd-sysv", "udev", "kmod", "initramfs-tools"]
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -102,6 +107,26 @@ VARIANTS: dict[str, dict[str, object]] = {
         "fs_uuid": "059a5ac6-84ce-4b8f-88bf-106cefac840b",
         "disk_guid": None,
         "partition_guids": {},
+        "hostname": HOSTNAME,
+    },
+    # Debian 13 with its 6.12 kernel: the guest kernel the analyzer's
+    # introspection must also handle (crash 8.0.x cannot open 6.12 dumps).
+    # The package set is small's, the layout demo's, so both the partition
+    # offset and the newer kernel are exercised by one image.
+    "trixie": {
+        "suite": "trixie",
+        "sources": _TRIXIE_SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": list(_BOOT_PACKAGES),
+        "layout": "gpt",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "6a1f3e52-0c4b-4d8e-9b57-2f8d4c0e7a13",
+        "disk_guid": "b3c9d2e4-7f10-4a5b-8c6d-1e2f3a4b5c6d",
+        "partition_guids": {
+            "1": "c4d5e6f7-0819-4a2b-bc3d-4e5f60718293",
+            "14": "a1b2c3d4-e5f6-4708-9a1b-2c3d4e5f6071",
+            "15": "f0e1d2c3-b4a5-4697-8879-6a5b4c3d2e1f",
+        },
         "hostname": HOSTNAME,
     },
 }
