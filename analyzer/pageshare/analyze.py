@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, sectorlist
+from . import __version__, drgn_backend, sectorlist
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
@@ -61,6 +62,7 @@ class Options:
     ksm_timeout: float = 600.0
     vmlinux: Path | None = None
     include_metadata: bool = False
+    introspector: str = "auto"      # auto, crash or drgn: see choose_introspector
     workdir_parent: Path = Path(os.environ.get("PAGESHARE_WORKDIR", "/var/tmp"))
 
     def effective_min_runs(self) -> int:
@@ -83,6 +85,7 @@ class RunResult:
     merged_nonzero: dict[str, int]
     listed_candidates: dict[str, set[int]]          # vm -> gpfns that verified (for coverage)
     gpfn_sector: dict[str, dict[int, int]]
+    introspector: tuple[str, str] = ("", "")        # backend used, and why
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Summary:
     top_files: list[tuple[str, float]]
     phases: dict[str, float]
     ksm: list[dict[str, Any]]
+    introspector: str = ""
+    introspector_reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -164,10 +169,12 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         cur = db.execute(
             "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
             "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
-            "workload, settle_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "workload, settle_s, introspector) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (image_id, _now(), "running", __version__, platform.release(), qemu_version(),
              crash_version(), accel, accel_reason, opts.ram_mib, opts.runs,
-             opts.effective_min_runs(), opts.workload.describe(), opts.settle))
+             opts.effective_min_runs(), opts.workload.describe(), opts.settle,
+             # The request until a run has seen the guest kernel; then the backend used.
+             opts.introspector))
         analysis_id = int(cur.lastrowid or 0)
         db.commit()
 
@@ -188,6 +195,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
                        [(analysis_id, k, v) for k, v in progress.phases.items()])
         db.commit()
         summary.phases = dict(progress.phases)
+        summary.introspector, summary.introspector_reason = results[-1].introspector
         return summary
     except BaseException as e:
         if analysis_id:
@@ -321,13 +329,16 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
             g.shutdown()
     _store_samples(db, run_id, samples, ksm_series, seq)
     try:
-        with progress.phase("introspect", f"{tag}: classifying merged frames with crash"):
-            recs, contents, build_id = _introspect(dumps, mc, vmlinux, workdir, progress, tag)
+        with progress.phase("introspect", f"{tag}: classifying merged frames"):
+            recs, contents, build_id, used = _introspect(dumps, mc, vmlinux, workdir, progress,
+                                                         tag, opts.introspector)
         db.execute("UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?",
                    (build_id[0], build_id[1], run_id))
+        db.execute("UPDATE analysis SET introspector=? WHERE id=?", (used[0], analysis_id))
         with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
             result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo,
                                      opts.include_metadata)
+        result.introspector = used
         db.commit()
         return result
     finally:
@@ -345,13 +356,57 @@ def _store_samples(db: Any, run_id: int, samples: list[Sample],
         series.append({"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in keys}})
 
 
+# Which guest kernels a crash release cannot open: (crash older than, kernels
+# from).  Both limits were seen here on QEMU ELF dumps of Debian kernels:
+# - crash 8.0.2 on 6.12 applies no KASLR offset and stops with "<vmlinux> and
+#   <dump> do not match!"; with --kaslr forced it fails in module_init() on
+#   "invalid structure member offset: module_core_size", i.e. the struct
+#   module_memory layout of 6.4.  crash 8.0.6's source handles module_memory;
+#   releases in between were not checked and are treated like 8.0.2.
+# - 8.0.5 fails on 6.11+ (crash issue #194, see ../shared/design/analyzer.md
+#   §1.3); the fixes are in crash 9.0, so every 8.0.x is treated that way.
+CRASH_KERNEL_LIMITS = (((8, 0, 6), (6, 4)), ((9, 0), (6, 11)))
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    """(6, 12, 117) from "6.12.117+deb13-cloud-amd64"; (8, 0, 2) from "crash 8.0.2"."""
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else None
+
+
+def choose_introspector(requested: str, osrelease: str, crash: str | None
+                        ) -> tuple[str, str]:
+    """Which backend classifies the guest's frames: (crash|drgn, why).
+
+    auto keeps crash + pagescan (the reference implementation) for every
+    kernel the installed crash can open, and uses drgn for the rest.
+    osrelease is VMCOREINFO's OSRELEASE; crash is the installed crash's
+    version line ("crash 8.0.2"), None when crash is not installed.
+    """
+    if requested in ("crash", "drgn"):
+        return requested, "requested with --introspector"
+    if requested != "auto":
+        raise ValueError(f"unknown introspector {requested!r}")
+    if crash is None:
+        return "drgn", "auto: crash is not installed"
+    kernel, crash_v = _version_tuple(osrelease), _version_tuple(crash)
+    if kernel is None or crash_v is None:
+        return "drgn", f"auto: cannot tell whether {crash} opens guest kernel {osrelease!r}"
+    for older_than, first_bad in CRASH_KERNEL_LIMITS:
+        if crash_v < older_than and kernel[:2] >= first_bad:
+            return "drgn", (f"auto: guest kernel {osrelease} is {first_bad[0]}.{first_bad[1]} "
+                            f"or newer, which {crash} cannot open")
+    return "crash", f"auto: {crash} opens guest kernel {osrelease}"
+
+
 def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path, workdir: Path,
-                progress: Progress, tag: str
+                progress: Progress, tag: str, introspector: str
                 ) -> tuple[dict[str, dict[int, PageRecord]], dict[str, dict[int, bytes]],
-                           tuple[str, str]]:
+                           tuple[str, str], tuple[str, str]]:
     recs: dict[str, dict[int, PageRecord]] = {}
     contents: dict[str, dict[int, bytes]] = {}
     build_id = ("", "")
+    used = ("", "")
     for vm, path in dumps.items():
         elf = ElfDump(path)
         try:
@@ -372,10 +427,16 @@ def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path
         finally:
             elf.close()
         nonzero = [g for g, b in contents[vm].items() if any(b)]
+        used = choose_introspector(introspector, build_id[0],
+                                   crash_version() if shutil.which("crash") else None)
         progress.say(f"{tag}: guest {vm}: {len(merged)} merged frames, {len(nonzero)} non-zero; "
-                     "running crash")
-        recs[vm] = classify_pfns(vmlinux, path, nonzero, workdir)
-    return recs, contents, build_id
+                     f"classifying them with {used[0]} ({used[1]})")
+        t0 = time.monotonic()
+        classify = drgn_backend.classify_pfns if used[0] == "drgn" else classify_pfns
+        recs[vm] = classify(vmlinux, path, nonzero, workdir)
+        progress.say(f"{tag}: guest {vm}: {used[0]} classified {len(nonzero)} frames in "
+                     f"{time.monotonic() - t0:.1f}s")
+    return recs, contents, build_id, used
 
 
 def category_of(rec: PageRecord | None, zero: bool, listed: bool) -> str:
@@ -513,6 +574,7 @@ def format_summary(s: Summary) -> str:
         f"  listed:       {s.listed_blocks} blocks, {s.listed_mib:.1f} MiB "
         f"({s.runs} run(s), kept blocks seen in >= {s.min_runs})",
         f"  accelerator:  {s.accel} ({s.accel_reason})",
+        f"  introspector: {s.introspector} ({s.introspector_reason})",
         f"  results DB:   analysis #{s.analysis_id}",
         "  KSM-merged guest memory (both VMs, all runs):",
     ]

@@ -18,7 +18,8 @@ what it does:
      otherwise TCG), optionally runs --workload in both, then waits --settle s
   4. tunes host KSM, waits until a full scan finds nothing new, pauses the guests
   5. reads which guest frames KSM merged across A and B (pagemap, kpageflags),
-     dumps guest memory and classifies those frames with crash + pagescan
+     dumps guest memory and classifies those frames with crash + pagescan, or with
+     drgn for guest kernels the installed crash cannot open (6.11+: Debian 13)
   6. maps clean page-cache pages to base-image sectors via the image's ext4
      block map and byte-verifies every block against the image
   7. writes the sector list (lists/, format in lists/README.md) and the results DB
@@ -56,6 +57,9 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
                    help="guest RAM in MiB (default 1024)")
     p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
                    help="auto: KVM only if a probe boot works, else TCG (default)")
+    p.add_argument("--introspector", choices=("auto", "crash", "drgn"), default="auto",
+                   help="what classifies guest frames: crash + pagescan, or drgn; auto: crash "
+                        "if it can open the guest kernel (before 6.11), else drgn (default)")
     p.add_argument("--vmlinux", type=Path,
                    help="DWARF vmlinux of the guest kernel, instead of fetching Debian's -dbg")
     p.add_argument("--include-metadata", action="store_true",
@@ -92,7 +96,7 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
             runs=args.runs, min_runs=args.min_runs, ram_mib=args.ram, accel=args.accel,
             workload=Workload(command, args.workload_timeout), settle=args.settle,
             boot_timeout=args.boot_timeout, ksm_timeout=args.ksm_timeout, vmlinux=args.vmlinux,
-            include_metadata=args.include_metadata)
+            include_metadata=args.include_metadata, introspector=args.introspector)
         progress = Progress(quiet=args.quiet)
         summary = analyze(opts, progress)
     except UserError as e:

@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS analysis (
     tool_version TEXT, host_kernel TEXT, qemu_version TEXT, crash_version TEXT,
     accel TEXT, accel_reason TEXT, ram_mib INTEGER,
     runs INTEGER, min_runs INTEGER, workload TEXT, settle_s REAL,
-    vmlinux_build_id TEXT, list_path TEXT, listed_blocks INTEGER, error TEXT
+    vmlinux_build_id TEXT, list_path TEXT, listed_blocks INTEGER, error TEXT,
+    introspector TEXT                -- crash or drgn (auto/... until a run has chosen)
 );
 CREATE TABLE IF NOT EXISTS run (
     id INTEGER PRIMARY KEY,
@@ -98,12 +99,21 @@ CREATE TABLE IF NOT EXISTS listed_block (
 """
 
 
+# Columns added after a table was first released: CREATE TABLE IF NOT EXISTS
+# leaves an existing table as it is, so connect() adds these when missing.
+ADDED_COLUMNS = (("analysis", "introspector", "TEXT"),)
+
+
 def connect(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, timeout=30)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA foreign_keys=ON")
     db.executescript(SCHEMA)
+    for table, column, decl in ADDED_COLUMNS:
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     db.commit()
     return db
