@@ -158,3 +158,17 @@ def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
     assert "interrupted" in rest
     assert list(workdir.iterdir()) == []
     assert shutil.which("qemu-img")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_not_enough_space_for_dumps(tmp_path: Path, small_image: Path) -> None:
+    # A real, tiny file system as the work directory (tmpfs needs no loop device).
+    small = tmp_path / "tiny"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
+    try:
+        r = run_analyze(tmp_path, str(small_image), env={"PAGESHARE_WORKDIR": str(small)})
+        assert r.rc == 2 and "not enough space" in r.stderr and "PAGESHARE_WORKDIR" in r.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

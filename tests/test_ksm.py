@@ -118,3 +118,31 @@ def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.Monk
     t.join(timeout=5)
     assert order == ["first done", "second"]
     assert waited and "another analysis" in waited[0]
+
+
+def test_settings_left_by_a_killed_analysis_are_restored(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL cannot be caught: the next analysis must put the host back."""
+    import subprocess
+    import sys
+    (tmp_path / "ksm").mkdir()
+    root = fake_ksm(tmp_path / "ksm")
+    monkeypatch.setenv("PAGESHARE_KSM_LOCK", str(tmp_path / "ksm.lock"))
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from pageshare.ksm import KSM, ksm_session\n"
+         "with ksm_session(KSM(Path(sys.argv[1]))) as k:\n"
+         "    k.tune(); print('tuned', flush=True); time.sleep(60)\n", str(root)],
+        stdout=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "analyzer")})
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "tuned"
+    child.kill()
+    child.wait()
+    assert (root / "run").read_text().strip() == "1"       # left tuned
+    said: list[str] = []
+    with ksm_session(KSM(root), said.append):
+        assert (root / "run").read_text().strip() == "0"   # recovered before use
+        assert (root / "pages_to_scan").read_text().strip() == "100"
+    assert any("died" in s for s in said)
+    assert not (tmp_path / "ksm.saved").exists()

@@ -135,6 +135,19 @@ def preflight(opts: Options) -> None:
     if opts.vmlinux:
         # The build-id is checked against the guest once it runs.
         check_vmlinux(opts.vmlinux, None)
+    check_space(opts)
+
+
+def check_space(opts: Options) -> None:
+    """The work directory holds a raw copy of the base and two RAM-sized dumps."""
+    opts.workdir_parent.mkdir(parents=True, exist_ok=True)
+    need = 2 * opts.ram_mib * 2**20 + (opts.image.stat().st_size if opts.image.exists() else 0)
+    free = shutil.disk_usage(opts.workdir_parent).free
+    if free < need * 1.1:
+        raise UserError(f"not enough space in {opts.workdir_parent}: {free / 2**30:.1f} GiB free, "
+                        f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy and "
+                        "two memory dumps",
+                        "free space there, or point PAGESHARE_WORKDIR at a larger file system")
 
 
 def analyze(opts: Options, progress: Progress) -> Summary:

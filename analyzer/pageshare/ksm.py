@@ -8,6 +8,7 @@ unmerge every KSM page of every process on the host.
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import signal
@@ -158,6 +159,11 @@ def lock_path() -> Path:
     return Path(os.environ.get("PAGESHARE_KSM_LOCK", "/run/lock/pageshare-ksm.lock"))
 
 
+def state_path() -> Path:
+    """Where the saved settings live while KSM is tuned (next to the lock)."""
+    return lock_path().with_suffix(".saved")
+
+
 @contextmanager
 def host_lock(on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """One KSM user at a time on this host.
@@ -190,13 +196,39 @@ def ksm_session(ksm: KSM, on_wait: Callable[[str], None] | None = None) -> Itera
     second Ctrl-C cannot interrupt the write-back half way.
     """
     ksm.check_usable()
-    with host_lock(on_wait), _saved(ksm):
-        yield ksm
+    with host_lock(on_wait):
+        _recover(ksm, on_wait)
+        with _saved(ksm):
+            yield ksm
+
+
+def _recover(ksm: KSM, say: Callable[[str], None] | None) -> None:
+    """Restores settings left tuned by an analysis that was killed (SIGKILL, power loss).
+
+    We hold the lock, so a state file now can only be a dead run's.
+    """
+    state = state_path()
+    if not state.exists():
+        return
+    try:
+        saved = json.loads(state.read_text())
+    except (OSError, ValueError):
+        state.unlink(missing_ok=True)
+        return
+    if say:
+        say(f"a previous analysis died with host KSM tuned; restoring its saved settings {saved}")
+    ksm.saved = {k: str(v) for k, v in saved.items()}
+    ksm.restore()
+    state.unlink(missing_ok=True)
 
 
 @contextmanager
 def _saved(ksm: KSM) -> Iterator[None]:
-    ksm.save()
+    saved = ksm.save()
+    state = state_path()
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved))
+    os.replace(tmp, state)
     old_term = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: object) -> None:
@@ -209,6 +241,7 @@ def _saved(ksm: KSM) -> Iterator[None]:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             ksm.restore()
+            state.unlink(missing_ok=True)
         finally:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
