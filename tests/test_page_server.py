@@ -1,0 +1,431 @@
+"""page-server end to end: real daemon processes, real qemu-storage-daemon,
+real sockets.  A client that speaks PROTOCOL.md checks every published
+address in the server's memory (/proc/PID/mem, root)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pageshare import golden, sectorlist
+from test_page_server_helpers import (
+    PAGE_SERVER,
+    ImageSpec,
+    Server,
+    check_published,
+    content_sha256,
+    make_list,
+    nonzero_blocks,
+    psc,
+    raw_copy,
+    rss_bytes,
+    server_binary,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="reads /proc/PID/mem: needs root")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """16 MiB of random data as raw and as a *compressed* qcow2."""
+    d = tmp_path_factory.mktemp("synthetic")
+    raw = d / "img.raw"
+    rnd = random.Random(4)
+    data = bytearray(rnd.randbytes(16 << 20))
+    data[4 << 20:6 << 20] = bytes(2 << 20)  # a hole
+    raw.write_bytes(bytes(data))
+    qcow = d / "img.qcow2"
+    subprocess.run(["qemu-img", "convert", "-c", "-O", "qcow2", str(raw), str(qcow)], check=True)
+    return raw, qcow, hashlib.sha256(data).hexdigest()
+
+
+def synthetic_list(raw: Path, sha: str, path: Path, every: int = 3,
+                   limit: int = 10_000) -> sectorlist.SectorList:
+    blocks = nonzero_blocks(raw, limit, stride=every)
+    ident = sectorlist.ImageIdentity(raw.stat().st_size, sha, "img.qcow2")
+    return make_list(ident, blocks, path)
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[list[Server]]:
+    servers: list[Server] = []
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def start(servers: list[Server], d: Path, images: list[ImageSpec], **kw: object) -> Server:
+    s = Server(d, images, **kw)  # type: ignore[arg-type]
+    servers.append(s)
+    s.start()
+    return s
+
+
+def first_table(sock: Path, timeout: float = 60) -> tuple[psc.PageshareClient, psc.TableMsg]:
+    c = psc.PageshareClient(sock, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        m = c.recv()
+        if isinstance(m, psc.TableMsg):
+            return c, m
+        assert isinstance(m, psc.NoTableMsg), m
+        assert m.reason in ("loading", "no-list"), m
+        assert time.monotonic() < deadline
+
+
+# --------------------------------------------------------------------------- golden image
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    image = golden.build_image("small").path
+    raw = raw_copy(image, tmp_path_factory.mktemp("small") / "small.raw")
+    return image, raw, content_sha256(raw)
+
+
+def test_serves_exactly_the_listed_bytes_of_a_golden_image(
+        small: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    image, raw, sha = small
+    blocks = nonzero_blocks(raw, 6000, stride=5)
+    sl = make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name), blocks,
+                   tmp_path / "small.pcsl")
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("small", image, tmp_path / "small.pcsl")])
+    c, msg = first_table(s.sock("small"))
+    with c:
+        check_published(msg, sl)
+        assert msg.generation == 1
+        # pidfd of the server, sealed table
+        assert os.readlink(f"/proc/self/fd/{msg.pidfd}") == "anon_inode:[pidfd]"
+        st = s.image("small")
+        assert st["state"] == "serving" and st["blocks"] == len(blocks)
+        assert st["identity"]["content_sha256"] == sha
+        # Memory: the blocks, the table and a few MiB of process.
+        listed = len(blocks) * 4096
+        rss = rss_bytes(msg.server_pid)
+        assert listed <= rss < listed + 24 * (1 << 20), (rss, listed)
+        # Client stats reach status and metrics.
+        c.stats(msg.generation, 100, 60, 0, 3, 40)
+        wait_for(lambda: s.image("small")["client_stats"]["lookups"] == 100, 5, "stats")
+        def metrics() -> str | None:
+            url = f"http://127.0.0.1:{s.metrics_port}/metrics"
+            t: str = urllib.request.urlopen(url, timeout=5).read().decode()
+            return t if 'pageshare_client_lookups_total{image="small"} 100' in t else None
+        text = wait_for(metrics, 5, "metrics")
+        assert f'pageshare_image_blocks{{image="small"}} {len(blocks)}' in text
+    # The content hash is cached: a restart does not read the whole image again.
+    s.stop()
+    s.start()
+    s.wait_generation("small", 1, 60)
+    assert "content sha256 of" not in s.log_text().split("stopping")[-1]
+
+
+# --------------------------------------------------------------------------- reload
+
+
+def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_path: Path,
+                                       server_factory: list[Server]) -> None:
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    sl1 = synthetic_list(raw, sha, lst, every=2)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
+              extra="[limits]\nclient_switch_timeout_secs = 3")
+    a, m1 = first_table(s.sock("img"))
+    b, _ = first_table(s.sock("img"))
+    check_published(m1, sl1)
+    loaded1 = s.status()["memory"]["loaded_blocks"]
+    assert loaded1 == len(sl1.blocks)
+    # New list: half the blocks plus new ones.
+    keep = dict(list(sl1.blocks.items())[: len(sl1.blocks) // 2])
+    extra = nonzero_blocks(raw, 300, stride=2, start=1 << 20 | 4096)
+    sl2 = make_list(sl1.image, {**keep, **extra}, lst, generator="v2")
+    m2 = a.recv()
+    assert isinstance(m2, psc.TableMsg) and m2.generation == 2
+    check_published(m2, sl2)
+    # Old generation kept while a and b may still use it.
+    st = s.image("img")
+    assert st["live_generations"] == [1, 2] and st["clients_waiting_to_switch"] == 2
+    check_published(m1, sl1)  # old addresses still hold the right bytes
+    a.switched(2)
+    # b never switches: disconnected after the timeout, then generation 1 is freed.
+    bye = b.recv()
+    while isinstance(bye, psc.TableMsg):
+        bye = b.recv()
+    assert isinstance(bye, psc.ByeMsg) and "acknowledge" in bye.text
+    wait_for(lambda: s.image("img")["live_generations"] == [2], 10, "generation 1 released")
+    assert s.status()["memory"]["loaded_blocks"] == len(sl2.blocks)
+    # Blocks in both generations kept their address; dropped ones read as
+    # not present (zero page), never as another block's bytes.
+    for sector in keep:
+        assert m1.table.lookup(sector // 8) == m2.table.lookup(sector // 8)
+    gone = [x for x in sl1.blocks if x not in sl2.blocks][:50]
+    for sector in gone:
+        addr = m1.table.lookup(sector // 8)
+        assert psc.read_server_memory(m1.server_pid, addr or 0, 4096) == bytes(4096)
+    log = s.log_text()
+    assert "generation 2" in log and "reused" in log
+    a.close()
+    b.close()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_lists_are_refused_and_the_old_generation_kept(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    good = lst.with_suffix(".good")
+    lst.write_text("# pcsl v1\ngarbage\n")
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)])
+    wait_for(lambda: s.image("img")["state"] == "refused", 60, "refusal")
+    c = psc.PageshareClient(s.sock("img"))
+    m = c.recv()
+    assert isinstance(m, psc.NoTableMsg) and m.reason == "refused" and "line 2" in m.text
+    sl = synthetic_list(raw, sha, good)
+    os.replace(good, lst)
+    m = c.recv()
+    assert isinstance(m, psc.TableMsg) and m.generation == 1
+    text = lst.read_text()
+    lines = text.split("\n")
+    sep = lines.index("---")
+    body_line = lines[sep + 5]
+    sector, digest = body_line.split(" ")
+    wrong = "0" * 64 if digest != "0" * 64 else "1" * 64
+
+    bad_cases = {
+        # corrupted body: digest catches it
+        "edited": text.replace(body_line, f"{sector} {wrong}"),
+        "truncated": text[: len(text) // 2],
+        "crlf": text.replace("\n", "\r\n"),
+        "other image": text.replace(sha, "ab" * 32),
+        "other size": text.replace(f"image-virtual-size: {raw.stat().st_size}",
+                                   f"image-virtual-size: {raw.stat().st_size + 4096}"),
+        "unsorted": None,
+        "empty": "",
+        "binary": "\x00\xff" * 100,
+    }
+    # A well-formed list (valid digest) whose block hash is wrong: only the
+    # per-block check against the image can catch it.
+    blocks = dict(sl.blocks)
+    blocks[int(sector)] = wrong
+    forged = sectorlist.dumps(sectorlist.SectorList(image=sl.image, blocks=blocks))
+    bad_cases["forged hash of a loaded block"] = forged
+    unlisted = next(x for x in nonzero_blocks(raw, 100) if x not in sl.blocks)
+    forged_new = sectorlist.dumps(sectorlist.SectorList(
+        image=sl.image, blocks={**sl.blocks, unlisted: wrong}))
+    bad_cases["forged hash of a new block"] = forged_new
+    bad_cases.pop("unsorted")
+    for n, (name, content) in enumerate(bad_cases.items()):
+        tmp = lst.with_suffix(".tmp")
+        tmp.write_bytes(content.encode("utf-8", "surrogateescape") if isinstance(content, str)
+                        else content)
+        os.replace(tmp, lst)
+        wait_for(lambda n=n: s.image("img")["loads_failed"] >= 2 + n, 30, f"refusal of {name}")
+        st = s.image("img")
+        assert st["generation"] == 1 and st["state"] == "serving", (name, st)
+        assert s.alive()
+    log = s.log_text()
+    assert "list body does not match list-digest" in log
+    assert "is for another image" in log
+    assert "(verified earlier)" in log  # forged hash of a block already loaded
+    assert "in the image, the list says" in log  # forged hash of a block read now
+    # Never published anything but generation 1, whose bytes are still right.
+    check_published(m, sl)
+    assert s.status()["memory"]["loaded_blocks"] == len(sl.blocks)
+    c.close()
+
+
+def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_path: Path,
+                                         server_factory: list[Server]) -> None:
+    raw, _, sha = synthetic
+    img = tmp_path / "base.raw"
+    shutil.copyfile(raw, img)
+    lst = tmp_path / "l.pcsl"
+    sl = synthetic_list(raw, sha, lst)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", img, lst, fmt="raw")])
+    c, m = first_table(s.sock("img"))
+    check_published(m, sl)
+    # Someone writes into the base image (one listed block changes).
+    sector = sorted(sl.blocks)[10]
+    with open(img, "r+b") as f:
+        f.seek(sector * 512)
+        f.write(b"\x55" * 4096)
+    nt = c.recv()
+    assert isinstance(nt, psc.NoTableMsg) and nt.reason == "image-changed", nt
+    wait_for(lambda: not s.image("img")["loading"] and s.image("img")["state"] != "withdrawn",
+             60, "reload after the change")
+    st = s.image("img")
+    assert st["generation"] is None and st["state"] == "refused", st
+    assert "is for another image" in st["last_error"]
+    # The image disappears: still running, still nothing published.
+    img.unlink()
+    wait_for(lambda: "unreadable" in s.image("img")["message"] or
+             "cannot" in s.image("img")["last_error"], 30, "unreadable image reported")
+    assert s.alive() and s.image("img")["generation"] is None
+    c.close()
+
+
+def test_hostile_clients_do_not_hurt_the_server(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    sl = synthetic_list(raw, sha, lst, every=7)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
+              extra="[limits]\nmax_clients = 40")
+    good, m = first_table(s.sock("img"))
+    path = str(s.sock("img"))
+
+    def raw_conn() -> socket.socket:
+        x = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        x.settimeout(5)
+        x.connect(path)
+        return x
+
+    rnd = random.Random(7)
+    # Bounded socket fuzz: random frames, random bytes, huge lengths, fds.
+    for i in range(300):
+        x = raw_conn()
+        try:
+            kind = rnd.choice([0, 1, 16, 17, 32, 99, 2**32 - 1])
+            payload = rnd.randbytes(rnd.randrange(0, 64))
+            frames = [struct.pack("<II", kind, len(payload)) + payload,
+                      rnd.randbytes(rnd.randrange(1, 200)),
+                      struct.pack("<II", 17, 1 << 30),
+                      struct.pack("<II", 16, 8) + struct.pack("<Q", 12345)]
+            data = rnd.choice(frames)
+            if i % 25 == 0:
+                socket.send_fds(x, [data or b"x"], [os.open("/dev/null", os.O_RDONLY)])
+            else:
+                x.sendall(data)
+        except OSError:
+            pass
+        finally:
+            x.close()
+    # Control socket garbage too.
+    for _ in range(50):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as x:
+            x.connect(str(s.control))
+            x.sendall(rnd.randbytes(rnd.randrange(1, 100)))
+    # Clients that connect and never read, up to the limit and beyond.
+    idle = [raw_conn() for _ in range(45)]
+    assert s.alive()
+    for x in idle:
+        x.close()
+    # A client that floods STATS without reading replies is fine; garbage ends it.
+    bad = psc.PageshareClient(s.sock("img"))
+    assert isinstance(bad.recv(), psc.TableMsg)
+    bad.sock.sendall(struct.pack("<II", 16, 8) + struct.pack("<Q", 999))  # never sent gen
+    assert isinstance(bad.recv(), psc.ByeMsg)
+    bad.close()
+    # Still serving the honest client, correctly; no fd leak in the server.
+    check_published(m, sl)
+    new, m2 = first_table(s.sock("img"))
+    check_published(m2, sl)
+    nfds = len(os.listdir(f"/proc/{m.server_pid}/fd"))
+    assert nfds < 40, nfds
+    st = s.status()
+    assert st["clients"] == 2
+    good.close()
+    new.close()
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def test_sd_notify_ready_and_watchdog(synthetic: tuple[Path, Path, str], tmp_path: Path,
+                                      server_factory: list[Server]) -> None:
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    synthetic_list(raw, sha, lst, every=50)
+    ns = tmp_path / "notify.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(ns))
+    rx.settimeout(10)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
+              env={"NOTIFY_SOCKET": str(ns), "WATCHDOG_USEC": "400000"})
+    got: list[str] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (
+            any("READY=1" in g for g in got) and sum("WATCHDOG=1" in g for g in got) >= 3):
+        got.append(rx.recv(4096).decode())
+    assert any("READY=1" in g for g in got), got
+    assert sum("WATCHDOG=1" in g for g in got) >= 3, got
+    s.stop()
+    rx.settimeout(2)
+    rest = []
+    try:
+        while True:
+            rest.append(rx.recv(4096).decode())
+    except TimeoutError:
+        pass
+    assert any("STOPPING=1" in g for g in rest)
+    rx.close()
+
+
+def test_status_command_and_degraded_mode_match_the_kernel(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    synthetic_list(raw, sha, lst, every=50)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)])
+    s.wait_generation("img", 1, 60)
+    # What the kernel says about MADV_ALLOWMERGED (26), probed independently.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    p = libc.mmap(None, 4096, 1, 0x22, -1, 0)
+    supported = libc.madvise(p, 4096, 26) == 0
+    st = s.status()
+    assert st["degraded"] is (not supported)
+    out = subprocess.run([str(server_binary()), "status", "--config", str(s.config)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "image img: serving" in out
+    assert ("DEGRADED" in out) is (not supported)
+    if not supported:
+        assert "MADV_ALLOWMERGED" in s.log_text() and "DEGRADED MODE" in s.log_text()
+        c, m = first_table(s.sock("img"))
+        assert m.degraded
+        c.close()
+    r = subprocess.run([str(server_binary()), "reload", "img", "--config", str(s.config)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and '"ok":true' in r.stdout
+    s.wait_generation("img", 2, 60)
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = (PAGE_SERVER / "pageshare-server.service").read_text()
+    assert "Type=notify" in unit and "WatchdogSec=" in unit
+    for opt in ("ProtectSystem=strict", "PrivateTmp=yes", "NoNewPrivileges=yes",
+                "ProtectHome=yes", "RuntimeDirectory=pageshare", "CacheDirectory="):
+        assert opt in unit
+    # systemd-analyze checks that ExecStart exists: point it at the build.
+    local = unit.replace("/usr/local/bin/pageshare-server", str(server_binary()))
+    good = tmp_path / "pageshare-server.service"
+    good.write_text(local)
+    p = subprocess.run(["systemd-analyze", "verify", str(good)], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr
+    # The check can fail: a typo in a directive is reported.
+    bad = tmp_path / "bad" / "pageshare-server.service"
+    bad.parent.mkdir()
+    bad.write_text(local.replace("ProtectSystem=strict", "ProtectSystem=strickt"))
+    p = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True)
+    assert p.returncode != 0 or p.stderr.strip(), "a broken unit passed verification"
+    # And the example config is valid.
+    subprocess.run([str(server_binary()), "check-config",
+                    str(PAGE_SERVER / "server.example.toml")], check=True, capture_output=True)
