@@ -27,6 +27,8 @@ sys.path.insert(0, str(PAGE_SERVER / "client"))
 
 import pageshare_client as psc  # noqa: E402
 
+__all__ = ["psc"]
+
 CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare"))
 TARGET = CACHE / "cargo-target"
 
