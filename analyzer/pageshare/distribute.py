@@ -9,6 +9,7 @@ Keys (the page server's src/redis_watch.rs uses the same layout)::
 
     <prefix>:list:<virtual size>-<content sha256>   the pcsl text (string)
     <prefix>:meta:<virtual size>-<content sha256>   hash: header fields, who published, when
+    <prefix>:revision:<virtual size>-<sha256>       publish counter (also in meta)
     <prefix>:images                                 set of the image keys
     <prefix>:events                                 pub/sub channel, message = image key
     <prefix>:host:<host>                            hash: status (server JSON), updated, pid
@@ -130,10 +131,11 @@ def publish(store: Store, path: Path, publisher: str | None = None) -> dict[str,
         p.set(store.key("list", key), data)
         p.delete(store.key("meta", key))
         p.hset(store.key("meta", key), mapping=dict[Any, Any](meta))
-        p.hincrby(store.key("meta", key), "revision", 1)
+        p.incr(store.key("revision", key))
         p.sadd(store.key("images"), key)
         p.publish(store.key("events"), key)
         result: list[Any] = p.execute()
+        store.r.hset(store.key("meta", key), "revision", int(result[3]))
         return result
 
     res = store._call("publish", tx)

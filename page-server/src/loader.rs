@@ -61,6 +61,8 @@ pub struct LoadOk {
     /// Blocks of the list; the job holds one arena reference on each.
     pub blocks: Vec<u64>,
     pub list: SectorList,
+    /// sha256 of the list text as received (to skip re-deliveries).
+    pub text_sha: [u8; 32],
     pub read_blocks: u64,
     pub reused_blocks: u64,
     pub secs: f64,
@@ -145,6 +147,7 @@ impl Loader {
             }
             ListSource::Cached => (None, String::new()),
         };
+        let mut cached_text: Option<Arc<Vec<u8>>> = None;
         let mut list = match &text {
             Some(t) => Some(
                 sectorlist::parse_bytes(t).map_err(|e| (FailKind::Refused, format!("list refused: {origin}: {e}")))?,
@@ -200,8 +203,13 @@ impl Loader {
             let l = sectorlist::parse_bytes(&t)
                 .map_err(|e| (FailKind::Refused, format!("cached list {} refused: {e}", p.display())))?;
             list = Some(l);
+            cached_text = Some(Arc::new(t));
         }
         let list = list.expect("set above");
+        let text_sha: [u8; 32] = match (&text, &cached_text) {
+            (Some(t), _) | (None, Some(t)) => Sha256::digest(t.as_slice()).into(),
+            _ => [0; 32],
+        };
         let origin = if origin.is_empty() { "cached list".to_string() } else { origin };
 
         // 3. The list must name exactly this image.
@@ -293,6 +301,7 @@ impl Loader {
             arena,
             blocks: held,
             list,
+            text_sha,
             read_blocks: to_load.len() as u64,
             reused_blocks: 0,
             secs: t0.elapsed().as_secs_f64(),

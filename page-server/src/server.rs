@@ -41,6 +41,7 @@ struct Generation {
     blocks: Vec<u64>,
     table_bytes: usize,
     list_digest: String,
+    text_sha: [u8; 32],
     list_meta: Value,
     source: String,
     published_at: f64,
@@ -582,6 +583,7 @@ impl Server {
             blocks: ok.blocks,
             table_bytes: bytes.len(),
             list_digest: format!("sha256:{}", crate::sys::hex(&l.digest)),
+            text_sha: ok.text_sha,
             list_meta,
             source: source.describe(),
             published_at: crate::sys::now_unix(),
@@ -1138,7 +1140,18 @@ impl Server {
                 match ev {
                     Event::Loaded(l) => self.on_loaded(*l),
                     Event::Redis(r) => {
-                        if self.images[r.image].redis_key.as_deref() == Some(r.key.as_str()) {
+                        let sha: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
+                            <sha2::Sha256 as sha2::Digest>::new(),
+                            r.text.as_slice(),
+                        ))
+                        .into();
+                        let img = &self.images[r.image];
+                        if img.current.as_ref().is_some_and(|g| g.text_sha == sha) && !img.loading {
+                            crate::log::info(&format!(
+                                "image {}: the list in Redis is the one already served",
+                                img.cfg.name
+                            ));
+                        } else if img.redis_key.as_deref() == Some(r.key.as_str()) {
                             self.request_load(r.image, ListSource::Redis(r.key, r.text), "new list in Redis");
                         }
                     }

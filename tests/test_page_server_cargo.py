@@ -1,0 +1,32 @@
+"""Runs page-server's Rust unit tests (incl. the bounded parser and framing
+fuzzers) and clippy, so `make test` covers them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_page_server_helpers import PAGE_SERVER, TARGET, cargo
+
+
+def run_cargo(*args: str) -> subprocess.CompletedProcess[str]:
+    c = cargo()
+    if c is None:
+        pytest.skip("cargo is not installed (https://rustup.rs)")
+    env = dict(os.environ, CARGO_TARGET_DIR=str(TARGET))
+    env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
+    return subprocess.run(["nice", "-n", "10", c, *args], cwd=PAGE_SERVER, env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def test_cargo_test() -> None:
+    p = run_cargo("test", "--release", "--locked")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "fuzz_list_parser ... ok" in p.stdout and "fuzz_framing ... ok" in p.stdout
+
+
+def test_cargo_clippy() -> None:
+    p = run_cargo("clippy", "--release", "--locked", "--all-targets", "--", "-D", "warnings")
+    assert p.returncode == 0, p.stderr[-3000:]
