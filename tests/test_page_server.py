@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -427,3 +428,23 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     # And the example config is valid.
     subprocess.run([str(server_binary()), "check-config",
                     str(PAGE_SERVER / "server.example.toml")], check=True, capture_output=True)
+
+
+def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
+                        server_factory: list[Server]) -> None:
+    """client/pageshare_table.h builds with -Wall -Werror and reads the live
+    server's table exactly like the Python client."""
+    raw, qcow, sha = synthetic
+    lst = tmp_path / "l.pcsl"
+    sl = synthetic_list(raw, sha, lst, every=3)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)])
+    s.wait_generation("img", 1, 60)
+    exe = tmp_path / "bench_lookup"
+    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
+                    str(PAGE_SERVER / "client" / "bench_lookup.c")], check=True)
+    out = subprocess.run([str(exe), str(s.sock("img")), "100000"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["entries"] == len(sl.blocks) and r["generation"] == 1
+    assert r["random_found"] > 0 and r["hit_ns"] > 0
