@@ -165,6 +165,13 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
                 before[s.host] = s.image("x")["loads_failed"]
                 st = s.image("x")
                 assert st["generation"] == 2 and st["state"] == "serving", st
+        # A key of the wrong type must not break the watcher's session.
+        rc.delete(key_x)
+        rc.hset(key_x, "x", "y")
+        rc.publish("pageshare:events", distribute.image_key(id_x))
+        wait_for(lambda: "is not a string" in a.log_text(), 10, "wrong type reported")
+        time.sleep(1.5)
+        assert a.status()["redis"]["connected"] and a.status()["redis"]["connects"] == 1
         assert "is for another image" in a.log_text()
         check_published(table_of(a, "x", 2), x2)
         rc.hset("pageshare:host:bogus", mapping={"status": "{not json", "updated": "x"})

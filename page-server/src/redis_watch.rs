@@ -229,7 +229,18 @@ impl Watcher {
             if only.is_some_and(|o| o != image) {
                 continue;
             }
-            let len: i64 = redis::cmd("STRLEN").arg(&key).query(con).map_err(|e| format!("STRLEN {key}: {e}"))?;
+            let len: i64 = match redis::cmd("STRLEN").arg(&key).query(con) {
+                Ok(n) => n,
+                Err(e) if e.code() == Some("WRONGTYPE") => {
+                    let marker = [0xfeu8; 32];
+                    if self.delivered.get(&key) != Some(&marker) {
+                        crate::log::error(&format!("redis key {key} is not a string; ignored"));
+                        self.delivered.insert(key.clone(), marker);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(format!("STRLEN {key}: {e}")),
+            };
             if len == 0 {
                 continue; // no list published (or not a string: reported by GET below)
             }
