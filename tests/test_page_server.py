@@ -274,6 +274,13 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
     wait_for(lambda: "unreadable" in s.image("img")["message"] or
              "cannot" in s.image("img")["last_error"], 30, "unreadable image reported")
     assert s.alive() and s.image("img")["generation"] is None
+    # The right image comes back: served again, as a new generation.
+    shutil.copyfile(raw, img)
+    m2 = c.recv()
+    while not isinstance(m2, psc.TableMsg):
+        m2 = c.recv()
+    assert m2.generation == 2
+    check_published(m2, sl)
     c.close()
 
 

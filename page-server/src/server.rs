@@ -149,6 +149,9 @@ pub struct Server {
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
+/// Retry interval after the base image could not be read.
+const IMAGE_RETRY: Duration = Duration::from_secs(30);
+
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
@@ -512,7 +515,12 @@ impl Server {
                     self.withdraw(idx, NT_IMAGE_CHANGED, &msg);
                     let img = &mut self.images[idx];
                     img.state = "error";
-                    img.message = msg;
+                    img.message = format!("{msg} (retrying in {} s)", IMAGE_RETRY.as_secs());
+                    // The image may come back (a transient lock, a copy in
+                    // progress): try again later, inotify may be quicker.
+                    if img.reload_at.is_none() {
+                        img.reload_at = Some(Instant::now() + IMAGE_RETRY);
+                    }
                 } else {
                     let img = &mut self.images[idx];
                     if img.current.is_none() {
@@ -1162,7 +1170,7 @@ impl Server {
                 if self.images[i].reload_at.is_some_and(|t| now >= t) {
                     self.images[i].reload_at = None;
                     let src = self.reload_source(i);
-                    self.request_load(i, src, "list file changed");
+                    self.request_load(i, src, "list file changed or retry");
                 }
                 if self.images[i].recheck_image_at.is_some_and(|t| now >= t) {
                     self.images[i].recheck_image_at = None;
