@@ -50,5 +50,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 	.venv/bin/pip install -q -e '.[notebooks,dev]'
 	touch "$stamp"
 fi
+# Rust (page-server) comes with the machine image (rustup); Debian 12's cargo
+# is too old for the page server's dependencies, so do not fall back to it.
+export PATH="$HOME/.cargo/bin:$PATH"
+if ! command -v cargo >/dev/null; then
+	echo "install-deps: cargo not found; install Rust >= 1.80 with rustup, then rerun" >&2
+	exit 2
+fi
 make -s -C crash-ext
 echo "install-deps: ok" >&2

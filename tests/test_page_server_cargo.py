@@ -14,7 +14,7 @@ from test_page_server_helpers import PAGE_SERVER, TARGET, cargo
 def run_cargo(*args: str) -> subprocess.CompletedProcess[str]:
     c = cargo()
     if c is None:
-        pytest.skip("cargo is not installed (https://rustup.rs)")
+        pytest.fail("cargo is not installed: run scripts/install-deps.sh")
     env = dict(os.environ, CARGO_TARGET_DIR=str(TARGET))
     env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
     return subprocess.run(["nice", "-n", "10", c, *args], cwd=PAGE_SERVER, env=env,

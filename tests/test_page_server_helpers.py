@@ -47,7 +47,7 @@ def server_binary(profile: str = "release") -> Path:
         return _built[profile]
     c = cargo()
     if c is None:
-        pytest.skip("cargo is not installed (https://rustup.rs); page-server cannot be built")
+        pytest.fail("cargo is not installed (scripts/install-deps.sh); page-server cannot be built")
     env = dict(os.environ, CARGO_TARGET_DIR=str(TARGET))
     env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
     args = [c, "build", "--quiet", "--locked"] + (["--release"] if profile == "release" else [])
@@ -118,7 +118,7 @@ class Redis:
 @contextlib.contextmanager
 def redis_server(tmp: Path) -> Iterator[Redis]:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (scripts/install-deps.sh)")
     r = Redis(free_port(), tmp / "redis")
     r.start()
     try:
