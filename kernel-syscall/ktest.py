@@ -1,0 +1,893 @@
+#!/usr/bin/env python3
+"""Build the merge_pages kernel series, boot it under QEMU and run the tests.
+
+One command does everything (see README.md):
+
+    kernel-syscall/run-tests.sh [--config debug|plain] [--bench]
+
+Steps, each cached under $PAGESHARE_CACHE/kernel (default
+~/.cache/pageshare/kernel), outside the git clone:
+
+1. source: Debian's linux-source-6.12 tarball (apt package; if the host's
+   apt cannot install it, a private apt configuration under the cache
+   downloads it from trixie; /etc/apt is never touched).  Unpacked once into
+   a git repository ("base" tag) keyed by the tarball's sha256.
+2. series: patches/*.patch are applied with `git am` on a detached "base"
+   checkout, so `git format-patch` can regenerate them (see `devtree`).
+3. kernel: `make tinyconfig` + config/base.config + config/<config>.config,
+   olddefconfig, every requested option verified, then bzImage.  The image is
+   cached by a hash of (source, series, config fragments); a warm run does not
+   call make at all.  The build directory is kept per config, so a changed
+   series rebuilds incrementally.
+4. tests: the series' selftests (merge_page_tests) and the kernel's own KSM
+   selftests, plus our benchmark, built with gcc -static against the uapi
+   headers of that very build; an initramfs with Debian's busybox-static.
+5. boot: qemu-system-x86_64 -accel tcg, run the tests, print TAP, scan the
+   kernel log for WARN/BUG/lockdep/KASAN/KFENCE reports (any one fails the
+   run), exit with the tests' status.
+
+Only the Python standard library is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PATCHES = HERE / "patches"
+CONFIGS = HERE / "config"
+GUEST = HERE / "tests"
+LIBDIR = HERE / "lib"
+UAPI = HERE / "include"
+
+SRC_PACKAGE = "linux-source-6.12"
+SRC_TARBALL = Path("/usr/src/linux-source-6.12.tar.xz")
+# Bump when the way a kernel is configured or built changes, so that cached
+# images built the old way are not reused.
+BUILD_RECIPE = "3"
+MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
+
+GIT_ID = ["-c", "user.name=pageshare ktest", "-c", "user.email=ktest@pageshare.invalid",
+          "-c", "advice.detachedHead=false", "-c", "gc.auto=0"]
+
+# Kernel log reports that fail a run.  Matched against every line of the
+# serial console and of the dmesg dump taken at the end.
+BAD_PATTERNS = [
+    r"WARNING: CPU: \d+ PID: \d+",
+    r"WARNING: .* at ",
+    r"\bBUG: ",
+    r"kernel BUG at",
+    r"Oops: ",
+    r"general protection fault",
+    r"possible circular locking dependency",
+    r"inconsistent lock state",
+    r"possible recursive locking",
+    r"lockdep: ",
+    r"INFO: trying to register non-static key",
+    r"suspicious RCU usage",
+    r"BUG: KASAN: ",
+    r"BUG: KFENCE: ",
+    r"UBSAN: ",
+    r"Kernel panic",
+    r"page dumped because",
+    r"bad page state",
+    r"list_add corruption",
+    r"list_del corruption",
+    r"page_table_check",
+    r"hung_task",
+    r"blocked for more than",
+    r"RIP: ",
+]
+BAD_RE = re.compile("|".join(f"(?:{p})" for p in BAD_PATTERNS), re.IGNORECASE)
+
+
+class KtestError(Exception):
+    """A failure with a message that says what to do."""
+
+
+def log(msg: str) -> None:
+    print(f"ktest: {msg}", flush=True)
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache/pageshare"))
+    root = base / "kernel"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+        capture: bool = False, check: bool = True, logfile: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command; with logfile, append its output there instead of the terminal."""
+    if logfile is not None:
+        with open(logfile, "a") as f:
+            f.write(f"\n$ {shlex.join(cmd)}\n")
+            f.flush()
+            p = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    else:
+        p = subprocess.run(cmd, cwd=cwd, env=env, text=True,
+                           capture_output=capture)
+    if check and p.returncode != 0:
+        tail = ""
+        if logfile is not None:
+            tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-40:])
+        elif capture:
+            tail = (p.stdout or "")[-2000:] + (p.stderr or "")[-2000:]
+        raise KtestError(f"command failed ({p.returncode}): {shlex.join(cmd)}\n{tail}")
+    return p
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def nice_prefix() -> list[str]:
+    return ["nice", "-n", "10"]
+
+
+def jobs() -> str:
+    return os.environ.get("KTEST_JOBS", str(os.cpu_count() or 2))
+
+
+# --------------------------------------------------------------------------
+# 1. source
+# --------------------------------------------------------------------------
+
+class PrivateApt:
+    """apt-get with its own sources and state under the cache (bookworm + trixie)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for sub in ("lists/partial", "archives/partial", "etc"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        lines = []
+        for suite in ("bookworm", "trixie"):
+            lines.append(f"deb {MIRROR} {suite} main")
+            lines.append(f"deb {MIRROR} {suite}-updates main")
+            lines.append(f"deb {SECURITY} {suite}-security main")
+        (root / "etc/sources.list").write_text("\n".join(lines) + "\n")
+
+    def opts(self) -> list[str]:
+        r = self.root
+        return ["-o", f"Dir::Etc::SourceList={r}/etc/sources.list",
+                "-o", "Dir::Etc::SourceParts=/nonexistent",
+                "-o", f"Dir::State::Lists={r}/lists",
+                "-o", f"Dir::Cache={r}",
+                "-o", f"Dir::Cache::archives={r}/archives",
+                "-o", "Dir::State::status=/dev/null",
+                "-o", "Debug::NoLocking=1",
+                "-o", "APT::Get::List-Cleanup=0"]
+
+    def download(self, package: str, dest: Path) -> Path:
+        run(["apt-get", *self.opts(), "update", "-qq"], capture=True)
+        dest.mkdir(parents=True, exist_ok=True)
+        run(["apt-get", *self.opts(), "download", package], cwd=dest, capture=True)
+        debs = sorted(dest.glob(f"{package}_*.deb"))
+        if not debs:
+            raise KtestError(f"apt-get download {package} produced no .deb in {dest}")
+        return debs[-1]
+
+
+def host_package_version(package: str) -> str | None:
+    p = run(["dpkg-query", "-W", "-f", "${Status} ${Version}", package], capture=True, check=False)
+    if p.returncode == 0 and p.stdout.startswith("install ok installed"):
+        return p.stdout.split()[-1]
+    return None
+
+
+def apt_candidate(package: str) -> str | None:
+    p = run(["apt-cache", "policy", package], capture=True, check=False)
+    m = re.search(r"Candidate:\s*(\S+)", p.stdout)
+    if m and m.group(1) != "(none)":
+        return m.group(1)
+    return None
+
+
+def ensure_source_tarball(root: Path) -> tuple[Path, str]:
+    """Return (tarball, version) of Debian's linux-source-6.12."""
+    ver = host_package_version(SRC_PACKAGE)
+    if ver and SRC_TARBALL.exists():
+        return SRC_TARBALL, ver
+    if apt_candidate(SRC_PACKAGE) and os.geteuid() == 0:
+        log(f"installing {SRC_PACKAGE} with apt-get (the host's apt has it)")
+        run(["apt-get", "install", "-y", "-q", SRC_PACKAGE], capture=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        ver = host_package_version(SRC_PACKAGE)
+        if ver and SRC_TARBALL.exists():
+            return SRC_TARBALL, ver
+    # Private download (bookworm-security or trixie); nothing on the host changes.
+    pkgdir = root / "pkg"
+    debs = sorted(pkgdir.glob(f"{SRC_PACKAGE}_*.deb"))
+    if not debs:
+        log(f"downloading {SRC_PACKAGE} with a private apt configuration under {root / 'apt'}")
+        debs = [PrivateApt(root / "apt").download(SRC_PACKAGE, pkgdir)]
+    deb = debs[-1]
+    ver = run(["dpkg-deb", "-f", str(deb), "Version"], capture=True).stdout.strip()
+    out = pkgdir / f"x-{ver}"
+    tarball = out / "usr/src/linux-source-6.12.tar.xz"
+    if not tarball.exists():
+        run(["dpkg-deb", "-x", str(deb), str(out)])
+    return tarball, ver
+
+
+def source_key(root: Path, tarball: Path, ver: str) -> str:
+    st = tarball.stat()
+    memo = root / "tarball-sha256.json"
+    data: dict[str, str] = json.loads(memo.read_text()) if memo.exists() else {}
+    ident = f"{tarball}:{st.st_size}:{int(st.st_mtime)}"
+    if ident not in data:
+        data[ident] = sha256_file(tarball)
+        memo.write_text(json.dumps(data, indent=1))
+    safe = re.sub(r"[^0-9A-Za-z.+-]", "_", ver)
+    return f"{safe}-{data[ident][:12]}"
+
+
+@dataclass
+class Source:
+    key: str
+    repo: Path      # git repository used for `git am` (its work tree is scratch)
+    tree: Path      # git worktree the kernel is built from (O= builds)
+
+
+def ensure_source(root: Path) -> Source:
+    tarball, ver = ensure_source_tarball(root)
+    key = source_key(root, tarball, ver)
+    base = root / "src" / key
+    repo = base / "repo"
+    tree = base / "tree"
+    if not (base / ".ready").exists():
+        if base.exists():
+            shutil.rmtree(base)
+        base.mkdir(parents=True)
+        log(f"unpacking {tarball} ({ver}) into {repo}")
+        tmp = base / "unpack"
+        tmp.mkdir()
+        run(["tar", "-xf", str(tarball), "-C", str(tmp)])
+        (subdir,) = list(tmp.iterdir())
+        subdir.rename(repo)
+        tmp.rmdir()
+        log("making the throwaway git repository (one commit, tag 'base')")
+        run(["git", "init", "-q"], cwd=repo)
+        run(["git", *GIT_ID, "add", "-A", "-f"], cwd=repo)
+        run(["git", *GIT_ID, "commit", "-q", "-m",
+             f"Linux {ver} (Debian {SRC_PACKAGE})"], cwd=repo)
+        run(["git", "tag", "base"], cwd=repo)
+        run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(tree), "base"], cwd=repo)
+        (base / ".ready").write_text(ver + "\n")
+    return Source(key, repo, tree)
+
+
+# --------------------------------------------------------------------------
+# 2. series
+# --------------------------------------------------------------------------
+
+def series_files() -> list[Path]:
+    return sorted(p for p in PATCHES.glob("*.patch") if not p.name.startswith("0000-"))
+
+
+def series_hash(patches: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in patches:
+        h.update(p.name.encode() + b"\0")
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def apply_series(src: Source, patches: list[Path]) -> list[str]:
+    """git am the series on top of base; return the commit after each patch."""
+    memo = src.repo.parent / "series-commits.json"
+    data: dict[str, list[str]] = json.loads(memo.read_text()) if memo.exists() else {}
+    key = series_hash(patches)
+    commits = data.get(key)
+    if commits and all(run(["git", "cat-file", "-e", c + "^{commit}"], cwd=src.repo,
+                           check=False, capture=True).returncode == 0 for c in commits):
+        return commits
+    run(["git", *GIT_ID, "am", "--abort"], cwd=src.repo, check=False, capture=True)
+    run(["git", *GIT_ID, "checkout", "-q", "-f", "--detach", "base"], cwd=src.repo)
+    commits = []
+    for p in patches:
+        r = run(["git", *GIT_ID, "am", "-q", "--keep-cr", str(p)], cwd=src.repo,
+                check=False, capture=True)
+        if r.returncode != 0:
+            run(["git", *GIT_ID, "am", "--abort"], cwd=src.repo, check=False, capture=True)
+            raise KtestError(f"{p.name} does not apply:\n{r.stdout}{r.stderr}")
+        commits.append(run(["git", "rev-parse", "HEAD"], cwd=src.repo, capture=True).stdout.strip())
+    if not commits:
+        commits = [run(["git", "rev-parse", "base"], cwd=src.repo, capture=True).stdout.strip()]
+    data[key] = commits
+    memo.write_text(json.dumps(data, indent=1))
+    return commits
+
+
+def checkout_tree(src: Source, commit: str) -> None:
+    """Point the build tree at commit.  git touches only files that differ,
+    so an incremental build recompiles only what the change affects."""
+    run(["git", *GIT_ID, "checkout", "-q", "-f", "--detach", commit], cwd=src.tree)
+    run(["git", "clean", "-q", "-f", "-d"], cwd=src.tree)
+
+
+# --------------------------------------------------------------------------
+# 3. kernel
+# --------------------------------------------------------------------------
+
+def config_fragments(config: str) -> list[Path]:
+    frags = [CONFIGS / "base.config", CONFIGS / f"{config}.config"]
+    for f in frags:
+        if not f.exists():
+            raise KtestError(f"no config fragment {f}")
+    return frags
+
+
+def parse_fragment(path: Path) -> dict[str, str]:
+    want: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        m = re.match(r"^(CONFIG_\w+)=(.*)$", line)
+        if m:
+            want[m.group(1)] = m.group(2)
+        m = re.match(r"^# (CONFIG_\w+) is not set$", line)
+        if m:
+            want[m.group(1)] = "n"
+    return want
+
+
+def image_key(src: Source, patches: list[Path], config: str) -> str:
+    h = hashlib.sha256()
+    h.update(f"recipe={BUILD_RECIPE}\nsource={src.key}\nconfig={config}\n".encode())
+    h.update(series_hash(patches).encode())
+    for f in config_fragments(config):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def make(src: Source, build: Path, *targets: str, logfile: Path, extra: list[str] | None = None) -> None:
+    cmd = [*nice_prefix(), "make", "-C", str(src.tree), f"O={build}", "ARCH=x86_64",
+           f"-j{jobs()}", *(extra or []), *targets]
+    run(cmd, logfile=logfile)
+
+
+def configure(src: Source, build: Path, config: str, logfile: Path) -> None:
+    frags = config_fragments(config)
+    make(src, build, "tinyconfig", logfile=logfile)
+    run([str(src.tree / "scripts/kconfig/merge_config.sh"), "-m", "-O", str(build),
+         str(build / ".config"), *map(str, frags)], cwd=build, logfile=logfile)
+    make(src, build, "olddefconfig", logfile=logfile)
+    have: dict[str, str] = {}
+    for line in (build / ".config").read_text().splitlines():
+        m = re.match(r"^(CONFIG_\w+)=(.*)$", line)
+        if m:
+            have[m.group(1)] = m.group(2)
+    bad = []
+    for f in frags:
+        for k, v in parse_fragment(f).items():
+            got = have.get(k, "n")
+            if got != v:
+                bad.append(f"{k}={v} (got {got}) from {f.name}")
+    if bad:
+        raise KtestError("config options did not stick (missing dependency?):\n  " + "\n  ".join(bad))
+
+
+def build_kernel(src: Source, commit: str, config: str, outdir: Path, logfile: Path) -> float:
+    """Configure and build bzImage + uapi headers at commit; return seconds spent."""
+    t0 = time.monotonic()
+    build = cache_root() / "build" / f"{src.key}-{config}"
+    build.mkdir(parents=True, exist_ok=True)
+    checkout_tree(src, commit)
+    configure(src, build, config, logfile)
+    make(src, build, "bzImage", logfile=logfile)
+    hdr = outdir / "headers"
+    if hdr.exists():
+        shutil.rmtree(hdr)
+    make(src, build, "headers_install", logfile=logfile, extra=[f"INSTALL_HDR_PATH={hdr}"])
+    shutil.copy2(build / "arch/x86/boot/bzImage", outdir / "bzImage")
+    shutil.copy2(build / ".config", outdir / "config")
+    shutil.copy2(build / "System.map", outdir / "System.map")
+    return time.monotonic() - t0
+
+
+def ensure_kernel(src: Source, patches: list[Path], config: str) -> Path:
+    key = image_key(src, patches, config)
+    outdir = cache_root() / "images" / f"{config}-{key}"
+    meta = outdir / "meta.json"
+    if meta.exists() and (outdir / "bzImage").exists():
+        m = json.loads(meta.read_text())
+        log(f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s on {m['built_at']}); no rebuild")
+        return outdir
+    commits = apply_series(src, patches)
+    tmp = outdir.with_name(outdir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    logfile = tmp / "build.log"
+    log(f"kernel {config}: building {len(patches)} patches on {src.key} (log: {outdir}/build.log)")
+    secs = build_kernel(src, commits[-1], config, tmp, logfile)
+    (tmp / "meta.json").write_text(json.dumps({
+        "build_seconds": secs, "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "source": src.key, "series": [p.name for p in patches], "commit": commits[-1],
+        "config": config, "jobs": jobs()}, indent=1))
+    if outdir.exists():
+        shutil.rmtree(outdir)
+    tmp.rename(outdir)
+    log(f"kernel {config}: built in {secs:.0f} s -> {outdir}/bzImage")
+    return outdir
+
+
+# --------------------------------------------------------------------------
+# 4. tests and initramfs
+# --------------------------------------------------------------------------
+
+def ensure_busybox(root: Path) -> Path:
+    """Debian's busybox-static, downloaded (not installed: it conflicts with busybox)."""
+    bb = sorted((root / "busybox").glob("*/bin/busybox"))
+    if bb:
+        return bb[-1]
+    d = root / "busybox" / "dl"
+    d.mkdir(parents=True, exist_ok=True)
+    if not sorted(d.glob("busybox-static_*.deb")):
+        log("downloading Debian's busybox-static")
+        p = run(["apt-get", "download", "busybox-static"], cwd=d, capture=True, check=False)
+        if p.returncode != 0:
+            PrivateApt(root / "apt").download("busybox-static", d)
+    deb = sorted(d.glob("busybox-static_*.deb"))[-1]
+    ver = run(["dpkg-deb", "-f", str(deb), "Version"], capture=True).stdout.strip()
+    out = root / "busybox" / re.sub(r"[^0-9A-Za-z.+-]", "_", ver)
+    run(["dpkg-deb", "-x", str(deb), str(out)])
+    return out / "bin/busybox"
+
+
+@dataclass
+class GuestTest:
+    name: str
+    argv: list[str]
+    timeout: int
+    configs: tuple[str, ...] = ("debug", "plain")
+    needs: str = ""          # binary that must have been built
+
+
+def guest_tests(config: str, bench: bool) -> list[GuestTest]:
+    """The tests /init runs, in order."""
+    t = [
+        GuestTest("merge_page_tests", ["/tests/merge_page_tests"], 1800, needs="merge_page_tests"),
+        GuestTest("merge_page_stress", ["/tests/merge_page_stress", "-t", "60"], 600,
+                  needs="merge_page_stress"),
+        GuestTest("ksm_functional_tests", ["/tests/ksm_functional_tests"], 900),
+        GuestTest("ksm_tests -M -p 10", ["/tests/ksm_tests", "-M", "-p", "10"], 600),
+        GuestTest("ksm_tests -U", ["/tests/ksm_tests", "-U"], 600),
+        GuestTest("ksm_tests -Z -p 10 -z 0", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600),
+        GuestTest("ksm_tests -Z -p 10 -z 1", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600),
+        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600),
+        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600),
+        GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
+    ]
+    if bench:
+        t = [GuestTest("merge_bench", ["/tests/merge_bench"], 1800, needs="merge_bench")]
+    return [x for x in t if config in x.configs]
+
+
+def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Path) -> list[str]:
+    """Static test binaries against this build's uapi headers.  Returns names built."""
+    checkout_tree(src, commit)
+    mm = src.tree / "tools/testing/selftests/mm"
+    hdr = kdir / "headers/include"
+    cflags = ["-static", "-O2", "-Wall", "-g", "-U_FORTIFY_SOURCE", "-I", str(src.tree),
+              "-isystem", str(hdr), "-isystem", str(src.tree / "tools/include/uapi"),
+              "-I", str(mm)]
+    built = []
+
+    def cc(name: str, files: list[Path], libs: list[str] = [], extra: list[str] = []) -> None:
+        run(["gcc", *cflags, *extra, "-o", str(outdir / name), *map(str, files), *libs, "-lpthread"],
+            logfile=logfile)
+        built.append(name)
+
+    vm_util = [mm / "vm_util.c"]
+    cc("ksm_functional_tests", [mm / "ksm_functional_tests.c", *vm_util])
+    cc("ksm_tests", [mm / "ksm_tests.c", *vm_util, mm / "thp_settings.c"], ["-lnuma"])
+    if (mm / "merge_page_tests.c").exists():
+        cc("merge_page_tests", [mm / "merge_page_tests.c", *vm_util], ["-lnuma"])
+    # Project-side programs use the project's uapi header (-I is searched
+    # before -isystem), as the page server and QEMU will.
+    lib = [LIBDIR / "merge_page.c"]
+    inc = ["-I", str(LIBDIR), "-I", str(UAPI / "uapi")]
+    if (GUEST / "merge_page_stress.c").exists():
+        cc("merge_page_stress", [GUEST / "merge_page_stress.c", *lib], extra=inc)
+    if (GUEST / "merge_bench.c").exists():
+        cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
+    return built
+
+
+def check_uapi_header(src: Source, commit: str) -> None:
+    """The project's uapi header must start with the series' one, byte for byte."""
+    ours = (UAPI / "uapi/linux/ksm.h").read_text()
+    r = run(["git", "show", f"{commit}:include/uapi/linux/ksm.h"], cwd=src.repo,
+            capture=True, check=False)
+    if r.returncode != 0:
+        log("uapi check: the series has no include/uapi/linux/ksm.h yet")
+        return
+    if not ours.startswith(r.stdout):
+        raise KtestError("kernel-syscall/include/uapi/linux/ksm.h does not start with the "
+                         "series' include/uapi/linux/ksm.h; copy it over and keep the additions")
+    log("uapi check: kernel-syscall/include/uapi/linux/ksm.h matches the series")
+
+
+INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin:/tests
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev 2>/dev/null
+mount -t tmpfs tmp /tmp
+mount -t debugfs none /sys/kernel/debug
+mount -t cgroup2 none /sys/fs/cgroup
+mkdir -p /dev/pts /dev/shm /mnt/huge
+mount -t tmpfs shm /dev/shm
+mount -t hugetlbfs none /mnt/huge
+# swap on zram so reclaim tests have somewhere to go
+if [ -e /sys/block/zram0 ]; then
+  echo 768M > /sys/block/zram0/disksize && mkswap /dev/zram0 >/dev/null && swapon /dev/zram0
+fi
+echo 32 > /proc/sys/vm/nr_hugepages 2>/dev/null
+echo "KTEST-BOOTED $(uname -r) mem=$(grep MemTotal /proc/meminfo | tr -s ' ')"
+cat /proc/swaps
+n=0
+while read -r name tmo cmd; do
+  n=$((n+1))
+  name=$(echo "$name" | tr '+' ' ')
+  echo "KTEST-BEGIN $n $name"
+  timeout "$tmo" $cmd
+  rc=$?
+  echo "KTEST-END $n rc=$rc"
+done < /tests/list
+echo "KTEST-DMESG-BEGIN"
+dmesg
+echo "KTEST-DMESG-END"
+echo "KTEST-DONE"
+sync
+# No ACPI in this kernel: reboot, which QEMU's -no-reboot turns into an exit.
+reboot -f
+"""
+
+
+def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="ktest-initramfs-") as td:
+        root = Path(td)
+        for d in ("bin", "sbin", "proc", "sys", "dev", "tmp", "tests", "etc", "root", "mnt"):
+            (root / d).mkdir()
+        shutil.copy2(busybox, root / "bin/busybox")
+        (root / "init").write_text(INIT)
+        (root / "init").chmod(0o755)
+        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")
+        (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+        for f in testdir.iterdir():
+            shutil.copy2(f, root / "tests" / f.name)
+        lines = []
+        for t in tests:
+            lines.append(f"{t.name.replace(' ', '+')} {t.timeout} {shlex.join(t.argv)}")
+        (root / "tests/list").write_text("\n".join(lines) + "\n")
+        files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True, check=True).stdout
+        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+                              cwd=root, input=files, capture_output=True, check=True).stdout
+        out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout)
+
+
+# --------------------------------------------------------------------------
+# 5. boot and report
+# --------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    name: str
+    rc: int | None
+    output: list[str]
+
+
+def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int, extra_append: str = "") -> list[str]:
+    append = ("console=ttyS0 panic=-1 loglevel=5 log_buf_len=8M numa=fake=2 "
+              "transparent_hugepage=madvise " + extra_append).strip()
+    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", "2G", "-smp", "2",
+           "-kernel", str(kdir / "bzImage"), "-initrd", str(initramfs),
+           "-append", append, "-nographic", "-no-reboot", "-monitor", "none"]
+    log(f"booting: {shlex.join(cmd)}")
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    with open(runlog, "w") as lf:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+        assert p.stdout is not None
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(p.stdout, selectors.EVENT_READ)
+        in_dmesg = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                p.kill()
+                if not any(x.startswith("KTEST-DONE") for x in lines):
+                    lines.append("KTEST-TIMEOUT")
+                    lf.write("KTEST-TIMEOUT\n")
+                break
+            if not sel.select(timeout=min(left, 5)):
+                if p.poll() is not None:
+                    break
+                continue
+            chunk = p.stdout.readline()
+            if not chunk:
+                break
+            line = chunk.rstrip("\r\n")
+            lf.write(line + "\n")
+            lf.flush()
+            lines.append(line)
+            if line.startswith("KTEST-DONE"):
+                # Give the guest a moment to reboot (QEMU exits), then stop it.
+                deadline = min(deadline, time.monotonic() + 10)
+            if line.startswith("KTEST-DMESG-BEGIN"):
+                in_dmesg = True
+            elif line.startswith("KTEST-DMESG-END"):
+                in_dmesg = False
+            elif not in_dmesg and (line.startswith("KTEST-") or re.match(r"^\s*(not )?ok \d+", line)
+                                   or line.startswith("# Totals") or BAD_RE.search(line)):
+                print(f"  | {line}", flush=True)
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+    return lines
+
+
+def parse_results(lines: list[str], tests: list[GuestTest]) -> tuple[list[Result], list[str], bool]:
+    results: dict[int, Result] = {}
+    cur: Result | None = None
+    bad: list[str] = []
+    done = False
+    for line in lines:
+        m = re.match(r"^KTEST-BEGIN (\d+) (.*)$", line)
+        if m:
+            cur = Result(m.group(2), None, [])
+            results[int(m.group(1))] = cur
+            continue
+        m = re.match(r"^KTEST-END (\d+) rc=(\d+)$", line)
+        if m and int(m.group(1)) in results:
+            results[int(m.group(1))].rc = int(m.group(2))
+            cur = None
+            continue
+        if line.startswith("KTEST-DONE"):
+            done = True
+        if BAD_RE.search(line) and line not in bad:
+            bad.append(line)
+        if cur is not None:
+            cur.output.append(line)
+    out = []
+    for i, t in enumerate(tests, 1):
+        out.append(results.get(i, Result(t.name, None, ["(did not run)"])))
+    return out, bad, done
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    root = cache_root()
+    patches = series_files()
+    src = ensure_source(root)
+    kdir = ensure_kernel(src, patches, args.config)
+    commits = apply_series(src, patches)
+    check_uapi_header(src, commits[-1])
+
+    # Tests: cached by (kernel image, test sources).
+    th = hashlib.sha256(kdir.name.encode())
+    for d in (GUEST, LIBDIR):
+        for f in sorted(d.glob("*.[ch]")):
+            th.update(f.name.encode() + f.read_bytes())
+    th.update(Path(__file__).read_bytes())
+    testdir = root / "tests" / th.hexdigest()[:16]
+    if not (testdir / ".ready").exists():
+        if testdir.exists():
+            shutil.rmtree(testdir)
+        testdir.mkdir(parents=True)
+        tlog = testdir.with_suffix(".log")
+        tlog.write_text("")
+        log(f"building static test binaries (log: {tlog})")
+        build_tests(src, commits[-1], kdir, testdir, tlog)
+        (testdir / ".ready").write_text("")
+    built = {f.name for f in testdir.iterdir() if not f.name.startswith(".")}
+    tests = [t for t in guest_tests(args.config, args.bench) if not t.needs or t.needs in built]
+    if args.only:
+        tests = [t for t in tests if re.search(args.only, t.name)]
+    missing = [t.name for t in guest_tests(args.config, args.bench) if t.needs and t.needs not in built]
+    for m in missing:
+        log(f"not built (source missing in this series): {m}")
+
+    busybox = ensure_busybox(root)
+    rundir = root / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    rundir.mkdir(parents=True)
+    initramfs = rundir / "initramfs.cpio.gz"
+    build_initramfs(busybox, testdir, tests, initramfs)
+    prep = time.monotonic() - t_start
+    log(f"prepared in {prep:.0f} s; run directory {rundir}")
+
+    t_boot = time.monotonic()
+    timeout = sum(t.timeout for t in tests) + 300
+    lines = boot(kdir, initramfs, rundir / "serial.log", timeout, args.append)
+    results, bad, done = parse_results(lines, tests)
+    vm_secs = time.monotonic() - t_boot
+
+    print(f"TAP version 13\n1..{len(results)}")
+    failed = 0
+    for i, r in enumerate(results, 1):
+        status = "ok" if r.rc == 0 else ("ok" if r.rc == 4 else "not ok")
+        directive = " # SKIP" if r.rc == 4 else ""
+        if status != "ok":
+            failed += 1
+        print(f"{status} {i} {r.name}{directive}" + (f" (rc={r.rc})" if r.rc not in (0, 4) else ""))
+        if status != "ok" or args.verbose:
+            for line in r.output[-60:]:
+                print(f"#   {line}")
+        else:
+            for line in r.output:
+                if re.match(r"^\s*(not ok|ok \d+ .*# SKIP|# Totals|# SKIP)", line):
+                    print(f"#   {line}")
+    if bad:
+        print("# kernel log reports (these fail the run):")
+        for line in bad[:50]:
+            print(f"#   {line}")
+    if not done:
+        print("# the guest did not finish (crash, hang or timeout); see " + str(rundir / "serial.log"))
+    if args.bench:
+        table = extract_between(lines, "BENCH-TABLE-BEGIN", "BENCH-TABLE-END")
+        if table:
+            (rundir / "bench.md").write_text("\n".join(table) + "\n")
+            print("\n".join(table))
+            log(f"benchmark table saved to {rundir / 'bench.md'}")
+    status = 0 if (failed == 0 and not bad and done) else 1
+    log(f"{len(results) - failed}/{len(results)} tests passed, {len(bad)} kernel reports, "
+        f"guest {'finished' if done else 'DID NOT FINISH'}; VM {vm_secs:.0f} s, total "
+        f"{time.monotonic() - t_start:.0f} s; serial log {rundir / 'serial.log'}")
+    return status
+
+
+def extract_between(lines: list[str], begin: str, end: str) -> list[str]:
+    out: list[str] = []
+    inside = False
+    for line in lines:
+        if line.startswith(begin):
+            inside = True
+            continue
+        if line.startswith(end):
+            inside = False
+            continue
+        if inside:
+            out.append(line)
+    return out
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    src = ensure_source(cache_root())
+    ensure_kernel(src, series_files(), args.config)
+    return 0
+
+
+def cmd_check_series(args: argparse.Namespace) -> int:
+    """Apply the patches one by one; build each (incrementally) and checkpatch each."""
+    root = cache_root()
+    src = ensure_source(root)
+    patches = series_files()
+    commits = apply_series(src, patches)
+    check_uapi_header(src, commits[-1])
+    checkdir = root / "check"
+    checkdir.mkdir(exist_ok=True)
+    logfile = checkdir / f"check-series-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    ok = True
+    cover = PATCHES / "0000-cover-letter.patch"
+    if not args.no_checkpatch:
+        checkout_tree(src, commits[-1])
+        for p in ([cover] if cover.exists() else []) + patches:
+            r = run([str(src.tree / "scripts/checkpatch.pl"), "--strict", str(p)],
+                    cwd=src.tree, capture=True, check=False)
+            summary = [ln for ln in r.stdout.splitlines() if ln.startswith("total:")]
+            log(f"checkpatch --strict {p.name}: {summary[-1] if summary else r.stdout[-200:]}")
+            if r.returncode != 0:
+                ok = False
+                print(r.stdout)
+    if args.no_build:
+        return 0 if ok else 1
+    build = root / "build" / f"{src.key}-check-{args.config}"
+    build.mkdir(parents=True, exist_ok=True)
+    for p, c in zip(patches, commits):
+        t0 = time.monotonic()
+        checkout_tree(src, c)
+        try:
+            configure(src, build, args.config, logfile)
+            make(src, build, "bzImage", logfile=logfile, extra=["W=1"] if args.w1 else [])
+            warn = [ln for ln in logfile.read_text(errors="replace").splitlines()
+                    if re.search(r"(warning|error):", ln) and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)]
+            log(f"build after {p.name}: ok in {time.monotonic() - t0:.0f} s" +
+                (f", {len(warn)} warnings in our files" if warn else ""))
+        except KtestError as e:
+            ok = False
+            log(f"build after {p.name}: FAILED\n{e}")
+            break
+    log(f"log: {logfile}")
+    return 0 if ok else 1
+
+
+def cmd_devtree(args: argparse.Namespace) -> int:
+    """A git worktree with the series applied as commits, for editing.
+
+    Edit, commit (or commit --amend / rebase -i), then `ktest.py export`
+    regenerates patches/ with git format-patch."""
+    root = cache_root()
+    src = ensure_source(root)
+    dev = root / "dev"
+    commits = apply_series(src, series_files())
+    if not dev.exists():
+        run(["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]], cwd=src.repo)
+    log(f"dev tree: {dev} (branch 'series' of {src.repo}; base is tag 'base')")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    root = cache_root()
+    dev = root / "dev"
+    if not dev.exists():
+        raise KtestError("no dev tree; run `ktest.py devtree` first")
+    cover = PATCHES / "0000-cover-letter.patch"
+    cover_text = cover.read_text() if cover.exists() else None
+    with tempfile.TemporaryDirectory() as td:
+        run(["git", *GIT_ID, "format-patch", "-q", "--no-signature", "--zero-commit",
+             "--base=base", "-o", td, "base..series"], cwd=dev)
+        for old in PATCHES.glob("*.patch"):
+            if old.name != "0000-cover-letter.patch":
+                old.unlink()
+        for f in sorted(Path(td).glob("*.patch")):
+            shutil.copy2(f, PATCHES / f.name)
+    if cover_text is not None:
+        cover.write_text(cover_text)
+    log(f"exported {len(series_files())} patches to {PATCHES}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="build (cached), boot, run the tests")
+    r.add_argument("--config", choices=["debug", "plain"], default=None,
+                   help="kernel config (default: debug; plain with --bench)")
+    r.add_argument("--bench", action="store_true", help="run the benchmark instead of the tests")
+    r.add_argument("--only", help="regex: run only the tests whose name matches")
+    r.add_argument("--append", default="", help="extra kernel command line")
+    r.add_argument("-v", "--verbose", action="store_true", help="print the output of passing tests too")
+    b = sub.add_parser("build", help="build (or find cached) the kernel only")
+    b.add_argument("--config", choices=["debug", "plain"], default="debug")
+    c = sub.add_parser("check-series", help="build and checkpatch each patch")
+    c.add_argument("--config", choices=["debug", "plain"], default="plain")
+    c.add_argument("--no-build", action="store_true")
+    c.add_argument("--no-checkpatch", action="store_true")
+    c.add_argument("--w1", action="store_true", help="build with W=1")
+    sub.add_parser("devtree", help="make a git worktree with the series for editing")
+    sub.add_parser("export", help="git format-patch the dev tree back into patches/")
+    args = ap.parse_args()
+    if args.cmd == "run" and args.config is None:
+        args.config = "plain" if args.bench else "debug"
+    try:
+        return {"run": cmd_run, "build": cmd_build, "check-series": cmd_check_series,
+                "devtree": cmd_devtree, "export": cmd_export}[args.cmd](args)
+    except KtestError as e:
+        print(f"ktest: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
