@@ -113,9 +113,9 @@ class Layout:
     pg_dirty: int | None
     pg_writeback: int | None
     pg_swapbacked: int | None
-    pg_slab: int | None          # up to 6.9
+    pg_slab: int | None          # a page flag on 6.1
     pg_private: int | None
-    pgty_slab: int | None        # 6.10+: slab is a page type, not a flag
+    pgty_slab: int | None        # 6.12: slab is a page type, not a flag
 
     @staticmethod
     def of(prog: drgn.Program) -> "Layout":
@@ -336,7 +336,7 @@ class Scanner:
             return True
         if o.pgty_slab is None or o.page_type is None:
             return False
-        # 6.10+: the top byte of page_type holds the PGTY_* value.
+        # 6.12: the top byte of page_type holds the PGTY_* value.
         (ptype,) = struct.unpack_from("<I", pg, o.page_type)
         return bool(ptype >> 24 == o.pgty_slab)
 
