@@ -172,3 +172,13 @@ def test_not_enough_space_for_dumps(tmp_path: Path, small_image: Path) -> None:
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_crash_forced_on_a_kernel_it_cannot_read(tmp_path: Path) -> None:
+    from pageshare import golden
+    trixie = golden.build_image("trixie").path
+    r = run_analyze(tmp_path, "--introspector", "crash", str(trixie))
+    assert_clean_failure(r, "--introspector crash")
+    assert "--introspector auto" in r.stderr

@@ -123,7 +123,7 @@ def preflight(opts: Options) -> None:
                         "run it with sudo")
     KSM().check_usable()
     require_qemu()
-    for tool in ("debugfs", "crash", "readelf", "dpkg-deb"):
+    for tool in ("debugfs", "readelf", "dpkg-deb"):
         if not shutil.which(tool):
             raise UserError(f"{tool} not found", "run scripts/install-deps.sh")
     if opts.runs < 1:
@@ -164,6 +164,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
 
     with progress.phase("debug-symbols", "finding debug symbols for the guest kernel"):
         vmlinux = opts.vmlinux or find_vmlinux(info.kernel_version, None, progress.say)
+    check_introspector(opts.introspector, info.kernel_version)
     accel, accel_reason = choose_accel(opts.accel, insp.kernel)
     progress.say(f"accelerator: {accel} ({accel_reason})")
 
@@ -184,7 +185,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
             "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
             "workload, settle_s, introspector) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (image_id, _now(), "running", __version__, platform.release(), qemu_version(),
-             crash_version(), accel, accel_reason, opts.ram_mib, opts.runs,
+             installed_crash(), accel, accel_reason, opts.ram_mib, opts.runs,
              opts.effective_min_runs(), opts.workload.describe(), opts.settle,
              # The request until a run has seen the guest kernel; then the backend used.
              opts.introspector))
@@ -387,6 +388,23 @@ def _version_tuple(text: str) -> tuple[int, ...] | None:
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
+def installed_crash() -> str | None:
+    return crash_version() if shutil.which("crash") else None
+
+
+def check_introspector(requested: str, kernel_version: str) -> None:
+    """Refuses, before any guest boots, a backend that cannot read this guest kernel."""
+    crash = installed_crash()
+    if requested == "crash":
+        if crash is None:
+            raise UserError("--introspector crash: the crash utility is not installed",
+                            "run scripts/install-deps.sh, or use --introspector auto")
+        auto, why = choose_introspector("auto", kernel_version, crash)
+        if auto != "crash":
+            raise UserError(f"--introspector crash: {why.removeprefix('auto: ')}",
+                            "use --introspector auto (drgn reads newer kernels)")
+
+
 def choose_introspector(requested: str, osrelease: str, crash: str | None
                         ) -> tuple[str, str]:
     """Which backend classifies the guest's frames: (crash|drgn, why).
@@ -440,8 +458,7 @@ def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path
         finally:
             elf.close()
         nonzero = [g for g, b in contents[vm].items() if any(b)]
-        used = choose_introspector(introspector, build_id[0],
-                                   crash_version() if shutil.which("crash") else None)
+        used = choose_introspector(introspector, build_id[0], installed_crash())
         progress.say(f"{tag}: guest {vm}: {len(merged)} merged frames, {len(nonzero)} non-zero; "
                      f"classifying them with {used[0]} ({used[1]})")
         t0 = time.monotonic()
