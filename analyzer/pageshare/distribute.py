@@ -29,10 +29,8 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
-from contextlib import suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -184,24 +182,8 @@ def fetch(store: Store, ref: str, out: Path | None = None,
         raise DistributeError(f"the list stored under {key} names image {image_key(sl.image)}",
                               hint="publish the right list again with 'pageshare list publish'")
     target = out or Path(directory) / sectorlist.list_file_name(sl.image)
-    _write_atomic(target, data)
+    sectorlist.write_atomic(target, data)
     return target, sl
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def fleet(store: Store, now: float | None = None) -> list[dict[str, Any]]:

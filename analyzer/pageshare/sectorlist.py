@@ -251,8 +251,11 @@ def dumps(sl: SectorList) -> str:
 def write(sl: SectorList, path: Path) -> None:
     """Write atomically: readers (and a crash) see the old file or the new one,
     never a partial list."""
-    path = Path(path)
-    data = dumps(sl).encode()
+    write_atomic(Path(path), dumps(sl).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace path with data so that readers and a crash see old or new, never partial."""
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
