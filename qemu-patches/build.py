@@ -53,7 +53,10 @@ DEFAULT_VERSION = os.environ.get("PAGESHARE_QEMU_VERSION", "")  # "" = newest 1:
 
 # Debian packages needed to build (checked with dpkg-query, installed if root).
 BUILD_DEPS = ["gcc", "make", "ninja-build", "pkg-config", "python3-venv", "dpkg-dev", "git",
-              "flex", "bison", "libglib2.0-dev", "libpixman-1-dev", "zlib1g-dev", "xz-utils"]
+              "flex", "bison", "libglib2.0-dev", "libpixman-1-dev", "zlib1g-dev", "xz-utils",
+              # firmware for qemu-system (the +ds source has no blobs): Debian's
+              "seabios", "qemu-system-data"]
+FIRMWARE_DIRS = ["/usr/share/seabios", "/usr/share/qemu", "/usr/lib/ipxe/qemu"]
 PIP_DEPS = ["meson>=1.5,<1.9", "pycotap>=1.1.0"]
 
 # The note's "smaller build": one system target plus the tools, every
@@ -334,6 +337,14 @@ def install(work: Path, out: Path, version: str, commit: str, patches: list[Path
     bld = work / "build"
     for t, b in zip(TARGETS, BINARIES):
         shutil.copy2(bld / t, tmp / "bin" / b)
+    # Firmware: the +ds source ships no blobs, so link Debian's where the
+    # binaries look for data (<bindir>/../share/qemu, relocatable install).
+    fw = tmp / "share" / "qemu"
+    fw.mkdir(parents=True)
+    for d in FIRMWARE_DIRS:
+        for f in sorted(Path(d).glob("*")) if Path(d).is_dir() else []:
+            if not (fw / f.name).exists():
+                (fw / f.name).symlink_to(f)
     info = {"version": version, "commit": commit, "work": str(work),
             "series": [p.name for p in patches], "configure": CONFIGURE,
             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
