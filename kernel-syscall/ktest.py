@@ -32,6 +32,8 @@ Only the Python standard library is used.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -60,6 +62,8 @@ BUILD_RECIPE = "3"
 MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
 
+# Author of the series (and of its cover letter).
+AUTHOR = ("Pageshare Developers", "dev@pageshare.example")
 GIT_ID = ["-c", "user.name=pageshare ktest", "-c", "user.email=ktest@pageshare.invalid",
           "-c", "advice.detachedHead=false", "-c", "gc.auto=0"]
 
@@ -245,6 +249,19 @@ class Source:
     repo: Path      # git repository used for `git am` (its work tree is scratch)
     tree: Path      # git worktree the kernel is built from (O= builds)
 
+    @contextlib.contextmanager
+    def locked(self):  # type: ignore[no-untyped-def]
+        """Exclusive use of the repository and the build tree: two ktest runs
+        (say a plain build and a debug test run) must not check out
+        different commits under each other's make."""
+        with open(self.repo.parent / ".lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log("waiting for another ktest run to finish with the source tree")
+                fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
 
 def ensure_source(root: Path) -> Source:
     tarball, ver = ensure_source_tarball(root)
@@ -348,10 +365,17 @@ def parse_fragment(path: Path) -> dict[str, str]:
     return want
 
 
-def image_key(src: Source, patches: list[Path], config: str) -> str:
+def tree_id(src: Source, commit: str) -> str:
+    return run(["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo, capture=True).stdout.strip()
+
+
+def image_key(src: Source, commit: str, config: str) -> str:
+    """Hash of what the kernel is built from: the source tree after the series
+    (so a reworded commit message does not cause a rebuild), the config
+    fragments and the build recipe."""
     h = hashlib.sha256()
     h.update(f"recipe={BUILD_RECIPE}\nsource={src.key}\nconfig={config}\n".encode())
-    h.update(series_hash(patches).encode())
+    h.update(tree_id(src, commit).encode())
     for f in config_fragments(config):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
@@ -403,14 +427,14 @@ def build_kernel(src: Source, commit: str, config: str, outdir: Path, logfile: P
 
 
 def ensure_kernel(src: Source, patches: list[Path], config: str) -> Path:
-    key = image_key(src, patches, config)
+    commits = apply_series(src, patches)
+    key = image_key(src, commits[-1], config)
     outdir = cache_root() / "images" / f"{config}-{key}"
     meta = outdir / "meta.json"
     if meta.exists() and (outdir / "bzImage").exists():
         m = json.loads(meta.read_text())
         log(f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s on {m['built_at']}); no rebuild")
         return outdir
-    commits = apply_series(src, patches)
     tmp = outdir.with_name(outdir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -577,8 +601,12 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         for f in testdir.iterdir():
             shutil.copy2(f, root / "tests" / f.name)
         lines = []
-        for t in tests:
-            lines.append(f"{t.name.replace(' ', '+')} {t.timeout} {shlex.join(t.argv)}")
+        for i, t in enumerate(tests):
+            # One script per test: the list stays one word per field.
+            script = root / "tests" / f"run-{i}.sh"
+            script.write_text("#!/bin/sh\nexec " + shlex.join(t.argv) + "\n")
+            script.chmod(0o755)
+            lines.append(f"{t.name.replace(' ', '+')} {t.timeout} /tests/run-{i}.sh")
         (root / "tests/list").write_text("\n".join(lines) + "\n")
         files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True, check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
@@ -682,8 +710,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = cache_root()
     patches = series_files()
     src = ensure_source(root)
-    kdir = ensure_kernel(src, patches, args.config)
-    commits = apply_series(src, patches)
+    with src.locked():
+        kdir = ensure_kernel(src, patches, args.config)
+        commits = apply_series(src, patches)
     check_uapi_header(src, commits[-1])
 
     # Tests: cached by (kernel image, test sources).
@@ -700,12 +729,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         tlog = testdir.with_suffix(".log")
         tlog.write_text("")
         log(f"building static test binaries (log: {tlog})")
-        build_tests(src, commits[-1], kdir, testdir, tlog)
+        with src.locked():
+            build_tests(src, commits[-1], kdir, testdir, tlog)
         (testdir / ".ready").write_text("")
     built = {f.name for f in testdir.iterdir() if not f.name.startswith(".")}
     tests = [t for t in guest_tests(args.config, args.bench) if not t.needs or t.needs in built]
     if args.only:
         tests = [t for t in tests if re.search(args.only, t.name)]
+    if args.shell:
+        # A debugging aid: one shell command as the only "test".
+        tests = [GuestTest("shell", ["/bin/sh", "-c", args.shell], 1800)]
     missing = [t.name for t in guest_tests(args.config, args.bench) if t.needs and t.needs not in built]
     for m in missing:
         log(f"not built (source missing in this series): {m}")
@@ -773,9 +806,45 @@ def extract_between(lines: list[str], begin: str, end: str) -> list[str]:
     return out
 
 
+SCAN_SAMPLES_BAD = [
+    "[   12.345678] WARNING: CPU: 1 PID: 97 at mm/ksm.c:3301 map_destination+0x1a/0x2b0",
+    "[    3.1] ------------[ cut here ]------------ kernel BUG at mm/ksm.c:1004!",
+    "[    5.0] WARNING: possible circular locking dependency detected",
+    "[    5.0] WARNING: inconsistent lock state",
+    "[    7.2] BUG: KASAN: slab-use-after-free in remove_rmap_item_from_tree+0x4c/0x1e0",
+    "[    7.2] BUG: KFENCE: out-of-bounds read in stable_tree_append+0x10/0x90",
+    "[    9.9] BUG: Bad page state in process merge_page_tests  pfn:1234",
+    "[    9.9] list_add corruption. prev->next should be next (ffff888), but was 0",
+    "[    9.9] Oops: general protection fault, probably for non-canonical address",
+    "[   99.0] INFO: task ksmd:40 blocked for more than 120 seconds.",
+]
+SCAN_SAMPLES_GOOD = [
+    "[    0.000000] Lock dependency validator: Copyright (c) 2006 Red Hat, Inc., Ingo Molnar",
+    "[    0.000000] rcu: 	RCU lockdep checking is enabled.",
+    "[    0.000000] kasan: KernelAddressSanitizer initialized",
+    "[    0.000000] kfence: initialized - using 2097152 bytes for 255 objects",
+    "ok 3 basic: dst zero page",
+    "# Totals: pass:27 fail:0 xfail:0 xpass:0 skip:0 error:0",
+]
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    """Check that the kernel log scan flags real reports and passes boot noise."""
+    bad = [x for x in SCAN_SAMPLES_BAD if not BAD_RE.search(x)]
+    good = [x for x in SCAN_SAMPLES_GOOD if BAD_RE.search(x)]
+    for x in bad:
+        print(f"not flagged: {x}")
+    for x in good:
+        print(f"flagged wrongly: {x}")
+    log(f"log scan: {len(SCAN_SAMPLES_BAD) - len(bad)}/{len(SCAN_SAMPLES_BAD)} reports flagged, "
+        f"{len(SCAN_SAMPLES_GOOD) - len(good)}/{len(SCAN_SAMPLES_GOOD)} benign lines passed")
+    return 1 if bad or good else 0
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     src = ensure_source(cache_root())
-    ensure_kernel(src, series_files(), args.config)
+    with src.locked():
+        ensure_kernel(src, series_files(), args.config)
     return 0
 
 
@@ -783,6 +852,11 @@ def cmd_check_series(args: argparse.Namespace) -> int:
     """Apply the patches one by one; build each (incrementally) and checkpatch each."""
     root = cache_root()
     src = ensure_source(root)
+    with src.locked():
+        return check_series_locked(args, root, src)
+
+
+def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> int:
     patches = series_files()
     commits = apply_series(src, patches)
     check_uapi_header(src, commits[-1])
@@ -794,8 +868,10 @@ def cmd_check_series(args: argparse.Namespace) -> int:
     if not args.no_checkpatch:
         checkout_tree(src, commits[-1])
         for p in ([cover] if cover.exists() else []) + patches:
+            # spdxcheck.py needs python3-ply and python3-git: the system python.
+            env = {**os.environ, "PATH": "/usr/bin:" + os.environ.get("PATH", "")}
             r = run([str(src.tree / "scripts/checkpatch.pl"), "--strict", str(p)],
-                    cwd=src.tree, capture=True, check=False)
+                    cwd=src.tree, capture=True, check=False, env=env)
             summary = [ln for ln in r.stdout.splitlines() if ln.startswith("total:")]
             log(f"checkpatch --strict {p.name}: {summary[-1] if summary else r.stdout[-200:]}")
             if r.returncode != 0:
@@ -831,7 +907,8 @@ def cmd_devtree(args: argparse.Namespace) -> int:
     root = cache_root()
     src = ensure_source(root)
     dev = root / "dev"
-    commits = apply_series(src, series_files())
+    with src.locked():
+        commits = apply_series(src, series_files())
     if not dev.exists():
         run(["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]], cwd=src.repo)
     log(f"dev tree: {dev} (branch 'series' of {src.repo}; base is tag 'base')")
@@ -843,19 +920,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     dev = root / "dev"
     if not dev.exists():
         raise KtestError("no dev tree; run `ktest.py devtree` first")
-    cover = PATCHES / "0000-cover-letter.patch"
-    cover_text = cover.read_text() if cover.exists() else None
+    blurb = (HERE / "cover-letter.txt").read_text().rstrip("\n").split("\n", 1)
+    subject, body = blurb[0], blurb[1].strip("\n") if len(blurb) > 1 else ""
     with tempfile.TemporaryDirectory() as td:
-        run(["git", *GIT_ID, "format-patch", "-q", "--no-signature", "--zero-commit",
-             "--base=base", "-o", td, "base..series"], cwd=dev)
+        run(["git", *GIT_ID, "-c", f"user.name={AUTHOR[0]}", "-c", f"user.email={AUTHOR[1]}",
+             "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter", "--base=base", "-o", td, "base..series"], cwd=dev)
         for old in PATCHES.glob("*.patch"):
-            if old.name != "0000-cover-letter.patch":
-                old.unlink()
+            old.unlink()
         for f in sorted(Path(td).glob("*.patch")):
-            shutil.copy2(f, PATCHES / f.name)
-    if cover_text is not None:
-        cover.write_text(cover_text)
-    log(f"exported {len(series_files())} patches to {PATCHES}")
+            text = f.read_text()
+            if f.name.startswith("0000-"):
+                text = text.replace("*** SUBJECT HERE ***", subject)
+                text = text.replace("*** BLURB HERE ***", body)
+            (PATCHES / f.name).write_text(text)
+    log(f"exported {len(series_files())} patches and a cover letter to {PATCHES}")
     return 0
 
 
@@ -868,6 +946,7 @@ def main() -> int:
     r.add_argument("--bench", action="store_true", help="run the benchmark instead of the tests")
     r.add_argument("--only", help="regex: run only the tests whose name matches")
     r.add_argument("--append", default="", help="extra kernel command line")
+    r.add_argument("--shell", help="run this shell command in the guest instead of the tests")
     r.add_argument("-v", "--verbose", action="store_true", help="print the output of passing tests too")
     b = sub.add_parser("build", help="build (or find cached) the kernel only")
     b.add_argument("--config", choices=["debug", "plain"], default="debug")
@@ -878,12 +957,14 @@ def main() -> int:
     c.add_argument("--w1", action="store_true", help="build with W=1")
     sub.add_parser("devtree", help="make a git worktree with the series for editing")
     sub.add_parser("export", help="git format-patch the dev tree back into patches/")
+    sub.add_parser("selfcheck", help="check the kernel log scanner on sample lines")
     args = ap.parse_args()
     if args.cmd == "run" and args.config is None:
         args.config = "plain" if args.bench else "debug"
     try:
         return {"run": cmd_run, "build": cmd_build, "check-series": cmd_check_series,
-                "devtree": cmd_devtree, "export": cmd_export}[args.cmd](args)
+                "devtree": cmd_devtree, "export": cmd_export,
+                "selfcheck": cmd_selfcheck}[args.cmd](args)
     except KtestError as e:
         print(f"ktest: error: {e}", file=sys.stderr)
         return 2
