@@ -50,6 +50,7 @@ from test_qemu_helpers import (
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 STOCK_QEMU_IO = "/usr/bin/qemu-io"
+SCALE = 3           # operations per batch = SCALE x the numbers below
 TRACE = ["pageshare_close", "pageshare_table", "pageshare_connect", "pageshare_disconnect",
          "pageshare_no_table", "pageshare_table_refused"]
 
@@ -72,6 +73,8 @@ class Workload:
         self.reads = 0
         self.bytes = 0
         self.writes = 0
+        self.write_log: list[tuple[int, int]] = []   # (offset, length) in order
+        self.compared = 0                             # reads equal to stock's
 
     def _read_cmd(self) -> tuple[str, int, int]:
         r = self.rnd
@@ -106,15 +109,16 @@ class Workload:
         pat = r.randrange(1, 256)
         return f"write -P {pat} {off} {n}", off, bytes([pat]) * n
 
-    def batch(self, ops: int) -> list[tuple[int, int, bytes]]:
+    def batch(self, ops: int) -> list[tuple[int, int, bytes, int]]:
         """Run ``ops`` operations; returns the reads (offset, length, data)."""
-        done: list[tuple[int, int, bytes]] = []
+        done: list[tuple[int, int, bytes, int]] = []
         for _ in range(ops):
             if self.rnd.random() < 0.2:
                 cmd, off, data = self._write_cmd()
                 out = self.qio.cmd(cmd)
                 assert "wrote" in out, f"{cmd}: {out}"
                 self.model.write(off, data)
+                self.write_log.append((off, len(data)))
                 self.writes += 1
                 continue
             cmd, off, n = self._read_cmd()
@@ -126,25 +130,42 @@ class Workload:
                 bad = next(i for i in range(n) if got[i] != want[i])
                 raise AssertionError(f"{cmd}: wrong data at offset {off + bad} "
                                      f"(block {(off + bad) // 4096})")
-            done.append((off, n, got))
+            done.append((off, n, got, len(self.write_log)))
             self.reads += 1
             self.bytes += n
         return done
 
-    def check_with_stock(self, reads: list[tuple[int, int, bytes]]) -> None:
-        """The same offsets through Debian's qemu-io, no filter."""
+    def check_with_stock(self, reads: list[tuple[int, int, bytes, int]]) -> None:
+        """The same offsets through Debian's qemu-io, no filter, after the
+        batch: equal to what the filter returned where no later write of
+        the batch touched the range, and to the model everywhere."""
         out = self.qio.cmd("flush")
         assert "error" not in out.lower(), out
         args = [STOCK_QEMU_IO, "-U", "-r", "-f", "qcow2", str(self.ovl)]
-        for off, n, _ in reads:
+        for off, n, _, _ in reads:
             args += ["-c", f"read -v {off} {n}"]
         p = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         # Each command's dump starts at its own offset; split by the report lines.
         chunks = p.stdout.split("bytes at offset")
         assert len(chunks) == len(reads) + 1, p.stdout[-2000:]
-        for (off, n, got), text in zip(reads, chunks[:-1]):
-            assert dump_range(text, off, n) == got, f"stock qemu-io disagrees at {off}+{n}"
+        for (off, n, got, nwrites), text in zip(reads, chunks[:-1]):
+            stock = dump_range(text, off, n)
+            assert stock == self.model.read(off, n), f"model and stock disagree at {off}+{n}"
+            later = self.write_log[nwrites:]
+            if not any(wo < off + n and off < wo + wn for wo, wn in later):
+                assert stock == got, f"stock qemu-io disagrees at {off}+{n}"
+                self.compared += 1
+
+
+def restart(server: Server) -> None:
+    """Start the server again; a SIGKILLed one leaves its socket files
+    behind, and a stale control socket would look like a ready server."""
+    server.stop(signal.SIGKILL)
+    for sock in (server.dir / "run").glob("*.sock"):
+        sock.unlink()
+    server.start()
+    server.wait_generation("small", 1)
 
 
 @pytest.mark.parametrize("overlay_kind", ["plain", "subclusters"])
@@ -182,39 +203,35 @@ def test_reads_through_the_filter_equal_the_disk_chain(
         wl = Workload(random.Random(f"integrity-{overlay_kind}"), qio, model, ovl, listed)
         try:
             # 1. Served.
-            wl.check_with_stock(wl.batch(40))
+            wl.check_with_stock(wl.batch(40 * SCALE))
             # 2. Server stopped: everything from disk, nothing fails.
             server.stop(signal.SIGTERM)
-            wl.check_with_stock(wl.batch(25))
+            wl.check_with_stock(wl.batch(25 * SCALE))
             # 3. Back: the filter reconnects by itself (reconnect-delay 1 s).
-            server.start()
-            server.wait_generation("small", 1)
+            restart(server)
             qio.idle(2.5)
-            wl.check_with_stock(wl.batch(40))
+            wl.check_with_stock(wl.batch(40 * SCALE))
             # 4. SIGKILL in the middle of a batch of reads.
             killer = threading.Timer(random.Random(7).uniform(0.05, 0.4),
                                      lambda: server.proc and server.proc.send_signal(
                                          signal.SIGKILL))
             killer.start()
-            wl.check_with_stock(wl.batch(40))
+            wl.check_with_stock(wl.batch(40 * SCALE))
             killer.join()
-            server.stop(signal.SIGKILL)
-            server.start()
-            server.wait_generation("small", 1)
+            restart(server)
             qio.idle(2.5)
-            wl.check_with_stock(wl.batch(30))
+            wl.check_with_stock(wl.batch(30 * SCALE))
             # 5. Hot reload with another list: a new generation mid-run.
             make_list(ident, blocks_b, lst)
             server.wait_generation("small", 2)
             qio.idle(1.0)
-            wl.check_with_stock(wl.batch(40))
+            wl.check_with_stock(wl.batch(40 * SCALE))
             # 6. And once more killed while idle, back, read again.
             server.stop(signal.SIGKILL)
-            wl.check_with_stock(wl.batch(15))
-            server.start()
-            server.wait_generation("small", 1)
+            wl.check_with_stock(wl.batch(15 * SCALE))
+            restart(server)
             qio.idle(2.5)
-            wl.check_with_stock(wl.batch(30))
+            wl.check_with_stock(wl.batch(30 * SCALE))
             assert qio.close() == 0, qio.stderr()[-3000:]
         finally:
             qio.kill()
@@ -229,7 +246,9 @@ def test_reads_through_the_filter_equal_the_disk_chain(
         assert c["connects"] >= 4, c           # start + three reconnects
         assert c["failed"] < c["merged"] // 10, c
         assert "generation 2" in log, log[-3000:]
-        print(f"{wl.reads} reads ({wl.bytes >> 20} MiB), {wl.writes} writes; filter: {c}")
+        assert wl.compared > wl.reads // 2, (wl.compared, wl.reads)
+        print(f"{wl.reads} reads ({wl.bytes >> 20} MiB, {wl.compared} compared byte for byte "
+              f"with the stock qemu-io), {wl.writes} writes; filter: {c}")
 
         # 7. The whole disk through the filter equals the overlay read by the stock tools.
         wait_for(server.alive, 5, "server")
