@@ -248,8 +248,14 @@ def _dsc_files(dsc: Path) -> list[str]:
     return out
 
 
+def series_dir() -> Path:
+    """qemu-patches/, or $PAGESHARE_QEMU_SERIES (to build another series,
+    e.g. a deliberately broken one that the tests must catch)."""
+    return Path(os.environ.get("PAGESHARE_QEMU_SERIES", HERE))
+
+
 def series() -> list[Path]:
-    return sorted(p for p in HERE.glob("0*.patch") if not p.name.startswith("0000-"))
+    return sorted(p for p in series_dir().glob("0*.patch") if not p.name.startswith("0000-"))
 
 
 def key_for(version: str, patches: list[Path]) -> str:
@@ -386,15 +392,17 @@ def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
 
 
 def worktree_for(out: Path) -> Path:
-    """The work tree (source + build dir) of a build, checked out at its
-    commit (for iotests and checkpatch)."""
+    """The work tree (source + build dir) of a build, moved back to its
+    commit if another series was built since (for the iotests)."""
     info = json.loads((out / "info.json").read_text())
     work = Path(info["work"])
     head = run(["git", "-C", str(work / "src"), "rev-parse", "HEAD"],
                capture_output=True).stdout.strip()
     if head != info["commit"]:
-        raise SystemExit(f"{work} is at {head}, not at this build's {info['commit']}; "
-                         "re-run build.py after the other build finished")
+        with open(CACHE / ".lock", "w") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            base = ensure_base(PrivateApt(CACHE / "apt"), info["version"])
+            build(base, info["version"], info["commit"], ensure_pyvenv(), os.cpu_count() or 2)
     return work
 
 
