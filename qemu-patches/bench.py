@@ -147,13 +147,15 @@ def main() -> int:
             }
 
         samples: dict[str, dict[str, dict[str, list[float]]]] = {}
+        counts: dict[str, int] = {}
         for base_kind, cache, count in (("null", "writeback", a.count_null),
                                         ("qcow2", "writeback", a.count),
                                         ("qcow2", "none", a.count_direct)):
             var = variants(base_kind == "null")
             key = f"{base_kind} cache={cache}"
             s = samples.setdefault(key, {"wall": {v: [] for v in var},
-                                         "cpu": {v: [] for v in var}, "n": [count]})
+                                         "cpu": {v: [] for v in var}})
+            counts[key] = count
             run_bench(qemu_img, var["none"], count // 4, cache)      # warm-up
             for r in range(a.rounds):
                 order = list(var)
@@ -167,7 +169,7 @@ def main() -> int:
         print(f"qemu-img bench -c N -d 1 -s 4096 -S 4096 (aio=threads), 64 MiB qcow2 base, "
               f"empty overlay, {a.rounds} interleaved rounds; us per request")
         for key, s in samples.items():
-            print(f"\n{key} (N={s['n'][0]} requests per run)")
+            print(f"\n{key} (N={counts[key]} requests per run)")
             print(f"{'graph':<11} {'wall med':>8} {'wall min':>8} {'d med':>7} {'d med %':>8} "
                   f"{'cpu med':>8} {'cpu min':>8} {'d med':>7} {'d med %':>8}")
             wref = statistics.median(s["wall"]["none"])

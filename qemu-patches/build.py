@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare")) / "qemu"
@@ -83,8 +84,9 @@ def log(msg: str) -> None:
     print(f"[build.py {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, check=True, text=True, **kw)  # type: ignore[call-overload]
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    p: subprocess.CompletedProcess[str] = subprocess.run(cmd, check=True, text=True, **kw)
+    return p
 
 
 def nice() -> list[str]:
@@ -327,9 +329,9 @@ def build(base: Path, version: str, commit: str, python: Path, jobs: int) -> Pat
     log(f"ninja -j{jobs} {' '.join(TARGETS)} (log: {work / 'ninja.log'})")
     t0 = time.monotonic()
     with open(work / "ninja.log", "w") as f:
-        r = subprocess.run([*nice(), "ninja", "-C", str(bld), f"-j{jobs}", *TARGETS],
-                           stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
+        nj = subprocess.run([*nice(), "ninja", "-C", str(bld), f"-j{jobs}", *TARGETS],
+                            stdout=f, stderr=subprocess.STDOUT)
+    if nj.returncode != 0:
         tail = (work / "ninja.log").read_text(errors="replace")[-4000:]
         raise SystemExit(f"build failed (see {work / 'ninja.log'}):\n{tail}")
     log(f"ninja finished in {time.monotonic() - t0:.0f} s")
@@ -341,7 +343,7 @@ def install(work: Path, out: Path, version: str, commit: str, patches: list[Path
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "bin").mkdir(parents=True)
     bld = work / "build"
-    for t, b in zip(TARGETS, BINARIES):
+    for t, b in zip(TARGETS, BINARIES, strict=True):
         shutil.copy2(bld / t, tmp / "bin" / b)
     # Firmware: the +ds source ships no blobs, so link Debian's where the
     # binaries look for data (<bindir>/../share/qemu, relocatable install).

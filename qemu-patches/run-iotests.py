@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build  # noqa: E402
+import build
 
 DEFAULT_TESTS = ["pageshare", "024", "detect-zeroes-registered-buf", "backing-file-invalidation"]
 

@@ -87,14 +87,14 @@ def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
         {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
         {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"},
     ]
-    return sum((["-blockdev", json.dumps(n)] for n in nodes), [])
+    return [arg for n in nodes for arg in ("-blockdev", json.dumps(n))]
 
 
-def ps_stats(qmp: QMP) -> dict[str, object]:
+def ps_stats(qmp: QMP) -> dict[str, int]:
+    """The filter's counters (booleans as 0/1, the driver name dropped)."""
     for s in qmp.command("query-blockstats", **{"query-nodes": True}):
         if s.get("node-name") == "ps":
-            st: dict[str, object] = s["driver-specific"]
-            return st
+            return {k: int(v) for k, v in s["driver-specific"].items() if k != "driver"}
     raise AssertionError("no stats for node ps")
 
 

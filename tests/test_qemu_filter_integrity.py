@@ -149,7 +149,7 @@ class Workload:
         # Each command's dump starts at its own offset; split by the report lines.
         chunks = p.stdout.split("bytes at offset")
         assert len(chunks) == len(reads) + 1, p.stdout[-2000:]
-        for (off, n, got, nwrites), text in zip(reads, chunks[:-1]):
+        for (off, n, got, nwrites), text in zip(reads, chunks[:-1], strict=True):
             stock = dump_range(text, off, n)
             assert stock == self.model.read(off, n), f"model and stock disagree at {off}+{n}"
             later = self.write_log[nwrites:]
@@ -193,10 +193,10 @@ def test_reads_through_the_filter_equal_the_disk_chain(
         subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, "-b", str(image),
                         "-F", "qcow2", str(ovl)], check=True)
 
-        spec = image_opts(ovl, image, server=sock, mode="copy",
-                          **{"x-any-buffer": True, "reconnect-delay": 1,
-                             "image-sha256": sha})
-        argv = [q.qemu_io, *sum((["-T", t] for t in TRACE), []), "--image-opts", spec]
+        filter_opts: dict[str, object] = {"mode": "copy", "x-any-buffer": True,
+                                          "reconnect-delay": 1, "image-sha256": sha}
+        spec = image_opts(ovl, image, server=sock, opts=filter_opts)
+        argv = [q.qemu_io, *(a for t in TRACE for a in ("-T", t)), "--image-opts", spec]
         qio = QemuIo(argv, stderr_path=tmp_path / "qemu-io.stderr")
         qio.start()
         model = DiskModel(raw)
@@ -212,9 +212,11 @@ def test_reads_through_the_filter_equal_the_disk_chain(
             qio.idle(2.5)
             wl.check_with_stock(wl.batch(40 * SCALE))
             # 4. SIGKILL in the middle of a batch of reads.
-            killer = threading.Timer(random.Random(7).uniform(0.05, 0.4),
-                                     lambda: server.proc and server.proc.send_signal(
-                                         signal.SIGKILL))
+            def kill() -> None:
+                if server.proc:
+                    server.proc.send_signal(signal.SIGKILL)
+
+            killer = threading.Timer(random.Random(7).uniform(0.05, 0.4), kill)
             killer.start()
             wl.check_with_stock(wl.batch(40 * SCALE))
             killer.join()

@@ -62,7 +62,7 @@ def qemu_build() -> QemuBuild:
 
 
 def image_opts(overlay: Path | None, base: Path, *, server: Path | None,
-               base_fmt: str = "qcow2", **filter_opts: object) -> str:
+               base_fmt: str = "qcow2", opts: dict[str, object] | None = None) -> str:
     """--image-opts for overlay <- [pageshare filter] <- base.  With server
     None there is no filter; with overlay None the filter (or base) is the
     top.  Below an overlay, the base's file name comes from the overlay's
@@ -81,7 +81,7 @@ def image_opts(overlay: Path | None, base: Path, *, server: Path | None,
     else:
         bottom = [f"driver={base_fmt}"]
     if server is not None:
-        mid = ["driver=pageshare", f"server={server}", *kv(filter_opts),
+        mid = ["driver=pageshare", f"server={server}", *kv(opts or {}),
                *("file." + x for x in bottom)]
     else:
         mid = bottom
@@ -139,7 +139,8 @@ class QemuIo:
         while not buf.endswith(PROMPT):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"qemu-io: no prompt after {timeout} s; got {bytes(buf[-500:])!r}")
+                raise AssertionError(f"qemu-io: no prompt after {timeout} s; "
+                                     f"got {bytes(buf[-500:])!r}")
             r, _, _ = select.select([fd], [], [], left)
             if r:
                 chunk = os.read(fd, 1 << 20)
@@ -225,12 +226,10 @@ class DiskModel:
 
 def trace_counters(log: str) -> dict[str, int]:
     """The pageshare_close trace line's counters (last one)."""
-    m = None
-    for m in re.finditer(r"pageshare_close .*?requests (\d+) hits (\d+) merged (\d+) "
-                         r"fallback-no-table (\d+) fallback-merge-failed (\d+) "
-                         r"connects (\d+)", log):
-        pass
-    if m is None:
+    found = list(re.finditer(r"pageshare_close .*?requests (\d+) hits (\d+) merged (\d+) "
+                             r"fallback-no-table (\d+) fallback-merge-failed (\d+) "
+                             r"connects (\d+)", log))
+    if not found:
         raise AssertionError(f"no pageshare_close trace line in:\n{log[-3000:]}")
     keys = ["requests", "hits", "merged", "no_table", "failed", "connects"]
-    return dict(zip(keys, map(int, m.groups())))
+    return dict(zip(keys, map(int, found[-1].groups()), strict=True))
