@@ -98,6 +98,7 @@ def ps_stats(qmp: QMP) -> dict[str, int]:
     raise AssertionError("no stats for node ps")
 
 
+@pytest.mark.vm
 def test_booted_guest_reads_through_the_filter(tmp_path: Path) -> None:
     q = qemu_build()
     image = golden.build_image("small").path
