@@ -533,6 +533,9 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
         cc("merge_page_stress", [GUEST / "merge_page_stress.c", *lib], extra=inc)
     if (GUEST / "merge_bench.c").exists():
         cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
+    # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
+    for f in sorted(GUEST.glob("debug_*.c")):
+        cc(f.stem, [f, *lib], extra=inc)
     return built
 
 
@@ -573,6 +576,10 @@ n=0
 while read -r name tmo cmd; do
   n=$((n+1))
   name=$(echo "$name" | tr '+' ' ')
+  # Each test starts from KSM's boot defaults, whatever the last one left.
+  k=/sys/kernel/mm/ksm
+  echo 0 > $k/run; echo 100 > $k/pages_to_scan; echo 20 > $k/sleep_millisecs
+  echo 0 > $k/use_zero_pages; echo 1 > $k/smart_scan
   echo "KTEST-BEGIN $n $name"
   timeout "$tmo" $cmd
   rc=$?

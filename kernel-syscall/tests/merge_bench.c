@@ -166,7 +166,9 @@ int main(void)
 	pid_t server;
 
 	pin_cpu(0);
-	if (ksm_write("run", "1") || ksm_write("pages_to_scan", "0"))
+	/* ksmd must run for merge_page(), but scans nothing (and sleeps). */
+	if (ksm_write("sleep_millisecs", "20") || ksm_write("pages_to_scan", "0") ||
+	    ksm_write("run", "1"))
 		die("ksm sysfs");
 
 	/* Clock overhead, for the reader. */

@@ -94,6 +94,24 @@ static int ksm_write(const char *knob, long val)
 	return ret;
 }
 
+static long ksm_read(const char *knob)
+{
+	char path[128], buf[32];
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", knob);
+	fd = open(path, O_RDONLY);
+	if (fd < 0)
+		return -1;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = 0;
+	return strtol(buf, NULL, 10);
+}
+
 /* ------------------------------------------------------------------ */
 /* servers: commands over a pipe; 'w' i = write page i, 'd'/'a' = dis/allow */
 
@@ -432,6 +450,7 @@ int main(int argc, char **argv)
 	int secs = 60, opt, failed = 0, status;
 	time_t end;
 	long ops = 0, restarts = 0, unmerges = 0, writes = 0;
+	long saved_run, saved_scan, saved_sleep;
 
 	while ((opt = getopt(argc, argv, "t:s:v")) != -1) {
 		if (opt == 't')
@@ -444,6 +463,9 @@ int main(int argc, char **argv)
 	printf("TAP version 13\n1..1\n# seed %u, %d s\n", seed, secs);
 	fflush(stdout);
 	srand(seed);
+	saved_run = ksm_read("run");
+	saved_scan = ksm_read("pages_to_scan");
+	saved_sleep = ksm_read("sleep_millisecs");
 	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (sh == MAP_FAILED || ksm_write("run", 1) || ksm_write("pages_to_scan", 100) ||
 	    ksm_write("sleep_millisecs", 5)) {
@@ -484,7 +506,8 @@ int main(int argc, char **argv)
 			restarts++;
 		} else if (op < 80) {
 			ksm_write("pages_to_scan", rand() % 3 ? rand() % 5000 : 0);
-			ksm_write("sleep_millisecs", rand() % 20);
+			/* Never 0: with pages_to_scan 0 ksmd would spin. */
+			ksm_write("sleep_millisecs", 1 + rand() % 20);
 		} else if (op < 82) {
 			ksm_write("run", 2);
 			unmerges++;
@@ -522,8 +545,11 @@ int main(int argc, char **argv)
 	}
 	for (int s = 0; s < NSERVERS; s++)
 		server_kill(&srv[s]);
+	/* Back to the settings we found (ksmd must be in merge mode first). */
 	ksm_write("run", 1);
-	ksm_write("pages_to_scan", 0);
+	ksm_write("sleep_millisecs", saved_sleep);
+	ksm_write("pages_to_scan", saved_scan);
+	ksm_write("run", saved_run);
 	printf("# %ld controller ops (%ld server writes, %ld server restarts, %ld run=2), "
 	       "%lu merge_pages calls, %lu pages merged, %lu expected errors\n",
 	       ops, writes, restarts, unmerges, sh->merge_calls, sh->merges, sh->errors_ok);
