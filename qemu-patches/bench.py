@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=50_000, help="requests per run (writeback)")
     ap.add_argument("--count-direct", type=int, default=10_000, help="requests per run (none)")
     ap.add_argument("--json", type=Path, help="also write the raw samples here")
+    ap.add_argument("--only", choices=["null", "qcow2"], help="one base only")
     a = ap.parse_args()
 
     from pageshare import sectorlist
@@ -151,6 +152,8 @@ def main() -> int:
         for base_kind, cache, count in (("null", "writeback", a.count_null),
                                         ("qcow2", "writeback", a.count),
                                         ("qcow2", "none", a.count_direct)):
+            if a.only and a.only != base_kind:
+                continue
             var = variants(base_kind == "null")
             key = f"{base_kind} cache={cache}"
             s = samples.setdefault(key, {"wall": {v: [] for v in var},
