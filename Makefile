@@ -5,7 +5,7 @@
 PY := .venv/bin/python
 export PAGESHARE_CACHE ?= $(HOME)/.cache/pageshare
 
-.PHONY: deps demo test lint unit clean
+.PHONY: deps demo test lint unit kernel-test clean
 
 deps:
 	@scripts/install-deps.sh
@@ -24,6 +24,12 @@ unit: deps
 
 test: deps lint
 	$(PY) -m pytest -ra
+
+# The kernel series' VM tests (issue 3).  Not part of `make test` yet: the
+# randomized stress test still fails intermittently (content oracle), and a
+# red kernel suite must not hide the state of everything else.
+kernel-test: deps
+	kernel-syscall/run-tests.sh --config debug
 
 clean:
 	$(MAKE) -s -C crash-ext clean
