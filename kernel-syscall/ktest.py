@@ -483,6 +483,10 @@ class GuestTest:
     timeout: int
     configs: tuple[str, ...] = ("debug", "plain")
     needs: str = ""          # binary that must have been built
+    pre: str = ""            # shell commands run before it (after the KSM reset)
+
+
+NO_SMART_SCAN = "echo 0 > /sys/kernel/mm/ksm/smart_scan"
 
 
 def guest_tests(config: str, bench: bool) -> list[GuestTest]:
@@ -496,8 +500,11 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
         GuestTest("ksm_tests -U", ["/tests/ksm_tests", "-U"], 600),
         GuestTest("ksm_tests -Z -p 10 -z 0", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600),
         GuestTest("ksm_tests -Z -p 10 -z 1", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600),
-        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600),
-        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600),
+        # With smart_scan on, these fail in about 6 of 10 runs on this TCG VM
+        # even when nothing calls merge_page(): the two full scans they wait
+        # for are not always enough once smart scan skips their pages.
+        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600, pre=NO_SMART_SCAN),
+        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600, pre=NO_SMART_SCAN),
         GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
     ]
     if bench:
@@ -535,7 +542,7 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
         cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
     # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
     for f in sorted(GUEST.glob("debug_*.c")):
-        cc(f.stem, [f, *lib], extra=inc)
+        cc(f.stem, [f, *lib, mm / "vm_util.c"], extra=inc)
     return built
 
 
@@ -611,7 +618,8 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         for i, t in enumerate(tests):
             # One script per test: the list stays one word per field.
             script = root / "tests" / f"run-{i}.sh"
-            script.write_text("#!/bin/sh\nexec " + shlex.join(t.argv) + "\n")
+            script.write_text("#!/bin/sh\n" + (t.pre + "\n" if t.pre else "") +
+                              "exec " + shlex.join(t.argv) + "\n")
             script.chmod(0o755)
             lines.append(f"{t.name.replace(' ', '+')} {t.timeout} /tests/run-{i}.sh")
         (root / "tests/list").write_text("\n".join(lines) + "\n")
@@ -760,6 +768,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     t_boot = time.monotonic()
     timeout = sum(t.timeout for t in tests) + 300
+    if args.kernel:
+        kdir = rundir / "kernel"
+        kdir.mkdir()
+        shutil.copy2(args.kernel, kdir / "bzImage")
     lines = boot(kdir, initramfs, rundir / "serial.log", timeout, args.append)
     results, bad, done = parse_results(lines, tests)
     vm_secs = time.monotonic() - t_boot
@@ -894,6 +906,7 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
         try:
             configure(src, build, args.config, logfile)
             make(src, build, "bzImage", logfile=logfile, extra=["W=1"] if args.w1 else [])
+            shutil.copy2(build / "arch/x86/boot/bzImage", checkdir / f"bzImage-{p.name[:4]}")
             warn = [ln for ln in logfile.read_text(errors="replace").splitlines()
                     if re.search(r"(warning|error):", ln) and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)]
             log(f"build after {p.name}: ok in {time.monotonic() - t0:.0f} s" +
@@ -954,6 +967,7 @@ def main() -> int:
     r.add_argument("--only", help="regex: run only the tests whose name matches")
     r.add_argument("--append", default="", help="extra kernel command line")
     r.add_argument("--shell", help="run this shell command in the guest instead of the tests")
+    r.add_argument("--kernel", help="boot this bzImage instead (tests still built against the series)")
     r.add_argument("-v", "--verbose", action="store_true", help="print the output of passing tests too")
     b = sub.add_parser("build", help="build (or find cached) the kernel only")
     b.add_argument("--config", choices=["debug", "plain"], default="debug")

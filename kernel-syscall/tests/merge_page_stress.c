@@ -224,7 +224,40 @@ struct shadow {
 	unsigned char kind;
 	unsigned char own;
 	unsigned int id, i, vlo, vhi;
+	char hist[64];		/* last operations on this page, newest last */
 };
+
+static void note(struct shadow *s, char op)
+{
+	size_t n = strlen(s->hist);
+
+	if (n >= sizeof(s->hist) - 1) {
+		memmove(s->hist, s->hist + 16, n - 16 + 1);
+		n -= 16;
+	}
+	s->hist[n] = op;
+	s->hist[n + 1] = 0;
+}
+
+static int pagemap_fd = -1, kpageflags_fd = -1;
+
+static void describe(const char *p)
+{
+	uint64_t ent = 0, fl = 0;
+
+	if (pagemap_fd < 0)
+		pagemap_fd = open("/proc/self/pagemap", O_RDONLY);
+	if (kpageflags_fd < 0)
+		kpageflags_fd = open("/proc/kpageflags", O_RDONLY);
+	if (pread(pagemap_fd, &ent, 8, (uintptr_t)p / PS * 8) != 8)
+		ent = 0;
+	if ((ent >> 63) && pread(kpageflags_fd, &fl, 8, (ent & ((1ULL << 55) - 1)) * 8) != 8)
+		fl = 0;
+	fprintf(stderr, "#   pagemap %016llx kpageflags %016llx first words %016llx %016llx\n",
+		(unsigned long long)ent, (unsigned long long)fl,
+		(unsigned long long)((const uint64_t *)p)[0],
+		(unsigned long long)((const uint64_t *)p)[1]);
+}
 
 struct client {
 	char *area;		/* CPAGES normal pages */
@@ -261,8 +294,15 @@ static bool check_page(struct client *c, int j, const char *who)
 		break;
 	}
 	if (!ok) {
-		fprintf(stderr, "# %s: page %d: oracle kind %d id %u i %u v %u..%u violated\n",
-			who, j, s->kind, s->id, s->i, s->vlo, s->vhi);
+		uint64_t w = ((const uint64_t *)p)[0];
+
+		fprintf(stderr, "# %s: page %d: oracle kind %d id %u i %u v %u..%u violated; history %s\n",
+			who, j, s->kind, s->id, s->i, s->vlo, s->vhi, s->hist);
+		/* fill(): word 0 is id << 48 ^ i << 32 ^ v << 16 */
+		fprintf(stderr, "#   content looks like id %llu i %llu v %llu\n",
+			(unsigned long long)(w >> 48), (unsigned long long)((w >> 32) & 0xffff),
+			(unsigned long long)((w >> 16) & 0xffff));
+		describe(p);
 		c->failures++;
 	}
 	return ok;
@@ -277,7 +317,7 @@ static void check_all(struct client *c, const char *who)
 static void client_merge(struct client *c)
 {
 	struct merge_page_vec vec[64];
-	unsigned int lo[64], id;
+	unsigned int lo[64], hi[64], id;
 	int slot = rand() % NSERVERS, n = 1 + rand() % 64, idx[64];
 	unsigned int flags = 0, gen;
 	uintptr_t base;
@@ -331,18 +371,25 @@ static void client_merge(struct client *c)
 			c->failures++;
 		}
 	}
-	/* The server may have been replaced by one with this pid: detect. */
+	/*
+	 * Read the version windows' upper ends, then check that no restart
+	 * began since we read gen: lo and hi must both be of this server.
+	 */
+	for (int k = 0; k < ret; k++)
+		hi[k] = sh->srv[slot].hi[(vec[k].src - base) / PS];
+	__sync_synchronize();
 	if (gen != sh->srv[slot].gen)
 		ret = -1;
 	for (int k = 0; k < ret; k++) {
 		int i = (vec[k].src - base) / PS;
 		struct shadow *s = &c->sh[idx[k]];
 
+		note(s, flags & MERGE_PAGE_NOSPLIT ? 'M' : 'm');
 		s->kind = S_SRV;
 		s->id = id;
 		s->i = i;
 		s->vlo = lo[k];
-		s->vhi = sh->srv[slot].hi[i];
+		s->vhi = hi[k];
 		check_page(c, idx[k], "after merge");
 	}
 	if (ret > 0)
@@ -392,6 +439,7 @@ static void client_main(int no, unsigned int seed)
 			memset(cpage(c, j), v, PS);
 			c->sh[j].kind = S_OWN;
 			c->sh[j].own = v;
+			note(&c->sh[j], 'w');
 		} else if (op < 75) {
 			int n = 1 + rand() % 8;
 
@@ -401,22 +449,31 @@ static void client_main(int no, unsigned int seed)
 			if (j < CPAGES && j + n > CPAGES)
 				n = CPAGES - j;
 			madvise(cpage(c, j), n * PS, MADV_DONTNEED);
-			for (int k = 0; k < n; k++)
+			for (int k = 0; k < n; k++) {
 				c->sh[j + k].kind = S_ZERO;
+				note(&c->sh[j + k], 'd');
+			}
 		} else if (op < 80) {
 			madvise(cpage(c, j), PS, MADV_PAGEOUT);
+			note(&c->sh[j], 'p');
 		} else if (op < 84) {
 			void *pages[8];
 			int nodes[8], status[8];
 
 			for (int k = 0; k < 8; k++) {
-				pages[k] = cpage(c, rand() % c->npages);
+				int m = rand() % c->npages;
+
+				pages[k] = cpage(c, m);
 				nodes[k] = rand() % 2;
+				note(&c->sh[m], 'g');
 			}
 			syscall(__NR_move_pages, 0, 8, pages, nodes, status, MPOL_MF_MOVE_ALL);
 		} else if (op < 86) {
-			pid_t pid = fork();
+			pid_t pid;
 
+			for (int k = 0; k < c->npages; k++)
+				note(&c->sh[k], 'f');
+			pid = fork();
 			if (!pid) {
 				check_all(c, "forked child");
 				for (int k = 0; k < 16; k++)
