@@ -14,7 +14,8 @@
  *   once; the source pages are KSM pages already (steady state).
  * - merge_page, dst none: the same into pages never touched.
  * - merge_page, first time: the source page becomes a KSM page in the call.
- * - merge_pages, batch B: B pages per call, time per page.
+ * - merge_pages, batch B: B pages per call (dst anon, sources already KSM),
+ *   time per page; at least 1000 pages and 200 calls per batch size.
  *
  * The server is a child process on another CPU; ksmd runs with
  * pages_to_scan=0 (merge_page needs it running, but it scans nothing).
@@ -255,11 +256,12 @@ int main(void)
 
 		for (int b = 0; b < 4; b++) {
 			unsigned int bs = batches[b];
+			/* At least REPS pages and 200 calls per batch size. */
 			int calls = REPS / bs + (REPS % bs ? 1 : 0);
-			size_t n = (size_t)calls * bs;
+			size_t n;
 
-			if (calls < 16)
-				calls = 16;
+			if (calls < 200)
+				calls = 200;
 			n = (size_t)calls * bs;
 			dst = client_area(n, 1);
 			if (!dst)
