@@ -876,6 +876,12 @@ def cmd_check_series(args: argparse.Namespace) -> int:
 
 
 def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> int:
+    # Its own worktree: checking out patch after patch in the shared build
+    # tree would touch files and make the next ordinary build recompile them.
+    check_tree = src.repo.parent / "check-tree"
+    if not check_tree.exists():
+        run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(check_tree), "base"], cwd=src.repo)
+    src = Source(src.key, src.repo, check_tree)
     patches = series_files()
     commits = apply_series(src, patches)
     check_uapi_header(src, commits[-1])
