@@ -25,9 +25,8 @@ unit: deps
 test: deps lint
 	$(PY) -m pytest -ra
 
-# The kernel series' VM tests (issue 3).  Not part of `make test` yet: the
-# randomized stress test still fails intermittently (content oracle), and a
-# red kernel suite must not hide the state of everything else.
+# The kernel series' VM tests alone (issue 3); `make test` runs them too,
+# through tests/test_kernel_syscall.py.
 kernel-test: deps
 	kernel-syscall/run-tests.sh --config debug
 

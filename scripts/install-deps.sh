@@ -18,6 +18,9 @@ APT_PACKAGES=(
 	python3 python3-venv python3-dev
 	# results and distribution
 	sqlite3 redis-server
+	# the kernel series (kernel-syscall/ktest.py): kernel build, static tests
+	# (ksm_tests links libnuma), initramfs
+	flex bison bc libelf-dev libssl-dev libnuma-dev cpio xz-utils rsync
 )
 
 if [ "$(id -u)" != 0 ]; then
