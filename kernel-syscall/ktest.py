@@ -53,6 +53,7 @@ CONFIGS = HERE / "config"
 GUEST = HERE / "tests"
 LIBDIR = HERE / "lib"
 UAPI = HERE / "include"
+REPO = HERE.parent
 
 SRC_PACKAGE = "linux-source-6.12"
 SRC_TARBALL = Path("/usr/src/linux-source-6.12.tar.xz")
@@ -484,6 +485,7 @@ class GuestTest:
     configs: tuple[str, ...] = ("debug", "plain")
     needs: str = ""          # binary that must have been built
     pre: str = ""            # shell commands run before it (after the KSM reset)
+    payload: bool = False    # needs the filter payload (QEMU, server, image) in the initramfs
 
 
 NO_SMART_SCAN = "echo 0 > /sys/kernel/mm/ksm/smart_scan"
@@ -506,6 +508,10 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
         GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600, pre=NO_SMART_SCAN),
         GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600, pre=NO_SMART_SCAN),
         GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
+        # The patched QEMU's pageshare filter in merge mode with the real
+        # pageshare-server: needs the payload (build_filter_payload()).
+        GuestTest(FILTER_TEST, ["/tests/pageshare_filter_test", PAYLOAD_DIR], 900,
+                  needs="pageshare_filter_test", payload=True),
     ]
     if bench:
         t = [GuestTest("merge_bench", ["/tests/merge_bench"], 1800, needs="merge_bench")]
@@ -540,6 +546,9 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
         cc("merge_page_stress", [GUEST / "merge_page_stress.c", *lib], extra=inc)
     if (GUEST / "merge_bench.c").exists():
         cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
+    if (GUEST / "pageshare_filter_test.c").exists():
+        cc("pageshare_filter_test", [GUEST / "pageshare_filter_test.c"],
+           extra=["-Werror", "-I", str(REPO / "page-server/client")])
     # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
     for f in sorted(GUEST.glob("debug_*.c")):
         cc(f.stem, [f, *lib, mm / "vm_util.c"], extra=inc)
@@ -558,6 +567,163 @@ def check_uapi_header(src: Source, commit: str) -> None:
         raise KtestError("kernel-syscall/include/uapi/linux/ksm.h does not start with the "
                          "series' include/uapi/linux/ksm.h; copy it over and keep the additions")
     log("uapi check: kernel-syscall/include/uapi/linux/ksm.h matches the series")
+
+
+# --------------------------------------------------------------------------
+# 4b. the pageshare filter payload (QEMU + page server + image)
+# --------------------------------------------------------------------------
+
+FILTER_TEST = "pageshare_filter_merge"
+PAYLOAD_DIR = "/pageshare"
+# Bump when the payload's layout or content recipe changes.
+PAYLOAD_RECIPE = "1"
+PAYLOAD_IMAGE_MIB = 8
+PAYLOAD_SEED = 20261121
+QEMU_BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-storage-daemon"]
+QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin"]   # what -M pc -nodefaults loads
+
+
+def build_patched_qemu() -> Path:
+    """qemu-patches/build.py (cached there; a warm run takes well under a second)."""
+    log("QEMU with the pageshare series: qemu-patches/build.py")
+    p = subprocess.run([sys.executable, str(REPO / "qemu-patches/build.py")],
+                       stdout=subprocess.PIPE, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        raise KtestError(f"qemu-patches/build.py failed ({p.returncode}); the "
+                         f"{FILTER_TEST} test needs the patched QEMU (see qemu-patches/README.md)")
+    out = Path(lines[-1])
+    for b in QEMU_BINARIES:
+        if not (out / "bin" / b).exists():
+            raise KtestError(f"qemu-patches/build.py printed {out}, which has no bin/{b}")
+    return out
+
+
+def build_page_server() -> Path:
+    """cargo build --release of page-server/, into the tests' target directory."""
+    cargo = shutil.which("cargo") or next(
+        (str(c) for c in [Path.home() / ".cargo/bin/cargo"] if c.exists()), None)
+    if cargo is None:
+        raise KtestError(f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
+                         "test needs pageshare-server")
+    base = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache/pageshare"))
+    target = base / "cargo-target"
+    env = {**os.environ, "CARGO_TARGET_DIR": str(target),
+           "PATH": f"{Path(cargo).parent}:{os.environ.get('PATH', '')}"}
+    log("pageshare-server: cargo build --release")
+    run([*nice_prefix(), cargo, "build", "--release", "--locked", "--quiet"],
+        cwd=REPO / "page-server", env=env, capture=True)
+    return target / "release/pageshare-server"
+
+
+def shared_libs(binary: Path) -> list[Path]:
+    """Every shared object binary loads (ldd on the host), the loader included."""
+    p = run(["ldd", str(binary)], capture=True)
+    libs = []
+    for line in p.stdout.splitlines():
+        m = re.search(r"(?:=>\s*)?(/\S+)\s+\(0x", line)
+        if m:
+            libs.append(Path(m.group(1)))
+        elif "not found" in line:
+            raise KtestError(f"{binary}: {line.strip()}")
+    return libs
+
+
+def write_pcsl(image: bytes, blocks: list[int], name: str) -> str:
+    """A pcsl v1 list (lists/README.md) of the given 4 KiB blocks of image."""
+    body = "".join(f"{b * 8} {hashlib.sha256(image[b * 4096:(b + 1) * 4096]).hexdigest()}\n"
+                   for b in blocks)
+    head = [
+        "# pcsl v1",
+        f"image-virtual-size: {len(image)}",
+        f"image-content-sha256: {hashlib.sha256(image).hexdigest()}",
+        f"image-name: {name}",
+        "block-size: 4096",
+        "sector-size: 512",
+        "hash: sha256",
+        f"count: {len(blocks)}",
+        f"list-digest: sha256:{hashlib.sha256(body.encode()).hexdigest()}",
+        "generator: ktest.py",
+        "created: 2026-01-01T00:00:00Z",
+        "criteria: every block < 1024 except each eighth (ktest payload)",
+        "runs:",
+        "---",
+    ]
+    return "\n".join(head) + "\n" + body
+
+
+SERVER_TOML = f"""# pageshare-server in the ktest VM (the {FILTER_TEST} test)
+socket_dir = "/tmp/pageshare/run"
+cache_dir = "/tmp/pageshare/cache"
+metrics_listen = ""
+host_name = "ktest"
+qemu_storage_daemon = "{PAYLOAD_DIR}/bin/qemu-storage-daemon"
+
+[[image]]
+name = "base"
+path = "{PAYLOAD_DIR}/base.raw"
+format = "raw"
+list_file = "{PAYLOAD_DIR}/base.pcsl"
+"""
+
+
+def build_filter_payload(root: Path) -> Path:
+    """A gzip'd cpio with the patched QEMU, pageshare-server, their shared
+    libraries (at their host paths), firmware, a random raw base image, its
+    list and a server config, all under PAYLOAD_DIR.  Appended to the
+    initramfs (the kernel unpacks concatenated archives); cached by content."""
+    qemu = build_patched_qemu()
+    server = build_page_server()
+    bins = [qemu / "bin" / b for b in QEMU_BINARIES] + [server]
+    firmware = []
+    for fw in QEMU_FIRMWARE:
+        f = (qemu / "share/qemu" / fw).resolve()
+        if not f.is_file():
+            raise KtestError(f"firmware {fw} not found in {qemu}/share/qemu (seabios package)")
+        firmware.append((fw, f))
+    libs: dict[Path, Path] = {}
+    for b in bins:
+        for lib in shared_libs(b):
+            libs[lib] = lib.resolve()
+    h = hashlib.sha256(f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
+    h.update(SERVER_TOML.encode())
+    for f in [*bins, *(f for _, f in firmware), *sorted(libs.values())]:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    out = root / "payload" / f"filter-{h.hexdigest()[:16]}.cpio.gz"
+    if out.exists():
+        log(f"filter payload: cached {out}")
+        return out
+    t0 = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ktest-payload-") as td:
+        top = Path(td)
+        pd = top / PAYLOAD_DIR.lstrip("/")
+        (pd / "bin").mkdir(parents=True)
+        (pd / "share/qemu").mkdir(parents=True)
+        for b in bins:
+            # Stripped copies: the initramfs is unpacked into guest RAM.
+            run(["strip", "-o", str(pd / "bin" / b.name), str(b)])
+        for name, f in firmware:
+            shutil.copy2(f, pd / "share/qemu" / name)
+        for lib, real in libs.items():
+            dst = top / str(lib).lstrip("/")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(real, dst)
+        import random
+        image = random.Random(PAYLOAD_SEED).randbytes(PAYLOAD_IMAGE_MIB << 20)
+        (pd / "base.raw").write_bytes(image)
+        blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
+        (pd / "base.pcsl").write_text(write_pcsl(image, blocks, "base.raw"))
+        (pd / "server.toml").write_text(SERVER_TOML)
+        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True, check=True).stdout
+        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+                              cwd=top, input=files, capture_output=True, check=True).stdout
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout)
+        tmp.rename(out)
+    log(f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) in {time.monotonic() - t0:.0f} s")
+    return out
 
 
 INIT = r"""#!/bin/busybox sh
@@ -602,7 +768,8 @@ reboot -f
 """
 
 
-def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: Path) -> None:
+def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: Path,
+                    payload: Path | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ktest-initramfs-") as td:
         root = Path(td)
         for d in ("bin", "sbin", "proc", "sys", "dev", "tmp", "tests", "etc", "root", "mnt"):
@@ -626,7 +793,10 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True, check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
                               cwd=root, input=files, capture_output=True, check=True).stdout
-        out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout)
+        data = subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+        # The kernel unpacks concatenated archives, so the big cached payload
+        # is appended as it is.
+        out.write_bytes(data + (payload.read_bytes() if payload else b""))
 
 
 # --------------------------------------------------------------------------
@@ -735,6 +905,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for d in (GUEST, LIBDIR):
         for f in sorted(d.glob("*.[ch]")):
             th.update(f.name.encode() + f.read_bytes())
+    th.update((REPO / "page-server/client/pageshare_table.h").read_bytes())
     th.update(Path(__file__).read_bytes())
     testdir = root / "tests" / th.hexdigest()[:16]
     if not (testdir / ".ready").exists():
@@ -759,10 +930,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         log(f"not built (source missing in this series): {m}")
 
     busybox = ensure_busybox(root)
+    # Missing prerequisites of the filter test (QEMU build, cargo) fail the
+    # run here, with a message; the test is never skipped silently.
+    payload = build_filter_payload(root) if any(t.payload for t in tests) else None
     rundir = root / "runs" / time.strftime("%Y%m%d-%H%M%S")
     rundir.mkdir(parents=True)
     initramfs = rundir / "initramfs.cpio.gz"
-    build_initramfs(busybox, testdir, tests, initramfs)
+    build_initramfs(busybox, testdir, tests, initramfs, payload)
     prep = time.monotonic() - t_start
     log(f"prepared in {prep:.0f} s; run directory {rundir}")
 

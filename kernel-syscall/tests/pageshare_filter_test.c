@@ -1,0 +1,1244 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * pageshare_filter_test - the pageshare QEMU filter against the real
+ * merge_pages(2) kernel, in the ktest VM.
+ *
+ * Starts pageshare-server (config, image and list from the payload that
+ * ktest.py packs under /pageshare), then the patched qemu-system-x86_64
+ * under the qtest accelerator with the -blockdev graph of
+ * qemu-patches/README.md (raw base -> pageshare filter, mode=merge ->
+ * qcow2 overlay) on the PIIX IDE of -M pc.  No guest code runs: this
+ * program drives the IDE controller through the qtest socket (PCI config
+ * space, a PRD table in guest RAM, ATA READ DMA / WRITE DMA), so the
+ * device DMA-reads base blocks straight into guest RAM, the one path where
+ * the filter sees guest RAM and calls merge_pages().
+ *
+ * Then it checks, from outside QEMU: the bytes of every guest page read
+ * (/proc/<qemu>/mem), that a listed block's guest page is the server's
+ * physical page (pagemap PFN) and a KSM page (kpageflags), that an
+ * unlisted one is not, the KSM counters of /sys/kernel/mm/ksm and the
+ * filter's query-blockstats counters; copy-on-write after a guest write
+ * (new PFN for the guest, the server's page unchanged, later readers still
+ * merge the original); an IDE write through the overlay reads back as
+ * written, unmerged.  Last, a timing phase: merge-ns per merged 4 KiB
+ * block in merge mode and per copied block in copy mode.
+ *
+ * Output: TAP.  QEMU and the server are killed on every exit path.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pageshare_table.h"
+
+#define PS 4096UL
+#define KPF_KSM 21
+#define PM_PRESENT (1ULL << 63)
+#define PM_PFN_MASK ((1ULL << 55) - 1)
+
+/* Layout of the payload (ktest.py build_filter_payload()). */
+static const char *payload = "/pageshare";
+#define WORK "/tmp/pageshare"
+
+/* ----------------------------------------------------------------- TAP */
+
+static int tap_n, tap_failed;
+
+static void ok(bool cond, const char *fmt, ...)
+{
+	va_list ap;
+
+	tap_n++;
+	if (!cond)
+		tap_failed++;
+	printf("%sok %d ", cond ? "" : "not ", tap_n);
+	va_start(ap, fmt);
+	vprintf(fmt, ap);
+	va_end(ap);
+	printf("\n");
+	fflush(stdout);
+}
+
+static void diag(const char *fmt, ...)
+{
+	va_list ap;
+
+	printf("# ");
+	va_start(ap, fmt);
+	vprintf(fmt, ap);
+	va_end(ap);
+	printf("\n");
+	fflush(stdout);
+}
+
+/* ------------------------------------------------------------ children */
+
+static pid_t server_pid = -1;
+static pid_t qemu_pids[2] = { -1, -1 };
+
+static void kill_child(pid_t *pid)
+{
+	if (*pid > 0) {
+		kill(*pid, SIGKILL);
+		waitpid(*pid, NULL, 0);
+		*pid = -1;
+	}
+}
+
+static void cleanup(void)
+{
+	kill_child(&qemu_pids[0]);
+	kill_child(&qemu_pids[1]);
+	kill_child(&server_pid);
+}
+
+static void on_signal(int sig)
+{
+	cleanup();
+	signal(sig, SIG_DFL);
+	raise(sig);
+}
+
+static void show_log(const char *path)
+{
+	char line[512];
+	FILE *f = fopen(path, "r");
+
+	if (!f)
+		return;
+	diag("--- %s", path);
+	while (fgets(line, sizeof(line), f)) {
+		line[strcspn(line, "\n")] = 0;
+		diag("  %s", line);
+	}
+	fclose(f);
+}
+
+static void bail(const char *fmt, ...)
+{
+	va_list ap;
+
+	printf("Bail out! ");
+	va_start(ap, fmt);
+	vprintf(fmt, ap);
+	va_end(ap);
+	printf("\n");
+	fflush(stdout);
+	show_log(WORK "/server.log");
+	show_log(WORK "/qemu0.log");
+	show_log(WORK "/qemu1.log");
+	cleanup();
+	exit(1);
+}
+
+static pid_t spawn(char *const argv[], const char *logpath)
+{
+	pid_t pid = fork();
+
+	if (pid < 0)
+		bail("fork: %s", strerror(errno));
+	if (pid == 0) {
+		int fd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (fd >= 0) {
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		execv(argv[0], argv);
+		fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+		_exit(127);
+	}
+	return pid;
+}
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static bool alive(pid_t pid)
+{
+	return waitpid(pid, NULL, WNOHANG) == 0;
+}
+
+/* ---------------------------------------------------------------- files */
+
+static uint8_t *image;
+static size_t image_size;
+
+static void load_image(const char *path)
+{
+	struct stat st;
+	int fd = open(path, O_RDONLY);
+
+	if (fd < 0 || fstat(fd, &st))
+		bail("%s: %s", path, strerror(errno));
+	image_size = st.st_size;
+	image = malloc(image_size);
+	if (!image || pread(fd, image, image_size, 0) != (ssize_t)image_size)
+		bail("read %s", path);
+	close(fd);
+}
+
+/* The list's header value for @key (static buffer). */
+static const char *list_header(const char *path, const char *key)
+{
+	static char val[256];
+	char line[512];
+	FILE *f = fopen(path, "r");
+	size_t kl = strlen(key);
+
+	if (!f)
+		bail("%s: %s", path, strerror(errno));
+	while (fgets(line, sizeof(line), f)) {
+		if (!strcmp(line, "---\n"))
+			break;
+		if (!strncmp(line, key, kl) && line[kl] == ':') {
+			snprintf(val, sizeof(val), "%s", line + kl + 2);
+			val[strcspn(val, "\n")] = 0;
+			fclose(f);
+			return val;
+		}
+	}
+	fclose(f);
+	bail("%s: no header %s", path, key);
+	return NULL;
+}
+
+static long ksm_get(const char *name)
+{
+	char path[128], buf[64];
+	long v = -1;
+	int fd;
+	ssize_t n;
+
+	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
+	fd = open(path, O_RDONLY);
+	if (fd < 0)
+		return -1;	/* no series: test 1 failed already */
+	n = read(fd, buf, sizeof(buf) - 1);
+	if (n > 0) {
+		buf[n] = 0;
+		v = strtol(buf, NULL, 10);
+	}
+	close(fd);
+	return v;
+}
+
+/* ------------------------------------------------------------ processes */
+
+struct proc {
+	pid_t pid;
+	int mem, pagemap;
+};
+
+static int kpageflags_fd = -1;
+
+static void proc_open(struct proc *p, pid_t pid)
+{
+	char path[64];
+
+	p->pid = pid;
+	snprintf(path, sizeof(path), "/proc/%d/mem", pid);
+	p->mem = open(path, O_RDONLY);
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", pid);
+	p->pagemap = open(path, O_RDONLY);
+	if (p->mem < 0 || p->pagemap < 0)
+		bail("open /proc/%d/{mem,pagemap}: %s", pid, strerror(errno));
+}
+
+static void proc_close(struct proc *p)
+{
+	close(p->mem);
+	close(p->pagemap);
+}
+
+static uint64_t pagemap_entry(const struct proc *p, uint64_t addr)
+{
+	uint64_t e = 0;
+
+	if (pread(p->pagemap, &e, 8, addr / PS * 8) != 8)
+		bail("pagemap of %d at %#" PRIx64 ": %s", p->pid, addr, strerror(errno));
+	return e;
+}
+
+/* PFN of the page at addr, 0 if not present. */
+static uint64_t pfn_of(const struct proc *p, uint64_t addr)
+{
+	uint64_t e = pagemap_entry(p, addr);
+
+	return (e & PM_PRESENT) ? (e & PM_PFN_MASK) : 0;
+}
+
+static bool pfn_is_ksm(uint64_t pfn)
+{
+	uint64_t fl = 0;
+
+	if (kpageflags_fd < 0)
+		kpageflags_fd = open("/proc/kpageflags", O_RDONLY);
+	if (kpageflags_fd < 0 || pread(kpageflags_fd, &fl, 8, pfn * 8) != 8)
+		bail("/proc/kpageflags: %s", strerror(errno));
+	return fl & (1ULL << KPF_KSM);
+}
+
+static void proc_read(const struct proc *p, uint64_t addr, void *buf, size_t len)
+{
+	if (pread(p->mem, buf, len, addr) != (ssize_t)len)
+		bail("read /proc/%d/mem at %#" PRIx64 ": %s", p->pid, addr, strerror(errno));
+}
+
+/* ---------------------------------------------------------------- qtest */
+
+struct qemu {
+	int idx;
+	pid_t pid;
+	int qtest;		/* qtest socket */
+	int qmp;		/* QMP socket */
+	char rbuf[1 << 16];	/* qtest input */
+	size_t rlen;
+	char qbuf[1 << 16];	/* QMP input */
+	size_t qlen;
+	uint64_t ram_hva;	/* host address of guest physical 0 */
+	struct proc proc;
+	uint16_t bmdma;		/* BMDMA I/O base */
+};
+
+static void sun_path(struct sockaddr_un *sa, const char *path)
+{
+	size_t l = strlen(path);
+
+	if (l >= sizeof(sa->sun_path))
+		bail("socket path too long: %s", path);
+	memcpy(sa->sun_path, path, l + 1);
+}
+
+static int unix_listen(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	unlink(path);
+	sun_path(&sa, path);
+	if (s < 0 || bind(s, (struct sockaddr *)&sa, sizeof(sa)) || listen(s, 1))
+		bail("listen on %s: %s", path, strerror(errno));
+	return s;
+}
+
+static int unix_connect(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	sun_path(&sa, path);
+	if (s < 0)
+		bail("socket: %s", strerror(errno));
+	if (connect(s, (struct sockaddr *)&sa, sizeof(sa))) {
+		close(s);
+		return -1;
+	}
+	return s;
+}
+
+/* One line from fd into line (buffered in q); bails on EOF or timeout. */
+static void read_line(struct qemu *q, int fd, char *buf, size_t *len,
+		      size_t cap, char *line, size_t linecap, int timeout_s)
+{
+	double deadline = now() + timeout_s;
+
+	for (;;) {
+		char *nl = memchr(buf, '\n', *len);
+		struct pollfd pfd = { .fd = fd, .events = POLLIN };
+		ssize_t n;
+
+		if (nl) {
+			size_t l = nl - buf;
+
+			if (l >= linecap)
+				bail("qemu %d: line of %zu bytes", q->idx, l);
+			memcpy(line, buf, l);
+			line[l] = 0;
+			memmove(buf, nl + 1, *len - l - 1);
+			*len -= l + 1;
+			return;
+		}
+		if (*len == cap)
+			bail("qemu %d: line too long", q->idx);
+		if (poll(&pfd, 1, 1000) == 0) {
+			if (now() > deadline)
+				bail("qemu %d: no answer in %d s", q->idx, timeout_s);
+			if (!alive(q->pid))
+				bail("qemu %d exited", q->idx);
+			continue;
+		}
+		n = read(fd, buf + *len, cap - *len);
+		if (n <= 0)
+			bail("qemu %d: connection closed (%s)", q->idx,
+			     n < 0 ? strerror(errno) : "EOF");
+		*len += n;
+	}
+}
+
+static void write_all(int fd, const char *s, size_t len)
+{
+	while (len) {
+		ssize_t n = write(fd, s, len);
+
+		if (n <= 0)
+			bail("write: %s", strerror(errno));
+		s += n;
+		len -= n;
+	}
+}
+
+/* Send a qtest command; return the answer after "OK" (static buffer). */
+static const char *qt(struct qemu *q, const char *fmt, ...)
+{
+	static char line[3 * 65536];
+	static char cmd[3 * 65536];
+	va_list ap;
+	int n;
+
+	va_start(ap, fmt);
+	n = vsnprintf(cmd, sizeof(cmd) - 1, fmt, ap);
+	va_end(ap);
+	if (n < 0 || n >= (int)sizeof(cmd) - 1)
+		bail("qtest command too long");
+	cmd[n++] = '\n';
+	write_all(q->qtest, cmd, n);
+	for (;;) {
+		read_line(q, q->qtest, q->rbuf, &q->rlen, sizeof(q->rbuf),
+			  line, sizeof(line), 120);
+		if (!strncmp(line, "IRQ", 3))
+			continue;
+		break;
+	}
+	if (strncmp(line, "OK", 2))
+		bail("qtest: %.60s -> %s", cmd, line);
+	return line[2] == ' ' ? line + 3 : line + 2;
+}
+
+static void outb(struct qemu *q, uint16_t port, uint8_t v)
+{
+	qt(q, "outb 0x%x 0x%x", port, v);
+}
+
+static void outl(struct qemu *q, uint16_t port, uint32_t v)
+{
+	qt(q, "outl 0x%x 0x%x", port, v);
+}
+
+static uint32_t in(struct qemu *q, const char *op, uint16_t port)
+{
+	return strtoul(qt(q, "%s 0x%x", op, port), NULL, 0);
+}
+
+static void gwrite(struct qemu *q, uint64_t gpa, const void *data, size_t len)
+{
+	static char hex[2 * 65536 + 1];
+	const uint8_t *d = data;
+
+	for (size_t off = 0; off < len; off += 32768) {
+		size_t n = len - off < 32768 ? len - off : 32768;
+
+		for (size_t i = 0; i < n; i++)
+			sprintf(hex + 2 * i, "%02x", d[off + i]);
+		qt(q, "write 0x%" PRIx64 " 0x%zx 0x%s", gpa + off, n, hex);
+	}
+}
+
+static void gread(struct qemu *q, uint64_t gpa, void *data, size_t len)
+{
+	const char *r = qt(q, "read 0x%" PRIx64 " 0x%zx", gpa, len);
+	uint8_t *d = data;
+
+	if (strncmp(r, "0x", 2) || strlen(r) != 2 + 2 * len)
+		bail("qtest read: bad answer");
+	for (size_t i = 0; i < len; i++) {
+		unsigned int v;
+
+		sscanf(r + 2 + 2 * i, "%2x", &v);
+		d[i] = v;
+	}
+}
+
+/* ------------------------------------------------------------------ QMP */
+
+static char qmp_reply[1 << 20];
+
+static const char *qmp(struct qemu *q, const char *cmd)
+{
+	write_all(q->qmp, cmd, strlen(cmd));
+	write_all(q->qmp, "\n", 1);
+	for (;;) {
+		read_line(q, q->qmp, q->qbuf, &q->qlen, sizeof(q->qbuf), qmp_reply,
+			  sizeof(qmp_reply), 60);
+		if (strstr(qmp_reply, "\"return\"") || strstr(qmp_reply, "\"error\""))
+			break;
+	}
+	if (strstr(qmp_reply, "\"error\""))
+		bail("QMP %s: %s", cmd, qmp_reply);
+	return qmp_reply;
+}
+
+static void qmp_open(struct qemu *q, const char *path)
+{
+	double deadline = now() + 120;
+
+	while ((q->qmp = unix_connect(path)) < 0) {
+		if (now() > deadline || !alive(q->pid))
+			bail("qemu %d: no QMP socket %s", q->idx, path);
+		usleep(100000);
+	}
+	read_line(q, q->qmp, q->qbuf, &q->qlen, sizeof(q->qbuf), qmp_reply,
+		  sizeof(qmp_reply), 60);
+	qmp(q, "{\"execute\": \"qmp_capabilities\"}");
+}
+
+struct fstats {
+	long requests, merged, merge_calls, merge_ns, not_listed, not_ram,
+	     failed, unsupported, no_table, last_errno;
+	bool connected;
+};
+
+static long json_num(const char *obj, const char *key)
+{
+	char pat[64];
+	const char *p;
+
+	snprintf(pat, sizeof(pat), "\"%s\":", key);
+	p = strstr(obj, pat);
+	if (!p)
+		bail("query-blockstats: no %s in %.300s", key, obj);
+	return strtol(p + strlen(pat), NULL, 10);
+}
+
+static struct fstats filter_stats(struct qemu *q)
+{
+	const char *r = qmp(q, "{\"execute\": \"query-blockstats\", "
+			    "\"arguments\": {\"query-nodes\": true}}");
+	const char *d = strstr(r, "\"driver\": \"pageshare\"");
+	static char obj[4096];
+	const char *p, *e;
+	struct fstats s;
+
+	if (!d)
+		bail("query-blockstats: no pageshare node: %.500s", r);
+	/* its driver-specific object (flat, keys in any order) */
+	for (p = d; p > r && *p != '{'; p--)
+		;
+	e = strchr(d, '}');
+	if (!e || e - p >= (long)sizeof(obj))
+		bail("query-blockstats: bad driver-specific object");
+	memcpy(obj, p, e - p);
+	obj[e - p] = 0;
+	p = obj;
+	s.requests = json_num(p, "requests");
+	s.merged = json_num(p, "merged");
+	s.merge_calls = json_num(p, "merge-calls");
+	s.merge_ns = json_num(p, "merge-ns");
+	s.not_listed = json_num(p, "fallback-not-listed");
+	s.not_ram = json_num(p, "fallback-not-guest-ram");
+	s.failed = json_num(p, "fallback-merge-failed");
+	s.unsupported = json_num(p, "fallback-unsupported");
+	s.no_table = json_num(p, "fallback-no-table");
+	s.last_errno = json_num(p, "last-merge-errno");
+	s.connected = strstr(p, "\"connected\": true") != NULL;
+	return s;
+}
+
+/* ------------------------------------------------------------ the server */
+
+static struct pst_table table;
+static struct pst_table_msg table_msg;
+static struct proc server;
+
+static int recv_msg(int s, uint32_t *type, void *payload, size_t cap,
+		    int fds[2], int timeout_s)
+{
+	uint32_t hdr[2];
+	char cbuf[CMSG_SPACE(2 * sizeof(int))];
+	struct iovec iov = { hdr, sizeof(hdr) };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1,
+			     .msg_control = cbuf, .msg_controllen = sizeof(cbuf) };
+	struct pollfd pfd = { .fd = s, .events = POLLIN };
+	struct cmsghdr *c;
+	size_t got = 0;
+
+	fds[0] = fds[1] = -1;
+	if (poll(&pfd, 1, timeout_s * 1000) != 1)
+		return -1;
+	if (recvmsg(s, &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL) != sizeof(hdr))
+		return -1;
+	for (c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+			memcpy(fds, CMSG_DATA(c), (n > 2 ? 2 : n) * sizeof(int));
+		}
+	}
+	*type = hdr[0];
+	if (hdr[1] > cap)
+		return -1;
+	while (got < hdr[1]) {
+		ssize_t n = recv(s, (char *)payload + got, hdr[1] - got, 0);
+
+		if (n <= 0)
+			return -1;
+		got += n;
+	}
+	return hdr[1];
+}
+
+static int server_sock = -1;
+
+static void start_server(void)
+{
+	char cfg[256], sock[256], err[160];
+	char *argv[] = { NULL, "run", "--config", cfg, NULL };
+	char bin[256];
+	double t0 = now(), deadline = t0 + 300;
+
+	snprintf(bin, sizeof(bin), "%s/bin/pageshare-server", payload);
+	snprintf(cfg, sizeof(cfg), "%s/server.toml", payload);
+	snprintf(sock, sizeof(sock), WORK "/run/base.sock");
+	argv[0] = bin;
+	server_pid = spawn(argv, WORK "/server.log");
+	while ((server_sock = unix_connect(sock)) < 0) {
+		if (now() > deadline || !alive(server_pid))
+			bail("pageshare-server: no socket %s", sock);
+		usleep(100000);
+	}
+	for (;;) {
+		uint8_t buf[4096];
+		uint32_t type;
+		int fds[2];
+		int n = recv_msg(server_sock, &type, buf, sizeof(buf), fds, 300);
+
+		if (n < 0)
+			bail("pageshare-server: no TABLE message");
+		if (type == PST_MSG_NO_TABLE) {
+			diag("server: NO_TABLE (%.*s); waiting", n > 8 ? n - 8 : 0, buf + 8);
+			continue;
+		}
+		if (type != PST_MSG_TABLE || n != sizeof(table_msg) || fds[1] < 0)
+			bail("pageshare-server: unexpected message %u", type);
+		memcpy(&table_msg, buf, sizeof(table_msg));
+		if (pst_open(&table, fds[0], err, sizeof(err)))
+			bail("table: %s", err);
+		close(fds[0]);
+		close(fds[1]);
+		break;
+	}
+	diag("server: table generation %" PRIu64 ", %" PRIu64 " entries, flags %#x, in %.1f s",
+	     table_msg.generation, table_msg.entry_count, table_msg.flags, now() - t0);
+	proc_open(&server, server_pid);
+}
+
+/* The server's address of block b, 0 if unlisted. */
+static uint64_t srv_addr(uint64_t block)
+{
+	return pst_lookup(&table, block);
+}
+
+/* ------------------------------------------------------------------ QEMU */
+
+static const char *image_sha;
+
+static void start_qemu(struct qemu *q, int idx, const char *mode)
+{
+	char qtest_path[128], qmp_path[128], ovl[128], log[128];
+	char qtest_arg[160], qmp_arg[160], bin[256], img[256], share[256];
+	char bd_base[512], bd_ps[512], bd_ovlf[512];
+	char *argv[64];
+	int argc = 0, ls, r;
+
+	memset(q, 0, sizeof(*q));
+	q->idx = idx;
+	snprintf(qtest_path, sizeof(qtest_path), WORK "/qtest%d.sock", idx);
+	snprintf(qmp_path, sizeof(qmp_path), WORK "/qmp%d.sock", idx);
+	snprintf(ovl, sizeof(ovl), WORK "/ovl%d.qcow2", idx);
+	snprintf(log, sizeof(log), WORK "/qemu%d.log", idx);
+	snprintf(img, sizeof(img), "%s/base.raw", payload);
+	snprintf(share, sizeof(share), "%s/share/qemu", payload);
+
+	/* The overlay, made by the patched qemu-img. */
+	{
+		char qimg[256], size[32], backing[300];
+		char *iargv[] = { qimg, "create", "-q", "-f", "qcow2", "-F", "raw",
+				  "-b", backing, ovl, size, NULL };
+		pid_t p;
+		int st;
+
+		snprintf(qimg, sizeof(qimg), "%s/bin/qemu-img", payload);
+		snprintf(backing, sizeof(backing), "%s", img);
+		snprintf(size, sizeof(size), "%zu", image_size);
+		unlink(ovl);
+		p = spawn(iargv, WORK "/qemu-img.log");
+		if (waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st)) {
+			show_log(WORK "/qemu-img.log");
+			bail("qemu-img create failed");
+		}
+	}
+
+	ls = unix_listen(qtest_path);
+	snprintf(bin, sizeof(bin), "%s/bin/qemu-system-x86_64", payload);
+	snprintf(qtest_arg, sizeof(qtest_arg), "unix:%s", qtest_path);
+	snprintf(qmp_arg, sizeof(qmp_arg), "unix:%s,server=on,wait=off", qmp_path);
+	snprintf(bd_base, sizeof(bd_base),
+		 "{\"driver\":\"file\",\"node-name\":\"base\",\"filename\":\"%s\",\"read-only\":true}",
+		 img);
+	r = snprintf(bd_ps, sizeof(bd_ps),
+		     "{\"driver\":\"pageshare\",\"node-name\":\"ps\",\"file\":\"base\","
+		     "\"read-only\":true,\"server\":\"" WORK "/run/base.sock\","
+		     "\"mode\":\"%s\",\"image-sha256\":\"%s\"}", mode, image_sha);
+	if (r >= (int)sizeof(bd_ps))
+		bail("blockdev too long");
+	snprintf(bd_ovlf, sizeof(bd_ovlf),
+		 "{\"driver\":\"file\",\"node-name\":\"ovl-file\",\"filename\":\"%s\"}", ovl);
+#define A(x) (argv[argc++] = (char *)(x))
+	A(bin); A("-M"); A("pc"); A("-accel"); A("qtest");
+	A("-qtest"); A(qtest_arg); A("-qtest-log"); A("none");
+	A("-L"); A(share); A("-m"); A("64M"); A("-nodefaults");
+	A("-display"); A("none"); A("-qmp"); A(qmp_arg);
+	A("-blockdev"); A(bd_base); A("-blockdev"); A(bd_ps);
+	A("-blockdev"); A(bd_ovlf);
+	A("-blockdev");
+	A("{\"driver\":\"qcow2\",\"node-name\":\"ovl\",\"file\":\"ovl-file\",\"backing\":\"ps\"}");
+	A("-device"); A("ide-hd,drive=ovl,bus=ide.0,unit=0");
+	A(NULL);
+#undef A
+	q->pid = spawn(argv, log);
+	qemu_pids[idx] = q->pid;
+	{
+		struct pollfd pfd = { .fd = ls, .events = POLLIN };
+		double deadline = now() + 180;
+
+		while (poll(&pfd, 1, 1000) == 0) {
+			if (now() > deadline || !alive(q->pid))
+				bail("qemu %d did not connect to the qtest socket", idx);
+		}
+		q->qtest = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+		if (q->qtest < 0)
+			bail("accept: %s", strerror(errno));
+		close(ls);
+	}
+	qmp_open(q, qmp_path);
+	proc_open(&q->proc, q->pid);
+}
+
+static void stop_qemu(struct qemu *q)
+{
+	close(q->qtest);
+	close(q->qmp);
+	proc_close(&q->proc);
+	kill_child(&qemu_pids[q->idx]);
+}
+
+/*
+ * Find the host address of guest RAM: write markers at two guest physical
+ * addresses and look for them in qemu's present anonymous pages.
+ */
+static void find_ram(struct qemu *q)
+{
+	const uint64_t gpa[2] = { 0x200000, 0x2800000 };
+	uint8_t marker[2][64];
+	char path[64], line[512];
+	FILE *maps;
+	uint64_t found = 0;
+
+	srand(getpid() ^ (unsigned int)time(NULL));
+	for (int m = 0; m < 2; m++) {
+		for (int i = 0; i < 64; i++)
+			marker[m][i] = rand() & 0xff;
+		memcpy(marker[m], "PAGESHARE-MARKER", 16);
+		marker[m][16] = '0' + m;
+		gwrite(q, gpa[m], marker[m], sizeof(marker[m]));
+	}
+	snprintf(path, sizeof(path), "/proc/%d/maps", q->pid);
+	maps = fopen(path, "r");
+	if (!maps)
+		bail("%s: %s", path, strerror(errno));
+	while (!found && fgets(line, sizeof(line), maps)) {
+		uint64_t start, end, ino;
+		char perms[8];
+		int pathoff = 0;
+
+		if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %" SCNu64 " %n",
+			   &start, &end, perms, &ino, &pathoff) < 4)
+			continue;
+		if (strcmp(perms, "rw-p") || ino != 0 || line[pathoff] == '/')
+			continue;
+		for (uint64_t a = start; a < end && !found; a += 512 * PS) {
+			uint64_t pm[512];
+			size_t n = (end - a) / PS < 512 ? (end - a) / PS : 512;
+
+			if (pread(q->proc.pagemap, pm, n * 8, a / PS * 8) != (ssize_t)(n * 8))
+				bail("pagemap of qemu: %s", strerror(errno));
+			for (size_t i = 0; i < n && !found; i++) {
+				uint8_t buf[64];
+
+				if (!(pm[i] & PM_PRESENT))
+					continue;
+				proc_read(&q->proc, a + i * PS, buf, sizeof(buf));
+				if (!memcmp(buf, marker[0], 64))
+					found = a + i * PS - gpa[0];
+			}
+		}
+	}
+	fclose(maps);
+	if (!found)
+		bail("qemu %d: guest RAM marker not found", q->idx);
+	{
+		uint8_t buf[64];
+
+		proc_read(&q->proc, found + gpa[1], buf, sizeof(buf));
+		if (memcmp(buf, marker[1], 64))
+			bail("qemu %d: second marker not at the same offset", q->idx);
+	}
+	q->ram_hva = found;
+	diag("qemu %d: guest RAM at %#" PRIx64, q->idx, found);
+}
+
+/* --------------------------------------------------------------- IDE */
+
+#define IDE_BASE 0x1f0
+#define IDE_CTRL 0x3f6
+#define REG_NSECT 2
+#define REG_LBA_LOW 3
+#define REG_LBA_MID 4
+#define REG_LBA_HIGH 5
+#define REG_DEVICE 6
+#define REG_CMD 7		/* write: command, read: status */
+#define LBA 0x40
+#define BSY 0x80
+#define DRDY 0x40
+#define DRQ 0x08
+#define ERR 0x01
+#define CMD_READ_DMA 0xc8
+#define CMD_WRITE_DMA 0xca
+#define BM_CMD 0
+#define BM_STATUS 2
+#define BM_PRDT 4
+#define BM_CMD_START 0x1
+#define BM_CMD_WRITE 0x8	/* the device writes to memory */
+#define BM_STS_ACTIVE 0x1
+#define BM_STS_ERROR 0x2
+#define BM_STS_INTR 0x4
+#define PRDT_EOT 0x80000000u
+#define PRDT_GPA 0x300000
+#define BMDMA_PORT 0xc000
+
+static uint32_t pci_cfg_addr(int dev, int fn, int reg)
+{
+	return 0x80000000u | (dev << 11) | (fn << 8) | (reg & 0xfc);
+}
+
+static uint32_t pci_read(struct qemu *q, int dev, int fn, int reg)
+{
+	outl(q, 0xcf8, pci_cfg_addr(dev, fn, reg));
+	return in(q, "inl", 0xcfc);
+}
+
+static void pci_write(struct qemu *q, int dev, int fn, int reg, uint32_t v)
+{
+	outl(q, 0xcf8, pci_cfg_addr(dev, fn, reg));
+	outl(q, 0xcfc, v);
+}
+
+/* PIIX3 IDE is 00:01.1 on -M pc: BMDMA BAR4, I/O and bus master on. */
+static void ide_init(struct qemu *q)
+{
+	uint32_t id = pci_read(q, 1, 1, 0);
+
+	if (id != 0x70108086)
+		bail("00:01.1 is %08x, not the PIIX3 IDE (8086:7010)", id);
+	pci_write(q, 1, 1, 0x20, BMDMA_PORT | 1);
+	pci_write(q, 1, 1, 0x04, (pci_read(q, 1, 1, 0x04) & 0xffff) | 0x1 | 0x4);
+	q->bmdma = BMDMA_PORT;
+	if ((pci_read(q, 1, 1, 0x20) & 0xfff0) != BMDMA_PORT)
+		bail("BMDMA BAR did not stick");
+}
+
+struct prd {
+	uint32_t addr;
+	uint32_t size;		/* bytes; bit 31: end of table */
+};
+
+/*
+ * One ATA DMA command: @nsect sectors at @lba, to/from the guest pages of
+ * @prd (n entries).  Returns the IDE status; bails if it does not end.
+ */
+static uint8_t ide_dma(struct qemu *q, uint8_t cmd, uint64_t lba, unsigned int nsect,
+		       struct prd *prd, int n)
+{
+	double deadline = now() + 120;
+	uint8_t st, bm;
+
+	prd[n - 1].size |= PRDT_EOT;
+	outb(q, q->bmdma + BM_CMD, 0);
+	outb(q, q->bmdma + BM_STATUS, BM_STS_INTR | BM_STS_ERROR);
+	gwrite(q, PRDT_GPA, prd, n * sizeof(*prd));
+	outl(q, q->bmdma + BM_PRDT, PRDT_GPA);
+	outb(q, IDE_BASE + REG_DEVICE, LBA);
+	outb(q, IDE_BASE + REG_NSECT, nsect & 0xff);	/* 0 = 256 */
+	outb(q, IDE_BASE + REG_LBA_LOW, lba & 0xff);
+	outb(q, IDE_BASE + REG_LBA_MID, (lba >> 8) & 0xff);
+	outb(q, IDE_BASE + REG_LBA_HIGH, (lba >> 16) & 0xff);
+	outb(q, IDE_BASE + REG_DEVICE, LBA | ((lba >> 24) & 0xf));
+	outb(q, IDE_BASE + REG_CMD, cmd);
+	outb(q, q->bmdma + BM_CMD,
+	     BM_CMD_START | (cmd == CMD_READ_DMA ? BM_CMD_WRITE : 0));
+	do {
+		if (now() > deadline)
+			bail("qemu %d: DMA did not finish", q->idx);
+		bm = in(q, "inb", q->bmdma + BM_STATUS);
+	} while ((bm & (BM_STS_ACTIVE | BM_STS_INTR)) == BM_STS_ACTIVE);
+	outb(q, q->bmdma + BM_CMD, 0);
+	st = in(q, "inb", IDE_BASE + REG_CMD);
+	if ((st & (BSY | DRQ | ERR)) || !(st & DRDY) || (bm & BM_STS_ERROR))
+		diag("qemu %d: IDE status %#x, BM status %#x", q->idx, st, bm);
+	return st;
+}
+
+static bool ide_ok(uint8_t st)
+{
+	return !(st & (BSY | DRQ | ERR)) && (st & DRDY);
+}
+
+/* Read blocks [first, first + n) into guest pages gpa[0..n). */
+static bool read_blocks(struct qemu *q, uint64_t first, unsigned int n, const uint64_t *gpa)
+{
+	struct prd prd[64];
+
+	for (unsigned int i = 0; i < n; i++)
+		prd[i] = (struct prd){ (uint32_t)gpa[i], PS };
+	return ide_ok(ide_dma(q, CMD_READ_DMA, first * 8, n * 8, prd, n));
+}
+
+/* ------------------------------------------------------------- checks */
+
+struct page_state {
+	bool bytes_ok, merged, ksm;
+	uint64_t pfn, srv_pfn;
+};
+
+static struct page_state check_page(struct qemu *q, uint64_t gpa, uint64_t block,
+				    const uint8_t *expect)
+{
+	struct page_state s = { 0 };
+	uint8_t buf[PS];
+	uint64_t hva = q->ram_hva + gpa;
+
+	proc_read(&q->proc, hva, buf, PS);
+	s.bytes_ok = !memcmp(buf, expect ? expect : image + block * PS, PS);
+	s.pfn = pfn_of(&q->proc, hva);
+	s.ksm = s.pfn && pfn_is_ksm(s.pfn);
+	if (srv_addr(block))
+		s.srv_pfn = pfn_of(&server, srv_addr(block));
+	s.merged = s.pfn && s.pfn == s.srv_pfn;
+	return s;
+}
+
+struct counters {
+	long merged, sources, failed, shared, sharing;
+};
+
+static struct counters ksm_counters(void)
+{
+	return (struct counters){ ksm_get("merge_page_merged"), ksm_get("merge_page_sources"),
+				  ksm_get("merge_page_failed"), ksm_get("pages_shared"),
+				  ksm_get("pages_sharing") };
+}
+
+/*
+ * Read blocks [first, first + n) into gpa[] and check each page.  Returns
+ * the number of listed blocks; *merged_ok says whether every listed block
+ * is the server's page (KSM) and every unlisted one is not, with the right
+ * bytes everywhere.
+ */
+static unsigned int read_and_check(struct qemu *q, const char *what, uint64_t first,
+				   unsigned int n, const uint64_t *gpa, bool expect_merge)
+{
+	unsigned int listed = 0, bad_bytes = 0, bad_merge = 0;
+
+	ok(read_blocks(q, first, n, gpa), "%s: READ DMA of blocks %" PRIu64 "-%" PRIu64
+	   " completes", what, first, first + n - 1);
+	for (unsigned int i = 0; i < n; i++) {
+		uint64_t b = first + i;
+		bool is_listed = srv_addr(b) != 0;
+		struct page_state s = check_page(q, gpa[i], b, NULL);
+		bool want = is_listed && expect_merge;
+
+		listed += is_listed;
+		if (!s.bytes_ok) {
+			bad_bytes++;
+			diag("%s: block %" PRIu64 " at gpa %#" PRIx64 ": wrong bytes", what, b, gpa[i]);
+		}
+		if (s.merged != want || s.ksm != want) {
+			bad_merge++;
+			diag("%s: block %" PRIu64 " (%s): pfn %#" PRIx64 " server pfn %#" PRIx64
+			     " ksm %d, expected %s", what, b, is_listed ? "listed" : "unlisted",
+			     s.pfn, s.srv_pfn, s.ksm, want ? "merged" : "not merged");
+		}
+	}
+	ok(bad_bytes == 0, "%s: all %u pages hold the image's bytes", what, n);
+	ok(bad_merge == 0, "%s: %s", what, expect_merge ?
+	   "listed blocks are the server's page (same PFN, KPF_KSM), unlisted ones are not" :
+	   "no page is the server's page or a KSM page");
+	return listed;
+}
+
+static void gpas(uint64_t *out, unsigned int n, uint64_t base, uint64_t stride)
+{
+	for (unsigned int i = 0; i < n; i++)
+		out[i] = base + i * stride;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static void timing(const char *mode, int idx, double *ns_per_block, long *blocks)
+{
+	struct qemu q;
+	struct fstats a, b;
+	uint64_t gpa[64];
+	unsigned int listed = 0;
+
+	start_qemu(&q, idx, mode);
+	find_ram(&q);
+	ide_init(&q);
+	a = filter_stats(&q);
+	/* 8 commands of 32 blocks: blocks 256..511, into fresh pages */
+	for (int c = 0; c < 8; c++) {
+		gpas(gpa, 32, 0x1000000 + c * 32 * PS, PS);
+		if (!read_blocks(&q, 256 + c * 32, 32, gpa))
+			bail("timing (%s): READ DMA failed", mode);
+		for (int i = 0; i < 32; i++)
+			listed += srv_addr(256 + c * 32 + i) != 0;
+	}
+	b = filter_stats(&q);
+	*blocks = b.merged - a.merged;
+	*ns_per_block = *blocks ? (double)(b.merge_ns - a.merge_ns) / *blocks : 0;
+	ok(*blocks == listed, "timing, mode=%s: %ld of %u listed blocks %s", mode, *blocks,
+	   listed, !strcmp(mode, "copy") ? "copied" : "merged");
+	diag("mode=%s: %ld blocks in %ld calls, merge-ns %ld: %.0f ns per block, %.0f ns per call",
+	     mode, *blocks, b.merge_calls - a.merge_calls, b.merge_ns - a.merge_ns,
+	     *ns_per_block, (b.merge_calls - a.merge_calls) ?
+	     (double)(b.merge_ns - a.merge_ns) / (b.merge_calls - a.merge_calls) : 0.0);
+	stop_qemu(&q);
+}
+
+int main(int argc, char **argv)
+{
+	char path[256];
+	struct qemu q, q2;
+	struct counters k0, k1;
+	struct fstats f0, f1;
+	uint64_t gpa[64], r1[16], r3[4];
+	unsigned int listed1, listed2;
+	long list_count;
+	double t_start = now();
+
+	if (argc > 1)
+		payload = argv[1];
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	atexit(cleanup);
+	signal(SIGTERM, on_signal);
+	signal(SIGINT, on_signal);
+	signal(SIGALRM, on_signal);
+	signal(SIGPIPE, SIG_IGN);
+	printf("TAP version 13\n");
+	mkdir(WORK, 0755);
+	mkdir(WORK "/run", 0755);
+
+	snprintf(path, sizeof(path), "%s/base.raw", payload);
+	load_image(path);
+	snprintf(path, sizeof(path), "%s/base.pcsl", payload);
+	image_sha = strdup(list_header(path, "image-content-sha256"));
+	list_count = strtol(list_header(path, "count"), NULL, 10);
+	ok(access("/sys/kernel/mm/ksm/merge_page_merged", F_OK) == 0,
+	   "the kernel has the merge_pages series");
+
+	/* ---- the server */
+	start_server();
+	ok(!(table_msg.flags & PST_FLAG_DEGRADED), "server table is not DEGRADED "
+	   "(MADV_ALLOWMERGED accepted)");
+	ok(table_msg.entry_count == (uint64_t)list_count && table_msg.image_virtual_size == image_size,
+	   "server table: %" PRIu64 " entries (list: %ld), image size %" PRIu64,
+	   table_msg.entry_count, list_count, table_msg.image_virtual_size);
+	{
+		unsigned int bad = 0;
+
+		for (uint64_t b = 0; b < image_size / PS; b++) {
+			uint8_t buf[PS];
+
+			if (!srv_addr(b))
+				continue;
+			proc_read(&server, srv_addr(b), buf, PS);
+			bad += memcmp(buf, image + b * PS, PS) != 0;
+		}
+		ok(bad == 0, "server's preloaded pages hold the image's blocks (%u wrong)", bad);
+	}
+
+	/* ---- QEMU, merge mode */
+	start_qemu(&q, 0, "merge");
+	find_ram(&q);
+	ide_init(&q);
+	f0 = filter_stats(&q);
+	ok(f0.connected, "filter connected to the server");
+	k0 = ksm_counters();
+
+	/* R1: blocks 0-15 into untouched guest pages, one PRD entry each */
+	gpas(r1, 16, 0x400000, PS);
+	listed1 = read_and_check(&q, "R1 fresh pages", 0, 16, r1, true);
+
+	/* R2: blocks 64-95 into pages the guest wrote before (a THP) */
+	qt(&q, "memset 0x600000 0x200000 0x5a");
+	gpas(gpa, 32, 0x600000 + 0x3000, 2 * PS);
+	listed2 = read_and_check(&q, "R2 written pages", 64, 32, gpa, true);
+	k1 = ksm_counters();
+	f1 = filter_stats(&q);
+	ok(f1.merged - f0.merged == listed1 + listed2 && f1.not_listed - f0.not_listed ==
+	   48 - listed1 - listed2 && f1.failed == f0.failed && f1.not_ram == f0.not_ram,
+	   "filter counters: merged +%ld (want %u), not-listed +%ld, merge-failed +%ld, "
+	   "not-guest-ram +%ld", f1.merged - f0.merged, listed1 + listed2,
+	   f1.not_listed - f0.not_listed, f1.failed - f0.failed, f1.not_ram - f0.not_ram);
+	if (f1.failed != f0.failed)
+		diag("last-merge-errno %ld", f1.last_errno);
+	ok(k1.merged - k0.merged == listed1 + listed2 && k1.sources - k0.sources == listed1 + listed2 &&
+	   k1.failed == k0.failed,
+	   "KSM merge_page_merged +%ld, merge_page_sources +%ld (want %u), merge_page_failed +%ld",
+	   k1.merged - k0.merged, k1.sources - k0.sources, listed1 + listed2, k1.failed - k0.failed);
+	ok(k1.shared - k0.shared == listed1 + listed2 && k1.sharing - k0.sharing == listed1 + listed2,
+	   "KSM pages_shared +%ld, pages_sharing +%ld (want %u each)",
+	   k1.shared - k0.shared, k1.sharing - k0.sharing, listed1 + listed2);
+	diag("merge mode: %ld merged blocks in %ld merge calls, %ld ns (%.0f ns per block)",
+	     f1.merged - f0.merged, f1.merge_calls - f0.merge_calls, f1.merge_ns - f0.merge_ns,
+	     f1.merged > f0.merged ? (double)(f1.merge_ns - f0.merge_ns) / (f1.merged - f0.merged) : 0.0);
+
+	/* R3: a second reader of blocks 0-3 in the same guest */
+	k0 = ksm_counters();
+	f0 = filter_stats(&q);
+	gpas(r3, 4, 0x800000, PS);
+	read_and_check(&q, "R3 second reader", 0, 4, r3, true);
+	k1 = ksm_counters();
+	f1 = filter_stats(&q);
+	ok(k1.merged - k0.merged == 4 && k1.sources == k0.sources && k1.shared == k0.shared &&
+	   k1.sharing - k0.sharing == 4 && f1.merged - f0.merged == 4,
+	   "second reader: merge_page_merged +%ld, sources +%ld, pages_shared +%ld, "
+	   "pages_sharing +%ld, filter merged +%ld (want 4, 0, 0, 4, 4)",
+	   k1.merged - k0.merged, k1.sources - k0.sources, k1.shared - k0.shared,
+	   k1.sharing - k0.sharing, f1.merged - f0.merged);
+
+	/* CoW: the guest writes into its merged copy of block 1 */
+	{
+		static uint8_t pat[PS];
+		struct page_state before = check_page(&q, r1[1], 1, NULL), after, other;
+		uint8_t srv[PS], back[64];
+
+		for (size_t i = 0; i < PS; i++)
+			pat[i] = (uint8_t)(i * 7 + 3);
+		gwrite(&q, r1[1], pat, PS);
+		after = check_page(&q, r1[1], 1, pat);
+		ok(before.merged && after.bytes_ok && after.pfn && after.pfn != before.pfn &&
+		   !after.ksm, "CoW: the written guest page has a new PFN (%#" PRIx64 " -> %#"
+		   PRIx64 "), the new bytes, and is no KSM page", before.pfn, after.pfn);
+		proc_read(&server, srv_addr(1), srv, PS);
+		ok(after.srv_pfn == before.srv_pfn && !memcmp(srv, image + PS, PS),
+		   "CoW: the server's page keeps its PFN and bytes");
+		other = check_page(&q, r3[1], 1, NULL);
+		ok(other.merged && other.ksm && other.bytes_ok,
+		   "CoW: the second reader's page of block 1 is still the server's page");
+		gread(&q, r1[1], back, sizeof(back));
+		ok(!memcmp(back, pat, sizeof(back)), "CoW: the guest reads its own bytes back (qtest)");
+		gpa[0] = 0x900000;
+		read_and_check(&q, "R4 re-read after CoW", 1, 1, gpa, true);
+	}
+
+	/* IDE WRITE DMA of block 2 through the overlay, then read it back */
+	{
+		static uint8_t pat[PS];
+		struct prd prd = { 0xa00000, PS };
+		struct page_state s, s3, old;
+		uint64_t back[2] = { 0xa10000, 0xa11000 };
+
+		for (size_t i = 0; i < PS; i++)
+			pat[i] = (uint8_t)(i * 13 + 101);
+		gwrite(&q, 0xa00000, pat, PS);
+		ok(ide_ok(ide_dma(&q, CMD_WRITE_DMA, 2 * 8, 8, &prd, 1)),
+		   "WRITE DMA of block 2 to the overlay completes");
+		f0 = filter_stats(&q);
+		ok(read_blocks(&q, 2, 2, back), "READ DMA of blocks 2-3 after the write");
+		f1 = filter_stats(&q);
+		s = check_page(&q, back[0], 2, pat);
+		s3 = check_page(&q, back[1], 3, NULL);
+		ok(s.bytes_ok && !s.merged && !s.ksm,
+		   "written block 2 reads back as written, not merged (pfn %#" PRIx64 ")", s.pfn);
+		ok(s3.bytes_ok && !s3.merged && !s3.ksm,
+		   "block 3 (same overlay cluster, copied up) has the image's bytes, not merged");
+		ok(f1.merged == f0.merged, "filter: nothing merged for the overlay's blocks (+%ld)",
+		   f1.merged - f0.merged);
+		old = check_page(&q, r1[2], 2, NULL);
+		ok(old.merged && old.bytes_ok,
+		   "the earlier guest page of block 2 still holds the base image's data");
+	}
+
+	/* A second QEMU process reads the same blocks: same server pages */
+	start_qemu(&q2, 1, "merge");
+	find_ram(&q2);
+	ide_init(&q2);
+	k0 = ksm_counters();
+	gpas(gpa, 16, 0x400000, PS);
+	read_and_check(&q2, "second qemu", 0, 16, gpa, true);
+	{
+		struct page_state a = check_page(&q, r3[0], 0, NULL);
+		struct page_state b = check_page(&q2, gpa[0], 0, NULL);
+
+		k1 = ksm_counters();
+		ok(a.pfn == b.pfn && a.merged, "block 0: both QEMUs map the server's page %#" PRIx64,
+		   b.srv_pfn);
+		ok(k1.sources == k0.sources && k1.sharing - k0.sharing == listed1,
+		   "second qemu: pages_sharing +%ld (want %u), sources +%ld (want 0)",
+		   k1.sharing - k0.sharing, listed1, k1.sources - k0.sources);
+	}
+	stop_qemu(&q2);
+	stop_qemu(&q);
+
+	/* Timing: merge-ns per block, merge mode vs copy mode */
+	{
+		double ns_merge, ns_copy;
+		long nb_merge, nb_copy;
+
+		timing("merge", 0, &ns_merge, &nb_merge);
+		timing("copy", 1, &ns_copy, &nb_copy);
+		diag("PAGESHARE-FILTER-TIMING merge %.0f ns/block (%ld blocks), copy %.0f ns/block "
+		     "(%ld blocks)", ns_merge, nb_merge, ns_copy, nb_copy);
+	}
+
+	ok(alive(server_pid), "the server is still running");
+	cleanup();
+	printf("1..%d\n", tap_n);
+	diag("Totals: pass:%d fail:%d (%.0f s)", tap_n - tap_failed, tap_failed, now() - t_start);
+	return tap_failed ? 1 : 0;
+}
