@@ -227,6 +227,20 @@ static const char *list_header(const char *path, const char *key)
 	return NULL;
 }
 
+static void ksm_set(const char *name, long val)
+{
+	char path[128], buf[32];
+	int fd, n;
+
+	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
+	n = snprintf(buf, sizeof(buf), "%ld", val);
+	fd = open(path, O_WRONLY);
+	if (fd < 0 || write(fd, buf, n) != n)
+		diag("%s = %ld: %s", path, val, strerror(errno));
+	if (fd >= 0)
+		close(fd);
+}
+
 static long ksm_get(const char *name)
 {
 	char path[128], buf[64];
@@ -1107,7 +1121,31 @@ int main(int argc, char **argv)
 	ide_init(&q);
 	f0 = filter_stats(&q);
 	ok(f0.connected, "filter connected to the server");
+	/*
+	 * R0: merge_pages() needs ksmd in merge mode (run = 1); with run = 0
+	 * every read falls back, and one failed call ends the window (not one
+	 * call per page).
+	 */
+	ksm_set("run", 0);
 	k0 = ksm_counters();
+	f0 = filter_stats(&q);
+	gpas(gpa, 16, 0x1800000, PS);
+	listed1 = read_and_check(&q, "R0 ksmd off", 16, 16, gpa, false);
+	f1 = filter_stats(&q);
+	k1 = ksm_counters();
+	ok(f1.failed - f0.failed == listed1 && f1.merged == f0.merged &&
+	   f1.last_errno == EOPNOTSUPP && f1.merge_calls - f0.merge_calls == 1 &&
+	   k1.merged == k0.merged,
+	   "ksmd off: merge-failed +%ld (want %u), last-merge-errno %ld (want %d), "
+	   "merge-calls +%ld (want 1), merge_page_merged +%ld", f1.failed - f0.failed,
+	   listed1, f1.last_errno, EOPNOTSUPP, f1.merge_calls - f0.merge_calls,
+	   k1.merged - k0.merged);
+	/* As on a host: ksmd in merge mode, here scanning nothing by itself. */
+	ksm_set("pages_to_scan", 0);
+	ksm_set("sleep_millisecs", 20);
+	ksm_set("run", 1);
+	k0 = ksm_counters();
+	f0 = filter_stats(&q);
 
 	/* R1: blocks 0-15 into untouched guest pages, one PRD entry each */
 	gpas(r1, 16, 0x400000, PS);
