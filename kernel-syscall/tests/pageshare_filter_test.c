@@ -241,6 +241,20 @@ static void ksm_set(const char *name, long val)
 		close(fd);
 }
 
+static bool file_contains(const char *path, const char *needle)
+{
+	char line[1024];
+	bool found = false;
+	FILE *f = fopen(path, "r");
+
+	if (!f)
+		return false;
+	while (!found && fgets(line, sizeof(line), f))
+		found = strstr(line, needle) != NULL;
+	fclose(f);
+	return found;
+}
+
 static long ksm_get(const char *name)
 {
 	char path[128], buf[64];
@@ -1094,8 +1108,11 @@ int main(int argc, char **argv)
 	ok(access("/sys/kernel/mm/ksm/merge_page_merged", F_OK) == 0,
 	   "the kernel has the merge_pages series");
 
-	/* ---- the server */
+	/* ---- the server, started with ksmd off (INIT's reset) */
+	ksm_set("run", 0);
 	start_server();
+	ok(file_contains(WORK "/server.log", "/sys/kernel/mm/ksm/run is 0, not 1"),
+	   "server warns that merge_pages() needs ksmd running");
 	ok(!(table_msg.flags & PST_FLAG_DEGRADED), "server table is not DEGRADED "
 	   "(MADV_ALLOWMERGED accepted)");
 	ok(table_msg.entry_count == (uint64_t)list_count && table_msg.image_virtual_size == image_size,

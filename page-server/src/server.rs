@@ -215,6 +215,20 @@ fn probe_degraded() -> Option<String> {
     }
 }
 
+const KSM_RUN: &str = "/sys/kernel/mm/ksm/run";
+
+/// merge_pages() fails with EOPNOTSUPP unless ksmd is in merge mode: say so
+/// at start (`run` is the content of /sys/kernel/mm/ksm/run, None if absent).
+fn ksm_run_warning(run: Option<&str>) -> Option<String> {
+    match run.map(str::trim) {
+        Some("1") => None,
+        Some(v) => Some(format!(
+            "{KSM_RUN} is {v}, not 1: merge_pages() fails (EOPNOTSUPP) until KSM runs in merge mode, and guests read from disk; `echo 1 > {KSM_RUN}` (pages_to_scan may be 0)"
+        )),
+        None => Some(format!("{KSM_RUN} is missing: merge_pages() needs KSM")),
+    }
+}
+
 impl Server {
     pub fn new(cfg: Config) -> Result<Server, String> {
         std::fs::create_dir_all(&cfg.cache_dir).map_err(|e| format!("cache_dir {}: {e}", cfg.cache_dir.display()))?;
@@ -1080,6 +1094,9 @@ impl Server {
             crate::log::warn(&format!("DEGRADED MODE: {d}"));
         } else {
             crate::log::info("kernel supports MADV_ALLOWMERGED: clients can merge_pages() from this server");
+            if let Some(w) = ksm_run_warning(std::fs::read_to_string(KSM_RUN).ok().as_deref()) {
+                crate::log::warn(&w);
+            }
         }
         for i in 0..self.images.len() {
             let src = self.initial_source(i);
@@ -1222,5 +1239,18 @@ impl Server {
         self.images[i].image_key = None;
         let src = self.reload_source(i);
         self.request_load(i, src, "base image changed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ksm_run_warning;
+
+    #[test]
+    fn ksm_run_warning_only_unless_merging() {
+        assert_eq!(ksm_run_warning(Some("1\n")), None);
+        assert!(ksm_run_warning(Some("0\n")).unwrap().contains("EOPNOTSUPP"));
+        assert!(ksm_run_warning(Some("2\n")).unwrap().contains("is 2, not 1"));
+        assert!(ksm_run_warning(None).unwrap().contains("missing"));
     }
 }
