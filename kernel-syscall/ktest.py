@@ -723,6 +723,9 @@ def build_filter_payload(root: Path) -> Path:
         tmp.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout)
         tmp.rename(out)
     log(f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) in {time.monotonic() - t0:.0f} s")
+    old = sorted(out.parent.glob("filter-*.cpio.gz"), key=lambda f: f.stat().st_mtime)[:-3]
+    for f in old:
+        f.unlink()
     return out
 
 
