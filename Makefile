@@ -15,7 +15,7 @@ demo: deps
 	.venv/bin/analyze-image $$($(PY) -m pageshare.golden --variant demo)
 
 lint: deps
-	.venv/bin/ruff check analyzer tests
+	.venv/bin/ruff check analyzer tests bench kernel-syscall qemu-patches page-server
 	.venv/bin/mypy
 	$(MAKE) -s -C crash-ext clean all
 

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +116,8 @@ def cache_root() -> Path:
 
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
-        capture: bool = False, check: bool = True, logfile: Path | None = None) -> subprocess.CompletedProcess[str]:
+        capture: bool = False, check: bool = True,
+        logfile: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run a command; with logfile, append its output there instead of the terminal."""
     if logfile is not None:
         with open(logfile, "a") as f:
@@ -367,7 +369,8 @@ def parse_fragment(path: Path) -> dict[str, str]:
 
 
 def tree_id(src: Source, commit: str) -> str:
-    return run(["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo, capture=True).stdout.strip()
+    return run(["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo,
+               capture=True).stdout.strip()
 
 
 def image_key(src: Source, commit: str, config: str) -> str:
@@ -382,7 +385,8 @@ def image_key(src: Source, commit: str, config: str) -> str:
     return h.hexdigest()[:16]
 
 
-def make(src: Source, build: Path, *targets: str, logfile: Path, extra: list[str] | None = None) -> None:
+def make(src: Source, build: Path, *targets: str, logfile: Path,
+         extra: list[str] | None = None) -> None:
     cmd = [*nice_prefix(), "make", "-C", str(src.tree), f"O={build}", "ARCH=x86_64",
            f"-j{jobs()}", *(extra or []), *targets]
     run(cmd, logfile=logfile)
@@ -406,7 +410,8 @@ def configure(src: Source, build: Path, config: str, logfile: Path) -> None:
             if got != v:
                 bad.append(f"{k}={v} (got {got}) from {f.name}")
     if bad:
-        raise KtestError("config options did not stick (missing dependency?):\n  " + "\n  ".join(bad))
+        raise KtestError("config options did not stick (missing dependency?):\n  "
+                         + "\n  ".join(bad))
 
 
 def build_kernel(src: Source, commit: str, config: str, outdir: Path, logfile: Path) -> float:
@@ -434,7 +439,8 @@ def ensure_kernel(src: Source, patches: list[Path], config: str) -> Path:
     meta = outdir / "meta.json"
     if meta.exists() and (outdir / "bzImage").exists():
         m = json.loads(meta.read_text())
-        log(f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s on {m['built_at']}); no rebuild")
+        log(f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s "
+            f"on {m['built_at']}); no rebuild")
         return outdir
     tmp = outdir.with_name(outdir.name + ".tmp")
     if tmp.exists():
@@ -500,13 +506,17 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
         GuestTest("ksm_functional_tests", ["/tests/ksm_functional_tests"], 900),
         GuestTest("ksm_tests -M -p 10", ["/tests/ksm_tests", "-M", "-p", "10"], 600),
         GuestTest("ksm_tests -U", ["/tests/ksm_tests", "-U"], 600),
-        GuestTest("ksm_tests -Z -p 10 -z 0", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600),
-        GuestTest("ksm_tests -Z -p 10 -z 1", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600),
+        GuestTest("ksm_tests -Z -p 10 -z 0",
+                  ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600),
+        GuestTest("ksm_tests -Z -p 10 -z 1",
+                  ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600),
         # With smart_scan on, these fail in about 6 of 10 runs on this TCG VM
         # even when nothing calls merge_page(): the two full scans they wait
         # for are not always enough once smart scan skips their pages.
-        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600, pre=NO_SMART_SCAN),
-        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600, pre=NO_SMART_SCAN),
+        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600,
+                  pre=NO_SMART_SCAN),
+        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600,
+                  pre=NO_SMART_SCAN),
         GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
         # The patched QEMU's pageshare filter in merge mode with the real
         # pageshare-server: needs the payload (build_filter_payload()).
@@ -528,8 +538,10 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
               "-I", str(mm)]
     built = []
 
-    def cc(name: str, files: list[Path], libs: list[str] = [], extra: list[str] = []) -> None:
-        run(["gcc", *cflags, *extra, "-o", str(outdir / name), *map(str, files), *libs, "-lpthread"],
+    def cc(name: str, files: list[Path], libs: Sequence[str] = (),
+           extra: Sequence[str] = ()) -> None:
+        run(["gcc", *cflags, *extra, "-o", str(outdir / name), *map(str, files), *libs,
+             "-lpthread"],
             logfile=logfile)
         built.append(name)
 
@@ -539,9 +551,10 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
     if (mm / "merge_page_tests.c").exists():
         cc("merge_page_tests", [mm / "merge_page_tests.c", *vm_util], ["-lnuma"])
     # Project-side programs use the project's uapi header (-I is searched
-    # before -isystem), as the page server and QEMU will.
+    # before -isystem), as the page server and QEMU will, and being ours
+    # they build without warnings.
     lib = [LIBDIR / "merge_page.c"]
-    inc = ["-I", str(LIBDIR), "-I", str(UAPI / "uapi")]
+    inc = ["-Werror", "-I", str(LIBDIR), "-I", str(UAPI / "uapi")]
     if (GUEST / "merge_page_stress.c").exists():
         cc("merge_page_stress", [GUEST / "merge_page_stress.c", *lib], extra=inc)
     if (GUEST / "merge_bench.c").exists():
@@ -685,7 +698,8 @@ def build_filter_payload(root: Path) -> Path:
     for b in bins:
         for lib in shared_libs(b):
             libs[lib] = lib.resolve()
-    h = hashlib.sha256(f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
+    h = hashlib.sha256(
+        f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
     h.update(SERVER_TOML.encode())
     for f in [*bins, *(f for _, f in firmware), *sorted(libs.values())]:
         st = f.stat()
@@ -716,13 +730,16 @@ def build_filter_payload(root: Path) -> Path:
         blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
         (pd / "base.pcsl").write_text(write_pcsl(image, blocks, "base.raw"))
         (pd / "server.toml").write_text(SERVER_TOML)
-        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True, check=True).stdout
+        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
+                               check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
                               cwd=top, input=files, capture_output=True, check=True).stdout
         tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout)
+        tmp.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
+                                       check=True).stdout)
         tmp.rename(out)
-    log(f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) in {time.monotonic() - t0:.0f} s")
+    log(f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) "
+        f"in {time.monotonic() - t0:.0f} s")
     old = sorted(out.parent.glob("filter-*.cpio.gz"), key=lambda f: f.stat().st_mtime)[:-3]
     for f in old:
         f.unlink()
@@ -780,7 +797,8 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         shutil.copy2(busybox, root / "bin/busybox")
         (root / "init").write_text(INIT)
         (root / "init").chmod(0o755)
-        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")
+        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                         "nobody:x:65534:65534:nobody:/:/bin/sh\n")
         (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
         for f in testdir.iterdir():
             shutil.copy2(f, root / "tests" / f.name)
@@ -793,7 +811,8 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
             script.chmod(0o755)
             lines.append(f"{t.name.replace(' ', '+')} {t.timeout} /tests/run-{i}.sh")
         (root / "tests/list").write_text("\n".join(lines) + "\n")
-        files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True, check=True).stdout
+        files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True,
+                               check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
                               cwd=root, input=files, capture_output=True, check=True).stdout
         data = subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
@@ -813,7 +832,8 @@ class Result:
     output: list[str]
 
 
-def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int, extra_append: str = "") -> list[str]:
+def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int,
+         extra_append: str = "") -> list[str]:
     append = ("console=ttyS0 panic=-1 loglevel=5 log_buf_len=8M numa=fake=2 "
               "transparent_hugepage=madvise " + extra_append).strip()
     cmd = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", "2G", "-smp", "2",
@@ -928,7 +948,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.shell:
         # A debugging aid: one shell command as the only "test".
         tests = [GuestTest("shell", ["/bin/sh", "-c", args.shell], 1800)]
-    missing = [t.name for t in guest_tests(args.config, args.bench) if t.needs and t.needs not in built]
+    missing = [t.name for t in guest_tests(args.config, args.bench)
+               if t.needs and t.needs not in built]
     for m in missing:
         log(f"not built (source missing in this series): {m}")
 
@@ -956,12 +977,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"TAP version 13\n1..{len(results)}")
     failed = 0
     for i, r in enumerate(results, 1):
-        status = "ok" if r.rc == 0 else ("ok" if r.rc == 4 else "not ok")
+        tap = "ok" if r.rc in (0, 4) else "not ok"
         directive = " # SKIP" if r.rc == 4 else ""
-        if status != "ok":
+        if tap != "ok":
             failed += 1
-        print(f"{status} {i} {r.name}{directive}" + (f" (rc={r.rc})" if r.rc not in (0, 4) else ""))
-        if status != "ok" or args.verbose:
+        print(f"{tap} {i} {r.name}{directive}"
+              + (f" (rc={r.rc})" if r.rc not in (0, 4) else ""))
+        if tap != "ok" or args.verbose:
             for line in r.output[-60:]:
                 print(f"#   {line}")
         else:
@@ -973,7 +995,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for line in bad[:50]:
             print(f"#   {line}")
     if not done:
-        print("# the guest did not finish (crash, hang or timeout); see " + str(rundir / "serial.log"))
+        print("# the guest did not finish (crash, hang or timeout); see "
+              + str(rundir / "serial.log"))
     if args.bench:
         table = extract_between(lines, "BENCH-TABLE-BEGIN", "BENCH-TABLE-END")
         if table:
@@ -1057,7 +1080,8 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
     # tree would touch files and make the next ordinary build recompile them.
     check_tree = src.repo.parent / "check-tree"
     if not check_tree.exists():
-        run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(check_tree), "base"], cwd=src.repo)
+        run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(check_tree), "base"],
+            cwd=src.repo)
     src = Source(src.key, src.repo, check_tree)
     patches = series_files()
     commits = apply_series(src, patches)
@@ -1086,7 +1110,7 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
         return 0 if ok else 1
     build = root / "build" / f"{src.key}-check-{args.config}"
     build.mkdir(parents=True, exist_ok=True)
-    for p, c in zip(patches, commits):
+    for p, c in zip(patches, commits, strict=True):
         t0 = time.monotonic()
         checkout_tree(src, c)
         try:
@@ -1094,7 +1118,8 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
             make(src, build, "bzImage", logfile=logfile, extra=["W=1"] if args.w1 else [])
             shutil.copy2(build / "arch/x86/boot/bzImage", checkdir / f"bzImage-{p.name[:4]}")
             warn = [ln for ln in logfile.read_text(errors="replace").splitlines()
-                    if re.search(r"(warning|error):", ln) and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)]
+                    if re.search(r"(warning|error):", ln)
+                    and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)]
             log(f"build after {p.name}: ok in {time.monotonic() - t0:.0f} s" +
                 (f", {len(warn)} warnings in our files" if warn else ""))
         except KtestError as e:
@@ -1132,7 +1157,8 @@ def cmd_devtree(args: argparse.Namespace) -> int:
     with src.locked():
         commits = apply_series(src, series_files())
     if not dev.exists():
-        run(["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]], cwd=src.repo)
+        run(["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]],
+            cwd=src.repo)
     log(f"dev tree: {dev} (branch 'series' of {src.repo}; base is tag 'base')")
     return 0
 
@@ -1146,7 +1172,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     subject, body = blurb[0], blurb[1].strip("\n") if len(blurb) > 1 else ""
     with tempfile.TemporaryDirectory() as td:
         run(["git", *GIT_ID, "-c", f"user.name={AUTHOR[0]}", "-c", f"user.email={AUTHOR[1]}",
-             "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter", "--base=base", "-o", td, "base..series"], cwd=dev)
+             "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter",
+             "--base=base", "-o", td, "base..series"], cwd=dev)
         for old in PATCHES.glob("*.patch"):
             old.unlink()
         for f in sorted(Path(td).glob("*.patch")):
@@ -1160,7 +1187,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="build (cached), boot, run the tests")
     r.add_argument("--config", choices=["debug", "plain"], default=None,
@@ -1169,8 +1197,10 @@ def main() -> int:
     r.add_argument("--only", help="regex: run only the tests whose name matches")
     r.add_argument("--append", default="", help="extra kernel command line")
     r.add_argument("--shell", help="run this shell command in the guest instead of the tests")
-    r.add_argument("--kernel", help="boot this bzImage instead (tests still built against the series)")
-    r.add_argument("-v", "--verbose", action="store_true", help="print the output of passing tests too")
+    r.add_argument("--kernel",
+                   help="boot this bzImage instead (tests still built against the series)")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="print the output of passing tests too")
     b = sub.add_parser("build", help="build (or find cached) the kernel only")
     b.add_argument("--config", choices=["debug", "plain"], default="debug")
     c = sub.add_parser("check-series", help="build and checkpatch each patch")
