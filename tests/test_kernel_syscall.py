@@ -4,8 +4,11 @@ kernel-syscall/run-tests.sh builds the patched 6.12 kernel with the debug
 config (cached by series + config), boots it with an initramfs holding the
 series' kselftests, the kernel's own KSM selftests and a randomized stress,
 and exits non-zero on any failed test or any WARN/BUG/lockdep/KASAN/KFENCE
-report in the kernel log.  This wrapper makes it part of `make test` and
-refuses skipped top-level tests: a skip would hide a missing check.
+report in the kernel log.  The suite includes pageshare_filter_merge
+(issue 5): the patched QEMU and a real pageshare-server inside that VM, with
+reads through the pageshare filter really merged by merge_pages.  This
+wrapper makes it part of `make test` and refuses skipped tests and missing
+test programs: either would hide a missing check.
 """
 
 import re
@@ -37,7 +40,7 @@ def test_kernel_series_in_a_vm() -> None:
     # The suite's programs (kernel-syscall/ktest.py guest_tests()): losing
     # one from the initramfs must fail here, not shrink the suite silently.
     for expected in ("merge_page_tests", "merge_page_stress", "ksm_functional_tests",
-                     "ksm_tests"):
+                     "ksm_tests", "pageshare_filter_merge"):
         assert expected in names, f"{expected} did not run: {sorted(names)}\n{report}"
     summary = re.search(r"^ktest: (\d+)/\1 tests passed, 0 kernel reports", out, re.M)
     assert summary, report
