@@ -5,6 +5,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/syscall.h>
@@ -14,6 +15,10 @@
 
 #ifndef __NR_pidfd_open
 #define __NR_pidfd_open 434
+#endif
+
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL	/* Linux 6.9 */
 #endif
 
 #define CACHE_SLOTS 16
@@ -37,6 +42,40 @@ long merge_pages_fd(int pidfd, const struct merge_page_vec *vec,
 	return syscall(__NR_merge_pages, pidfd, vec, vlen, flags);
 }
 
+/*
+ * pidfd_open(pid, 0), with ESRCH for a process that is gone and EINVAL for
+ * a thread that is not a process.  Before Linux 6.16, pidfd_open() fails
+ * with EINVAL, not ESRCH, when it finds the pid but no thread-group leader
+ * with it: the process is being reaped right now (release_task() has
+ * detached it but not yet freed the pid), it was reaped while the pid lives
+ * on as a process group or session id, or the pid is that of a thread other
+ * than the leader.  Only the last is the caller's mistake: a thread has a
+ * task of its own, so pidfd_open(pid, PIDFD_THREAD) succeeds for it, and
+ * fails when no task has the pid.  From 6.16, pidfd_open() says ESRCH and
+ * ENOENT (a thread) itself; ENOENT would read as merge_pages()' "no page at
+ * the source", so it becomes EINVAL here too.
+ */
+static int open_pidfd(pid_t pid)
+{
+	int fd, probe;
+
+	fd = syscall(__NR_pidfd_open, pid, 0);
+	if (fd >= 0 || pid <= 0)
+		return fd;
+	if (errno == ENOENT)
+		errno = EINVAL;
+	if (errno != EINVAL)
+		return -1;
+	probe = syscall(__NR_pidfd_open, pid, PIDFD_THREAD);
+	if (probe >= 0) {
+		close(probe);
+		errno = EINVAL;	/* a thread, not a process */
+	} else {
+		errno = ESRCH;
+	}
+	return -1;
+}
+
 /* Return a cached or new pidfd for pid; -1 with errno on failure. */
 static int pidfd_of(pid_t pid)
 {
@@ -53,7 +92,7 @@ static int pidfd_of(pid_t pid)
 		if (cache[i].used < cache[victim].used)
 			victim = i;
 	}
-	fd = syscall(__NR_pidfd_open, pid, 0);
+	fd = open_pidfd(pid);
 	if (fd >= 0) {
 		if (cache[victim].pidfd > 0)
 			close(cache[victim].pidfd);

@@ -6,7 +6,11 @@
  * below is the talk's call, merge_page(pid, src, dst): it opens a pidfd for
  * pid once and caches it.  A cached pidfd keeps naming the process it was
  * opened for; if that process is gone (ESRCH), the wrapper drops the entry
- * and opens a pidfd for whatever process has that pid now, once.  Callers
+ * and opens a pidfd for whatever process has that pid now, once.  A pid
+ * that names no process (any more) gives ESRCH, also while the process is
+ * being reaped, when pidfd_open() itself says EINVAL (before Linux 6.16);
+ * EINVAL from the wrapper means pid <= 0 or the id of a thread other than
+ * the leader (pidfd_open()'s ENOENT from 6.16), not only the call's.  Callers
  * that can, should get the pidfd themselves (SO_PEERPIDFD, pidfd_open) and
  * use merge_page_fd(), which has no such race.
  *

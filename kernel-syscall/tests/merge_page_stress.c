@@ -21,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -357,7 +358,7 @@ static void client_merge(struct client *c)
 	if (ret < 0) {
 		ret = 0;
 		switch (errno) {
-		case ESRCH:		/* server restarted */
+		case ESRCH:		/* server restarted (or being reaped) */
 		case EPERM:		/* DISALLOWMERGED for now */
 		case EAGAIN:		/* NOWAIT, or busy */
 		case EOPNOTSUPP:	/* run=2 for now */
@@ -367,7 +368,14 @@ static void client_merge(struct client *c)
 			__sync_fetch_and_add(&sh->errors_ok, 1);
 			break;
 		default:
+			/* Which entry failed, and what the oracle knows of it. */
 			fprintf(stderr, "# merge_pages: unexpected %s\n", strerror(errno));
+			fprintf(stderr, "#   n %d flags %#x server %d pid %d gen %u (now %u, pid %d); "
+				"entry 0: src page %lu, dst page %d kind %d history %s\n",
+				n, flags, slot, pid, gen, sh->srv[slot].gen, sh->srv[slot].pid,
+				(unsigned long)((vec[0].src - base) / PS), idx[0],
+				c->sh[idx[0]].kind, c->sh[idx[0]].hist);
+			describe((const char *)(uintptr_t)vec[0].dst);
 			c->failures++;
 		}
 	}
@@ -499,12 +507,122 @@ static void client_main(int no, unsigned int seed)
 	_exit(c->failures ? 1 : 0);
 }
 
+/* ------------------------------------------------------------------ */
+/*
+ * The pid wrapper on a pid that names no process.  The stress's servers are
+ * killed and reaped while clients still merge from their pid: in the few
+ * microseconds between release_task() detaching the server from its pid and
+ * freeing the pid, pidfd_open() finds the pid but no process and fails with
+ * EINVAL (ESRCH only from Linux 6.16).  A process group leader that was
+ * reaped while a member of its group lives leaves its pid in that state for
+ * as long as we like: merge_pages() must say ESRCH, as for any server that
+ * is gone.  The id of a thread other than the leader is not a process: that
+ * stays EINVAL.
+ */
+static int wrapper_vec(struct merge_page_vec *vec)
+{
+	static char *page;
+
+	if (!page)
+		page = mmap(NULL, PS, PROT_READ | PROT_WRITE,
+			    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (page == MAP_FAILED)
+		return -1;
+	madvise(page, PS, MADV_MERGEABLE);
+	vec->src = (uintptr_t)page;
+	vec->dst = (uintptr_t)page;
+	return 0;
+}
+
+static bool check_reaped_pid(int no)
+{
+	struct merge_page_vec vec;
+	pid_t leader, member = 0;
+	int p[2], fd, open_errno = 0;
+	long ret;
+	bool ok = false;
+
+	if (wrapper_vec(&vec) || pipe(p))
+		goto out;
+	/* The member is reparented to us when the leader exits. */
+	prctl(PR_SET_CHILD_SUBREAPER, 1);
+	leader = fork();
+	if (!leader) {
+		setpgid(0, 0);
+		member = fork();
+		if (!member) {
+			pause();
+			_exit(0);
+		}
+		_exit(write(p[1], &member, sizeof(member)) == sizeof(member) ? 0 : 1);
+	}
+	if (leader < 0 || read(p[0], &member, sizeof(member)) != sizeof(member))
+		goto out;
+	waitpid(leader, NULL, 0);
+	fd = syscall(SYS_pidfd_open, leader, 0);
+	if (fd >= 0)
+		close(fd);
+	else
+		open_errno = errno;
+	errno = 0;
+	ret = merge_pages(leader, &vec, 1, 0);
+	ok = ret == -1 && errno == ESRCH;
+	printf("# reaped group leader %d: pidfd_open() %s, merge_pages() %ld %s\n", leader,
+	       fd >= 0 ? "succeeded" : strerror(open_errno), ret, strerror(errno));
+out:
+	if (member > 0) {
+		kill(member, SIGKILL);
+		waitpid(member, NULL, 0);
+	}
+	prctl(PR_SET_CHILD_SUBREAPER, 0);
+	printf("%s %d wrapper: pid of a reaped process gives ESRCH\n", ok ? "ok" : "not ok", no);
+	fflush(stdout);
+	return ok;
+}
+
+static pid_t thread_tid;
+static pthread_mutex_t thread_done = PTHREAD_MUTEX_INITIALIZER;
+
+static void *thread_main(void *arg)
+{
+	thread_tid = gettid();
+	pthread_mutex_lock(&thread_done);	/* held by main until checked */
+	pthread_mutex_unlock(&thread_done);
+	return arg;
+}
+
+static bool check_thread_id(int no)
+{
+	struct merge_page_vec vec;
+	pthread_t t;
+	long ret = 0;
+	bool ok = false;
+
+	pthread_mutex_lock(&thread_done);
+	if (wrapper_vec(&vec) == 0 && pthread_create(&t, NULL, thread_main, NULL) == 0) {
+		while (!__atomic_load_n(&thread_tid, __ATOMIC_ACQUIRE))
+			usleep(1000);
+		errno = 0;
+		ret = merge_pages(thread_tid, &vec, 1, 0);
+		ok = ret == -1 && errno == EINVAL;
+		printf("# thread %d: merge_pages() %ld %s\n", thread_tid, ret, strerror(errno));
+		pthread_mutex_unlock(&thread_done);
+		pthread_join(t, NULL);
+	} else {
+		pthread_mutex_unlock(&thread_done);
+	}
+	printf("%s %d wrapper: id of a thread other than the leader gives EINVAL\n",
+	       ok ? "ok" : "not ok", no);
+	fflush(stdout);
+	return ok;
+}
+
 int main(int argc, char **argv)
 {
 	struct server srv[NSERVERS];
 	pid_t clients[NCLIENTS];
 	unsigned int seed = time(NULL), next_id = 1;
-	int secs = 60, opt, failed = 0, status;
+	int secs = 60, opt, failed = 0, wrapper_failed, status;
 	time_t end;
 	long ops = 0, restarts = 0, unmerges = 0, writes = 0;
 	long saved_run, saved_scan, saved_sleep;
@@ -517,8 +635,9 @@ int main(int argc, char **argv)
 		else
 			verbose = 1;
 	}
-	printf("TAP version 13\n1..1\n# seed %u, %d s\n", seed, secs);
+	printf("TAP version 13\n1..3\n# seed %u, %d s\n", seed, secs);
 	fflush(stdout);
+	wrapper_failed = !check_reaped_pid(1) + !check_thread_id(2);
 	srand(seed);
 	saved_run = ksm_read("run");
 	saved_scan = ksm_read("pages_to_scan");
@@ -526,7 +645,7 @@ int main(int argc, char **argv)
 	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (sh == MAP_FAILED || ksm_write("run", 1) || ksm_write("pages_to_scan", 100) ||
 	    ksm_write("sleep_millisecs", 5)) {
-		printf("not ok 1 stress # setup failed: %s\n", strerror(errno));
+		printf("not ok 3 stress # setup failed: %s\n", strerror(errno));
 		return 1;
 	}
 	memset(sh, 0, sizeof(*sh));
@@ -610,7 +729,7 @@ int main(int argc, char **argv)
 	printf("# %ld controller ops (%ld server writes, %ld server restarts, %ld run=2), "
 	       "%lu merge_pages calls, %lu pages merged, %lu expected errors\n",
 	       ops, writes, restarts, unmerges, sh->merge_calls, sh->merges, sh->errors_ok);
-	printf("%s 1 stress: content oracle held in %d clients\n", failed ? "not ok" : "ok",
+	printf("%s 3 stress: content oracle held in %d clients\n", failed ? "not ok" : "ok",
 	       NCLIENTS);
-	return failed ? 1 : 0;
+	return failed || wrapper_failed ? 1 : 0;
 }
