@@ -37,6 +37,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -643,26 +644,17 @@ def shared_libs(binary: Path) -> list[Path]:
 
 
 def write_pcsl(image: bytes, blocks: list[int], name: str) -> str:
-    """A pcsl v1 list (lists/README.md) of the given 4 KiB blocks of image."""
-    body = "".join(f"{b * 8} {hashlib.sha256(image[b * 4096:(b + 1) * 4096]).hexdigest()}\n"
-                   for b in blocks)
-    head = [
-        "# pcsl v1",
-        f"image-virtual-size: {len(image)}",
-        f"image-content-sha256: {hashlib.sha256(image).hexdigest()}",
-        f"image-name: {name}",
-        "block-size: 4096",
-        "sector-size: 512",
-        "hash: sha256",
-        f"count: {len(blocks)}",
-        f"list-digest: sha256:{hashlib.sha256(body.encode()).hexdigest()}",
-        "generator: ktest.py",
-        "created: 2026-01-01T00:00:00Z",
-        "criteria: every block < 1024 except each eighth (ktest payload)",
-        "runs:",
-        "---",
-    ]
-    return "\n".join(head) + "\n" + body
+    """A pcsl v1 list (lists/README.md) of the given 4 KiB blocks of image,
+    written by the analyzer's own serialiser (standard library only too)."""
+    sys.path.insert(0, str(REPO / "analyzer"))
+    from pageshare import sectorlist
+
+    sl = sectorlist.SectorList(
+        image=sectorlist.ImageIdentity(len(image), hashlib.sha256(image).hexdigest(), name),
+        blocks={b * 8: sectorlist.block_hash(image[b * 4096:(b + 1) * 4096]) for b in blocks},
+        generator="ktest.py", created="2026-01-01T00:00:00Z",
+        criteria="every block < 1024 except each eighth (ktest payload)")
+    return sectorlist.dumps(sl)
 
 
 SERVER_TOML = f"""# pageshare-server in the ktest VM (the {FILTER_TEST} test)
@@ -724,7 +716,6 @@ def build_filter_payload(root: Path) -> Path:
             dst = top / str(lib).lstrip("/")
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(real, dst)
-        import random
         image = random.Random(PAYLOAD_SEED).randbytes(PAYLOAD_IMAGE_MIB << 20)
         (pd / "base.raw").write_bytes(image)
         blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
