@@ -156,6 +156,29 @@ static void die(const char *what)
 	exit(1);
 }
 
+/*
+ * REPS single merge_page() calls from the server's pages into a fresh
+ * client area (its pages touched or not), each timed on its own.
+ */
+static struct stat_row time_merge_page(int pidfd, char *srv, size_t npages,
+				       int touch, double *us, const char *what)
+{
+	char *dst = client_area(npages, touch);
+	uint64_t t0, t1;
+
+	if (!dst)
+		die("mmap");
+	for (int i = 0; i < REPS; i++) {
+		t0 = now_ns();
+		if (merge_page_fd(pidfd, srv + i * PS, dst + i * PS, 0))
+			die(what);
+		t1 = now_ns();
+		us[i] = (t1 - t0) / 1000.0;
+	}
+	munmap(dst, npages * PS);
+	return summarize(what, us, REPS);
+}
+
 int main(void)
 {
 	static double us[REPS * 64];
@@ -206,47 +229,16 @@ int main(void)
 	if (pidfd < 0)
 		die("pidfd_open");
 
-	/* First time: each call also turns the server page into a KSM page. */
-	dst = client_area(npages, 1);
-	if (!dst)
-		die("mmap");
-	for (int i = 0; i < REPS; i++) {
-		t0 = now_ns();
-		if (merge_page_fd(pidfd, srv + i * PS, dst + i * PS, 0))
-			die("merge_page first");
-		t1 = now_ns();
-		us[i] = (t1 - t0) / 1000.0;
-	}
-	rows[nrows++] = summarize("merge_page, source made KSM in the call", us, REPS);
-	munmap(dst, npages * PS);
-
-	/* Steady state, dst a private anon page. */
-	dst = client_area(npages, 1);
-	if (!dst)
-		die("mmap");
-	for (int i = 0; i < REPS; i++) {
-		t0 = now_ns();
-		if (merge_page_fd(pidfd, srv + i * PS, dst + i * PS, 0))
-			die("merge_page anon");
-		t1 = now_ns();
-		us[i] = (t1 - t0) / 1000.0;
-	}
-	rows[nrows++] = summarize("merge_page, dst anon page", us, REPS);
-	munmap(dst, npages * PS);
-
-	/* Steady state, dst never touched. */
-	dst = client_area(npages, 0);
-	if (!dst)
-		die("mmap");
-	for (int i = 0; i < REPS; i++) {
-		t0 = now_ns();
-		if (merge_page_fd(pidfd, srv + i * PS, dst + i * PS, 0))
-			die("merge_page none");
-		t1 = now_ns();
-		us[i] = (t1 - t0) / 1000.0;
-	}
-	rows[nrows++] = summarize("merge_page, dst not faulted", us, REPS);
-	munmap(dst, npages * PS);
+	/*
+	 * First time: each call also turns the server page into a KSM page.
+	 * Then the steady state, into touched and into untouched pages.
+	 */
+	rows[nrows++] = time_merge_page(pidfd, srv, npages, 1, us,
+					"merge_page, source made KSM in the call");
+	rows[nrows++] = time_merge_page(pidfd, srv, npages, 1, us,
+					"merge_page, dst anon page");
+	rows[nrows++] = time_merge_page(pidfd, srv, npages, 0, us,
+					"merge_page, dst not faulted");
 
 	/* merge_pages at batch sizes 1, 8, 32, 64: per page, dst anon. */
 	{
