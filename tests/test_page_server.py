@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -169,14 +170,27 @@ def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_pa
     assert isinstance(bye, psc.ByeMsg) and "acknowledge" in bye.text
     wait_for(lambda: s.image("img")["live_generations"] == [2], 10, "generation 1 released")
     assert s.status()["memory"]["loaded_blocks"] == len(sl2.blocks)
-    # Blocks in both generations kept their address; dropped ones read as
-    # not present (zero page), never as another block's bytes.
+    # Blocks in both generations kept their address; dropped ones fault
+    # (PROT_NONE): a stalled client copying them gets EFAULT, never zeros
+    # and never another block's bytes.
     for sector in keep:
         assert m1.table.lookup(sector // 8) == m2.table.lookup(sector // 8)
     gone = [x for x in sl1.blocks if x not in sl2.blocks][:50]
+    assert gone
     for sector in gone:
         addr = m1.table.lookup(sector // 8)
-        assert psc.read_server_memory(m1.server_pid, addr or 0, 4096) == bytes(4096)
+        assert addr is not None
+        with pytest.raises(OSError) as e:
+            psc.copy_server_memory(m1.server_pid, addr, 4096)
+        assert e.value.errno == errno.EFAULT, e.value
+    # A block never listed faults too; a kept one reads its bytes.
+    never = next(b for b in range(4096) if b * 8 not in sl1.blocks and b * 8 not in sl2.blocks)
+    base = m2.table.arena[0]
+    with pytest.raises(OSError):
+        psc.copy_server_memory(m2.server_pid, base + never * 4096, 4096)
+    sector, digest = next(iter(keep.items()))
+    data = psc.copy_server_memory(m2.server_pid, m2.table.lookup(sector // 8) or 0, 4096)
+    assert hashlib.sha256(data).hexdigest() == digest
     log = s.log_text()
     assert "generation 2" in log and "reused" in log
     a.close()

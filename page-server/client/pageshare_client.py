@@ -13,6 +13,8 @@ acknowledge new generations (SWITCHED) and report counters (STATS).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -233,7 +235,39 @@ def control_request(path: str | os.PathLike[str], kind: int, payload: bytes = b"
 
 
 def read_server_memory(pid: int, addr: int, length: int) -> bytes:
-    """Bytes at ``addr`` in process ``pid`` (needs ptrace rights, e.g. root)."""
+    """Bytes at ``addr`` in process ``pid`` through /proc/PID/mem (needs
+    ptrace rights, e.g. root).  /proc/PID/mem reads even PROT_NONE memory
+    (as zeros if absent): use :func:`copy_server_memory` to see what a
+    client sees."""
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
         f.seek(addr)
         return f.read(length)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def copy_server_memory(pid: int, addr: int, length: int) -> bytes:
+    """Bytes at ``addr`` in process ``pid`` copied with process_vm_readv(),
+    as a copying client (QEMU's filter in copy mode) does (needs ptrace
+    rights).  Raises OSError(EFAULT) if any of it is not readable: the
+    server keeps an address readable only while it holds its block's
+    verified bytes (released and never-loaded blocks fault)."""
+    buf = ctypes.create_string_buffer(length)
+    local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), length)
+    remote = _IoVec(addr, length)
+    n = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    what = f"process_vm_readv({pid}, {addr:#x}, {length})"
+    if n < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    if n != length:
+        raise OSError(errno.EFAULT, f"{what}: short copy ({n})")
+    return buf.raw
+
+
+_process_vm_readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+_process_vm_readv.restype = ctypes.c_ssize_t
+_process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                              ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]

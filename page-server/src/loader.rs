@@ -275,13 +275,7 @@ impl Loader {
                 release(&held);
                 return fail(FailKind::Image, "image size changed");
             }
-            if let Err(e) = arena.set_writable(true) {
-                release(&held);
-                return fail(FailKind::Image, e);
-            }
-            let res = self.read_blocks(job, r, &arena, &to_load, &origin);
-            let ro = arena.set_writable(false);
-            if let Err(e) = res.and(ro.map_err(|e| (FailKind::Image, e))) {
+            if let Err(e) = self.read_blocks(job, r, &arena, &to_load, &origin) {
                 release(&held);
                 return Err(e);
             }
@@ -351,8 +345,10 @@ impl Loader {
                         ),
                     );
                 }
-                arena.fill(*block, data).map_err(|e| (FailKind::Image, e))?;
             }
+            // The whole run is verified: copy it in with one mprotect pair
+            // (ENOMEM there is vm.max_map_count, a limit).
+            arena.fill_run(start, bytes).map_err(|e| (FailKind::Limit, e))?;
             i = j;
         }
         Ok(())
