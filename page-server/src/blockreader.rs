@@ -4,7 +4,10 @@
 //! read it with an NBD client.  No qcow2 parsing of our own.
 
 use nbd::client::{handshake, NbdClient};
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -18,25 +21,29 @@ pub struct BlockReader {
     pub size: u64,
 }
 
-pub fn detect_format(path: &Path, configured: &str) -> Result<String, String> {
+/// The format the image is read with: `configured`, or for "auto" what its
+/// first bytes say (the qcow2 magic, else raw), read from the open image.
+pub fn detect_format(file: &File, path: &Path, configured: &str) -> Result<String, String> {
     if configured != "auto" {
         return Ok(configured.to_string());
     }
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot open image {}: {e}", path.display()))?;
     let mut magic = [0u8; 4];
-    let n = f.read(&mut magic).map_err(|e| format!("cannot read image {}: {e}", path.display()))?;
+    let n = file.read_at(&mut magic, 0).map_err(|e| format!("cannot read image {}: {e}", path.display()))?;
     Ok(if n == 4 && &magic == b"QFI\xfb" { "qcow2" } else { "raw" }.to_string())
 }
 
 impl BlockReader {
-    /// Start qemu-storage-daemon on `path` and connect to its NBD export.
-    pub fn open(qsd: &Path, path: &Path, format: &str) -> Result<BlockReader, String> {
-        let format = detect_format(path, format)?;
+    /// Start qemu-storage-daemon on the open image `file` (named `path` in
+    /// messages) and connect to its NBD export.  The daemon opens
+    /// /proc/self/fd/N of a descriptor it inherits, so it reads exactly the
+    /// file the caller opened and stamped, whatever the path names now.
+    pub fn open(qsd: &Path, file: &File, path: &Path, format: &str) -> Result<BlockReader, String> {
+        let fd = file.as_raw_fd();
         let dir = make_private_dir()?;
         let sock = dir.join("nbd.sock");
         let log = dir.join("qsd.log");
         let file_node = serde_json::json!({
-            "driver": "file", "node-name": "f0", "filename": path.to_string_lossy(),
+            "driver": "file", "node-name": "f0", "filename": format!("/proc/self/fd/{fd}"),
             "read-only": true, "aio": "threads",
         });
         let fmt_node = serde_json::json!({
@@ -59,10 +66,14 @@ impl BlockReader {
             .stdin(Stdio::null())
             .stdout(logf.try_clone().map_err(|e| e.to_string())?)
             .stderr(logf);
-        // SAFETY: prctl is async-signal-safe; the child dies with us.
+        // SAFETY: prctl and fcntl are async-signal-safe; the child dies
+        // with us and keeps the image descriptor across exec.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }

@@ -4,9 +4,9 @@
 //! A list is used whole or not at all.
 
 use crate::arena::{Acquire, Arena};
-use crate::blockreader::BlockReader;
+use crate::blockreader::{detect_format, BlockReader};
 use crate::config::{Config, ImageConfig};
-use crate::identity::{file_key, Identity, IdentityCache};
+use crate::identity::{open_stable, FileStamp, Identity, IdentityCache};
 use crate::sectorlist::{self, SectorList, BLOCK_SIZE, SECTORS_PER_BLOCK, SECTOR_SIZE};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
@@ -58,6 +58,11 @@ pub enum FailKind {
 
 pub struct LoadOk {
     pub arena: Arc<Arena>,
+    /// The image file this load verified: its stamp at the start, checked
+    /// again (descriptor and path) at the end.
+    pub stamp: FileStamp,
+    /// The format the image was read with ("raw" or "qcow2").
+    pub format: String,
     /// Blocks of the list; the job holds one arena reference on each.
     pub blocks: Vec<u64>,
     pub list: SectorList,
@@ -74,7 +79,8 @@ pub struct Loaded {
     pub seq: u64,
     pub source: ListSource,
     pub identity: Option<Identity>,
-    pub file_key: Option<String>,
+    /// The stamp of the image file the identity belongs to.
+    pub stamp: Option<FileStamp>,
     pub result: Result<LoadOk, (FailKind, String)>,
 }
 
@@ -100,10 +106,10 @@ impl Loader {
             seq: job.seq,
             source: job.source.clone(),
             identity: None,
-            file_key: None,
+            stamp: None,
             result: fail(FailKind::Cancelled, "not run"),
         };
-        out.result = self.load(&job, &mut out.identity, &mut out.file_key);
+        out.result = self.load(&job, &mut out.identity, &mut out.stamp);
         out
     }
 
@@ -132,7 +138,7 @@ impl Loader {
         &self,
         job: &Job,
         identity_out: &mut Option<Identity>,
-        key_out: &mut Option<String>,
+        stamp_out: &mut Option<FileStamp>,
     ) -> Result<LoadOk, (FailKind, String)> {
         let t0 = Instant::now();
         let img = &job.cfg;
@@ -163,19 +169,23 @@ impl Loader {
             }
         }
 
-        // 2. The image's identity (cached by file identity, else hashed).
-        let key = file_key(&img.path).map_err(|e| (FailKind::Image, e))?;
+        // 2. The image, opened once: its stamp (not racy), its format, and
+        // its identity (cached by path, format and stamp, else hashed).
+        let cancel = || self.cancelled(job);
+        let cancel_or = |kind: FailKind| move |e: String| if cancel() { (FailKind::Cancelled, e) } else { (kind, e) };
+        let image = open_stable(&img.path, &cancel).map_err(cancel_or(FailKind::Image))?;
+        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| (FailKind::Image, e))?;
         let mut reader: Option<BlockReader> = None;
         let open = |r: &mut Option<BlockReader>| -> Result<(), (FailKind, String)> {
             if r.is_none() {
                 *r = Some(
-                    BlockReader::open(&self.cfg.qemu_storage_daemon, &img.path, &img.format)
+                    BlockReader::open(&self.cfg.qemu_storage_daemon, &image.file, &img.path, &format)
                         .map_err(|e| (FailKind::Image, e))?,
                 );
             }
             Ok(())
         };
-        let identity = match self.ids.lookup(&key) {
+        let identity = match self.ids.lookup(&img.path, &format, &image.stamp) {
             Some(id) => id,
             None => {
                 open(&mut reader)?;
@@ -183,15 +193,11 @@ impl Loader {
                 if r.size > self.cfg.limits.max_image_virtual_size {
                     return fail(FailKind::Limit, format!("image {} is larger than limits.max_image_virtual_size", img.path.display()));
                 }
-                let cancel = || self.cancelled(job);
-                self.ids
-                    .identity(&img.path, &key, r, &cancel)
-                    .map_err(|e| if cancel() { (FailKind::Cancelled, e) } else { (FailKind::Image, e) })?
-                    .0
+                self.ids.identity(&img.path, &format, &image, r, &cancel).map_err(cancel_or(FailKind::Image))?.0
             }
         };
         *identity_out = Some(identity);
-        *key_out = Some(key.clone());
+        *stamp_out = Some(image.stamp);
 
         if list.is_none() {
             // Redis image, Redis not heard from yet: the last good list, if any.
@@ -283,16 +289,16 @@ impl Loader {
         let read_secs = t_read.elapsed().as_secs_f64();
         drop(reader);
 
-        // 6. The image must not have changed under us.
-        match file_key(&img.path) {
-            Ok(k) if k == key => {}
-            _ => {
-                release(&held);
-                return fail(FailKind::Image, format!("image {} changed while the list was loaded", img.path.display()));
-            }
+        // 6. The image must not have changed under us: the descriptor and
+        // the path still have the stamp taken before anything was read.
+        if let Err(e) = image.check_unchanged(&img.path) {
+            release(&held);
+            return fail(FailKind::Image, format!("image {} changed while the list was loaded: {e}", img.path.display()));
         }
         Ok(LoadOk {
             arena,
+            stamp: image.stamp,
+            format,
             blocks: held,
             list,
             text_sha,

@@ -8,7 +8,7 @@
 
 use crate::arena::{Arena, MergeMode};
 use crate::config::{Config, ImageConfig};
-use crate::identity::{file_key, Identity, IdentityCache};
+use crate::identity::{FileStamp, Identity, IdentityCache};
 use crate::loader::{cached_list_path, FailKind, Job, ListSource, LoadOk, Loaded, Loader};
 use crate::notify::Notifier;
 use crate::proto::{self, *};
@@ -84,7 +84,8 @@ struct ImageState {
     state: &'static str,
     message: String,
     identity: Option<Identity>,
-    image_key: Option<String>,
+    /// Stamp of the image file the last load verified (None: re-check).
+    image_stamp: Option<FileStamp>,
     arena: Option<Arc<Arena>>,
     seq: u64,
     loading: bool,
@@ -246,7 +247,7 @@ impl Server {
                 state: "starting",
                 message: String::new(),
                 identity: None,
-                image_key: None,
+                image_stamp: None,
                 arena: None,
                 seq: 0,
                 loading: false,
@@ -296,7 +297,7 @@ impl Server {
                                 seq,
                                 source,
                                 identity: None,
-                                file_key: None,
+                                stamp: None,
                                 result: Err((FailKind::Image, "internal error: loader panicked".into())),
                             });
                         if tx.send(Event::Loaded(Box::new(out))).is_err() {
@@ -492,17 +493,33 @@ impl Server {
             return;
         }
         self.images[idx].loading = false;
-        if let (Some(id), Some(key)) = (l.identity, l.file_key.clone()) {
+        if let (Some(id), Some(stamp)) = (l.identity, l.stamp) {
             let changed = self.images[idx].identity.is_some_and(|old| old != id);
             self.images[idx].identity = Some(id);
-            self.images[idx].image_key = Some(key);
+            self.images[idx].image_stamp = Some(stamp);
             if changed {
                 self.withdraw(idx, NT_IMAGE_CHANGED, "the base image's content changed");
             }
             self.watch_redis(idx);
         }
         match l.result {
-            Ok(ok) => self.publish(idx, ok, &l.source),
+            Ok(ok) => {
+                // The loader checked the stamp at its end; the image may have
+                // changed since (inotify may not have told us yet): never
+                // publish a table for a file that is no longer the same.
+                let now = FileStamp::of_path(&self.images[idx].cfg.path).ok();
+                if now != Some(ok.stamp) {
+                    ok.arena.release(&ok.blocks);
+                    self.images[idx].image_stamp = None;
+                    self.images[idx].recheck_image_at = Some(Instant::now());
+                    crate::log::warn(&format!(
+                        "image {}: the base image changed after it was verified; not publishing, re-checking",
+                        self.images[idx].cfg.name
+                    ));
+                    return;
+                }
+                self.publish(idx, ok, &l.source)
+            }
             Err((kind, msg)) => {
                 let img = &mut self.images[idx];
                 if kind == FailKind::Cancelled {
@@ -624,6 +641,7 @@ impl Server {
             "read_blocks": ok.read_blocks, "reused_blocks": ok.reused_blocks,
             "read_mib_per_s": if ok.read_secs > 0.0 { read_mib / ok.read_secs } else { 0.0 },
             "finished_at": gen.published_at, "source": gen.source,
+            "format": ok.format, "image_file": ok.stamp,
         });
         crate::log::info(&format!(
             "image {}: published generation {number}: {} blocks ({mib:.1} MiB; {} read and verified in {:.2} s, {} reused), table {} bytes, from {}",
@@ -1226,17 +1244,17 @@ impl Server {
     }
 
     fn recheck_image(&mut self, i: usize) {
-        let now_key = file_key(&self.images[i].cfg.path).ok();
+        let now_stamp = FileStamp::of_path(&self.images[i].cfg.path).ok();
         let img = &self.images[i];
-        if img.image_key.is_some() && now_key == img.image_key {
+        if img.image_stamp.is_some() && now_stamp == img.image_stamp {
             return;
         }
-        let why = match &now_key {
+        let why = match &now_stamp {
             None => format!("base image {} is gone or unreadable", img.cfg.path.display()),
             Some(_) => format!("base image {} changed on disk", img.cfg.path.display()),
         };
         self.withdraw(i, NT_IMAGE_CHANGED, &why);
-        self.images[i].image_key = None;
+        self.images[i].image_stamp = None;
         let src = self.reload_source(i);
         self.request_load(i, src, "base image changed");
     }
