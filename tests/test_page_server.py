@@ -111,6 +111,8 @@ def test_serves_exactly_the_listed_bytes_of_a_golden_image(
     with c:
         check_published(msg, sl)
         assert msg.generation == 1
+        # TABLE v2: the proof of identity is this very file, unchanged.
+        assert msg.version == 2 and msg.format_name == "qcow2" and msg.proves(image)
         # pidfd of the server, sealed table
         assert os.readlink(f"/proc/self/fd/{msg.pidfd}") == "anon_inode:[pidfd]"
         st = s.image("small")
@@ -149,6 +151,10 @@ def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_pa
     a, m1 = first_table(s.sock("img"))
     b, _ = first_table(s.sock("img"))
     check_published(m1, sl1)
+    # "auto" detected qcow2; the stamp is the qcow2 file's, not a raw copy's.
+    assert m1.format_name == "qcow2" and m1.proves(qcow) and not m1.proves(raw)
+    assert m1.file is not None and m1.file.size == qcow.stat().st_size != m1.virtual_size
+    assert abs(m1.published_at - time.time()) < 120
     loaded1 = s.status()["memory"]["loaded_blocks"]
     assert loaded1 == len(sl1.blocks)
     # New list: half the blocks plus new ones.
@@ -272,11 +278,18 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
     s = start(server_factory, tmp_path / "srv", [ImageSpec("img", img, lst, fmt="raw")])
     c, m = first_table(s.sock("img"))
     check_published(m, sl)
+    assert m.format_name == "raw" and m.proves(img)
+    with open(img, "rb") as fd:
+        assert m.proves(fd.fileno())
+    # The server waited for the fresh copy's ctime to be 2 s old.
+    assert m.file is not None and m.published_at * 1e9 - m.file.ctime_ns >= 2e9
+    assert "changed less than 2 s ago; waiting before verifying it" in s.log_text()
     # Someone writes into the base image (one listed block changes).
     sector = sorted(sl.blocks)[10]
     with open(img, "r+b") as f:
         f.seek(sector * 512)
         f.write(b"\x55" * 4096)
+    assert not m.proves(img), "a client's fstat() check catches the write"
     nt = c.recv()
     assert isinstance(nt, psc.NoTableMsg) and nt.reason == "image-changed", nt
     wait_for(lambda: not s.image("img")["loading"] and s.image("img")["state"] != "withdrawn",
@@ -296,6 +309,7 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
         m2 = c.recv()
     assert m2.generation == 2
     check_published(m2, sl)
+    assert m2.proves(img) and m2.file != m.file
     c.close()
 
 
@@ -472,9 +486,15 @@ def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
     exe = tmp_path / "bench_lookup"
     subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
                     str(PAGE_SERVER / "client" / "bench_lookup.c")], check=True)
-    out = subprocess.run([str(exe), str(s.sock("img")), "100000"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([str(exe), str(s.sock("img")), "100000", str(qcow)],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["entries"] == len(sl.blocks) and r["generation"] == 1
     assert r["random_found"] > 0 and r["hit_ns"] > 0
+    st = qcow.stat()
+    assert (r["image_format"], r["file_ino"], r["file_ctime_ns"]) == (2, st.st_ino, st.st_ctime_ns)
+    # pst_msg_check_file() refuses another file.
+    out = subprocess.run([str(exe), str(s.sock("img")), "1000", str(raw)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "not the file the server verified" in out.stderr

@@ -5,7 +5,10 @@
  * against itself, and time lookups (hits and misses).
  *
  *   cc -O2 -Wall -Wextra -Werror -o bench_lookup bench_lookup.c
- *   ./bench_lookup /run/pageshare/debian12.sock [iterations]
+ *   ./bench_lookup /run/pageshare/debian12.sock [iterations [IMAGE]]
+ *
+ * With IMAGE, also checks that it is the file the server verified
+ * (pst_msg_check_file(), the proof of identity).
  *
  * Prints one JSON line.
  */
@@ -77,7 +80,7 @@ int main(int argc, char **argv)
 	double t0, hit_ns, miss_ns;
 
 	if (argc < 2 || strlen(argv[1]) >= sizeof(sa.sun_path)) {
-		fprintf(stderr, "usage: %s SOCKET [iterations]\n", argv[0]);
+		fprintf(stderr, "usage: %s SOCKET [iterations [IMAGE]]\n", argv[0]);
 		return 2;
 	}
 	strcpy(sa.sun_path, argv[1]);
@@ -89,6 +92,20 @@ int main(int argc, char **argv)
 	if (recv_table(s, &msg, &memfd, &pidfd) < 0) {
 		fprintf(stderr, "no table received\n");
 		return 1;
+	}
+	if (msg.version != PST_TABLE_MSG_VERSION) {
+		fprintf(stderr, "TABLE message version %u\n", msg.version);
+		return 1;
+	}
+	if (argc > 3) {
+		/* The proof of identity, checked like the QEMU filter does. */
+		int img = open(argv[3], O_RDONLY | O_CLOEXEC);
+
+		if (img < 0 || pst_msg_check_file(&msg, img, err, sizeof(err)) < 0) {
+			fprintf(stderr, "%s: %s\n", argv[3], img < 0 ? strerror(errno) : err);
+			return 1;
+		}
+		close(img);
 	}
 	if (pst_open(&t, memfd, err, sizeof(err)) < 0) {
 		fprintf(stderr, "%s\n", err);
@@ -143,11 +160,13 @@ int main(int argc, char **argv)
 	free(q);
 	printf("{\"entries\": %llu, \"buckets\": %llu, \"table_bytes\": %zu, \"generation\": %llu, "
 	       "\"server_pid\": %u, \"degraded\": %s, \"iterations\": %llu, \"hit_ns\": %.2f, "
-	       "\"random_block_ns\": %.2f, \"random_found\": %llu, \"checksum\": %llu}\n",
+	       "\"random_block_ns\": %.2f, \"random_found\": %llu, \"checksum\": %llu, "
+	       "\"image_format\": %u, \"file_ino\": %llu, \"file_ctime_ns\": %lld}\n",
 	       (unsigned long long)n, (unsigned long long)t.h->bucket_count, t.map_len,
 	       (unsigned long long)t.h->generation, t.h->server_pid,
 	       (t.h->flags & PST_FLAG_DEGRADED) ? "true" : "false", (unsigned long long)iters,
-	       hit_ns, miss_ns, (unsigned long long)found, (unsigned long long)(sum & 0xffff));
+	       hit_ns, miss_ns, (unsigned long long)found, (unsigned long long)(sum & 0xffff),
+	       msg.image_format, (unsigned long long)msg.file_ino, (long long)msg.file_ctime_ns);
 	pst_close(&t);
 	close(pidfd);
 	close(memfd);

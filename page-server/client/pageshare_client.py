@@ -37,7 +37,10 @@ MSG_RELOAD_REPLY = 35
 NO_GENERATION = (1 << 64) - 1
 TABLE_MAGIC = b"PSTABLE1"
 TABLE_HEADER = struct.Struct("<8sII Q Q 32s Q Q I I Q I I Q Q Q")
-TABLE_PAYLOAD = struct.Struct("<II Q Q Q Q 32s I I Q")
+TABLE_MSG_VERSION = 2
+TABLE_PAYLOAD = struct.Struct("<II Q Q Q Q 32s I I d I I Q Q Q q q")  # 136 bytes
+PROOF_FILE = 1
+IMAGE_FORMATS = {1: "raw", 2: "qcow2"}
 HASH_MULT = 0x9E3779B97F4A7C15
 MASK64 = (1 << 64) - 1
 FLAG_DEGRADED = 1
@@ -108,6 +111,24 @@ class Table:
         self.map.close()
 
 
+@dataclass(frozen=True)
+class FileStamp:
+    """Which file and unchanged since when: st_dev, st_ino, st_size and the
+    mtime and ctime in ns (PROTOCOL.md, "Proof of identity")."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, f: int | str | os.PathLike[str]) -> FileStamp:
+        """The stamp of an open descriptor (fstat) or a path (stat)."""
+        st = os.fstat(f) if isinstance(f, int) else os.stat(f)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass
 class TableMsg:
     generation: int
@@ -118,10 +139,25 @@ class TableMsg:
     flags: int
     table: Table
     pidfd: int
+    version: int = TABLE_MSG_VERSION
+    image_format: int = 0
+    published_at: float = 0.0
+    proof_flags: int = 0
+    file: FileStamp | None = None
 
     @property
     def degraded(self) -> bool:
         return bool(self.flags & FLAG_DEGRADED)
+
+    @property
+    def format_name(self) -> str:
+        return IMAGE_FORMATS.get(self.image_format, str(self.image_format))
+
+    def proves(self, f: int | str | os.PathLike[str]) -> bool:
+        """Is ``f`` (an open descriptor of the base image, or its path) the
+        very file the server verified, unchanged since?  What QEMU's filter
+        checks with fstat() before trusting the table."""
+        return self.file is not None and FileStamp.of(f) == self.file
 
 
 @dataclass
@@ -184,15 +220,20 @@ class PageshareClient:
         if kind == MSG_TABLE:
             if len(fds) != 2 or len(payload) < TABLE_PAYLOAD.size:
                 raise ProtocolError(f"TABLE with {len(fds)} fds and {len(payload)} bytes")
-            (version, flags, gen, entries, _tbytes, vsize, sha, pid, _r,
-             _t) = TABLE_PAYLOAD.unpack_from(payload)
-            if version != 1:
-                raise ProtocolError(f"protocol version {version}")
+            version = struct.unpack_from("<I", payload)[0] if len(payload) >= 4 else 0
+            if version != TABLE_MSG_VERSION:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"TABLE message version {version}, not {TABLE_MSG_VERSION}")
+            (version, flags, gen, entries, _tbytes, vsize, sha, pid, fmt, published, proof, _r,
+             dev, ino, fsize, mtime_ns, ctime_ns) = TABLE_PAYLOAD.unpack_from(payload)
             self.fds += fds
             table = Table.from_fd(fds[0])
             if table.generation != gen or table.entries != entries:
                 raise ProtocolError("TABLE message and memfd header disagree")
-            return TableMsg(gen, entries, vsize, sha.hex(), pid, flags, table, fds[1])
+            stamp = FileStamp(dev, ino, fsize, mtime_ns, ctime_ns) if proof & PROOF_FILE else None
+            return TableMsg(gen, entries, vsize, sha.hex(), pid, flags, table, fds[1], version,
+                            fmt, published, proof, stamp)
         for fd in fds:
             os.close(fd)
         if kind == MSG_NO_TABLE:

@@ -68,20 +68,72 @@ struct pst_bucket {
 	uint64_t addr;                 /* address in the server */
 };
 
-/* Payload of a TABLE message (88 bytes); fds: [table memfd, server pidfd]. */
+/* Payload of a TABLE message, version 2 (136 bytes); fds: [table memfd,
+ * server pidfd].  Little endian. */
+#define PST_TABLE_MSG_VERSION 2u
+#define PST_FORMAT_RAW 1u
+#define PST_FORMAT_QCOW2 2u
+#define PST_PROOF_FILE 1u              /* file_* fields are valid */
 struct pst_table_msg {
-	uint32_t version;
-	uint32_t flags;
+	uint32_t version;              /* PST_TABLE_MSG_VERSION */
+	uint32_t flags;                /* PST_FLAG_DEGRADED */
 	uint64_t generation;
 	uint64_t entry_count;
 	uint64_t table_bytes;
 	uint64_t image_virtual_size;
 	uint8_t image_content_sha256[32];
 	uint32_t server_pid;
-	uint32_t reserved;
+	uint32_t image_format;         /* PST_FORMAT_*: how the server read it */
 	uint64_t published_at_bits;    /* IEEE-754 double, Unix seconds */
+	uint32_t proof_flags;          /* PST_PROOF_FILE */
+	uint32_t reserved;
+	/* The image file the server verified, unchanged since (fstat()). */
+	uint64_t file_dev;             /* st_dev */
+	uint64_t file_ino;             /* st_ino */
+	uint64_t file_size;            /* st_size (file size, not virtual size) */
+	int64_t file_mtime_ns;         /* st_mtim: sec * 1000000000 + nsec */
+	int64_t file_ctime_ns;         /* st_ctim: sec * 1000000000 + nsec */
 } __attribute__((packed));
-_Static_assert(sizeof(struct pst_table_msg) == 88, "TABLE payload layout");
+_Static_assert(sizeof(struct pst_table_msg) == 136, "TABLE payload layout");
+
+/**
+ * pst_msg_check_file - is @fd the very file the server verified, unchanged?
+ * @m:      a TABLE message
+ * @fd:     the client's open descriptor of its base image file
+ * @err:    message on failure
+ * @errlen: size of @err
+ *
+ * The proof of identity (PROTOCOL.md): same st_dev and st_ino, and the same
+ * st_size, mtime and ctime to the nanosecond.  Re-check it (it is one
+ * fstat()) before trusting the table again after any pause: a change of the
+ * file changes its ctime.
+ *
+ * Return: 0 if it matches, -1 with @err set if not (do not use the table).
+ */
+static inline int pst_msg_check_file(const struct pst_table_msg *m, int fd, char *err, size_t errlen)
+{
+	struct stat st;
+
+	if (m->version != PST_TABLE_MSG_VERSION || !(m->proof_flags & PST_PROOF_FILE)) {
+		snprintf(err, errlen, "TABLE v%u without a file proof", m->version);
+		return -1;
+	}
+	if (fstat(fd, &st) < 0) {
+		snprintf(err, errlen, "fstat: %s", strerror(errno));
+		return -1;
+	}
+	if ((uint64_t)st.st_dev != m->file_dev || (uint64_t)st.st_ino != m->file_ino) {
+		snprintf(err, errlen, "not the file the server verified");
+		return -1;
+	}
+	if ((uint64_t)st.st_size != m->file_size ||
+	    (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != m->file_mtime_ns ||
+	    (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec != m->file_ctime_ns) {
+		snprintf(err, errlen, "the file changed since the server verified it");
+		return -1;
+	}
+	return 0;
+}
 
 struct pst_table {
 	const void *map;

@@ -26,8 +26,62 @@ pub const MAX_CLIENT_PAYLOAD: usize = 4096;
 /// Largest payload the server sends (status replies).
 pub const MAX_SERVER_PAYLOAD: usize = 16 << 20;
 
-pub const TABLE_PAYLOAD_LEN: usize = 88;
+pub const TABLE_PAYLOAD_LEN: usize = 136;
+/// Version of the TABLE message payload (the table memfd has its own).
+pub const TABLE_MSG_VERSION: u32 = 2;
+/// TABLE proof flags: bit 0 = the image file fields (96..136) are valid.
+pub const PROOF_FILE: u32 = 1;
+/// TABLE image format codes.
+pub const FORMAT_RAW: u32 = 1;
+pub const FORMAT_QCOW2: u32 = 2;
 pub const NO_GENERATION: u64 = u64::MAX;
+
+/// What a TABLE message says (PROTOCOL.md, "TABLE").
+pub struct TableMsg<'a> {
+    pub flags: u32,
+    pub generation: u64,
+    pub entries: u64,
+    pub table_bytes: u64,
+    pub identity: &'a crate::identity::Identity,
+    pub server_pid: u32,
+    /// "raw" or "qcow2": the format the image was read with.
+    pub format: &'a str,
+    pub published_at: f64,
+    /// The image file the load that published this generation verified.
+    pub stamp: &'a crate::identity::FileStamp,
+}
+
+pub fn format_code(format: &str) -> u32 {
+    match format {
+        "raw" => FORMAT_RAW,
+        "qcow2" => FORMAT_QCOW2,
+        _ => 0,
+    }
+}
+
+/// The 136-byte TABLE payload, version 2, little endian.
+pub fn table_payload(m: &TableMsg) -> Vec<u8> {
+    let mut p = Vec::with_capacity(TABLE_PAYLOAD_LEN);
+    p.extend_from_slice(&TABLE_MSG_VERSION.to_le_bytes()); // 0
+    p.extend_from_slice(&m.flags.to_le_bytes()); // 4
+    p.extend_from_slice(&m.generation.to_le_bytes()); // 8
+    p.extend_from_slice(&m.entries.to_le_bytes()); // 16
+    p.extend_from_slice(&m.table_bytes.to_le_bytes()); // 24
+    p.extend_from_slice(&m.identity.virtual_size.to_le_bytes()); // 32
+    p.extend_from_slice(&m.identity.content_sha256); // 40
+    p.extend_from_slice(&m.server_pid.to_le_bytes()); // 72
+    p.extend_from_slice(&format_code(m.format).to_le_bytes()); // 76
+    p.extend_from_slice(&m.published_at.to_bits().to_le_bytes()); // 80
+    p.extend_from_slice(&PROOF_FILE.to_le_bytes()); // 88
+    p.extend_from_slice(&0u32.to_le_bytes()); // 92 reserved
+    p.extend_from_slice(&m.stamp.dev.to_le_bytes()); // 96
+    p.extend_from_slice(&m.stamp.ino.to_le_bytes()); // 104
+    p.extend_from_slice(&m.stamp.size.to_le_bytes()); // 112
+    p.extend_from_slice(&m.stamp.mtime_ns.to_le_bytes()); // 120
+    p.extend_from_slice(&m.stamp.ctime_ns.to_le_bytes()); // 128
+    assert_eq!(p.len(), TABLE_PAYLOAD_LEN);
+    p
+}
 
 // NO_TABLE reasons
 pub const NT_LOADING: u32 = 1;
@@ -184,5 +238,41 @@ mod tests {
         let mut big = frame(MSG_STATS, &[]);
         big[4..8].copy_from_slice(&100_000u32.to_le_bytes());
         assert!(take_messages(&mut big, 4096).is_err());
+    }
+
+    #[test]
+    fn table_payload_v2_layout() {
+        let id = crate::identity::Identity { virtual_size: 0x1122_3344_5566, content_sha256: [0xab; 32] };
+        let stamp = crate::identity::FileStamp {
+            dev: 0x0803,
+            ino: 0x00de_adbe_ef01,
+            size: 0x7777_0000,
+            mtime_ns: 1_795_000_000_123_456_789,
+            ctime_ns: -5,
+        };
+        let p = table_payload(&TableMsg {
+            flags: 1,
+            generation: 7,
+            entries: 1000,
+            table_bytes: 32896,
+            identity: &id,
+            server_pid: 4242,
+            format: "qcow2",
+            published_at: 1.5,
+            stamp: &stamp,
+        });
+        let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().unwrap());
+        let i64_at = |o: usize| i64::from_le_bytes(p[o..o + 8].try_into().unwrap());
+        assert_eq!(p.len(), 136);
+        assert_eq!((u32_at(0), u32_at(4)), (2, 1));
+        assert_eq!((u64_at(&p, 8), u64_at(&p, 16), u64_at(&p, 24)), (Some(7), Some(1000), Some(32896)));
+        assert_eq!(u64_at(&p, 32), Some(0x1122_3344_5566));
+        assert_eq!(&p[40..72], &[0xab; 32]);
+        assert_eq!((u32_at(72), u32_at(76)), (4242, FORMAT_QCOW2));
+        assert_eq!(f64::from_bits(u64_at(&p, 80).unwrap()), 1.5);
+        assert_eq!((u32_at(88), u32_at(92)), (PROOF_FILE, 0));
+        assert_eq!((u64_at(&p, 96), u64_at(&p, 104), u64_at(&p, 112)), (Some(0x0803), Some(0x00de_adbe_ef01), Some(0x7777_0000)));
+        assert_eq!((i64_at(120), i64_at(128)), (1_795_000_000_123_456_789, -5));
+        assert_eq!(format_code("raw"), FORMAT_RAW);
     }
 }

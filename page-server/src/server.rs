@@ -36,6 +36,10 @@ pub enum Event {
 /// `current` and every client still using it) releases its blocks.
 struct Generation {
     number: u64,
+    /// The image file the load that produced this generation verified.
+    stamp: FileStamp,
+    /// "raw" or "qcow2": the format it was read with.
+    format: String,
     memfd: OwnedFd,
     arena: Arc<Arena>,
     blocks: Vec<u64>,
@@ -617,6 +621,8 @@ impl Server {
         });
         let gen = Rc::new(Generation {
             number,
+            stamp: ok.stamp,
+            format: ok.format.clone(),
             memfd,
             arena: ok.arena.clone(),
             blocks: ok.blocks,
@@ -697,20 +703,18 @@ impl Server {
 
     fn send_table(&mut self, id: u64, gen: &Rc<Generation>) {
         let Some(c) = self.clients.get_mut(&id) else { return };
-        let id_ = gen.arena.identity;
-        let mut p = Vec::with_capacity(TABLE_PAYLOAD_LEN);
-        p.extend_from_slice(&1u32.to_le_bytes()); // protocol version
         let degraded = matches!(gen.arena.merge_mode, MergeMode::Degraded(_));
-        p.extend_from_slice(&(if degraded { table::FLAG_DEGRADED } else { 0 }).to_le_bytes());
-        p.extend_from_slice(&gen.number.to_le_bytes());
-        p.extend_from_slice(&(gen.blocks.len() as u64).to_le_bytes());
-        p.extend_from_slice(&(gen.table_bytes as u64).to_le_bytes());
-        p.extend_from_slice(&id_.virtual_size.to_le_bytes());
-        p.extend_from_slice(&id_.content_sha256);
-        p.extend_from_slice(&std::process::id().to_le_bytes());
-        p.extend_from_slice(&0u32.to_le_bytes());
-        p.extend_from_slice(&gen.published_at.to_bits().to_le_bytes());
-        assert_eq!(p.len(), TABLE_PAYLOAD_LEN);
+        let p = table_payload(&TableMsg {
+            flags: if degraded { table::FLAG_DEGRADED } else { 0 },
+            generation: gen.number,
+            entries: gen.blocks.len() as u64,
+            table_bytes: gen.table_bytes as u64,
+            identity: &gen.arena.identity,
+            server_pid: std::process::id(),
+            format: &gen.format,
+            published_at: gen.published_at,
+            stamp: &gen.stamp,
+        });
         let msg = frame(MSG_TABLE, &p);
         match send_msg(c.stream.as_raw_fd(), &msg, &[gen.memfd.as_raw_fd(), self.pidfd.as_raw_fd()]) {
             Ok(()) => {
@@ -1055,6 +1059,8 @@ impl Server {
                     "list": cur.map(|g| g.list_meta.clone()),
                     "list_from": cur.map(|g| g.source.clone()),
                     "published_at": cur.map(|g| g.published_at),
+                    "format": cur.map(|g| g.format.clone()),
+                    "image_file": cur.map(|g| g.stamp),
                     "arena_loaded_blocks": img.arena.as_ref().map(|a| a.loaded_blocks()).unwrap_or(0),
                     "live_generations": held_gens,
                     "clients": nclients,
