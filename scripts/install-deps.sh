@@ -21,6 +21,8 @@ APT_PACKAGES=(
 	# the kernel series (kernel-syscall/ktest.py): kernel build, static tests
 	# (ksm_tests links libnuma), initramfs
 	flex bison bc libelf-dev libssl-dev libnuma-dev cpio xz-utils rsync
+	# the fuzz target of the filter's table parser (libFuzzer, ASan, UBSan)
+	clang libclang-rt-dev
 )
 
 if [ "$(id -u)" != 0 ]; then
