@@ -313,6 +313,68 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
     c.close()
 
 
+def test_image_written_through_a_hard_link_is_withdrawn_at_once(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    """The server watches the image's inode, not only its directory: a write
+    through a hard link in a directory it does not watch withdraws the table
+    within a second, and the re-load publishes the file's new stamp."""
+    raw, _, sha = synthetic
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    img = tmp_path / "a" / "base.raw"
+    alias = tmp_path / "b" / "alias.raw"
+    shutil.copyfile(raw, img)
+    os.link(img, alias)  # before the server starts: linking changes the ctime too
+    lst = tmp_path / "l.pcsl"
+    sl = synthetic_list(raw, sha, lst)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", img, lst, fmt="raw")])
+    c, m1 = first_table(s.sock("img"))
+    check_published(m1, sl)
+    assert m1.proves(img) and m1.proves(alias)
+    ino = img.stat().st_ino
+
+    def withdrawn_within_1s(change: str) -> None:
+        c.sock.settimeout(1.0)
+        nt = c.recv()  # TimeoutError if the server did not notice
+        assert isinstance(nt, psc.NoTableMsg) and nt.reason == "image-changed", (change, nt)
+        assert f"was modified (inode {ino})" in nt.text, nt.text
+        st = s.image("img")
+        assert st["generation"] is None, (change, st)
+        assert st["state"] in ("withdrawn", "loading") or st["loading"], (change, st)
+
+    def reloaded(gen: int, old: psc.TableMsg) -> psc.TableMsg:
+        c.sock.settimeout(60)
+        m = c.recv()
+        while not isinstance(m, psc.TableMsg):
+            m = c.recv()
+        assert m.generation == gen
+        assert m.file is not None and old.file is not None
+        assert m.file != old.file and m.file.ino == ino and m.proves(img) and m.proves(alias)
+        assert not old.proves(img)
+        check_published(m, sl)
+        c.switched(gen)
+        return m
+
+    # Rewrite a listed block with its own bytes, through the other directory:
+    # same content (so the list still applies), new mtime and ctime.
+    sector = sorted(sl.blocks)[10]
+    with open(raw, "rb") as f:
+        f.seek(sector * 512)
+        same = f.read(4096)
+    with open(alias, "r+b") as w:
+        w.seek(sector * 512)
+        w.write(same)
+        w.flush()
+        withdrawn_within_1s("write")
+    assert f"image {img} was modified (inode {ino}): table withdrawn" in s.log_text()
+    m2 = reloaded(2, m1)
+    # An attribute change through the link (IN_ATTRIB) withdraws it as well.
+    os.chmod(alias, 0o600)
+    withdrawn_within_1s("chmod")
+    reloaded(3, m2)
+    c.close()
+
+
 def test_hostile_clients_do_not_hurt_the_server(
         synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
     raw, qcow, sha = synthetic

@@ -90,6 +90,8 @@ struct ImageState {
     identity: Option<Identity>,
     /// Stamp of the image file the last load verified (None: re-check).
     image_stamp: Option<FileStamp>,
+    /// inotify watch on the image file's inode: (wd, st_dev, st_ino).
+    inode_watch: Option<(i32, u64, u64)>,
     arena: Option<Arc<Arena>>,
     seq: u64,
     loading: bool,
@@ -135,7 +137,8 @@ pub struct Server {
     pidfd: OwnedFd,
     wake_fd: Arc<OwnedFd>,
     inotify: Option<OwnedFd>,
-    /// inotify watch descriptor -> directory it watches
+    /// inotify watch descriptor -> directory it watches (the images'
+    /// inodes are watched too: ImageState::inode_watch)
     watches: HashMap<i32, PathBuf>,
     events: Receiver<Event>,
     jobs: Sender<Job>,
@@ -252,6 +255,7 @@ impl Server {
                 message: String::new(),
                 identity: None,
                 image_stamp: None,
+                inode_watch: None,
                 arena: None,
                 seq: 0,
                 loading: false,
@@ -435,6 +439,9 @@ impl Server {
                         img.recheck_image_at = Some(Instant::now() + Duration::from_millis(300));
                     }
                 }
+                if name.is_none() {
+                    self.inode_event(ev.wd, ev.mask);
+                }
                 if let (Some(dir), Some(name)) = (self.watches.get(&ev.wd).cloned(), name) {
                     let full = dir.join(name);
                     for img in &mut self.images {
@@ -447,6 +454,73 @@ impl Server {
                     }
                 }
                 off += hdr + ev.len as usize;
+            }
+        }
+    }
+
+    /// An event on an image file's own inode (written through any path,
+    /// hard links in other directories included).
+    fn inode_event(&mut self, wd: i32, mask: u32) {
+        for idx in 0..self.images.len() {
+            let Some((w, _, ino)) = self.images[idx].inode_watch else { continue };
+            if w != wd {
+                continue;
+            }
+            if mask & libc::IN_IGNORED != 0 {
+                // The inode is gone (or the watch was removed): the directory
+                // watch and the next load take over.
+                self.images[idx].inode_watch = None;
+                continue;
+            }
+            if mask & (libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE) != 0 {
+                // Withdraw at once, no debounce: the bytes below the
+                // published table may be changing right now.
+                let img = &self.images[idx];
+                let what = format!("image {} was modified (inode {ino})", img.cfg.path.display());
+                if img.current.is_some() {
+                    crate::log::warn(&format!("{what}: table withdrawn"));
+                    self.withdraw(idx, NT_IMAGE_CHANGED, &format!("{what}: table withdrawn"));
+                } else if img.image_stamp.is_some() {
+                    crate::log::info(&format!("{what}; re-checking it"));
+                }
+                self.images[idx].image_stamp = None;
+            }
+            // Modified, renamed or deleted: re-check (and reload) once it is quiet.
+            self.images[idx].recheck_image_at = Some(Instant::now() + Duration::from_millis(300));
+        }
+    }
+
+    /// Watch the inode the image path names, if it is not the one watched
+    /// already (called after each load with the stamp it verified).
+    fn watch_image_inode(&mut self, idx: usize, stamp: &FileStamp) {
+        let Some(fd) = self.inotify.as_ref().map(|f| f.as_raw_fd()) else { return };
+        if self.images[idx].inode_watch.is_some_and(|(_, dev, ino)| dev == stamp.dev && ino == stamp.ino) {
+            return;
+        }
+        let path = self.images[idx].cfg.path.clone();
+        let old = self.images[idx].inode_watch.take();
+        let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return };
+        let mask = libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE | libc::IN_DELETE_SELF | libc::IN_MOVE_SELF;
+        // SAFETY: valid C string; our inotify fd.
+        let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) };
+        if wd < 0 {
+            crate::log::warn(&format!(
+                "inotify watch on image {}: {}; writes to it through other paths are noticed only by clients and on `reload`",
+                path.display(),
+                std::io::Error::last_os_error()
+            ));
+        } else {
+            self.images[idx].inode_watch = Some((wd, stamp.dev, stamp.ino));
+            // The watch is on whatever the path names now: if that is no
+            // longer the verified file, re-check at once.
+            if FileStamp::of_path(&path).map(|s| (s.dev, s.ino)) != Ok((stamp.dev, stamp.ino)) {
+                self.images[idx].recheck_image_at = Some(Instant::now());
+            }
+        }
+        if let Some((owd, _, _)) = old {
+            if owd != wd && !self.images.iter().any(|i| i.inode_watch.is_some_and(|w| w.0 == owd)) {
+                // SAFETY: removing our own watch (harmless if already gone).
+                unsafe { libc::inotify_rm_watch(fd, owd) };
             }
         }
     }
@@ -497,6 +571,9 @@ impl Server {
             return;
         }
         self.images[idx].loading = false;
+        if let Some(stamp) = l.stamp {
+            self.watch_image_inode(idx, &stamp);
+        }
         if let (Some(id), Some(stamp)) = (l.identity, l.stamp) {
             let changed = self.images[idx].identity.is_some_and(|old| old != id);
             self.images[idx].identity = Some(id);
