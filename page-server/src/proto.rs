@@ -36,19 +36,26 @@ pub const FORMAT_RAW: u32 = 1;
 pub const FORMAT_QCOW2: u32 = 2;
 pub const NO_GENERATION: u64 = u64::MAX;
 
-/// What a TABLE message says (PROTOCOL.md, "TABLE").
+/// What a TABLE message says (PROTOCOL.md, "TABLE").  Plain fields: this
+/// file is also built alone by the framing fuzz target.
 pub struct TableMsg<'a> {
     pub flags: u32,
     pub generation: u64,
     pub entries: u64,
     pub table_bytes: u64,
-    pub identity: &'a crate::identity::Identity,
+    pub virtual_size: u64,
+    pub content_sha256: &'a [u8; 32],
     pub server_pid: u32,
     /// "raw" or "qcow2": the format the image was read with.
     pub format: &'a str,
     pub published_at: f64,
-    /// The image file the load that published this generation verified.
-    pub stamp: &'a crate::identity::FileStamp,
+    /// The image file the load that published this generation verified:
+    /// st_dev, st_ino, st_size, mtime and ctime in ns.
+    pub file_dev: u64,
+    pub file_ino: u64,
+    pub file_size: u64,
+    pub file_mtime_ns: i64,
+    pub file_ctime_ns: i64,
 }
 
 pub fn format_code(format: &str) -> u32 {
@@ -67,18 +74,18 @@ pub fn table_payload(m: &TableMsg) -> Vec<u8> {
     p.extend_from_slice(&m.generation.to_le_bytes()); // 8
     p.extend_from_slice(&m.entries.to_le_bytes()); // 16
     p.extend_from_slice(&m.table_bytes.to_le_bytes()); // 24
-    p.extend_from_slice(&m.identity.virtual_size.to_le_bytes()); // 32
-    p.extend_from_slice(&m.identity.content_sha256); // 40
+    p.extend_from_slice(&m.virtual_size.to_le_bytes()); // 32
+    p.extend_from_slice(m.content_sha256); // 40
     p.extend_from_slice(&m.server_pid.to_le_bytes()); // 72
     p.extend_from_slice(&format_code(m.format).to_le_bytes()); // 76
     p.extend_from_slice(&m.published_at.to_bits().to_le_bytes()); // 80
     p.extend_from_slice(&PROOF_FILE.to_le_bytes()); // 88
     p.extend_from_slice(&0u32.to_le_bytes()); // 92 reserved
-    p.extend_from_slice(&m.stamp.dev.to_le_bytes()); // 96
-    p.extend_from_slice(&m.stamp.ino.to_le_bytes()); // 104
-    p.extend_from_slice(&m.stamp.size.to_le_bytes()); // 112
-    p.extend_from_slice(&m.stamp.mtime_ns.to_le_bytes()); // 120
-    p.extend_from_slice(&m.stamp.ctime_ns.to_le_bytes()); // 128
+    p.extend_from_slice(&m.file_dev.to_le_bytes()); // 96
+    p.extend_from_slice(&m.file_ino.to_le_bytes()); // 104
+    p.extend_from_slice(&m.file_size.to_le_bytes()); // 112
+    p.extend_from_slice(&m.file_mtime_ns.to_le_bytes()); // 120
+    p.extend_from_slice(&m.file_ctime_ns.to_le_bytes()); // 128
     assert_eq!(p.len(), TABLE_PAYLOAD_LEN);
     p
 }
@@ -242,24 +249,21 @@ mod tests {
 
     #[test]
     fn table_payload_v2_layout() {
-        let id = crate::identity::Identity { virtual_size: 0x1122_3344_5566, content_sha256: [0xab; 32] };
-        let stamp = crate::identity::FileStamp {
-            dev: 0x0803,
-            ino: 0x00de_adbe_ef01,
-            size: 0x7777_0000,
-            mtime_ns: 1_795_000_000_123_456_789,
-            ctime_ns: -5,
-        };
         let p = table_payload(&TableMsg {
             flags: 1,
             generation: 7,
             entries: 1000,
             table_bytes: 32896,
-            identity: &id,
+            virtual_size: 0x1122_3344_5566,
+            content_sha256: &[0xab; 32],
             server_pid: 4242,
             format: "qcow2",
             published_at: 1.5,
-            stamp: &stamp,
+            file_dev: 0x0803,
+            file_ino: 0x00de_adbe_ef01,
+            file_size: 0x7777_0000,
+            file_mtime_ns: 1_795_000_000_123_456_789,
+            file_ctime_ns: -5,
         });
         let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().unwrap());
         let i64_at = |o: usize| i64::from_le_bytes(p[o..o + 8].try_into().unwrap());

@@ -786,11 +786,16 @@ impl Server {
             generation: gen.number,
             entries: gen.blocks.len() as u64,
             table_bytes: gen.table_bytes as u64,
-            identity: &gen.arena.identity,
+            virtual_size: gen.arena.identity.virtual_size,
+            content_sha256: &gen.arena.identity.content_sha256,
             server_pid: std::process::id(),
             format: &gen.format,
             published_at: gen.published_at,
-            stamp: &gen.stamp,
+            file_dev: gen.stamp.dev,
+            file_ino: gen.stamp.ino,
+            file_size: gen.stamp.size,
+            file_mtime_ns: gen.stamp.mtime_ns,
+            file_ctime_ns: gen.stamp.ctime_ns,
         });
         let msg = frame(MSG_TABLE, &p);
         match send_msg(c.stream.as_raw_fd(), &msg, &[gen.memfd.as_raw_fd(), self.pidfd.as_raw_fd()]) {
