@@ -61,6 +61,31 @@ class QMP:
                 raise QMPError(f"{name}: {err.get('class')}: {err.get('desc')}")
             return reply.get("return")
 
+    def send(self, name: str, **args: Any) -> None:
+        """Queue a command without waiting for its reply (see replies());
+        QEMU answers in order, once it runs again if it is stopped."""
+        msg: dict[str, Any] = {"execute": name}
+        if args:
+            msg["arguments"] = args
+        self._file.write(json.dumps(msg) + "\n")
+        self._file.flush()
+
+    def replies(self, n: int, timeout: float | None = None) -> list[Any]:
+        """The next ``n`` replies to commands queued with send(), in order."""
+        if timeout is not None:
+            self._sock.settimeout(timeout)
+        out: list[Any] = []
+        while len(out) < n:
+            reply = self._read()
+            if "event" in reply:
+                self.events.append(reply)
+                continue
+            if "error" in reply:
+                err = reply["error"]
+                raise QMPError(f"{err.get('class')}: {err.get('desc')}")
+            out.append(reply.get("return"))
+        return out
+
     def hmp(self, line: str) -> str:
         args: dict[str, Any] = {"command-line": line}
         out: str = self.command("human-monitor-command", None, **args)
