@@ -546,8 +546,8 @@ static void qmp_open(struct qemu *q, const char *path)
 
 struct fstats {
 	long requests, merged, merge_calls, merge_ns, not_listed, not_ram,
-	     failed, unsupported, no_table, last_errno;
-	bool connected;
+	     failed, unsupported, no_table, unproven, last_errno;
+	bool connected, base_changed;
 };
 
 static long json_num(const char *obj, const char *key)
@@ -591,6 +591,8 @@ static struct fstats filter_stats(struct qemu *q)
 	s.failed = json_num(p, "fallback-merge-failed");
 	s.unsupported = json_num(p, "fallback-unsupported");
 	s.no_table = json_num(p, "fallback-no-table");
+	s.unproven = json_num(p, "fallback-unproven");
+	s.base_changed = strstr(p, "\"base-changed\": true") != NULL;
 	s.last_errno = json_num(p, "last-merge-errno");
 	s.connected = strstr(p, "\"connected\": true") != NULL;
 	return s;
@@ -693,6 +695,8 @@ static uint64_t srv_addr(uint64_t block)
 /* ------------------------------------------------------------------ QEMU */
 
 static const char *image_sha;
+/* the base image QEMU opens; NULL: the server's, payload/base.raw */
+static const char *qemu_base;
 
 static void start_qemu(struct qemu *q, int idx, const char *mode)
 {
@@ -708,7 +712,10 @@ static void start_qemu(struct qemu *q, int idx, const char *mode)
 	snprintf(qmp_path, sizeof(qmp_path), WORK "/qmp%d.sock", idx);
 	snprintf(ovl, sizeof(ovl), WORK "/ovl%d.qcow2", idx);
 	snprintf(log, sizeof(log), WORK "/qemu%d.log", idx);
-	snprintf(img, sizeof(img), "%s/base.raw", payload);
+	if (qemu_base)
+		snprintf(img, sizeof(img), "%s", qemu_base);
+	else
+		snprintf(img, sizeof(img), "%s/base.raw", payload);
 	snprintf(share, sizeof(share), "%s/share/qemu", payload);
 
 	/* The overlay, made by the patched qemu-img. */
@@ -1299,6 +1306,85 @@ int main(int argc, char **argv)
 		diag("PAGESHARE-FILTER-TIMING ns per 4 KiB block in the filter's merge call: "
 		     "merge %.0f (server page made KSM) %.0f (already KSM), copy %.0f %.0f",
 		     ns_merge[0], ns_merge[1], ns_copy[0], ns_copy[1]);
+	}
+
+	/*
+	 * Wrong image: a QEMU over another file of the same size, pointed at
+	 * this server, even with the server's image-sha256 given (the
+	 * operator's claim about the content is not proof of it): its own
+	 * bytes, nothing merged, every listed block counted as unproven.
+	 */
+	{
+		static const char other_path[] = WORK "/other.raw";
+		uint8_t *other = malloc(image_size), *saved = image;
+		int fd = open(other_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+
+		if (!other || fd < 0)
+			bail("other.raw: %s", strerror(errno));
+		for (size_t i = 0; i < image_size; i++)
+			other[i] = image[i] ^ 0xa5;
+		if (write(fd, other, image_size) != (ssize_t)image_size)
+			bail("write other.raw: %s", strerror(errno));
+		close(fd);
+		qemu_base = other_path;
+		image = other;                  /* what this chain holds */
+		start_qemu(&q, 0, "merge");
+		find_ram(&q);
+		ide_init(&q);
+		k0 = ksm_counters();
+		gpas(gpa, 16, 0x400000, PS);
+		listed1 = read_and_check(&q, "wrong image", 0, 16, gpa, false);
+		f1 = filter_stats(&q);
+		k1 = ksm_counters();
+		ok(f1.connected && f1.merged == 0 && f1.unproven >= listed1 && listed1 > 0 &&
+		   k1.merged == k0.merged,
+		   "wrong image: merged %ld (want 0), fallback-unproven %ld (want >= %u), "
+		   "merge_page_merged +%ld (want 0)", f1.merged, f1.unproven, listed1,
+		   k1.merged - k0.merged);
+		ok(file_contains(WORK "/qemu0.log", "not using its table"),
+		   "wrong image: QEMU says why it does not use the table");
+		stop_qemu(&q);
+		image = saved;
+		qemu_base = NULL;
+		free(other);
+	}
+
+	/*
+	 * The base written in place under a running QEMU while the server is
+	 * stopped (it cannot withdraw anything): the filter must see the
+	 * change before it hands out the old bytes.  Last, as it changes
+	 * base.raw.
+	 */
+	{
+		char base_path[256];
+		static uint8_t fresh[PS];
+		int fd;
+
+		start_qemu(&q, 0, "merge");
+		find_ram(&q);
+		ide_init(&q);
+		gpas(gpa, 16, 0x400000, PS);
+		read_and_check(&q, "before the base changes", 16, 16, gpa, true);
+		kill(server_pid, SIGSTOP);
+		snprintf(base_path, sizeof(base_path), "%s/base.raw", payload);
+		fd = open(base_path, O_WRONLY);
+		for (size_t i = 0; i < PS; i++)
+			fresh[i] = (uint8_t)(i * 11 + 5);
+		if (fd < 0 || pwrite(fd, fresh, PS, 40 * PS) != PS)
+			bail("write base.raw: %s", strerror(errno));
+		close(fd);
+		memcpy(image + 40 * PS, fresh, PS);
+		f0 = filter_stats(&q);
+		gpas(gpa, 16, 0x500000, PS);
+		read_and_check(&q, "after the base changed in place", 32, 16, gpa, false);
+		f1 = filter_stats(&q);
+		ok(f1.base_changed && f1.merged == f0.merged,
+		   "base changed: base-changed %d (want 1), merged +%ld (want 0)",
+		   f1.base_changed, f1.merged - f0.merged);
+		ok(file_contains(WORK "/qemu0.log", "changed while this VM uses it"),
+		   "base changed: QEMU says so");
+		kill(server_pid, SIGCONT);
+		stop_qemu(&q);
 	}
 
 	ok(alive(server_pid), "the server is still running");
