@@ -101,8 +101,9 @@ def publish(store: Store, path: Path, publisher: str | None = None) -> dict[str,
     Returns the metadata written, plus ``subscribers``: how many page servers
     were listening on the events channel.
     """
+    # One read: the bytes validated are the bytes published.
     data = Path(path).read_bytes()
-    sl = sectorlist.read(Path(path))  # every rule of lists/README.md
+    sl = sectorlist.loads_bytes(data, str(path))  # every rule of lists/README.md
     key = image_key(sl.image)
     who = publisher or f"{getpass.getuser()}@{socket.gethostname()}"
     meta: dict[str, str] = {

@@ -515,19 +515,23 @@ def read(path: Path) -> SectorList:
     """Read and validate a list file.  Bad content raises ListFormatError whose
     message starts with the file name; OSErrors (FileNotFoundError...) pass through."""
     path = Path(path)
-    data = path.read_bytes()
+    return loads_bytes(path.read_bytes(), str(path))
+
+
+def loads_bytes(data: bytes, name: str = "<bytes>") -> SectorList:
+    """Validate the bytes of a list file (``name`` prefixes error messages)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ListFormatError(
             data.count(b"\n", 0, e.start) + 1,
             f"not valid UTF-8 (byte offset {e.start})",
-            str(path),
+            name,
         ) from None
     try:
         return loads(text)
     except ListFormatError as e:
-        raise ListFormatError(e.line, e.reason, str(path)) from None
+        raise ListFormatError(e.line, e.reason, name) from None
 
 
 # --------------------------------------------------------------------------- images
