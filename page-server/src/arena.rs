@@ -6,22 +6,42 @@
 //! lives at `base + b * 4096`, always, and nowhere else.
 //!
 //! **Invariant: an arena address is readable if and only if it currently
-//! holds its block's verified bytes.**  The mapping is created PROT_NONE.
-//! fill() makes just the run of blocks it fills writable, copies the
-//! verified bytes and makes the run PROT_READ.  release() first makes a run
-//! PROT_NONE and only then discards it with MADV_DONTNEED, so a concurrent
-//! reader (merge_pages(), process_vm_readv() of a stalled client) either
-//! faults or sees the verified bytes, never zeros and never other bytes.  If
-//! the PROT_NONE step fails the bytes are kept (they are still the verified
-//! ones) and freeing them is retried on the next release.  A client with a
-//! stale table can therefore never map or copy wrong data.  When an arena
-//! is no longer used its range is replaced by a PROT_NONE reservation that
-//! is never unmapped, so the addresses are never reused for anything else.
+//! holds its block's complete verified bytes, and there is no instant at
+//! which it is readable and incomplete.**  The mapping is created PROT_NONE
+//! and no part of it is ever made writable.  fill_run() assembles a run in a
+//! fresh private staging mapping elsewhere (MADV_NOHUGEPAGE, written, made
+//! PROT_READ) and moves it onto the PROT_NONE arena range with
+//! mremap(MREMAP_MAYMOVE | MREMAP_FIXED); then, if the kernel has the
+//! series, marks it MADV_ALLOWMERGED.  mremap() replaces the target under
+//! the mmap write lock; merge_pages() and process_vm_readv() look pages up
+//! under the read lock, so they find either PROT_NONE (EFAULT: the client
+//! reads its disk) or the finished read-only page, never a page being
+//! written.  (Writing in place would not do: a block released and listed
+//! again is filled at the same address, and a stale client's merge_pages()
+//! would snapshot, or its process_vm_readv() copy, a half-written page.)
+//! ALLOWMERGED is set after the move, not on the staging area: mremap() of
+//! a VM_MERGEABLE area first unmerges its KSM pages, which fails if a signal
+//! is pending, and by then the target range has already been unmapped.
 //!
-//! The per-run mprotect() splits the mapping into one VMA per run of loaded
-//! blocks (and one per gap): about 2 * runs + 1 VMAs, counted against
-//! `vm.max_map_count`.  When the kernel refuses a split (ENOMEM) the load
-//! fails with a message that names that sysctl.
+//! release() first makes a run PROT_NONE and only then discards it with
+//! MADV_DONTNEED, so a concurrent reader faults or sees the verified bytes,
+//! never zeros.  If the PROT_NONE step fails the bytes are kept (they are
+//! still the verified ones) and freeing them is retried on the next release.
+//! A client with a stale table can therefore never map or copy wrong data.
+//! When an arena is no longer used its range is replaced by a PROT_NONE
+//! reservation that is never unmapped, so the addresses are never reused.
+//!
+//! VMAs: each moved run is a VMA of its own (with its own anon_vma, so it
+//! does not merge with its neighbours, not even with an adjacent run filled
+//! separately), and each gap between runs is one: about 2 * runs + 1,
+//! counted against `vm.max_map_count`.  A released run would stay a
+//! PROT_NONE VMA of its own for the same reason (and the count would grow
+//! with every reload), so release() replaces the whole inaccessible stretch
+//! around it, up to the nearest loaded blocks, by one fresh PROT_NONE
+//! reservation: one VMA per gap again.  When the kernel refuses a mapping
+//! (ENOMEM) the load fails with a message that names that sysctl.  If the
+//! move fails, the target is left (or made again) a PROT_NONE reservation
+//! and the load fails.
 //!
 //! Slots are reference counted by the generations (and the load in progress)
 //! that list them; a slot whose count drops to zero is freed as above.
@@ -49,6 +69,9 @@ struct Slot {
 #[derive(Default)]
 struct Slots {
     map: HashMap<u64, Slot>,
+    /// The loaded blocks, ordered: release() finds the loaded neighbours of
+    /// a freed run here.
+    loaded: BTreeSet<u64>,
     /// Loaded slots nobody references whose pages could not be made
     /// PROT_NONE: still readable, still verified; freed on a later release.
     stuck: BTreeSet<u64>,
@@ -76,13 +99,14 @@ pub enum Acquire {
     MustLoad,
 }
 
-/// "mprotect(...): <error>", with the vm.max_map_count hint for ENOMEM
-/// (the kernel's answer when a split would exceed the mapping limit).
-fn mprotect_error(what: &str, e: std::io::Error) -> String {
+/// "<what>: <error>", with the vm.max_map_count hint for ENOMEM (the
+/// kernel's answer when a new mapping or a split would exceed the limit).
+fn vm_error(what: &str, e: std::io::Error) -> String {
     if e.raw_os_error() == Some(libc::ENOMEM) {
         let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap_or_default();
+        let have = std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0);
         format!(
-            "{what}: {e}: the process would exceed vm.max_map_count ({}) memory mappings (each run of loaded blocks is its own mapping); raise vm.max_map_count",
+            "{what}: {e}: the process has {have} memory mappings and vm.max_map_count is {} (each run of loaded blocks is its own mapping); raise vm.max_map_count",
             max.trim()
         )
     } else {
@@ -92,11 +116,95 @@ fn mprotect_error(what: &str, e: std::io::Error) -> String {
 
 /// mprotect() of part of our own mapping.
 fn protect(addr: usize, len: usize, prot: libc::c_int) -> std::io::Result<()> {
-    // SAFETY: callers pass page-aligned ranges inside an arena mapping.
+    // SAFETY: callers pass page-aligned ranges of mappings they own.
     if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// madvise() of part of our own mapping.
+fn advise(addr: usize, len: usize, advice: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: advice on page-aligned ranges of mappings the caller owns.
+    if unsafe { libc::madvise(addr as *mut libc::c_void, len, advice) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A fresh private anonymous mapping outside the arena in which one run is
+/// put together: 4 KiB pages (MADV_NOHUGEPAGE), written, made PROT_READ,
+/// then moved into the arena whole.  Unmapped on drop unless it was moved.
+struct Staging {
+    addr: usize,
+    len: usize,
+}
+
+impl Staging {
+    fn new(data: &[u8]) -> std::io::Result<Staging> {
+        let len = data.len();
+        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let staging = Staging { addr: p as usize, len };
+        // A VMA flag, so the arena range keeps it after the move.  Arena::new
+        // already warned if the kernel has no THP to refuse.
+        let _ = advise(staging.addr, len, libc::MADV_NOHUGEPAGE);
+        // SAFETY: our fresh mapping, writable, len bytes; nobody else knows
+        // its address.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, len) };
+        protect(staging.addr, len, libc::PROT_READ)?;
+        Ok(staging)
+    }
+
+    /// mremap() the whole staging area onto `dst`, replacing what is there
+    /// in one step.  On error the staging area is unmapped; the kernel may
+    /// already have unmapped `dst` (the caller re-reserves it).
+    fn move_to(self, dst: usize) -> std::io::Result<()> {
+        #[cfg(test)]
+        if tests::BREAK_NEXT_MOVE.with(|b| b.replace(false)) {
+            // What a kernel failure after mremap_to()'s do_munmap() of the
+            // target leaves behind: the target unmapped, the source intact.
+            // SAFETY: test only; the target is an arena range of the caller.
+            unsafe { libc::munmap(dst as *mut libc::c_void, self.len) };
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        // SAFETY: moves our staging mapping onto a page-aligned range of the
+        // caller's arena (MREMAP_FIXED replaces only that range).
+        let p = unsafe {
+            libc::mremap(
+                self.addr as *mut libc::c_void,
+                self.len,
+                self.len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                dst as *mut libc::c_void,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        assert_eq!(p as usize, dst, "mremap(MREMAP_FIXED) moved elsewhere");
+        std::mem::forget(self);
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: our own staging mapping, never published.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
 }
 
 impl Arena {
@@ -117,40 +225,16 @@ impl Arena {
             return Err(format!("mmap of {len} bytes for the block arena: {}", std::io::Error::last_os_error()));
         }
         let base = p as usize;
-        // SAFETY: advice on our own mapping.
-        if unsafe { libc::madvise(p, len, libc::MADV_NOHUGEPAGE) } != 0 {
-            crate::log::warn(&format!("madvise(MADV_NOHUGEPAGE): {}", std::io::Error::last_os_error()));
+        if let Err(e) = advise(base, len, libc::MADV_NOHUGEPAGE) {
+            crate::log::warn(&format!("madvise(MADV_NOHUGEPAGE): {e}"));
         }
-        // SAFETY: as above.
-        let merge_mode = if unsafe { libc::madvise(p, len, MADV_ALLOWMERGED) } == 0 {
-            MergeMode::Allowed
-        } else {
-            MergeMode::Degraded(crate::sys::errno())
+        let merge_mode = match advise(base, len, MADV_ALLOWMERGED) {
+            Ok(()) => MergeMode::Allowed,
+            Err(e) => MergeMode::Degraded(e.raw_os_error().unwrap_or(0)),
         };
-        let arena = Arena { base, len, identity, merge_mode, slots: Mutex::new(Slots::default()), global_loaded };
-        arena.seed_anon_vma()?;
-        Ok(arena)
-    }
-
-    /// Give the mapping its anon_vma while it is still one VMA, by writing
-    /// (and discarding) its first page.  Every later split inherits that
-    /// anon_vma, so a released run merges back with its PROT_NONE
-    /// neighbours; otherwise each first fill of an untouched area gets an
-    /// anon_vma of its own, VMAs with different anon_vmas never merge, and
-    /// the VMA count would creep up with every reload.  The arena is not
-    /// published yet: nobody can read the page while it is writable.
-    fn seed_anon_vma(&self) -> Result<(), String> {
-        if let Err(e) = protect(self.base, PAGE_SIZE, libc::PROT_READ | libc::PROT_WRITE) {
-            crate::log::warn(&format!("arena: mprotect of its first page: {e} (more VMAs after releases)"));
-            return Ok(());
-        }
-        // SAFETY: the first page of our mapping, writable now.
-        unsafe {
-            std::ptr::write_volatile(self.base as *mut u8, 0);
-            libc::madvise(self.base as *mut libc::c_void, PAGE_SIZE, libc::MADV_DONTNEED);
-        }
-        protect(self.base, PAGE_SIZE, libc::PROT_NONE)
-            .map_err(|e| mprotect_error("arena: mprotect(PROT_NONE) of its first page", e))
+        // The arena itself is never written, so its PROT_NONE parts have no
+        // anon_vma and a fresh reservation (reserve()) merges with them.
+        Ok(Arena { base, len, identity, merge_mode, slots: Mutex::new(Slots::default()), global_loaded })
     }
 
     pub fn addr(&self, block: u64) -> u64 {
@@ -159,6 +243,10 @@ impl Arena {
 
     pub fn range(&self) -> (u64, u64) {
         (self.base as u64, self.len as u64)
+    }
+
+    fn blocks(&self) -> u64 {
+        (self.len / PAGE_SIZE) as u64
     }
 
     /// Take a reference on `block` for a list that says its content hashes to
@@ -189,12 +277,18 @@ impl Arena {
         }
     }
 
-    /// Copy verified bytes into the run of slots `start..start + n` (n =
-    /// data.len() / 4096), all reserved by acquire() -> MustLoad.  Only this
-    /// run is made writable, and it is PROT_READ again before we return.
+    /// Put verified bytes into the run of slots `start..start + n` (n =
+    /// data.len() / 4096), all reserved by acquire() -> MustLoad: assembled
+    /// read-only in a staging mapping and moved onto the PROT_NONE run in
+    /// one mremap(), so the run goes from inaccessible to complete at once.
     pub fn fill_run(&self, start: u64, data: &[u8]) -> Result<(), String> {
         assert!(!data.is_empty() && data.len() & (PAGE_SIZE - 1) == 0);
         let n = (data.len() / PAGE_SIZE) as u64;
+        assert!(start.checked_add(n).is_some_and(|end| end <= self.blocks()), "fill outside the arena");
+        let dst = self.addr(start) as usize;
+        let what = |op: &str| format!("{op} for {n} blocks at sector {} of the arena", start * 8);
+        // Nobody can see the staging area: put it together without the lock.
+        let staging = Staging::new(data).map_err(|e| vm_error(&what("staging mapping"), e))?;
         let mut slots = self.slots.lock().expect("arena lock");
         for b in start..start + n {
             match slots.map.get(&b) {
@@ -203,26 +297,104 @@ impl Arena {
                 Some(_) => {}
             }
         }
-        let dst = self.addr(start) as usize;
-        assert!(dst + data.len() <= self.base + self.len);
-        let what = |op: &str| format!("mprotect({op}) of {n} blocks at sector {} of the arena", start * 8);
-        protect(dst, data.len(), libc::PROT_READ | libc::PROT_WRITE)
-            .map_err(|e| mprotect_error(&what("PROT_READ|PROT_WRITE"), e))?;
-        // SAFETY: dst..dst+len is inside our mapping, now writable, and
-        // reserved for this caller and not published (not loaded): nobody
-        // reads it.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
+        if let Err(e) = staging.move_to(dst) {
+            let mut msg = vm_error(&what("mremap(MREMAP_FIXED)"), e);
+            if let Some(more) = self.rereserve(dst, data.len()) {
+                msg.push_str("; ");
+                msg.push_str(&more);
+            }
+            return Err(msg);
+        }
         for b in start..start + n {
             slots.map.get_mut(&b).expect("checked above").loaded = true;
+            slots.loaded.insert(b);
         }
         self.global_loaded.fetch_add(n, Ordering::Relaxed);
-        // The bytes are verified and in place: readable is right even if
-        // this fails (the load fails and releases them).
-        protect(dst, data.len(), libc::PROT_READ).map_err(|e| mprotect_error(&what("PROT_READ"), e))
+        if self.merge_mode == MergeMode::Allowed {
+            // The bytes are verified and in place: readable is right even
+            // if this fails (the load fails and releases them).
+            advise(dst, data.len(), MADV_ALLOWMERGED).map_err(|e| vm_error(&what("madvise(MADV_ALLOWMERGED)"), e))?;
+        }
+        Ok(())
+    }
+
+    /// After a failed move: mremap() unmaps the target before it moves, and
+    /// a few late failures (out of memory) leave it unmapped.  Map a
+    /// PROT_NONE reservation there again without replacing anything
+    /// (MAP_FIXED_NOREPLACE: EEXIST means the target was still mapped,
+    /// the usual case).  Some(message) if the target is not reserved now.
+    fn rereserve(&self, addr: usize, len: usize) -> Option<String> {
+        // SAFETY: maps only where nothing is mapped (MAP_FIXED_NOREPLACE).
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return (e.raw_os_error() != Some(libc::EEXIST))
+                .then(|| format!("re-reserving the unmapped arena range at {addr:#x}: {e}"));
+        }
+        if p as usize != addr {
+            // A kernel before 4.17 takes MAP_FIXED_NOREPLACE as a hint.
+            // SAFETY: the mapping we just made elsewhere.
+            unsafe { libc::munmap(p, len) };
+            return None;
+        }
+        self.advise_reservation(addr, len);
+        crate::log::error(&format!(
+            "the kernel unmapped the arena range at {addr:#x} ({len} bytes) in a failed mremap(); reserved it again"
+        ));
+        None
+    }
+
+    /// The arena's flags on a fresh PROT_NONE reservation, so that it
+    /// merges with its PROT_NONE neighbours (errors only cost a VMA).
+    fn advise_reservation(&self, addr: usize, len: usize) {
+        let _ = advise(addr, len, libc::MADV_NOHUGEPAGE);
+        if self.merge_mode == MergeMode::Allowed {
+            let _ = advise(addr, len, MADV_ALLOWMERGED);
+        }
+    }
+
+    /// Replace blocks `lo..hi`, all inaccessible and empty, by one fresh
+    /// PROT_NONE reservation (one VMA instead of the pieces moved runs
+    /// leave behind).  Safe at any time: the range faults before and after.
+    fn reserve(&self, lo: u64, hi: u64) -> Result<(), String> {
+        let (addr, len) = (self.addr(lo) as usize, ((hi - lo) as usize) * PAGE_SIZE);
+        // SAFETY: MAP_FIXED over a PROT_NONE part of our own mapping that
+        // holds nothing (the caller holds the lock: no fill can run).
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let what = format!("mmap(MAP_FIXED, PROT_NONE) of {} blocks at sector {}", hi - lo, lo * 8);
+            let e = vm_error(&what, std::io::Error::last_os_error());
+            // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
+            return Err(match self.rereserve(addr, len) {
+                Some(more) => format!("{e}; {more}"),
+                None => e,
+            });
+        }
+        self.advise_reservation(addr, len);
+        Ok(())
     }
 
     /// Drop one reference on each block; free slots nobody lists any more:
-    /// mprotect(PROT_NONE) first, then MADV_DONTNEED, per contiguous run.
+    /// mprotect(PROT_NONE) first, then MADV_DONTNEED, per contiguous run;
+    /// then tidy the VMAs (reserve()).
     pub fn release(&self, blocks: &[u64]) {
         let mut slots = self.slots.lock().expect("arena lock");
         let slots = &mut *slots;
@@ -244,6 +416,7 @@ impl Arena {
         // The lock is held throughout: a freed slot can be reserved and
         // filled again only after we are done with its page.
         let mut failed: Vec<String> = Vec::new();
+        let mut freed: Vec<(u64, u64)> = Vec::new();
         let mut i = 0;
         while i < free.len() {
             let mut j = i + 1;
@@ -259,13 +432,15 @@ impl Arena {
                     unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
                     for b in &free[i..j] {
                         slots.map.remove(b);
+                        slots.loaded.remove(b);
                     }
                     self.global_loaded.fetch_sub((j - i) as u64, Ordering::Relaxed);
+                    freed.push((free[i], free[j - 1] + 1));
                 }
                 Err(e) => {
                     // Never discard a readable page (it would read as
                     // zeros): keep the verified bytes, retry later.
-                    failed.push(mprotect_error(&format!("{} blocks at sector {}", j - i, free[i] * 8), e));
+                    failed.push(vm_error(&format!("{} blocks at sector {}", j - i, free[i] * 8), e));
                     slots.stuck.extend(free[i..j].iter().copied());
                 }
             }
@@ -277,10 +452,33 @@ impl Arena {
                 failed.join("; ")
             ));
         }
+        // Each freed run is now a PROT_NONE VMA with the anon_vma of the
+        // staging area it came from, which keeps it from merging with its
+        // neighbours.  Replace every inaccessible stretch that contains one,
+        // from loaded block to loaded block, by one fresh reservation.
+        let mut untidy: Vec<String> = Vec::new();
+        let mut done_to = 0;
+        for (a, b) in freed {
+            if a < done_to {
+                continue;
+            }
+            let lo = slots.loaded.range(..a).next_back().map_or(0, |x| x + 1);
+            let hi = slots.loaded.range(b..).next().copied().unwrap_or(self.blocks());
+            if let Err(e) = self.reserve(lo, hi) {
+                untidy.push(e);
+            }
+            done_to = hi;
+        }
+        if let Some(first) = untidy.first() {
+            crate::log::warn(&format!(
+                "released blocks stay separate mappings in {} places (they still fault): {first}",
+                untidy.len()
+            ));
+        }
     }
 
     pub fn loaded_blocks(&self) -> usize {
-        self.slots.lock().expect("arena lock").map.values().filter(|s| s.loaded).count()
+        self.slots.lock().expect("arena lock").loaded.len()
     }
 }
 
@@ -311,7 +509,7 @@ impl Drop for Arena {
                 },
                 Err(e) => crate::log::error(&format!(
                     "retiring an arena: {}; its verified bytes stay in memory",
-                    mprotect_error("mprotect(PROT_NONE)", e)
+                    vm_error("mprotect(PROT_NONE)", e)
                 )),
             }
         }
@@ -321,6 +519,13 @@ impl Drop for Arena {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    thread_local! {
+        /// Makes this thread's next Staging::move_to() fail the way mremap()
+        /// does after it has unmapped the target.
+        pub(super) static BREAK_NEXT_MOVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     /// Copy `len` bytes at `addr` out of this process the way a client
     /// copies from the server: process_vm_readv(), which faults (EFAULT) on
@@ -340,19 +545,63 @@ mod tests {
         Ok(buf)
     }
 
-    /// (start, end, perms) of the mappings inside [base, base + len).
-    fn vmas(base: u64, len: u64) -> Vec<(u64, u64, String)> {
+    /// A mapping of /proc/self/smaps, clipped to the range asked for.
+    #[derive(Debug)]
+    struct Vma {
+        start: u64,
+        end: u64,
+        perms: String,
+        flags: Vec<String>,
+    }
+
+    /// The mappings that overlap [base, base + len), in address order.
+    fn vmas(base: u64, len: u64) -> Vec<Vma> {
+        let mut out: Vec<Vma> = Vec::new();
+        let mut inside = false;
+        for l in std::fs::read_to_string("/proc/self/smaps").unwrap().lines() {
+            if let Some(f) = l.strip_prefix("VmFlags:") {
+                if inside {
+                    out.last_mut().unwrap().flags = f.split_whitespace().map(String::from).collect();
+                }
+                continue;
+            }
+            let mut it = l.split_whitespace();
+            let Some((a, b)) = it.next().and_then(|r| r.split_once('-')) else { continue };
+            let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+            let Some(perms) = it.next() else { continue };
+            inside = a < base + len && b > base;
+            if inside {
+                out.push(Vma { start: a.max(base), end: b.min(base + len), perms: perms.into(), flags: Vec::new() });
+            }
+        }
+        out
+    }
+
+    /// Number of mappings that overlap [base, base + len) (/proc/self/maps:
+    /// cheaper than smaps with tens of thousands of them).
+    fn vma_count(base: u64, len: u64) -> usize {
         std::fs::read_to_string("/proc/self/maps")
             .unwrap()
             .lines()
-            .filter_map(|l| {
-                let mut it = l.split_whitespace();
-                let (a, b) = it.next()?.split_once('-')?;
-                let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
-                let perms = it.next()?.to_string();
-                (a >= base && b <= base + len).then_some((a, b, perms))
+            .filter(|l| {
+                let Some((a, b)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else { return false };
+                let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+                a < base + len && b > base
             })
-            .collect()
+            .count()
+    }
+
+    /// The range is covered by mappings with no hole, all PROT_NONE.
+    fn all_reserved(base: u64, len: u64) -> bool {
+        let v = vmas(base, len);
+        let mut at = base;
+        for m in &v {
+            if m.start != at || !m.perms.starts_with("---") {
+                return false;
+            }
+            at = m.end;
+        }
+        at == base + len
     }
 
     fn page(tag: u8) -> Vec<u8> {
@@ -362,6 +611,14 @@ mod tests {
     fn arena(pages: u64) -> Arena {
         let id = Identity { virtual_size: pages * PAGE_SIZE as u64, content_sha256: [7; 32] };
         Arena::new(id, Arc::new(AtomicU64::new(0))).unwrap()
+    }
+
+    /// The flags a mapping of the arena must carry (smaps VmFlags): 4 KiB
+    /// pages always, and merge_page() allowed when the kernel has the series.
+    fn assert_arena_flags(a: &Arena, v: &Vma) {
+        assert!(v.flags.iter().any(|f| f == "nh"), "MADV_NOHUGEPAGE lost: {v:?}");
+        let am = v.flags.iter().any(|f| f == "am");
+        assert_eq!(am, a.merge_mode == MergeMode::Allowed, "MADV_ALLOWMERGED vs {:?}: {v:?}", a.merge_mode);
     }
 
     #[test]
@@ -388,10 +645,15 @@ mod tests {
         }
         assert_eq!(vm_read(a.addr(6), PAGE_SIZE), Err(libc::EFAULT));
         assert_eq!(vm_read(a.addr(1), PAGE_SIZE), Err(libc::EFAULT));
-        // One VMA per loaded run and per gap; loaded runs are read-only.
+        // One VMA per loaded run and per gap; loaded runs are read-only and
+        // the moved runs kept the staging area's flags.
         let v = vmas(base, len);
-        let perms: Vec<&str> = v.iter().map(|x| &x.2[..3]).collect();
+        let perms: Vec<&str> = v.iter().map(|x| &x.perms[..3]).collect();
         assert_eq!(perms, ["---", "r--", "---", "r--", "---"], "{v:?}");
+        for m in &v {
+            assert_arena_flags(&a, m);
+            assert!(!m.flags.iter().any(|f| f == "wr"), "{m:?}");
+        }
         assert_eq!(a.loaded_blocks(), 5);
 
         // A second reference keeps block 3; releasing 3 and 4 once frees
@@ -408,9 +670,11 @@ mod tests {
         }
         assert_eq!(a.loaded_blocks(), 0);
         assert_eq!(a.global_loaded.load(Ordering::Relaxed), 0);
-        // The kernel merges the PROT_NONE neighbours back into one mapping.
+        // release() re-reserves the inaccessible stretch: one mapping again,
+        // with the arena's flags.
         let v = vmas(base, len);
         assert_eq!(v.len(), 1, "{v:?}");
+        assert_arena_flags(&a, &v[0]);
         // Loaded again after a release: readable again, same address.
         assert!(matches!(a.acquire(4, &[4; 32]).unwrap(), Acquire::MustLoad));
         a.fill_run(4, &page(4)).unwrap();
@@ -419,13 +683,292 @@ mod tests {
         drop(a);
         assert_eq!(vm_read(base + 4 * PAGE_SIZE as u64, PAGE_SIZE), Err(libc::EFAULT));
         assert_eq!(vmas(base, len).len(), 1);
+        assert!(all_reserved(base, len));
+    }
+
+    /// The audit's case: a block is released and listed again, so it is
+    /// filled again at the same address while a stale client keeps copying
+    /// it.  Every copy must fault or give the whole verified page: never
+    /// zeros, never the first bytes followed by zeros.  (An in-place
+    /// mprotect(RW) + memcpy + mprotect(R) fill fails this within a few
+    /// rounds.)
+    #[test]
+    fn refill_is_atomic_for_concurrent_readers() {
+        const START: u64 = 64;
+        const N: u64 = 64;
+        let a = Arc::new(arena(256));
+        let data: Vec<u8> = (START..START + N).flat_map(|b| page(b as u8)).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (a, stop) = (a.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut whole, mut faults, mut i) = (0u64, 0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    // Backwards: the copy into place runs forwards.
+                    let b = START + N - 1 - i % N;
+                    i += 1;
+                    match vm_read(a.addr(b), PAGE_SIZE) {
+                        Ok(got) if got == page(b as u8) => whole += 1,
+                        Ok(got) => {
+                            let good = got.iter().zip(page(b as u8)).take_while(|(x, y)| **x == *y).count();
+                            let zeros = got.iter().filter(|x| **x == 0).count();
+                            return Err(format!(
+                                "block {b}: read a page that is not its verified bytes: first {good} bytes right, {zeros} zero bytes (after {whole} good reads)"
+                            ));
+                        }
+                        Err(libc::EFAULT) => faults += 1,
+                        Err(e) => return Err(format!("process_vm_readv: errno {e}")),
+                    }
+                }
+                Ok((whole, faults))
+            })
+        };
+        let t0 = std::time::Instant::now();
+        let mut rounds = 0;
+        while rounds < 300 || (t0.elapsed().as_millis() < 1500 && rounds < 20_000) {
+            for b in START..START + N {
+                assert!(matches!(a.acquire(b, &[b as u8; 32]).unwrap(), Acquire::MustLoad));
+            }
+            a.fill_run(START, &data).unwrap();
+            let all: Vec<u64> = (START..START + N).collect();
+            a.release(&all);
+            rounds += 1;
+            if reader.is_finished() {
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let (whole, faults) = reader.join().unwrap().unwrap_or_else(|e| panic!("after {rounds} refills: {e}"));
+        eprintln!("{rounds} refills: {whole} whole pages read, {faults} faults");
+        assert!(whole > 0 && faults > 0, "the reader saw both states ({whole} whole, {faults} faults)");
+    }
+
+    #[test]
+    fn failed_move_leaves_the_target_reserved() {
+        let a = arena(32);
+        let (base, len) = a.range();
+        for b in 8..12 {
+            a.acquire(b, &[b as u8; 32]).unwrap();
+        }
+        let run: Vec<u8> = (8..12).flat_map(|b| page(b as u8)).collect();
+        BREAK_NEXT_MOVE.with(|x| x.set(true));
+        let e = a.fill_run(8, &run).unwrap_err();
+        assert!(e.contains("mremap"), "{e}");
+        for b in 0..32 {
+            assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT), "block {b}");
+        }
+        assert!(all_reserved(base, len), "{:?}", vmas(base, len));
+        assert_eq!(a.loaded_blocks(), 0);
+        // The load that failed releases its reservations; the next fills.
+        a.release(&[8, 9, 10, 11]);
+        for b in 8..12 {
+            a.acquire(b, &[b as u8; 32]).unwrap();
+        }
+        a.fill_run(8, &run).unwrap();
+        assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), page(9));
+    }
+
+    /// Deterministic pseudo-random numbers (xorshift64*).
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut x = seed | 1;
+        move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+    }
+
+    /// Load `blocks` (sorted) the way the loader does: a reference on each,
+    /// then runs of at most `max_run` consecutive blocks to read, one
+    /// fill_run() each.  Returns the runs filled.
+    fn load(a: &Arena, blocks: &[u64], max_run: usize) -> Vec<(u64, usize)> {
+        let to_load: Vec<u64> =
+            blocks.iter().copied().filter(|b| matches!(a.acquire(*b, &[0; 32]).unwrap(), Acquire::MustLoad)).collect();
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < to_load.len() {
+            let mut j = i + 1;
+            while j < to_load.len() && j - i < max_run && to_load[j] == to_load[j - 1] + 1 {
+                j += 1;
+            }
+            runs.push((to_load[i], j - i));
+            i = j;
+        }
+        let mut buf = Vec::new();
+        for (start, n) in &runs {
+            buf.clear();
+            for b in *start..*start + *n as u64 {
+                buf.extend_from_slice(&page(b as u8));
+            }
+            a.fill_run(*start, &buf).unwrap();
+        }
+        runs
+    }
+
+    /// Mappings expected: one per fill_run() (moved runs never merge) and
+    /// one per inaccessible stretch between them.
+    fn expected_vmas(a: &Arena, runs: &[(u64, usize)]) -> usize {
+        let mut gaps = 0;
+        let mut at = 0;
+        for (start, n) in runs {
+            if *start > at {
+                gaps += 1;
+            }
+            at = start + *n as u64;
+        }
+        gaps + usize::from(at < a.blocks()) + runs.len()
+    }
+
+    fn random_blocks(next: &mut impl FnMut() -> u64, count: usize, of: u64) -> Vec<u64> {
+        let mut set = BTreeSet::new();
+        while set.len() < count {
+            set.insert(next() % of);
+        }
+        set.into_iter().collect()
+    }
+
+    #[test]
+    fn vma_count_does_not_grow_with_reloads() {
+        let a = arena(4096);
+        let (base, len) = a.range();
+        let mut next = rng(11);
+        let mut prev: Vec<u64> = Vec::new();
+        for round in 0..6 {
+            // A new list overlapping the previous one, as on a reload.
+            let mut set: BTreeSet<u64> = random_blocks(&mut next, 300, 4096).into_iter().collect();
+            set.extend(round * 500..round * 500 + 40);
+            let blocks: Vec<u64> = set.into_iter().filter(|b| !prev.contains(b)).collect();
+            let runs = load(&a, &blocks, 8);
+            a.release(&prev);
+            let now: BTreeSet<u64> = blocks.iter().copied().collect();
+            for (i, b) in (0..4096).enumerate().filter(|(i, _)| i % 7 == 0) {
+                let r = vm_read(a.addr(b), PAGE_SIZE);
+                if now.contains(&b) {
+                    assert_eq!(r.unwrap(), page(b as u8), "round {round} block {b}");
+                } else {
+                    assert_eq!(r, Err(libc::EFAULT), "round {round} block {b} ({i})");
+                }
+            }
+            let have = vma_count(base, len);
+            let want = expected_vmas(&a, &runs);
+            assert!(have <= want, "round {round}: {have} mappings, expected at most {want}");
+            prev = blocks;
+        }
+        a.release(&prev);
+        assert_eq!(vmas(base, len).len(), 1);
+        assert!(all_reserved(base, len));
     }
 
     #[test]
     fn enomem_names_max_map_count() {
-        let m = mprotect_error("mprotect(PROT_READ)", std::io::Error::from_raw_os_error(libc::ENOMEM));
+        let m = vm_error("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::ENOMEM));
         assert!(m.contains("vm.max_map_count"), "{m}");
-        let m = mprotect_error("mprotect(PROT_READ)", std::io::Error::from_raw_os_error(libc::EINVAL));
+        let m = vm_error("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::EINVAL));
         assert!(!m.contains("vm.max_map_count"), "{m}");
+    }
+
+    /// Runs enomem_child in a process of its own (it uses up the mapping
+    /// limit, which would make the other tests' mmap()s fail).
+    #[test]
+    fn load_past_max_map_count_fails_cleanly() {
+        let max: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
+        if max > 1_000_000 {
+            eprintln!("vm.max_map_count is {max}: too many mappings to run into, skipped");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "arena::tests::enomem_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("PAGESHARE_ENOMEM_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("ENOMEM CHILD OK"), "{text}");
+    }
+
+    #[test]
+    #[ignore = "run by load_past_max_map_count_fails_cleanly in a process of its own"]
+    fn enomem_child() {
+        if std::env::var_os("PAGESHARE_ENOMEM_CHILD").is_none() {
+            return;
+        }
+        let max: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
+        // Every other block: each filled block is a mapping, and so is each gap.
+        let a = arena(max + 64);
+        let (base, len) = a.range();
+        let mut b = 1;
+        let err = loop {
+            assert!(b < max + 64, "never ran out of mappings");
+            a.acquire(b, &[0; 32]).unwrap();
+            if let Err(e) = a.fill_run(b, &page(b as u8)) {
+                break e;
+            }
+            b += 2;
+        };
+        assert!(err.contains("vm.max_map_count"), "{err}");
+        // The block that failed faults, and its range is still reserved.
+        assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT));
+        let at = a.addr(b);
+        assert!(all_reserved(at, PAGE_SIZE as u64), "{:?}", vmas(at, PAGE_SIZE as u64));
+        assert_eq!(vm_read(a.addr(b - 2), PAGE_SIZE).unwrap(), page((b - 2) as u8));
+        assert_eq!(a.loaded_blocks() as u64, (b - 1) / 2);
+        // Releasing everything gives one mapping back.
+        let all: Vec<u64> = (1..=b).step_by(2).collect();
+        a.release(&all);
+        assert_eq!(vma_count(base, len), 1);
+        println!("ENOMEM CHILD OK after {} blocks: {err}", (b - 1) / 2);
+    }
+
+    /// VMA counts and fill/release times for docs and reviews:
+    /// `cargo test --release arena::tests::measure -- --ignored --nocapture`
+    #[test]
+    #[ignore = "a measurement, not a test"]
+    fn measure() {
+        fn one(name: &str, pages: u64, lists: &[Vec<u64>]) {
+            let a = arena(pages);
+            let (base, len) = a.range();
+            let mut prev: Vec<u64> = Vec::new();
+            for (i, blocks) in lists.iter().enumerate() {
+                let t = std::time::Instant::now();
+                let runs = load(&a, blocks, 256);
+                let fill = t.elapsed().as_secs_f64();
+                let loaded = vma_count(base, len);
+                let t = std::time::Instant::now();
+                a.release(&prev);
+                let rel = t.elapsed().as_secs_f64();
+                println!(
+                    "{name} list {i}: {} blocks, {} runs: fill {:.3} s, {loaded} mappings; release of the previous list {:.3} s, {} mappings",
+                    blocks.len(),
+                    runs.len(),
+                    fill,
+                    rel,
+                    vma_count(base, len)
+                );
+                prev = blocks.clone();
+            }
+            a.release(&prev);
+            println!("{name}: all released: {} mappings", vma_count(base, len));
+        }
+        let mut next = rng(1);
+        // 10,000 random blocks of a 1 GiB image, three successive lists.
+        let lists: Vec<Vec<u64>> = (0..3).map(|_| random_blocks(&mut next, 10_000, 1 << 18)).collect();
+        one("random", 1 << 18, &lists);
+        // Demo-like: 6,728 blocks in 375 runs of a 3 GiB image.
+        let demo = |next: &mut dyn FnMut() -> u64| {
+            let mut lens = vec![1u64; 375];
+            for _ in 375..6728 {
+                lens[(next() % 375) as usize] += 1;
+            }
+            let mut at = 1000;
+            let mut blocks = Vec::new();
+            for l in lens {
+                at += 1 + next() % 2000;
+                blocks.extend(at..at + l);
+                at += l;
+            }
+            blocks
+        };
+        let lists: Vec<Vec<u64>> = (0..3).map(|_| demo(&mut next)).collect();
+        one("demo", 3 << 18, &lists);
     }
 }

@@ -352,7 +352,7 @@ impl Loader {
                     );
                 }
             }
-            // The whole run is verified: copy it in with one mprotect pair
+            // The whole run is verified: move it into place in one step
             // (ENOMEM there is vm.max_map_count, a limit).
             arena.fill_run(start, bytes).map_err(|e| (FailKind::Limit, e))?;
             i = j;
