@@ -5,6 +5,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__
 from .errors import UserError
@@ -78,12 +79,33 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
     return p
 
 
+def _json_error(kind: str, message: str, hint: str, exit_code: int) -> None:
+    """The one JSON object `--json` prints on stdout when the analysis fails."""
+    json.dump({"ok": False, "exit_code": exit_code,
+               "error": {"kind": kind, "message": message, "hint": hint}}, sys.stdout, indent=1)
+    print()
+    sys.stdout.flush()
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """--json, also when the rest of the command line does not parse."""
+    return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
+
+
 def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
     from .analyze import Options, analyze, default_db, format_summary
     from .progress import Progress
     from .workload import Workload
 
-    args = analyze_parser(prog).parse_args(argv)
+    parser = analyze_parser(prog)
+    if _wants_json(argv):
+        usage_error = parser.error
+
+        def error_as_json(message: str) -> NoReturn:
+            _json_error("usage", message, f"see {prog} --help", 2)
+            usage_error(message)     # usage and message on stderr, exit 2, as without --json
+        parser.error = error_as_json  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
     try:
         command = args.workload
         if args.workload_file:
@@ -103,22 +125,30 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         print(f"analyze-image: error: {e.message}", file=sys.stderr)
         if e.hint:
             print(f"analyze-image: hint: {e.hint}", file=sys.stderr)
+        if args.json:
+            _json_error(e.kind, e.message, e.hint, e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
-        print("analyze-image: interrupted; guests stopped, KSM settings restored",
-              file=sys.stderr)
+        message = "interrupted; guests stopped, KSM settings restored"
+        print(f"analyze-image: {message}", file=sys.stderr)
+        if args.json:
+            _json_error("interrupted", message, "", 130)
         return 130
     except Exception as e:
         # Not the operator's fault: say what broke, keep the traceback one
         # environment variable away.
         if os.environ.get("PAGESHARE_DEBUG"):
             raise
-        print(f"analyze-image: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("analyze-image: hint: rerun with PAGESHARE_DEBUG=1 for a traceback; guests were "
-              "stopped and KSM settings restored", file=sys.stderr)
+        message = f"{type(e).__name__}: {e}"
+        hint = ("rerun with PAGESHARE_DEBUG=1 for a traceback; guests were stopped and KSM "
+                "settings restored")
+        print(f"analyze-image: internal error: {message}", file=sys.stderr)
+        print(f"analyze-image: hint: {hint}", file=sys.stderr)
+        if args.json:
+            _json_error("internal", message, hint, 1)
         return 1
     if args.json:
-        json.dump(summary.to_json(), sys.stdout, indent=1)
+        json.dump({"ok": True, **summary.to_json()}, sys.stdout, indent=1)
         print()
     else:
         print(format_summary(summary))
