@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO, Analysis, run_analyze
@@ -38,12 +39,71 @@ def test_not_an_image(tmp_path: Path) -> None:
     assert_clean_failure(run_analyze(tmp_path, str(f)), "not a disk image")
 
 
+def json_error(r: Analysis, kind: str, message: str, rc: int = 2) -> dict[str, Any]:
+    """--json: exactly one JSON object on stdout that says what failed; same exit status."""
+    assert r.rc == rc, r.stderr
+    data = r.json()
+    assert data["ok"] is False and data["exit_code"] == rc, data
+    error = data["error"]
+    assert isinstance(error, dict)
+    assert error["kind"] == kind and message in error["message"], data
+    assert error["hint"], data
+    assert list(r.workdir.iterdir()) == []
+    return error
+
+
+def cut(src: Path, dest: Path, size: int) -> Path:
+    with open(src, "rb") as f:
+        dest.write_bytes(f.read(size))
+    return dest
+
+
 @pytest.mark.usefixtures("host_guard")
 def test_truncated_qcow2(tmp_path: Path, small_image: Path) -> None:
-    f = tmp_path / "cut.qcow2"
-    with open(small_image, "rb") as src:
-        f.write_bytes(src.read(1 << 20))
-    assert_clean_failure(run_analyze(tmp_path, str(f)), "cut.qcow2")
+    f = cut(small_image, tmp_path / "cut.qcow2", 1 << 20)
+    r = run_analyze(tmp_path, str(f))
+    assert_clean_failure(r, "cut.qcow2: the image file is damaged: truncated")
+    assert "no Linux installation" not in r.stderr
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_qcow2_truncated_in_its_data_area(tmp_path: Path, small_image: Path) -> None:
+    # Header and tables complete, data clusters past 200 MiB missing: libguestfs
+    # used to call this "no Linux installation found".
+    f = cut(small_image, tmp_path / "cut200.qcow2", 200 << 20)
+    r = run_analyze(tmp_path, str(f))
+    assert_clean_failure(r, "the image file is damaged: truncated; qemu-img check:")
+    assert "errors were found on the image" in r.stderr
+    assert "exceeding the end of the file" in r.stderr    # qemu-img check's key line
+    assert "download the golden image again" in r.stderr
+    assert "no Linux installation" not in r.stderr
+    error = json_error(run_analyze(tmp_path, "--json", str(f)), "image-damaged", "truncated")
+    assert "qemu-img check" in str(error["hint"])
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_truncated_raw(tmp_path: Path, small_image: Path) -> None:
+    raw = tmp_path / "full.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(small_image), str(raw)], check=True)
+    os.truncate(raw, 200 << 20)
+    r = run_analyze(tmp_path, str(raw))
+    assert_clean_failure(r, "the image file is damaged: truncated")
+    assert f"the file has only {200 << 20} bytes" in r.stderr
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_json_errors(tmp_path: Path, small_image: Path) -> None:
+    json_error(run_analyze(tmp_path, "--json", str(tmp_path / "nope.qcow2")), "user-error",
+               "no such file")
+    f = tmp_path / "notes.txt"
+    f.write_text("this is not a disk image\n" * 200)
+    json_error(run_analyze(tmp_path, "--json", str(f)), "user-error", "not a disk image")
+    trunc = cut(small_image, tmp_path / "cut.qcow2", 1 << 20)
+    json_error(run_analyze(tmp_path, "--json", str(trunc)), "image-damaged", "damaged")
+    # A command line that does not parse: usage on stderr as before, the object on stdout.
+    r = run_analyze(tmp_path, "--json", "--runs", "many", str(small_image))
+    json_error(r, "usage", "--runs")
+    assert "usage:" in r.stderr
 
 
 @pytest.mark.usefixtures("host_guard")

@@ -2,16 +2,22 @@
 
 libguestfs does the inspection (it knows partition tables, LVM, fstab and
 distributions far better than anything we would write); the answer is cached
-per image file, since the appliance boot takes tens of seconds under TCG.
+by the image file's content (see _content_key), since the appliance boot
+takes tens of seconds under TCG.  Before that, a damaged file (a truncated
+qcow2 or raw disk) is refused as damaged, not as "no Linux found".
 The analyzer supports what it can map back to disk sectors exactly: a Linux
 root on ext4, on a partition or on the whole disk.
 """
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import struct
 import subprocess
-from dataclasses import asdict, dataclass
+import tempfile
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +82,83 @@ def probe_format(path: Path) -> tuple[str, int]:
         raise UserError(f"{path}: has a backing file ({info['backing-filename']})",
                         "a golden image must be self-contained: qemu-img convert -O qcow2 it "
                         "into a standalone image first")
+    check_damage(path, fmt)
     return fmt, int(info["virtual-size"])
+
+
+def _damaged(path: Path, what: str, fmt: str) -> UserError:
+    check = f", and check it with `qemu-img check {path}`" if fmt == "qcow2" else ""
+    return UserError(f"{path}: the image file is damaged: {what}",
+                     "the file is truncated or corrupted (an interrupted copy or download?): "
+                     "copy or download the golden image again, compare its size and checksum "
+                     f"with the original{check}", kind="image-damaged")
+
+
+def check_damage(path: Path, fmt: str) -> None:
+    """Refuses a damaged image file before libguestfs would call it "no Linux".
+
+    qcow2: `qemu-img check` (metadata only, well under a second); corruptions
+    such as clusters past the end of a truncated file are fatal, leaked
+    clusters are not.  raw: a partition (MBR or GPT), or an ext file system on
+    the whole disk, that ends past the end of the file means it was cut short.
+    """
+    if fmt == "qcow2":
+        out = subprocess.run(["qemu-img", "check", str(path)], capture_output=True, text=True)
+        # 0: clean, 3: leaks only (harmless for reading); 2: corruptions; 1: check failed.
+        if out.returncode in (0, 3, 63):
+            return
+        lines = [ln.strip() for ln in (out.stdout + "\n" + out.stderr).splitlines()
+                 if ln.strip()]
+        summary = next((ln.rstrip(".") for ln in lines if "errors were found" in ln
+                        or "error was found" in ln), f"exit status {out.returncode}")
+        first = next((ln for ln in lines if ln.startswith(("ERROR", "qemu-img:"))), "")
+        cut = "truncated; " if "end of the file" in out.stdout + out.stderr else ""
+        raise _damaged(path, f"{cut}qemu-img check: {summary}"
+                             + (f" (first: {first})" if first else ""), fmt)
+    if fmt == "raw":
+        size = path.stat().st_size
+        end = _data_end(path)
+        if end > size:
+            raise _damaged(path, f"truncated; its partition table or file system reaches byte "
+                                 f"{end}, but the file has only {size} bytes", fmt)
+
+
+def _data_end(path: Path) -> int:
+    """Where a raw disk's content must reach: the end in bytes of the last
+    partition in the MBR or GPT, or of an ext file system on the whole disk;
+    0 if neither is there."""
+    with open(path, "rb") as f:
+        head = f.read(2048)
+        if len(head) < 2048:
+            return 0
+        if head[1024 + 56:1024 + 58] == b"\x53\xef":
+            sb = head[1024:]
+            count, = struct.unpack_from("<I", sb, 4)
+            log_block, = struct.unpack_from("<I", sb, 24)
+            incompat, = struct.unpack_from("<I", sb, 0x60)
+            if incompat & 0x80:                       # 64bit: s_blocks_count_hi
+                count |= struct.unpack_from("<I", sb, 0x150)[0] << 32
+            if log_block <= 6:
+                return int(count * (1024 << log_block))
+        if head[510:512] != b"\x55\xaa":
+            return 0
+        end = 0
+        for i in range(4):
+            e = head[446 + 16 * i:462 + 16 * i]
+            ptype, start, count = e[4], *struct.unpack_from("<II", e, 8)
+            if ptype and ptype != 0xEE and count:
+                end = max(end, (start + count) * 512)
+        if head[512:520] == b"EFI PART":
+            entries_lba, n, entry_size = struct.unpack_from("<QII", head, 512 + 72)
+            if 128 <= entry_size <= 4096 and 0 < n <= 1024:
+                f.seek(entries_lba * 512)
+                table = f.read(n * entry_size)
+                for i in range(len(table) // entry_size):
+                    e = table[i * entry_size:(i + 1) * entry_size]
+                    first, last = struct.unpack_from("<QQ", e, 32)
+                    if any(e[:16]) and last >= first:
+                        end = max(end, (last + 1) * 512)
+        return end
 
 
 def _looks_like_raw_disk(path: Path) -> bool:
@@ -90,10 +172,47 @@ def _looks_like_raw_disk(path: Path) -> bool:
     return mbr or gpt or ext
 
 
-def _cache_dir(path: Path) -> Path:
+def _content_key(path: Path) -> str:
+    """The inspection cache key: the sha256 of the image file's bytes.
+
+    The same image under any path (a hard link or a byte copy) gets the same
+    key, so its kernel and initrd are stored once.  A conversion (qemu-img
+    convert) has other bytes and is inspected again.  Hashing reads the file
+    once (about a second per GiB); the answer is remembered per file
+    identity (device, inode, size, mtime, ctime) under inspect/by-file/, so a
+    file seen before is not read again.  The analysis's own image identity
+    (image-content-sha256 of the virtual disk) needs a raw copy and is only
+    computed after inspection.
+    """
     st = path.stat()
-    key = inputs_key([INSPECT_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns])
-    return cache_dir("inspect") / key
+    stamp = inputs_key([INSPECT_VERSION, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                        st.st_ctime_ns])
+    index = cache_dir("inspect") / "by-file"
+    known = index / stamp
+    try:
+        key = known.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{16}", key):
+            return key
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+        after = os.fstat(f.fileno())
+    key = inputs_key([INSPECT_VERSION, h.hexdigest(), st.st_size])
+    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        return key      # changed while we read it: do not remember this identity
+    index.mkdir(exist_ok=True)
+    tmp = index / f".{stamp}.{os.getpid()}"
+    tmp.write_text(key + "\n")
+    os.replace(tmp, known)
+    return key
+
+
+def _cache_dir(path: Path) -> Path:
+    return cache_dir("inspect") / _content_key(path)
 
 
 def _version_key(v: str) -> list[Any]:
@@ -112,12 +231,23 @@ def inspect_image(path: Path, fmt: str, virtual_size: int, tcg: bool = True) -> 
     d = _cache_dir(path)
     meta = d / "info.json"
     if not meta.exists():
-        d.mkdir(parents=True, exist_ok=True)
-        info = _inspect_with_guestfs(path, fmt, virtual_size, tcg, d)
-        tmp = meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info.to_json(), indent=1))
-        os.replace(tmp, meta)
-    info = ImageInfo(**json.loads(meta.read_text()))
+        # Inspect into a private directory and publish it whole: a refused or
+        # interrupted inspection leaves nothing behind under inspect/.
+        tmpdir = Path(tempfile.mkdtemp(prefix=".inspect-", dir=d.parent))
+        try:
+            info = _inspect_with_guestfs(path, fmt, virtual_size, tcg, tmpdir)
+            (tmpdir / "info.json").write_text(json.dumps(info.to_json(), indent=1))
+            if d.exists() and not meta.exists():
+                shutil.rmtree(d, ignore_errors=True)   # an incomplete entry of an older version
+            try:
+                tmpdir.rename(d)
+            except OSError:
+                if not meta.exists():                  # not a concurrent inspection's entry
+                    raise
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    # The entry may come from another path of the same image: report this one.
+    info = replace(ImageInfo(**json.loads(meta.read_text())), path=str(path.resolve()))
     initrd = d / "initrd.img"
     return Inspection(info, d / "vmlinuz", initrd if info.initrd_path else None)
 
