@@ -168,6 +168,7 @@ commands:
   list publish|fetch|ls ...  distribute lists to page servers through Redis
   fleet [--json]        what every page server reported to Redis
   image build ...       build the project's demo/small golden images (cached)
+  host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
 
 Run `pageshare COMMAND --help` for details.
 """
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         if rest[:1] == ["build"]:
             rest = rest[1:]
         return golden.main(rest)
+    if cmd == "host":
+        from . import hostcheck
+        return hostcheck.cli_main(rest)
     print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -1,0 +1,579 @@
+"""`pageshare host check`: what this host lacks to share pages.
+
+Each check yields findings (severity ok / warning / error, what, why it
+matters, what to do).  The exit status is the worst severity: 0 all ok,
+1 warnings, 2 errors.  With --json every finding, including a check that
+itself failed, is reported as JSON on stdout.
+
+Checks: the merge_pages kernel series (its sysfs counters), KSM in merge
+mode, QEMU binaries with the pageshare block driver, a running
+pageshare-server with its images published (over its control socket), the
+server's Redis, and running guests whose QEMU has no pageshare node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+KSM_DIR = Path("/sys/kernel/mm/ksm")
+DEFAULT_CONTROL = Path("/run/pageshare/control.sock")
+# page-server/PROTOCOL.md, control socket: STATUS_REQ (32) -> STATUS_REPLY (33, JSON).
+MSG_STATUS_REQ = 32
+MSG_STATUS_REPLY = 33
+SEVERITIES = {"ok": 0, "warning": 1, "error": 2}
+
+
+@dataclass
+class Finding:
+    check: str
+    severity: str  # ok | warning | error
+    what: str
+    why: str = ""
+    fix: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- kernel and KSM
+
+
+def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
+    rel = platform.release()
+    counter = ksm_dir / "merge_page_merged"
+    if counter.exists():
+        counters = {n: (ksm_dir / n).read_text().strip()
+                    for n in ("merge_page_merged", "merge_page_sources", "merge_page_failed")
+                    if (ksm_dir / n).exists()}
+        yield Finding("kernel", "ok", f"kernel {rel} has the merge_pages series",
+                      details={"release": rel, **counters})
+        return
+    yield Finding(
+        "kernel", "error",
+        f"kernel {rel} lacks the merge_pages series ({counter} does not exist)",
+        why="without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
+            "RAM: every listed block is copied instead, and guests share nothing",
+        fix="install and boot a kernel built with the series in kernel-syscall/ (Linux 6.12 "
+            "patches; `make kernel-test` builds and tests it); on 6.13+ the syscall numbers "
+            "belong to other calls, so a stock kernel is never used",
+        details={"release": rel, "missing": str(counter)})
+
+
+def check_ksm(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
+    run = ksm_dir / "run"
+    if not run.exists():
+        yield Finding("ksm", "error", f"KSM is not available ({run} does not exist)",
+                      why="merge_pages merges into KSM pages; without KSM nothing is shared",
+                      fix="boot a kernel with CONFIG_KSM=y (the kernel-syscall/ series has it)")
+        return
+    value = run.read_text().strip()
+    if value == "1":
+        yield Finding("ksm", "ok", "KSM is in merge mode (run = 1)", details={"run": value})
+        return
+    yield Finding(
+        "ksm", "error", f"KSM is not in merge mode ({run} = {value}, not 1)",
+        why="merge_pages fails with EOPNOTSUPP unless ksmd runs in merge mode: the filter "
+            "falls back to copying and guests share no pages",
+        fix=f"echo 1 > {run} (and keep it so across boots, e.g. a tmpfiles.d or sysfs.conf "
+            "entry); pages_to_scan may stay 0 if only merge_pages should merge",
+        details={"run": value})
+
+
+# --------------------------------------------------------------------------- QEMU binaries
+
+
+def _has_driver_img(binary: str) -> bool | None:
+    """qemu-img / qemu-io / qemu-nbd / qemu-storage-daemon: "Supported formats"."""
+    try:
+        p = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Supported (?:image )?formats:\s*(.*?)(?:\n\s*\n|\Z)",
+                  p.stdout + p.stderr, re.S)
+    if not m:
+        return None
+    return "pageshare" in m.group(1).split()
+
+
+def _has_driver_system(binary: str) -> bool | None:
+    """qemu-system-*: is "pageshare" a BlockdevDriver in its QMP schema?"""
+    msgs = ('{"execute":"qmp_capabilities"}\n{"execute":"query-qmp-schema"}\n'
+            '{"execute":"quit"}\n')
+    try:
+        p = subprocess.run([binary, "-M", "none", "-nodefaults", "-display", "none",
+                            "-S", "-qmp", "stdio"], input=msgs, capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in p.stdout.splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        ret = msg.get("return") if isinstance(msg, dict) else None
+        if isinstance(ret, list):
+            for entry in ret:
+                if isinstance(entry, dict) and "pageshare" in (entry.get("values") or []):
+                    return True
+            return False
+    return None
+
+
+def has_pageshare_driver(binary: str) -> bool | None:
+    """True/False, or None if the binary could not be asked."""
+    if Path(binary).name.startswith("qemu-system-"):
+        return _has_driver_system(binary)
+    return _has_driver_img(binary)
+
+
+QEMU_NAMES = re.compile(r"^(qemu-system-[\w-]+|qemu-img)$")
+
+
+def qemu_binaries(extra: Iterable[str], use_path: bool = True) -> list[str]:
+    """qemu-system-* and qemu-img on PATH, plus each --qemu (a binary or a bin/ dir)."""
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def add(p: Path) -> None:
+        try:
+            real = str(p.resolve())
+        except OSError:
+            return
+        if real not in seen and os.access(p, os.X_OK) and p.is_file():
+            seen.add(real)
+            found.append(str(p))
+
+    for e in extra:
+        p = Path(e)
+        if p.is_dir():
+            for c in sorted(p.iterdir()):
+                if QEMU_NAMES.match(c.name):
+                    add(c)
+        else:
+            add(p)
+    if use_path:
+        for d in os.environ.get("PATH", "").split(os.pathsep):
+            if d and Path(d).is_dir():
+                for c in sorted(Path(d).iterdir()):
+                    if QEMU_NAMES.match(c.name):
+                        add(c)
+    return found
+
+
+def check_qemu(extra: list[str], use_path: bool = True) -> Iterator[Finding]:
+    binaries = qemu_binaries(extra, use_path)
+    missing = [e for e in extra if not Path(e).exists()]
+    for m in missing:
+        yield Finding("qemu", "error", f"--qemu {m} does not exist",
+                      fix="give the patched build's bin/ directory or one of its binaries "
+                          "(qemu-patches/build.py prints the directory)")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(has_pageshare_driver, binaries))
+    good = [b for b, r in zip(binaries, results, strict=True) if r]
+    for b, r in zip(binaries, results, strict=True):
+        if r:
+            yield Finding("qemu", "ok", f"{b} has the pageshare block driver",
+                          details={"binary": b, "driver": True})
+        elif r is None:
+            yield Finding("qemu", "warning", f"could not ask {b} for its block drivers",
+                          why="a QEMU that cannot be probed may or may not have the filter",
+                          fix=f"run `{b} --help` or start it with -qmp stdio by hand to see why",
+                          details={"binary": b, "driver": None})
+        else:
+            yield Finding(
+                "qemu", "warning", f"{b} lacks the pageshare block driver",
+                why="VMs started with this QEMU read their base from disk and share nothing; "
+                    "a -blockdev driver=pageshare line fails with it",
+                fix="start VMs with the patched QEMU (qemu-patches/build.py, its bin/) "
+                    + ("such as " + good[0] if good else "")
+                    + ", or install the patched QEMU package in its place",
+                details={"binary": b, "driver": False})
+    if not good:
+        yield Finding(
+            "qemu", "error",
+            "no QEMU with the pageshare block driver" + (" on PATH" if use_path else "")
+            + (" or given with --qemu" if extra else ""),
+            why="the pageshare filter lives in the patched QEMU only; without it no guest "
+                "uses the page server",
+            fix="build it with qemu-patches/build.py (prints its output dir; binaries in bin/) "
+                "and put that bin/ on PATH, or pass --qemu DIR",
+            details={"checked": binaries})
+
+
+# --------------------------------------------------------------------------- server and Redis
+
+
+def control_request(path: Path, kind: int, payload: bytes = b"",
+                    timeout: float = 10.0) -> tuple[int, bytes]:
+    """One request on pageshare-server's control socket (PROTOCOL.md framing:
+    u32 kind, u32 length, payload; little-endian)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(os.fspath(path))
+        s.sendall(struct.pack("<II", kind, len(payload)) + payload)
+
+        def read(n: int) -> bytes:
+            buf = b""
+            while len(buf) < n:
+                chunk = s.recv(n - len(buf))
+                if not chunk:
+                    raise EOFError("the server closed the connection mid-reply")
+                buf += chunk
+            return buf
+
+        k, n = struct.unpack("<II", read(8))
+        return k, read(n)
+
+
+def server_status(control: Path, timeout: float = 10.0) -> dict[str, Any]:
+    k, body = control_request(control, MSG_STATUS_REQ, timeout=timeout)
+    if k != MSG_STATUS_REPLY:
+        raise ValueError(f"unexpected reply kind {k} to STATUS_REQ")
+    data: dict[str, Any] = json.loads(body)
+    return data
+
+
+def redis_ping(url: str, timeout: float = 3.0) -> str:
+    """Raises OSError if Redis at url cannot be reached; returns its reply."""
+    u = urlparse(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 6379
+    if u.scheme == "unix":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect(u.path)
+    else:
+        s = socket.create_connection((host, port), timeout=timeout)
+    with s:
+        s.sendall(b"PING\r\n")
+        reply = s.recv(128).decode(errors="replace").strip()
+    if not reply:
+        raise OSError("Redis closed the connection without a reply")
+    # "+PONG", or "-NOAUTH ..." from a Redis with a password: reachable either way.
+    return reply
+
+
+def check_server(control: Path) -> Iterator[Finding]:
+    try:
+        st = server_status(control)
+    except (OSError, EOFError, ValueError) as e:
+        reason = ("no control socket there" if isinstance(e, FileNotFoundError)
+                  else "nothing listens on it" if isinstance(e, ConnectionRefusedError)
+                  else f"{type(e).__name__}: {e}")
+        yield Finding(
+            "server", "error", f"no pageshare-server answers on {control} ({reason})",
+            why="without a running server no image's pages are published: every VM reads its "
+                "base from disk",
+            fix="start it (systemctl start pageshare-server, or pageshare-server run --config "
+                "FILE; see page-server/README.md); if it runs with another socket_dir, pass "
+                "--control SOCKET_DIR/control.sock",
+            details={"control": str(control), "error": str(e)})
+        return
+    details = {k: st.get(k) for k in ("pid", "version", "host", "uptime_seconds", "degraded",
+                                      "degraded_reason")}
+    yield Finding("server", "ok",
+                  f"pageshare-server {st.get('version')} (pid {st.get('pid')}) answers on "
+                  f"{control}", details={"control": str(control), **details})
+    if st.get("degraded"):
+        yield Finding(
+            "server", "warning",
+            f"the server runs degraded: {st.get('degraded_reason') or 'no reason given'}",
+            why="a degraded server publishes tables flagged DEGRADED: QEMU copies its pages "
+                "instead of merging them, so guests do not share them",
+            fix="fix the reason above (usually the kernel series or KSM run = 1) and restart "
+                "the server", details={"degraded_reason": st.get("degraded_reason")})
+    images = st.get("images") or []
+    serving = 0
+    for img in images:
+        name = img.get("name")
+        d = {k: img.get(k) for k in ("name", "path", "socket", "state", "message", "generation",
+                                     "blocks", "bytes", "list_source", "list_from",
+                                     "image_file", "last_error", "clients")}
+        d["degraded"] = bool(st.get("degraded"))
+        if img.get("state") == "serving" and img.get("generation") is not None:
+            serving += 1
+            yield Finding(
+                "image", "ok",
+                f"image {name} ({img.get('path')}) published: generation "
+                f"{img.get('generation')}, {img.get('blocks')} blocks, socket "
+                f"{img.get('socket')}" + (", degraded" if st.get("degraded") else ""),
+                details=d)
+        else:
+            msg = img.get("message") or img.get("last_error") or ""
+            yield Finding(
+                "image", "warning",
+                f"image {name} ({img.get('path')}) is not serving: state "
+                f"{img.get('state')}" + (f" ({msg})" if msg else ""),
+                why="VMs on this image read every block from disk until a list is published",
+                fix="check the image path and its list (`pageshare list verify LIST --image "
+                    "IMAGE`), then `pageshare-server reload`; the server log says why it "
+                    "refused", details=d)
+    if serving == 0:
+        yield Finding(
+            "server", "error",
+            "the server publishes no image" + ("" if images else " (none configured)"),
+            why="no VM on this host can share pages",
+            fix="configure [[image]] entries with a list (list_file or Redis) in the server's "
+                "config and reload it (page-server/README.md)",
+            details={"images": len(images)})
+    redis = st.get("redis")
+    if isinstance(redis, dict):
+        url = str(redis.get("url") or "")
+        try:
+            reply = redis_ping(url) if url else ""
+            reached: str | None = None
+        except OSError as e:
+            reply, reached = "", str(e)
+        d = {"url": url, "server_connected": redis.get("connected"),
+             "server_last_error": redis.get("last_error"), "ping": reply or reached}
+        if redis.get("connected") and reached is None:
+            yield Finding("redis", "ok", f"Redis {url} reachable, the server is connected",
+                          details=d)
+        else:
+            why_not = ("the server reports it is not connected"
+                       + (f": {redis.get('last_error')}" if redis.get("last_error") else "")
+                       if not redis.get("connected") else "")
+            if reached is not None:
+                why_not = ((why_not + "; ") if why_not else "") + \
+                    f"this host cannot reach it: {reached}"
+            yield Finding(
+                "redis", "error", f"Redis {url} is not usable ({why_not})",
+                why="the server takes its lists (and new generations) from Redis and pushes "
+                    "its statistics there; images without a list file get no list",
+                fix="start Redis or fix [redis] url in the server's config; the server "
+                    "reconnects by itself", details=d)
+
+
+# --------------------------------------------------------------------------- guests
+
+
+def _qmp_socket(args: list[str]) -> Path | None:
+    """A QMP unix socket named on a QEMU command line (-qmp unix:PATH,server or
+    -chardev socket,id=X,path=PATH,server + -mon chardev=X,mode=control)."""
+    chardevs: dict[str, str] = {}
+    mons: list[str] = []
+    for i, a in enumerate(args[:-1]):
+        v = args[i + 1]
+        if a in ("-qmp", "--qmp") and v.startswith("unix:"):
+            return Path(v[5:].split(",")[0])
+        if a in ("-chardev", "--chardev") and v.startswith("socket,"):
+            opts = dict(o.split("=", 1) for o in v.split(",")[1:] if "=" in o)
+            if "id" in opts and "path" in opts:
+                chardevs[opts["id"]] = opts["path"]
+        if a in ("-mon", "--mon"):
+            opts = dict(o.split("=", 1) for o in v.split(",") if "=" in o)
+            if opts.get("mode") == "control" and "chardev" in opts:
+                mons.append(opts["chardev"])
+    for m in mons:
+        if m in chardevs:
+            return Path(chardevs[m])
+    return None
+
+
+def _guest_name(args: list[str]) -> str:
+    for i, a in enumerate(args[:-1]):
+        if a in ("-name", "--name"):
+            v = args[i + 1]
+            opts = dict(o.split("=", 1) for o in v.split(",") if "=" in o)
+            return opts.get("guest") or v.split(",")[0]
+    return ""
+
+
+def _qmp_block_drivers(path: Path, timeout: float = 3.0) -> list[str]:
+    """Drivers of QEMU's named block nodes over QMP (raises OSError/ValueError)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        f = s.makefile("rw", encoding="utf-8")
+        json.loads(f.readline())  # greeting
+        drivers: list[str] = []
+        for cmd in ("qmp_capabilities", "query-named-block-nodes"):
+            f.write(json.dumps({"execute": cmd}) + "\n")
+            f.flush()
+            while True:
+                line = f.readline()
+                if not line:
+                    raise OSError("QEMU closed the QMP connection")
+                msg = json.loads(line)
+                if "event" in msg:
+                    continue
+                if "error" in msg:
+                    raise ValueError(msg["error"].get("desc", "QMP error"))
+                if cmd == "query-named-block-nodes":
+                    drivers = [str(n.get("drv")) for n in msg["return"]]
+                break
+        return drivers
+
+
+def qemu_processes() -> Iterator[tuple[int, str, list[str]]]:
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+            comm = (d / "comm").read_text().strip()
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        argv = [a.decode(errors="replace") for a in args if a]
+        if not argv:
+            continue
+        exe = Path(argv[0]).name
+        if not (exe.startswith("qemu-system-") or comm.startswith("qemu-system-")):
+            continue
+        # Our own driver probes (check_qemu) are children of this process.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me:
+            continue
+        yield int(d.name), exe if exe.startswith("qemu-system-") else comm, argv
+
+
+def check_guests() -> Iterator[Finding]:
+    n = 0
+    for pid, exe, argv in qemu_processes():
+        n += 1
+        name = _guest_name(argv) or exe
+        cmdline_has = any(re.search(r'driver"?\s*[=:]\s*"?pageshare\b', a) for a in argv)
+        qmp = _qmp_socket(argv)
+        graph: list[str] | None = None
+        qmp_error = ""
+        if qmp is not None:
+            try:
+                graph = _qmp_block_drivers(qmp)
+            except (OSError, ValueError) as e:
+                qmp_error = f"{type(e).__name__}: {e}"
+        has = ("pageshare" in graph) if graph is not None else cmdline_has
+        d = {"pid": pid, "name": name, "binary": argv[0], "qmp": str(qmp) if qmp else None,
+             "block_drivers": graph, "qmp_error": qmp_error or None,
+             "cmdline": shlex.join(argv)[:2000]}
+        source = "its block graph (QMP)" if graph is not None else "its command line"
+        if has:
+            yield Finding("guests", "ok",
+                          f"guest {name} (pid {pid}) has a pageshare node ({source})", details=d)
+        else:
+            yield Finding(
+                "guests", "warning",
+                f"guest {name} (pid {pid}) runs without the pageshare filter "
+                f"(no pageshare node in {source})",
+                why="its base-image reads fill its own page cache with private copies; the "
+                    "host keeps one per guest",
+                fix="start it with the patched QEMU and a pageshare node above its base "
+                    "(qemu-patches/README.md has the -blockdev line), or ignore this if the "
+                    "guest is not cloned from a served image", details=d)
+    if n == 0:
+        yield Finding("guests", "ok", "no QEMU guests running")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_checks(args: argparse.Namespace) -> list[Finding]:
+    checks: list[tuple[str, Any]] = [
+        ("kernel", lambda: check_kernel()),
+        ("ksm", lambda: check_ksm()),
+        ("qemu", lambda: check_qemu(list(args.qemu), not args.no_path)),
+        ("server", lambda: check_server(Path(args.control))),
+        ("guests", lambda: check_guests()),
+    ]
+    skip = set(args.skip or [])
+    out: list[Finding] = []
+    for name, fn in checks:
+        if name in skip:
+            continue
+        try:
+            out.extend(fn())
+        except Exception as e:  # a broken check is itself a finding, never a traceback
+            out.append(Finding(name, "error", f"the {name} check failed: "
+                               f"{type(e).__name__}: {e}",
+                               why="this part of the host could not be checked",
+                               fix="report it with the output of `pageshare host check --json`"))
+    return out
+
+
+def worst(findings: Iterable[Finding]) -> int:
+    return max((SEVERITIES[f.severity] for f in findings), default=0)
+
+
+def render_text(findings: list[Finding]) -> str:
+    mark = {"ok": "ok  ", "warning": "WARN", "error": "FAIL"}
+    lines = []
+    for f in findings:
+        lines.append(f"[{mark[f.severity]}] {f.check}: {f.what}")
+        if f.severity != "ok":
+            if f.why:
+                lines.append(f"       why: {f.why}")
+            if f.fix:
+                lines.append(f"       fix: {f.fix}")
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+    lines.append(f"{counts['error']} error(s), {counts['warning']} warning(s), "
+                 f"{counts['ok']} ok")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser(prog: str = "pageshare host check") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 all ok, 1 warnings, 2 errors.")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--control", default=str(DEFAULT_CONTROL), metavar="PATH",
+                   help=f"pageshare-server's control socket (default {DEFAULT_CONTROL})")
+    p.add_argument("--qemu", action="append", default=[], metavar="PATH",
+                   help="also check this QEMU binary, or every qemu-system-*/qemu-img in this "
+                        "directory (repeatable)")
+    p.add_argument("--no-path", action="store_true",
+                   help="check only the QEMU binaries given with --qemu, not those on PATH")
+    p.add_argument("--skip", action="append", choices=["kernel", "ksm", "qemu", "server",
+                                                       "guests"],
+                   help="leave out a check (repeatable)")
+    return p
+
+
+def main(argv: list[str], prog: str = "pageshare host check") -> int:
+    p = build_parser(prog)
+    want_json = "--json" in argv
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        if want_json and e.code not in (0, None):
+            print(json.dumps({"status": "error", "exit": 2, "findings": [asdict(Finding(
+                "usage", "error", f"bad arguments: {' '.join(argv)}",
+                fix=f"see {prog} --help"))]}))
+            return 2
+        return int(e.code or 0)
+    started = time.monotonic()
+    findings = run_checks(args)
+    rc = worst(findings)
+    if args.json:
+        print(json.dumps({
+            "host": socket.gethostname(), "kernel": platform.release(),
+            "status": {0: "ok", 1: "warning", 2: "error"}[rc], "exit": rc,
+            "seconds": round(time.monotonic() - started, 3),
+            "findings": [asdict(f) for f in findings]}, indent=2))
+    else:
+        sys.stdout.write(render_text(findings))
+    return rc
+
+
+def cli_main(argv: list[str]) -> int:
+    """`pageshare host ...`: only `check` for now."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: pageshare host check [--json] [--control PATH] [--qemu PATH] ...")
+        return 0 if argv else 2
+    if argv[0] != "check":
+        print(f"pageshare host: unknown subcommand {argv[0]!r} (try: check)", file=sys.stderr)
+        return 2
+    return main(argv[1:])

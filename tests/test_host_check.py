@@ -1,0 +1,325 @@
+"""`pageshare host check` on this host, against real parts: the host's kernel
+and KSM, a real pageshare-server, the patched and Debian's QEMU, and running
+QEMU guests.  Runs the real command (as root) and checks its text and JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pageshare import hostcheck, sectorlist
+from pageshare.ksm import host_lock
+from test_page_server_helpers import (
+    ImageSpec,
+    Server,
+    make_list,
+    nonzero_blocks,
+    psc,
+    redis_server,
+    wait_for,
+)
+from test_qemu_helpers import qemu_build
+
+REPO = Path(__file__).resolve().parents[1]
+KSM_RUN = Path("/sys/kernel/mm/ksm/run")
+DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
+ALL = ("kernel", "ksm", "qemu", "server", "guests")
+
+assert os.geteuid() == 0, "pageshare host check reads /proc and sysfs: run these tests as root"
+
+
+def only(*checks: str) -> list[str]:
+    return [a for c in ALL if c not in checks for a in ("--skip", c)]
+
+
+def host_check(*args: str) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
+    p = subprocess.run([sys.executable, "-m", "pageshare.cli", "host", "check", *args],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert not p.stderr.strip() or "Traceback" not in p.stderr, p.stderr
+    return p.returncode, p.stdout
+
+
+def host_check_json(*args: str) -> tuple[int, dict[str, Any]]:
+    rc, out = host_check("--json", *args)
+    data: dict[str, Any] = json.loads(out)
+    assert data["exit"] == rc
+    assert data["status"] == {0: "ok", 1: "warning", 2: "error"}[rc]
+    assert rc == max((hostcheck.SEVERITIES[f["severity"]] for f in data["findings"]), default=0)
+    for f in data["findings"]:
+        assert f["severity"] in hostcheck.SEVERITIES and f["what"]
+        if f["severity"] != "ok":
+            assert f["why"] and f["fix"], f
+    return rc, data
+
+
+def same_findings(text: str, data: dict[str, Any]) -> None:
+    """The text and the JSON output carry the same findings."""
+    mark = {"ok": "ok  ", "warning": "WARN", "error": "FAIL"}
+    lines = [ln for ln in text.splitlines() if ln.startswith("[")]
+    want = [f"[{mark[f['severity']]}] {f['check']}: {f['what']}" for f in data["findings"]]
+    assert lines == want
+
+
+def findings(data: dict[str, Any], check: str) -> list[dict[str, Any]]:
+    return [f for f in data["findings"] if f["check"] == check]
+
+
+# --------------------------------------------------------------------------- kernel, KSM
+
+
+def test_kernel_series_is_reported() -> None:
+    args = only("kernel")
+    rc, text = host_check(*args)
+    rc_j, data = host_check_json(*args)
+    assert rc == rc_j
+    same_findings(text, data)
+    [k] = findings(data, "kernel")
+    if Path("/sys/kernel/mm/ksm/merge_page_merged").exists():
+        assert (rc, k["severity"]) == (0, "ok")
+        return
+    # This host's kernel (6.18) lacks the series: an error that says what to install.
+    assert rc == 2 and k["severity"] == "error"
+    assert "merge_page_merged" in k["what"] and os.uname().release in k["what"]
+    assert "kernel-syscall/" in k["fix"]
+    assert "[FAIL] kernel:" in text and "kernel-syscall/" in text
+    # The full check (every part) exits 2 on this host as well.
+    rc_all, out = host_check("--control", "/nonexistent/control.sock")
+    assert rc_all == 2 and "merge_page_merged" in out
+
+
+def test_ksm_run_state() -> None:
+    args = only("ksm")
+    with host_lock():
+        original = KSM_RUN.read_text().strip()
+        try:
+            KSM_RUN.write_text("0\n")
+            rc, text = host_check(*args)
+            rc_j, data = host_check_json(*args)
+            same_findings(text, data)
+            [k] = findings(data, "ksm")
+            assert (rc, rc_j, k["severity"]) == (2, 2, "error")
+            assert k["details"]["run"] == "0" and "EOPNOTSUPP" in k["why"]
+            assert "echo 1 > /sys/kernel/mm/ksm/run" in k["fix"]
+
+            KSM_RUN.write_text("1\n")
+            rc, text = host_check(*args)
+            rc_j, data = host_check_json(*args)
+            same_findings(text, data)
+            [k] = findings(data, "ksm")
+            assert (rc, rc_j, k["severity"]) == (0, 0, "ok")
+            assert "[ok  ] ksm: KSM is in merge mode" in text
+        finally:
+            KSM_RUN.write_text(original + "\n")
+    assert KSM_RUN.read_text().strip() == original
+
+
+# --------------------------------------------------------------------------- server, Redis
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    d = tmp_path_factory.mktemp("hostcheck")
+    raw = d / "img.raw"
+    data = random.Random(12).randbytes(8 << 20)
+    raw.write_bytes(data)
+    return raw, hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+def test_server_images_published_then_stopped(image: tuple[Path, str], tmp_path: Path,
+                                              servers: list[Server]) -> None:
+    raw, sha = image
+    blocks = nonzero_blocks(raw, 500, stride=3)
+    good = make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name), blocks,
+                     tmp_path / "good.pcsl")
+    # A list for another image (wrong content hash): the server refuses it.
+    make_list(sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name), blocks,
+              tmp_path / "other.pcsl")
+    s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw"),
+                                  ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
+    servers.append(s)
+    s.start()
+    s.wait_generation("img", 1)
+    wait_for(lambda: not s.image("other")["loading"], 60, "the other image's load")
+    status = s.status()
+
+    args = ["--control", str(s.control), *only("server")]
+    rc, text = host_check(*args)
+    rc_j, data = host_check_json(*args)
+    same_findings(text, data)
+    assert rc == rc_j
+    [srv] = [f for f in findings(data, "server") if f["severity"] == "ok"]
+    assert s.proc is not None and srv["details"]["pid"] == s.proc.pid
+    imgs = {f["details"]["name"]: f for f in findings(data, "image")}
+    ok = imgs["img"]
+    assert ok["severity"] == "ok"
+    assert ok["details"]["generation"] == 1 and ok["details"]["state"] == "serving"
+    assert ok["details"]["blocks"] == len(good.blocks)
+    assert ok["details"]["image_file"] == status["images"][0]["image_file"] is not None
+    assert ok["details"]["degraded"] == status["degraded"]
+    assert f"generation 1, {len(good.blocks)} blocks" in ok["what"]
+    bad = imgs["other"]
+    assert bad["severity"] == "warning" and "is not serving" in bad["what"]
+    assert bad["details"]["state"] != "serving"
+    # One image serves: no "publishes no image" error; a degraded server is a warning.
+    assert not [f for f in data["findings"] if f["severity"] == "error"]
+    degraded = [f for f in findings(data, "server") if "degraded" in f["what"]]
+    assert bool(degraded) == status["degraded"]
+    assert rc == 1  # the refused image (and a degraded server) are warnings
+    assert "[ok  ] image: image img" in text and "[WARN] image: image other" in text
+
+    s.stop()
+    rc, text = host_check(*args)
+    rc_j, data = host_check_json(*args)
+    same_findings(text, data)
+    assert rc == rc_j == 2
+    [err] = findings(data, "server")
+    assert err["severity"] == "error" and "no pageshare-server answers" in err["what"]
+    assert str(s.control) in err["what"] and "pageshare-server" in err["fix"]
+
+
+def test_server_with_no_image_serving_is_an_error(image: tuple[Path, str], tmp_path: Path,
+                                                  servers: list[Server]) -> None:
+    raw, _ = image
+    make_list(sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name),
+              nonzero_blocks(raw, 10), tmp_path / "other.pcsl")
+    s = Server(tmp_path / "srv", [ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
+    servers.append(s)
+    s.start()
+    wait_for(lambda: not s.image("other")["loading"], 60, "the image's load")
+    rc, data = host_check_json("--control", str(s.control), *only("server"))
+    assert rc == 2
+    assert [f["what"] for f in findings(data, "server") if f["severity"] == "error"] == [
+        "the server publishes no image"]
+
+
+def test_redis_reachable_and_down(image: tuple[Path, str], tmp_path: Path,
+                                  servers: list[Server]) -> None:
+    raw, sha = image
+    make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name),
+              nonzero_blocks(raw, 10), tmp_path / "good.pcsl")
+    with redis_server(tmp_path) as r:
+        s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw")],
+                   redis_url=r.url)
+        servers.append(s)
+        s.start()
+        s.wait_generation("img", 1)
+        wait_for(lambda: s.status()["redis"]["connected"], 30, "the server's Redis connection")
+        args = ["--control", str(s.control), *only("server")]
+        _, data = host_check_json(*args)
+        [red] = findings(data, "redis")
+        assert red["severity"] == "ok" and red["details"]["url"] == r.url
+        assert red["details"]["ping"] == "+PONG"
+        r.stop()
+        rc, data = host_check_json(*args)
+        [red] = findings(data, "redis")
+        assert rc == 2 and red["severity"] == "error" and r.url in red["what"]
+        assert "cannot reach it" in red["what"]
+
+
+# --------------------------------------------------------------------------- QEMU
+
+
+def test_patched_qemu_has_the_driver_and_debian_lacks_it() -> None:
+    build = qemu_build()
+    args = ["--no-path", "--qemu", str(build.dir / "bin"), "--qemu", DEBIAN_QEMU, *only("qemu")]
+    rc, text = host_check(*args)
+    rc_j, data = host_check_json(*args)
+    same_findings(text, data)
+    by_bin = {f["details"]["binary"]: f for f in findings(data, "qemu")}
+    assert by_bin[build.qemu_system]["severity"] == "ok"
+    assert by_bin[build.qemu_system]["details"]["driver"] is True
+    assert by_bin[build.qemu_img]["details"]["driver"] is True
+    deb = by_bin[DEBIAN_QEMU]
+    assert deb["severity"] == "warning" and deb["details"]["driver"] is False
+    assert "lacks the pageshare block driver" in deb["what"]
+    assert rc == rc_j == 1
+
+    # Debian's alone: no QEMU on this host has the driver, an error.
+    rc, data = host_check_json("--no-path", "--qemu", DEBIAN_QEMU, *only("qemu"))
+    assert rc == 2
+    assert any(f["severity"] == "error" and "no QEMU with the pageshare block driver" in f["what"]
+               for f in findings(data, "qemu"))
+
+
+# --------------------------------------------------------------------------- guests
+
+
+def start_qemu(binary: str, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes],
+                                                                          Path]:
+    qmp = tmp / f"{name}.qmp"
+    p = subprocess.Popen([binary, "-M", "none", "-nodefaults", "-display", "none",
+                          "-name", f"{name},debug-threads=on", "-qmp",
+                          f"unix:{qmp},server=on,wait=off", *extra],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for(lambda: qmp.exists() or p.poll() is not None, 30, f"{name}'s QMP socket")
+    assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
+    return p, qmp
+
+
+def stop_qemu(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait(10)
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_guest_without_the_filter_is_reported(tmp_path: Path) -> None:
+    build = qemu_build()
+    raw = tmp_path / "base.raw"
+    raw.write_bytes(bytes(1 << 20))
+    plain, with_filter = None, None
+    try:
+        plain, _ = start_qemu(DEBIAN_QEMU, tmp_path, "hostcheck-plain")
+        # A patched QEMU with a pageshare node (no server: the filter reads from disk).
+        with_filter, _ = start_qemu(
+            build.qemu_system, tmp_path, "hostcheck-filtered",
+            "-blockdev", f"driver=file,node-name=base,filename={raw},read-only=on",
+            "-blockdev", f"driver=pageshare,node-name=ps,file=base,read-only=on,"
+                         f"server={tmp_path / 'none.sock'}")
+        time.sleep(0.5)
+        args = only("guests")
+        rc, text = host_check(*args)
+        rc_j, data = host_check_json(*args)
+        guests = {f["details"]["pid"]: f for f in findings(data, "guests") if f["details"]}
+        g = guests[plain.pid]
+        assert g["severity"] == "warning" and g["details"]["name"] == "hostcheck-plain"
+        assert "runs without the pageshare filter" in g["what"] and str(plain.pid) in g["what"]
+        assert g["details"]["block_drivers"] == []  # asked over its QMP socket
+        assert f"guest hostcheck-plain (pid {plain.pid}) runs without" in text
+        f = guests[with_filter.pid]
+        assert f["severity"] == "ok" and "pageshare" in f["details"]["block_drivers"]
+        assert rc >= 1 and rc_j >= 1
+    finally:
+        for p in (plain, with_filter):
+            if p is not None:
+                stop_qemu(p)
+
+
+def test_json_reports_bad_arguments_as_json() -> None:
+    rc, out = host_check("--json", "--skip", "nonsense")
+    assert rc == 2
+    data = json.loads(out)
+    assert data["status"] == "error" and data["findings"][0]["check"] == "usage"
+
+
+def test_control_framing_matches_the_reference_client() -> None:
+    assert (hostcheck.MSG_STATUS_REQ, hostcheck.MSG_STATUS_REPLY) == (
+        psc.MSG_STATUS_REQ, psc.MSG_STATUS_REPLY)
