@@ -301,7 +301,8 @@ def check_server(control: Path) -> Iterator[Finding]:
         name = img.get("name")
         d = {k: img.get(k) for k in ("name", "path", "socket", "state", "message", "generation",
                                      "blocks", "bytes", "list_source", "list_from",
-                                     "image_file", "last_error", "clients")}
+                                     "list_digest", "arena_loaded_blocks", "image_file",
+                                     "last_error", "clients")}
         d["degraded"] = bool(st.get("degraded"))
         if img.get("state") == "serving" and img.get("generation") is not None:
             serving += 1
