@@ -73,7 +73,9 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
                    help="seconds a guest may take to boot (default 900; TCG is slow)")
     p.add_argument("--ksm-timeout", type=float, default=600,
                    help="seconds to wait for KSM to converge (default 600)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as JSON on stdout; on failure, one error object "
+                        "({\"ok\": false, \"error\": {kind, message, hint}})")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
