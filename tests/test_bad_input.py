@@ -4,6 +4,7 @@ Each case runs the real CLI.  The host_guard fixture checks that KSM settings
 are unchanged and no QEMU is left; each test checks the work directory is empty.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -242,3 +243,22 @@ def test_crash_forced_on_a_kernel_it_cannot_read(tmp_path: Path) -> None:
     r = run_analyze(tmp_path, "--introspector", "crash", str(trixie))
     assert_clean_failure(r, "--introspector crash")
     assert "--introspector auto" in r.stderr
+
+
+@pytest.mark.parametrize("raised, kind, rc", [(RuntimeError("boom"), "internal", 1),
+                                              (KeyboardInterrupt(), "interrupted", 130)])
+def test_json_error_when_not_the_operators_fault(raised: BaseException, kind: str, rc: int,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from pageshare import analyze, cli
+
+    def fail(*_: Any) -> None:
+        raise raised
+    monkeypatch.setattr(analyze, "analyze", fail)
+    monkeypatch.delenv("PAGESHARE_DEBUG", raising=False)
+    assert cli.run_analyze(["--json", "x.qcow2"]) == rc
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data["ok"] is False and data["exit_code"] == rc
+    assert data["error"]["kind"] == kind
+    assert "Traceback" not in out.err
