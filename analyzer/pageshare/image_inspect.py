@@ -272,7 +272,9 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
             fss = g.list_filesystems()
             raise UserError(f"{path}: no Linux installation found (file systems: "
                             f"{', '.join(f'{d}={t}' for d, t in fss.items()) or 'none'})",
-                            "analyze-image needs a bootable Linux golden image")
+                            "analyze-image needs a bootable Linux golden image; if this one "
+                            "has Linux, check that the file is complete (its size and checksum "
+                            "against the original; qemu-img check for qcow2)")
         root = roots[0]
         ostype = g.inspect_get_type(root)
         if ostype != "linux":
