@@ -135,6 +135,21 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return raw, hashlib.sha256(data).hexdigest()
 
 
+def start(s: Server, servers: list[Server]) -> None:
+    """Start the server and wait until its control socket answers (the socket
+    file appears at bind(), a moment before the server listens on it)."""
+    servers.append(s)
+    s.start()
+
+    def answers() -> bool:
+        try:
+            s.status()
+            return True
+        except ConnectionRefusedError:
+            return False
+    wait_for(answers, 20, "the control socket to answer")
+
+
 @pytest.fixture
 def servers() -> Iterator[list[Server]]:
     started: list[Server] = []
@@ -154,8 +169,7 @@ def test_server_images_published_then_stopped(image: tuple[Path, str], tmp_path:
               tmp_path / "other.pcsl")
     s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw"),
                                   ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
-    servers.append(s)
-    s.start()
+    start(s, servers)
     s.wait_generation("img", 1)
     wait_for(lambda: not s.image("other")["loading"], 60, "the other image's load")
     status = s.status()
@@ -201,8 +215,7 @@ def test_server_with_no_image_serving_is_an_error(image: tuple[Path, str], tmp_p
     make_list(sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name),
               nonzero_blocks(raw, 10), tmp_path / "other.pcsl")
     s = Server(tmp_path / "srv", [ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
-    servers.append(s)
-    s.start()
+    start(s, servers)
     wait_for(lambda: not s.image("other")["loading"], 60, "the image's load")
     rc, data = host_check_json("--control", str(s.control), *only("server"))
     assert rc == 2
@@ -218,8 +231,7 @@ def test_redis_reachable_and_down(image: tuple[Path, str], tmp_path: Path,
     with redis_server(tmp_path) as r:
         s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw")],
                    redis_url=r.url)
-        servers.append(s)
-        s.start()
+        start(s, servers)
         s.wait_generation("img", 1)
         wait_for(lambda: s.status()["redis"]["connected"], 30, "the server's Redis connection")
         args = ["--control", str(s.control), *only("server")]

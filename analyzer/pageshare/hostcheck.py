@@ -23,6 +23,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -109,28 +110,40 @@ def _has_driver_img(binary: str) -> bool | None:
     return "pageshare" in m.group(1).split()
 
 
-def _has_driver_system(binary: str) -> bool | None:
-    """qemu-system-*: is "pageshare" a BlockdevDriver in its QMP schema?"""
-    msgs = ('{"execute":"qmp_capabilities"}\n{"execute":"query-qmp-schema"}\n'
-            '{"execute":"quit"}\n')
+def _has_driver_system(binary: str, timeout: float = 60.0) -> bool | None:
+    """qemu-system-*: is "pageshare" a BlockdevDriver in its QMP schema?
+
+    The schema reply is read before QEMU is told to go: a "quit" sent with
+    the request could end QEMU before it has flushed a reply larger than the
+    pipe."""
     try:
-        p = subprocess.run([binary, "-M", "none", "-nodefaults", "-display", "none",
-                            "-S", "-qmp", "stdio"], input=msgs, capture_output=True,
-                           text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+        p = subprocess.Popen([binary, "-M", "none", "-nodefaults", "-display", "none",
+                              "-S", "-qmp", "stdio"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
         return None
-    for line in p.stdout.splitlines():
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        ret = msg.get("return") if isinstance(msg, dict) else None
-        if isinstance(ret, list):
-            for entry in ret:
-                if isinstance(entry, dict) and "pageshare" in (entry.get("values") or []):
-                    return True
-            return False
-    return None
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write('{"execute":"qmp_capabilities"}\n{"execute":"query-qmp-schema"}\n')
+        p.stdin.flush()
+        for line in p.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            ret = msg.get("return") if isinstance(msg, dict) else None
+            if isinstance(ret, list):
+                return any(isinstance(e, dict) and "pageshare" in (e.get("values") or [])
+                           for e in ret)
+        return None
+    except OSError:
+        return None
+    finally:
+        timer.cancel()
+        p.kill()
+        p.wait()
 
 
 def has_pageshare_driver(binary: str) -> bool | None:
