@@ -349,7 +349,9 @@ def checkout_tree(src: Source, commit: str) -> None:
 # --------------------------------------------------------------------------
 
 def config_fragments(config: str) -> list[Path]:
-    frags = [CONFIGS / "base.config", CONFIGS / f"{config}.config"]
+    # the booted guest's kernel is not a test kernel: tinyconfig + its own
+    frags = ([CONFIGS / "guest.config"] if config == GUEST_CONFIG else
+             [CONFIGS / "base.config", CONFIGS / f"{config}.config"])
     for f in frags:
         if not f.exists():
             raise KtestError(f"no config fragment {f}")
@@ -521,7 +523,7 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
         GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
         # The patched QEMU's pageshare filter in merge mode with the real
         # pageshare-server: needs the payload (build_filter_payload()).
-        GuestTest(FILTER_TEST, ["/tests/pageshare_filter_test", PAYLOAD_DIR], 900,
+        GuestTest(FILTER_TEST, ["/tests/pageshare_filter_test", PAYLOAD_DIR], 1800,
                   needs="pageshare_filter_test", payload=True),
     ]
     if bench:
@@ -588,13 +590,74 @@ def check_uapi_header(src: Source, commit: str) -> None:
 # --------------------------------------------------------------------------
 
 FILTER_TEST = "pageshare_filter_merge"
+GUEST_CONFIG = "guest"           # config/guest.config: the booted guest's kernel
 PAYLOAD_DIR = "/pageshare"
 # Bump when the payload's layout or content recipe changes.
-PAYLOAD_RECIPE = "1"
+PAYLOAD_RECIPE = "2"
 PAYLOAD_IMAGE_MIB = 8
 PAYLOAD_SEED = 20261121
 QEMU_BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-storage-daemon"]
-QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin"]   # what -M pc -nodefaults loads
+QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin",   # what -M pc -nodefaults loads
+                 "linuxboot_dma.bin"]              # and -kernel (the booted guest)
+
+
+# The booted guest of the test (a guest kernel reading through the filter in
+# merge mode, nested under TCG): a small kernel of its own (config/guest.config:
+# Debian's generic kernel took over 7 minutes to boot nested) and an init that
+# reads the disk, checks what it read, writes a block and reads it back.
+GUEST_READ_BLOCKS = 1024         # the listed part of the payload image (blocks 0-1023)
+GUEST_WRITE_BLOCK = 5            # a listed block the guest overwrites with zeros
+GUEST_INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+n=0; while [ ! -b /dev/vda ] && [ $n -lt 300 ]; do sleep 0.1; n=$((n+1)); done
+up() { cut -d' ' -f1 /proc/uptime; }
+# keep the disk open: the last close of a block device drops its page cache
+exec 3</dev/vda
+echo "GUEST-BOOTED $(up)"
+# phase 1: the first half of the listed blocks, into the page cache
+dd if=/dev/vda of=/dev/null bs=4096 count=__HALF__ 2>/dev/null
+echo "GUEST-PHASE1 $(up)"
+# the test restarts the page server now; it says go with a keypress
+read -r -t 600 go
+# phase 2: everything, then a checksum of what the guest holds
+dd if=/dev/vda of=/dev/null bs=4096 count=__BLOCKS__ 2>/dev/null
+sum=$(dd if=/dev/vda bs=4096 count=__BLOCKS__ 2>/dev/null | sha256sum)
+echo "GUEST-SHA256 ${sum%% *}"
+echo "GUEST-PHASE2 $(up)"
+read -r -t 600 go
+# a write into a merged block, then the block read back from the disk
+dd if=/dev/zero of=/dev/vda bs=4096 seek=__WBLOCK__ count=1 conv=fsync 2>/dev/null
+echo 3 > /proc/sys/vm/drop_caches
+sum=$(dd if=/dev/vda bs=4096 skip=__WBLOCK__ count=1 2>/dev/null | sha256sum)
+echo "GUEST-WROTE ${sum%% *}"
+read -r -t 600 go
+echo "GUEST-DONE $(up)"
+poweroff -f
+"""
+
+
+def build_guest_initramfs(root: Path, busybox: Path) -> Path:
+    """The booted guest's initramfs: busybox and GUEST_INIT."""
+    init = (GUEST_INIT.replace("__HALF__", str(GUEST_READ_BLOCKS // 2))
+            .replace("__BLOCKS__", str(GUEST_READ_BLOCKS))
+            .replace("__WBLOCK__", str(GUEST_WRITE_BLOCK)))
+    with tempfile.TemporaryDirectory(prefix="ktest-guest-") as td:
+        top = Path(td)
+        for d in ("bin", "dev", "proc", "sys"):
+            (top / d).mkdir(parents=True)
+        shutil.copy2(busybox, top / "bin/busybox")
+        (top / "init").write_text(init)
+        (top / "init").chmod(0o755)
+        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
+                               check=True).stdout
+        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet",
+                               "--owner=0:0"], cwd=top, input=files, capture_output=True,
+                              check=True).stdout
+        out = root / "guest-initramfs.cpio.gz"
+        out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
+                                       check=True).stdout)
+    return out
 
 
 def build_patched_qemu() -> Path:
@@ -672,7 +735,7 @@ list_file = "{PAYLOAD_DIR}/base.pcsl"
 """
 
 
-def build_filter_payload(root: Path) -> Path:
+def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
     """A gzip'd cpio with the patched QEMU, pageshare-server, their shared
     libraries (at their host paths), firmware, a random raw base image, its
     list and a server config, all under PAYLOAD_DIR.  Appended to the
@@ -693,7 +756,9 @@ def build_filter_payload(root: Path) -> Path:
     h = hashlib.sha256(
         f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
     h.update(SERVER_TOML.encode())
-    for f in [*bins, *(f for _, f in firmware), *sorted(libs.values())]:
+    h.update(GUEST_INIT.encode())
+    for f in [*bins, *(f for _, f in firmware), *sorted(libs.values()), busybox,
+              guest_kernel]:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     out = root / "payload" / f"filter-{h.hexdigest()[:16]}.cpio.gz"
@@ -718,6 +783,14 @@ def build_filter_payload(root: Path) -> Path:
             shutil.copy2(real, dst)
         image = random.Random(PAYLOAD_SEED).randbytes(PAYLOAD_IMAGE_MIB << 20)
         (pd / "base.raw").write_bytes(image)
+        (pd / "guest").mkdir()
+        initrd = build_guest_initramfs(top, busybox)
+        shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
+        shutil.move(str(initrd), pd / "guest/initramfs.cpio.gz")
+        head = image[:GUEST_READ_BLOCKS * 4096]
+        (pd / "guest/expect").write_text(
+            f"sha256 {hashlib.sha256(head).hexdigest()}\n"
+            f"zero {hashlib.sha256(bytes(4096)).hexdigest()}\n")
         blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
         (pd / "base.pcsl").write_text(write_pcsl(image, blocks, "base.raw"))
         (pd / "server.toml").write_text(SERVER_TOML)
@@ -947,7 +1020,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     busybox = ensure_busybox(root)
     # Missing prerequisites of the filter test (QEMU build, cargo) fail the
     # run here, with a message; the test is never skipped silently.
-    payload = build_filter_payload(root) if any(t.payload for t in tests) else None
+    payload = None
+    if any(t.payload for t in tests):
+        with src.locked():
+            guest = ensure_kernel(src, patches, GUEST_CONFIG) / "bzImage"
+        payload = build_filter_payload(root, busybox, guest)
     rundir = root / "runs" / time.strftime("%Y%m%d-%H%M%S")
     rundir.mkdir(parents=True)
     initramfs = rundir / "initramfs.cpio.gz"

@@ -56,6 +56,8 @@
 
 /* Layout of the payload (ktest.py build_filter_payload()). */
 static const char *payload = "/pageshare";
+/* the block the booted guest overwrites (ktest.py GUEST_WRITE_BLOCK) */
+#define GUEST_WRITE_BLOCK_C 5
 #define WORK "/tmp/pageshare"
 
 /* ----------------------------------------------------------------- TAP */
@@ -1051,6 +1053,291 @@ static void gpas(uint64_t *out, unsigned int n, uint64_t base, uint64_t stride)
 		out[i] = base + i * stride;
 }
 
+/* ------------------------------------------------------ a booted guest */
+
+/*
+ * A guest kernel (Debian's, from the payload) boots under TCG inside this
+ * VM from a qcow2 overlay of base.raw through the filter in merge mode,
+ * virtio-blk, and reads the listed blocks into its page cache (the init
+ * script is ktest.py's GUEST_INIT).  From outside: the guest pages that
+ * hold listed blocks are the server's physical pages, with the image's
+ * bytes; the guest's own checksum of what it read is the image's; the
+ * server is SIGKILLed and restarted between two phases of reading and the
+ * guest goes on (and merges again); a guest write gets its own page.
+ */
+
+struct pfn_at {
+	uint64_t pfn, hva;
+};
+
+static int pfn_cmp(const void *a, const void *b)
+{
+	const struct pfn_at *x = a, *y = b;
+
+	return x->pfn < y->pfn ? -1 : x->pfn > y->pfn;
+}
+
+/* Every present page of qemu's guest RAM (its largest anonymous mapping). */
+static struct pfn_at *guest_pfns(struct qemu *q, size_t *n)
+{
+	char path[64], line[512];
+	uint64_t best_lo = 0, best_hi = 0;
+	struct pfn_at *out;
+	FILE *maps;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", q->pid);
+	maps = fopen(path, "r");
+	if (!maps)
+		bail("%s: %s", path, strerror(errno));
+	while (fgets(line, sizeof(line), maps)) {
+		uint64_t lo, hi;
+		char perms[8];
+		int name = 0;
+
+		if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %*s %n", &lo, &hi, perms,
+			   &name) < 3 || strncmp(perms, "rw-p", 4))
+			continue;
+		if (line[name] != '\n' && line[name] != '\0')
+			continue;               /* not anonymous */
+		if (hi - lo > best_hi - best_lo) {
+			best_lo = lo;
+			best_hi = hi;
+		}
+	}
+	fclose(maps);
+	out = calloc((best_hi - best_lo) / PS + 1, sizeof(*out));
+	*n = 0;
+	for (uint64_t a = best_lo; a < best_hi; a += PS) {
+		uint64_t pfn = pfn_of(&q->proc, a);
+
+		if (pfn)
+			out[(*n)++] = (struct pfn_at){ pfn, a };
+	}
+	qsort(out, *n, sizeof(*out), pfn_cmp);
+	return out;
+}
+
+static const struct pfn_at *find_pfn(const struct pfn_at *v, size_t n, uint64_t pfn)
+{
+	struct pfn_at key = { pfn, 0 };
+
+	return bsearch(&key, v, n, sizeof(*v), pfn_cmp);
+}
+
+/*
+ * The server's PFN of each of the guest's blocks before the server was
+ * restarted: blocks the guest read ahead then are the old server's pages.
+ */
+static uint64_t old_server_pfn[1024];
+
+/*
+ * Listed blocks of [first, end) whose server page (the running server's,
+ * or the one before a restart) the guest maps; *bad counts those whose
+ * bytes differ from the image or that are not KSM.  *whva gets the
+ * guest-RAM address of block @wblock if mapped.
+ */
+static unsigned int guest_merged(struct qemu *q, uint64_t first, uint64_t end,
+				 unsigned int *listed, unsigned int *bad, uint64_t wblock,
+				 uint64_t *whva)
+{
+	size_t n;
+	struct pfn_at *v = guest_pfns(q, &n);
+	unsigned int found = 0;
+
+	*listed = *bad = 0;
+	for (uint64_t b = first; b < end; b++) {
+		const struct pfn_at *hit;
+		uint64_t spfn;
+		uint8_t buf[PS];
+
+		if (!srv_addr(b))
+			continue;
+		(*listed)++;
+		spfn = pfn_of(&server, srv_addr(b));
+		hit = spfn ? find_pfn(v, n, spfn) : NULL;
+		if (!hit && b < 1024 && old_server_pfn[b]) {
+			spfn = old_server_pfn[b];
+			hit = find_pfn(v, n, spfn);
+		}
+		if (!hit)
+			continue;
+		found++;
+		proc_read(&q->proc, hit->hva, buf, PS);
+		if (memcmp(buf, image + b * PS, PS) || !pfn_is_ksm(spfn))
+			(*bad)++;
+		if (b == wblock && whva)
+			*whva = hit->hva;
+	}
+	free(v);
+	return found;
+}
+
+static void guest_expect(struct qemu *q, int con, const char *marker, char *line,
+			 size_t cap, int timeout_s)
+{
+	for (;;) {
+		read_line(q, con, q->rbuf, &q->rlen, sizeof(q->rbuf), line, cap, timeout_s);
+		if (strstr(line, "GUEST-ERROR"))
+			bail("guest: %s", line);
+		if (strstr(line, marker))
+			return;
+	}
+}
+
+static void restart_server(void)
+{
+	close(server_sock);
+	proc_close(&server);
+	kill_child(&server_pid);
+	unlink(WORK "/run/base.sock");
+	unlink(WORK "/run/control.sock");
+	start_server();
+}
+
+static void booted_guest(void)
+{
+	char gk[256], gi[256], share[256], bin[256], ovl[64], con_path[64], qmp_path[64];
+	char con_arg[256], qmp_arg[256], bd_base[512], bd_ps[512], bd_ovlf[512], img[256];
+	char line[512], expect_path[256], want_sha[80] = "", want_zero[80] = "";
+	char *argv[64];
+	int argc = 0, con = -1;
+	struct qemu *q = calloc(1, sizeof(*q));
+	unsigned int listed, bad, found;
+	uint64_t whva = 0, wspfn;
+	struct fstats f;
+	double t0 = now(), t_boot;
+	FILE *ex;
+
+	q->idx = 0;
+	snprintf(gk, sizeof(gk), "%s/guest/vmlinuz", payload);
+	snprintf(gi, sizeof(gi), "%s/guest/initramfs.cpio.gz", payload);
+	snprintf(share, sizeof(share), "%s/share/qemu", payload);
+	snprintf(bin, sizeof(bin), "%s/bin/qemu-system-x86_64", payload);
+	snprintf(img, sizeof(img), "%s/base.raw", payload);
+	snprintf(expect_path, sizeof(expect_path), "%s/guest/expect", payload);
+	ex = fopen(expect_path, "r");
+	if (!ex || fscanf(ex, "sha256 %64s zero %64s", want_sha, want_zero) != 2)
+		bail("%s: cannot read the expected checksums", expect_path);
+	fclose(ex);
+	snprintf(ovl, sizeof(ovl), WORK "/guest-ovl.qcow2");
+	{
+		char qimg[256], size[32];
+		char *iargv[] = { qimg, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", img,
+				  ovl, size, NULL };
+		pid_t p;
+		int st;
+
+		snprintf(qimg, sizeof(qimg), "%s/bin/qemu-img", payload);
+		snprintf(size, sizeof(size), "%zu", image_size);
+		unlink(ovl);
+		p = spawn(iargv, WORK "/qemu-img.log");
+		if (waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st))
+			bail("qemu-img create failed");
+	}
+	snprintf(con_path, sizeof(con_path), WORK "/guest-console.sock");
+	snprintf(qmp_path, sizeof(qmp_path), WORK "/guest-qmp.sock");
+	snprintf(con_arg, sizeof(con_arg), "socket,id=con,path=%s,server=on,wait=on", con_path);
+	snprintf(qmp_arg, sizeof(qmp_arg), "unix:%s,server=on,wait=off", qmp_path);
+	snprintf(bd_base, sizeof(bd_base), "{\"driver\":\"file\",\"node-name\":\"base\","
+		 "\"filename\":\"%s\",\"read-only\":true}", img);
+	snprintf(bd_ps, sizeof(bd_ps), "{\"driver\":\"pageshare\",\"node-name\":\"ps\","
+		 "\"file\":\"base\",\"read-only\":true,\"server\":\"" WORK "/run/base.sock\","
+		 "\"mode\":\"merge\",\"reconnect-delay\":1}");
+	snprintf(bd_ovlf, sizeof(bd_ovlf), "{\"driver\":\"file\",\"node-name\":\"ovl-file\","
+		 "\"filename\":\"%s\"}", ovl);
+#define A(x) (argv[argc++] = (char *)(x))
+	A(bin); A("-accel"); A("tcg"); A("-m"); A("128M"); A("-nodefaults");
+	A("-display"); A("none"); A("-no-reboot"); A("-L"); A(share);
+	A("-kernel"); A(gk); A("-initrd"); A(gi);
+	A("-append"); A("console=ttyS0 quiet panic=-1");
+	A("-chardev"); A(con_arg); A("-serial"); A("chardev:con");
+	A("-qmp"); A(qmp_arg);
+	A("-blockdev"); A(bd_base); A("-blockdev"); A(bd_ps); A("-blockdev"); A(bd_ovlf);
+	A("-blockdev");
+	A("{\"driver\":\"qcow2\",\"node-name\":\"ovl\",\"file\":\"ovl-file\",\"backing\":\"ps\"}");
+	A("-device"); A("virtio-blk-pci,drive=ovl");
+	A(NULL);
+#undef A
+	q->pid = spawn(argv, WORK "/guest-qemu.log");
+	qemu_pids[0] = q->pid;
+	{
+		double deadline = now() + 120;
+
+		while ((con = unix_connect(con_path)) < 0) {
+			if (now() > deadline || !alive(q->pid)) {
+				show_log(WORK "/guest-qemu.log");
+				bail("guest qemu: no console socket");
+			}
+			usleep(100000);
+		}
+	}
+	qmp_open(q, qmp_path);
+	proc_open(&q->proc, q->pid);
+
+	guest_expect(q, con, "GUEST-BOOTED", line, sizeof(line), 900);
+	t_boot = now() - t0;
+	diag("booted guest: up after %.0f s (%s)", t_boot, line);
+	guest_expect(q, con, "GUEST-PHASE1", line, sizeof(line), 900);
+	found = guest_merged(q, 0, 512, &listed, &bad, GUEST_WRITE_BLOCK_C, &whva);
+	wspfn = pfn_of(&server, srv_addr(GUEST_WRITE_BLOCK_C));
+	f = filter_stats(q);
+	ok(found >= listed * 9 / 10 && bad == 0 && f.merged >= found,
+	   "booted guest, phase 1: %u of %u listed blocks of 0-511 in its page cache are the "
+	   "server's pages (KSM, the image's bytes; %u wrong); filter merged %ld, "
+	   "merge-failed %ld (last errno %ld), not-guest-ram %ld", found, listed, bad, f.merged,
+	   f.failed, f.last_errno, f.not_ram);
+
+	/* the server goes away and comes back while the guest runs */
+	for (uint64_t b = 0; b < 1024; b++)
+		old_server_pfn[b] = srv_addr(b) ? pfn_of(&server, srv_addr(b)) : 0;
+	restart_server();
+	{
+		double deadline = now() + 120;
+
+		do {
+			usleep(500000);
+			f = filter_stats(q);
+		} while (!(f.connected && strstr(qmp_reply, "\"generation\"")) && now() < deadline);
+	}
+	ok(f.connected, "booted guest: the filter reconnected to the restarted server");
+	write_all(con, "go\n", 3);
+	guest_expect(q, con, "GUEST-SHA256", line, sizeof(line), 900);
+	ok(strstr(line, want_sha) != NULL,
+	   "booted guest: its sha256 of blocks 0-1023 is the image's (%s)", line);
+	guest_expect(q, con, "GUEST-PHASE2", line, sizeof(line), 900);
+	found = guest_merged(q, 512, 1024, &listed, &bad, GUEST_WRITE_BLOCK_C, NULL);
+	f = filter_stats(q);
+	ok(found >= listed * 9 / 10 && bad == 0,
+	   "booted guest, phase 2 (restarted server): %u of %u listed blocks of 512-1023 are "
+	   "server pages (the new server's, or the old one's for what it read ahead before "
+	   "the restart; %u wrong); filter merged %ld", found, listed, bad, f.merged);
+	ok(whva != 0 && pfn_of(&q->proc, whva) == wspfn,
+	   "booted guest: its page cache page of block %d is still the (first) server's page "
+	   "before the write", GUEST_WRITE_BLOCK_C);
+
+	/* the guest overwrites block 5 */
+	write_all(con, "go\n", 3);
+	guest_expect(q, con, "GUEST-WROTE", line, sizeof(line), 900);
+	ok(strstr(line, want_zero) != NULL, "booted guest: block %d reads back as written (%s)",
+	   GUEST_WRITE_BLOCK_C, line);
+	{
+		uint8_t buf[PS];
+		uint64_t gpfn = pfn_of(&q->proc, whva);
+
+		proc_read(&server, srv_addr(GUEST_WRITE_BLOCK_C), buf, PS);
+		ok(gpfn && gpfn != wspfn && !pfn_is_ksm(gpfn) &&
+		   !memcmp(buf, image + GUEST_WRITE_BLOCK_C * PS, PS),
+		   "booted guest: its write got its own page (pfn %#" PRIx64 ", was the server's "
+		   "%#" PRIx64 "); the server still holds the image's bytes", gpfn, wspfn);
+	}
+	write_all(con, "go\n", 3);
+	guest_expect(q, con, "GUEST-DONE", line, sizeof(line), 300);
+	diag("booted guest: %.0f s in all (boot %.0f s)", now() - t0, t_boot);
+	close(con);
+	stop_qemu(q);
+	free(q);
+}
+
 /* ---------------------------------------------------------------- main */
 
 /*
@@ -1307,6 +1594,8 @@ int main(int argc, char **argv)
 		     "merge %.0f (server page made KSM) %.0f (already KSM), copy %.0f %.0f",
 		     ns_merge[0], ns_merge[1], ns_copy[0], ns_copy[1]);
 	}
+
+	booted_guest();
 
 	/*
 	 * Wrong image: a QEMU over another file of the same size, pointed at
