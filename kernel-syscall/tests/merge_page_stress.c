@@ -363,7 +363,6 @@ static void client_merge(struct client *c)
 		case EAGAIN:		/* NOWAIT, or busy */
 		case EOPNOTSUPP:	/* run=2 for now */
 		case EBUSY:		/* NOSPLIT on a THP */
-		case EMLINK:
 		case EFAULT:		/* server gone between pid and mm */
 			__sync_fetch_and_add(&sh->errors_ok, 1);
 			break;
