@@ -16,6 +16,7 @@
  * - merge_page, first time: the source page becomes a KSM page in the call.
  * - merge_pages, batch B: B pages per call (dst anon, sources already KSM),
  *   time per page; at least 1000 pages and 200 calls per batch size.
+ * - merge_page of a source page that is already mapped 150-199 times.
  *
  * The server is a child process on another CPU; ksmd runs with
  * pages_to_scan=0 (merge_page needs it running, but it scans nothing).
@@ -275,6 +276,33 @@ int main(void)
 			rows[nrows++] = summarize(names[b], us, calls);
 			munmap(dst, n * PS);
 		}
+	}
+
+	/*
+	 * A page mapped many times: merges of one server page into fresh
+	 * pages while it is mapped 150 to 199 times, each timed on its own.
+	 * Below max_page_sharing (256) even with the stale mappings the rows
+	 * above left on it, which a kernel that does not prune them counts.
+	 */
+	{
+		enum { SHARERS = 150, SAMPLES = 50 };
+
+		dst = client_area(SHARERS + SAMPLES, 1);
+		if (!dst)
+			die("mmap");
+		for (int i = 0; i < SHARERS; i++)
+			if (merge_page_fd(pidfd, srv + 7 * PS, dst + i * PS, 0))
+				die("merge_page (sharers)");
+		for (int i = 0; i < SAMPLES; i++) {
+			t0 = now_ns();
+			if (merge_page_fd(pidfd, srv + 7 * PS, dst + (SHARERS + i) * PS, 0))
+				die("merge_page (shared page)");
+			t1 = now_ns();
+			us[i] = (t1 - t0) / 1000.0;
+		}
+		rows[nrows++] = summarize("merge_page, dst anon, source mapped 150+ times",
+					  us, SAMPLES);
+		munmap(dst, (SHARERS + SAMPLES) * PS);
 	}
 
 	/* Print the table. */
