@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -350,8 +350,12 @@ def checkout_tree(src: Source, commit: str) -> None:
 
 def config_fragments(config: str) -> list[Path]:
     # the booted guest's kernel is not a test kernel: tinyconfig + its own
-    frags = ([CONFIGS / "guest.config"] if config == GUEST_CONFIG else
-             [CONFIGS / "base.config", CONFIGS / f"{config}.config"])
+    if config == GUEST_CONFIG:
+        frags = [CONFIGS / "guest.config"]
+    elif config == BENCH_GUEST_CONFIG:
+        frags = [CONFIGS / "guest.config", CONFIGS / "guest-bench.config"]
+    else:
+        frags = [CONFIGS / "base.config", CONFIGS / f"{config}.config"]
     for f in frags:
         if not f.exists():
             raise KtestError(f"no config fragment {f}")
@@ -565,6 +569,9 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
     if (GUEST / "pageshare_filter_test.c").exists():
         cc("pageshare_filter_test", [GUEST / "pageshare_filter_test.c"],
            extra=["-Werror", "-I", str(REPO / "page-server/client")])
+    if (GUEST / "e2e_sampler.c").exists():
+        # bench/e2e_vs_ksm.py's sampler (not a test; built with them)
+        cc("e2e_sampler", [GUEST / "e2e_sampler.c"], extra=["-Werror", "-Wextra"])
     # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
     for f in sorted(GUEST.glob("debug_*.c")):
         cc(f.stem, [f, *lib, mm / "vm_util.c"], extra=inc)
@@ -591,6 +598,7 @@ def check_uapi_header(src: Source, commit: str) -> None:
 
 FILTER_TEST = "pageshare_filter_merge"
 GUEST_CONFIG = "guest"           # config/guest.config: the booted guest's kernel
+BENCH_GUEST_CONFIG = "guest-bench"  # + config/guest-bench.config: bench/e2e_vs_ksm.py's
 PAYLOAD_DIR = "/pageshare"
 # Bump when the payload's layout or content recipe changes.
 PAYLOAD_RECIPE = "2"
@@ -897,10 +905,14 @@ class Result:
 
 
 def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int,
-         extra_append: str = "") -> list[str]:
+         extra_append: str = "", mem: str = "2G",
+         show: Callable[[str], bool] | None = None) -> list[str]:
+    """Boot the kernel with the initramfs under TCG; return its serial lines.
+    Lines for which show() is true are echoed (default: KTEST- markers, TAP
+    results and kernel reports)."""
     append = ("console=ttyS0 panic=-1 loglevel=5 log_buf_len=8M numa=fake=2 "
               "transparent_hugepage=madvise " + extra_append).strip()
-    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", "2G", "-smp", "2",
+    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", mem, "-smp", "2",
            "-kernel", str(kdir / "bzImage"), "-initrd", str(initramfs),
            "-append", append, "-nographic", "-no-reboot", "-monitor", "none"]
     log(f"booting: {shlex.join(cmd)}")
@@ -940,8 +952,9 @@ def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int,
                 in_dmesg = True
             elif line.startswith("KTEST-DMESG-END"):
                 in_dmesg = False
-            elif not in_dmesg and (line.startswith("KTEST-") or re.match(r"^\s*(not )?ok \d+", line)
-                                   or line.startswith("# Totals") or BAD_RE.search(line)):
+            elif not in_dmesg and (show(line) if show else (
+                    line.startswith("KTEST-") or re.match(r"^\s*(not )?ok \d+", line)
+                    or line.startswith("# Totals") or BAD_RE.search(line))):
                 print(f"  | {line}", flush=True)
         if p.poll() is None:
             p.kill()

@@ -1,0 +1,194 @@
+#!/bin/sh
+# The in-VM half of bench/e2e_vs_ksm.py: runs in the pageshare host (the
+# patched 6.12 kernel booted under QEMU, everything in its initramfs under
+# /pageshare) and runs each configuration in turn with the same guests and
+# workload:
+#
+#   none         no sharing (ksmd stopped, no filter)
+#   ksm          KSM as a 6.12 host runs it: run=1 and the kernel's defaults
+#                (pages_to_scan 100, sleep 20 ms, smart_scan on)
+#   ksm-advisor  the same with advisor_mode=scan-time
+#   pageshare    the filter in merge mode with pageshare-server, and KSM
+#                as in "ksm" for everything else
+#   ksm-fpr      "ksm" with virtio-balloon free page reporting in the guests
+#
+# Every line the outer script reads starts with E2E-: E2E-EV (an event),
+# E2E-G/E2E-H (e2e_sampler's samples), E2E-ERROR (a refusal).
+#
+#   sh driver.sh              run what /pageshare/e2e.env says
+#   sh driver.sh --preflight  only check that this host can run it
+set -u
+P=${PAGESHARE_PAYLOAD:-/pageshare}
+W=/tmp/e2e
+K=/sys/kernel/mm/ksm
+cfg=preflight
+
+ms() { awk '{ printf "%d", $1 * 1000 }' /proc/uptime; }
+ev() { echo "E2E-EV $cfg $(ms) $*"; }
+fail() {
+    echo "E2E-ERROR $*"
+    exit 1
+}
+
+preflight() {
+    [ -d $K ] || fail "this kernel has no KSM ($K missing): the benchmark needs" \
+        "a host kernel with CONFIG_KSM and the merge_pages series (kernel-syscall/)"
+    [ -e $K/merge_page_merged ] || fail "this kernel lacks the merge_pages series" \
+        "($K/merge_page_merged missing): boot the patched kernel" \
+        "(kernel-syscall/ktest.py builds it); pageshare cannot merge here"
+    [ -w $K/run ] || fail "$K/run is not writable: run the benchmark as root"
+    echo 1 > $K/run 2>/dev/null && [ "$(cat $K/run)" = 1 ] ||
+        fail "KSM cannot be switched on ($K/run stays $(cat $K/run)):" \
+            "pageshare needs KSM in merge mode (run=1)"
+    echo 0 > $K/run
+}
+
+if [ "${1:-}" = --preflight ]; then
+    preflight
+    echo "E2E-PREFLIGHT ok"
+    exit 0
+fi
+. $P/e2e.env
+preflight
+
+ksm_defaults() {
+    # 6.12's boot defaults; the "none" configuration stops ksmd instead
+    echo 100 > $K/pages_to_scan
+    echo 20 > $K/sleep_millisecs
+    echo 1 > $K/smart_scan
+    echo 0 > $K/use_zero_pages
+    echo 256 > $K/max_page_sharing
+    [ -e $K/advisor_mode ] && echo none > $K/advisor_mode
+}
+
+server_pid=0
+sampler_pid=0
+qemu_pids=""
+
+stop_all() {
+    [ "$sampler_pid" != 0 ] && kill "$sampler_pid" 2>/dev/null
+    for p in $qemu_pids; do kill "$p" 2>/dev/null; done
+    for p in $qemu_pids; do wait "$p" 2>/dev/null; done
+    [ "$sampler_pid" != 0 ] && wait "$sampler_pid" 2>/dev/null
+    if [ "$server_pid" != 0 ]; then
+        kill "$server_pid" 2>/dev/null
+        wait "$server_pid" 2>/dev/null
+    fi
+    sampler_pid=0 server_pid=0 qemu_pids=""
+    # unmerge what is left so the next configuration starts from nothing
+    echo 2 > $K/run
+    echo 0 > $K/run
+}
+trap 'stop_all; exit 1' INT TERM
+
+wait_file() { # path seconds
+    n=0
+    while [ ! -e "$1" ] && [ $n -lt $(($2 * 10)) ]; do sleep 0.1; n=$((n + 1)); done
+    [ -e "$1" ]
+}
+
+start_server() {
+    rm -rf /tmp/pageshare
+    mkdir -p /tmp/pageshare/run /tmp/pageshare/cache
+    $P/bin/pageshare-server --config $P/server.toml > $W/server.log 2>&1 &
+    server_pid=$!
+    wait_file /tmp/pageshare/run/base.sock 300 ||
+        { cat $W/server.log; fail "pageshare-server did not publish base.sock"; }
+    ev server-ready "$(grep -c . $W/server.log)"
+}
+
+start_guest() { # index filter(0/1) balloon(0/1)
+    i=$1 filter=$2 balloon=$3
+    ovl=$W/ovl$i.qcow2
+    rm -f $ovl $W/g$i.log $W/qmp$i.sock
+    $P/bin/qemu-img create -q -f qcow2 -F qcow2 -b $P/base.qcow2 $ovl ||
+        fail "qemu-img create $ovl"
+    backing=base
+    set -- -blockdev \
+        '{"driver":"file","node-name":"base-file","filename":"'$P'/base.qcow2","read-only":true}' \
+        -blockdev '{"driver":"qcow2","node-name":"base","file":"base-file","read-only":true}'
+    if [ "$filter" = 1 ]; then
+        # exactly qemu-patches/README.md's -blockdev graph, in merge mode
+        set -- "$@" -blockdev '{"driver":"pageshare","node-name":"ps","file":"base","read-only":true,"server":"/tmp/pageshare/run/base.sock","mode":"merge"}'
+        backing=ps
+    fi
+    set -- "$@" -blockdev '{"driver":"file","node-name":"ovl-file","filename":"'$ovl'"}' \
+        -blockdev '{"driver":"qcow2","node-name":"ovl","file":"ovl-file","backing":"'$backing'"}' \
+        -device virtio-blk-pci,drive=ovl
+    [ "$balloon" = 1 ] && set -- "$@" -device virtio-balloon-pci,free-page-reporting=on
+    $P/bin/qemu-system-x86_64 -M pc -accel tcg,tb-size=64 -m "${GUEST_MIB}M" -smp 1 \
+        -nodefaults -display none -no-reboot -L $P/share/qemu \
+        -kernel $P/guest/vmlinuz -initrd $P/guest/initramfs.cpio.gz \
+        -append "console=ttyS0 quiet" -serial file:$W/g$i.log \
+        -qmp unix:$W/qmp$i.sock,server=on,wait=off "$@" > $W/qemu$i.log 2>&1 &
+    qemu_pids="$qemu_pids $!"
+}
+
+# All guests print GUEST-WORK-DONE (or one fails); $1: timeout in seconds.
+wait_guests() {
+    deadline=$(($(ms) / 1000 + $1))
+    while :; do
+        done_n=0
+        for i in $(seq 1 "$GUESTS"); do
+            grep -q GUEST-ERROR $W/g$i.log 2>/dev/null &&
+                { cat $W/g$i.log; fail "guest $i: $(grep GUEST-ERROR $W/g$i.log)"; }
+            grep -q GUEST-WORK-DONE $W/g$i.log 2>/dev/null && done_n=$((done_n + 1))
+        done
+        [ "$done_n" = "$GUESTS" ] && return 0
+        for p in $qemu_pids; do
+            kill -0 "$p" 2>/dev/null || { cat $W/qemu*.log; fail "a guest's QEMU exited"; }
+        done
+        [ $(($(ms) / 1000)) -gt "$deadline" ] && fail "guests not done after $1 s"
+        sleep 1
+    done
+}
+
+run_config() { # name filter ksm(off/default/advisor) balloon
+    cfg=$1 c_filter=$2 c_ksm=$3 c_balloon=$4
+    ev begin "filter=$c_filter ksm=$c_ksm balloon=$c_balloon guests=$GUESTS guest_mib=$GUEST_MIB"
+    ksm_defaults
+    if [ "$c_ksm" = off ]; then
+        echo 0 > $K/run
+    else
+        [ "$c_ksm" = advisor ] && echo scan-time > $K/advisor_mode
+        echo 1 > $K/run
+    fi
+    [ "$c_filter" = 1 ] && start_server
+    for i in $(seq 1 "$GUESTS"); do start_guest "$i" "$c_filter" "$c_balloon"; done
+    ev guests-started "$qemu_pids"
+    set --
+    i=0
+    for p in $qemu_pids; do
+        i=$((i + 1))
+        wait_file $W/qmp$i.sock 120 || fail "guest $i: no QMP socket"
+        if [ "$c_filter" = 1 ]; then set -- "$@" "$p:$W/qmp$i.sock"; else set -- "$@" "$p:-"; fi
+    done
+    $P/bin/e2e_sampler "$cfg" $P/listed.hashes "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" \
+        "$@" &
+    sampler_pid=$!
+    wait_guests "$WORK_TIMEOUT"
+    ev work-done
+    for i in $(seq 1 "$GUESTS"); do
+        # the guest's own timestamps: booted, binaries, grep start/end, sum
+        echo "E2E-GUEST $cfg $i $(grep -E '^GUEST-(BOOTED|BINS|GREP|SUM|WORK-DONE)' $W/g$i.log |
+            tr -d '\r' | tr '\n' ' ')"
+    done
+    [ "$c_filter" = 1 ] && ev server-log "$(tr '\n' '|' < $W/server.log | cut -c1-600)"
+    sleep "$OBSERVE"
+    ev end
+    stop_all
+}
+
+mkdir -p $W
+for c in $CONFIGS; do
+    case $c in
+    none) run_config none 0 off 0 ;;
+    ksm) run_config ksm 0 default 0 ;;
+    ksm-advisor) run_config ksm-advisor 0 advisor 0 ;;
+    pageshare) run_config pageshare 1 default 0 ;;
+    ksm-fpr) run_config ksm-fpr 0 default 1 ;;
+    *) fail "unknown configuration $c" ;;
+    esac
+done
+cfg=all
+ev finished

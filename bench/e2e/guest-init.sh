@@ -1,0 +1,38 @@
+#!/bin/busybox sh
+# /init of each booted guest of bench/e2e_vs_ksm.py (busybox initramfs,
+# kernel-syscall/config/guest-bench.config).  The guest mounts the golden
+# image's root read-only from its virtio-blk disk (a qcow2 overlay of the
+# golden image, through the pageshare filter or not), runs the image's own
+# binaries, then reads most of /usr the way `grep -r` does (the talk's
+# file-reading workload), prints a checksum of what it read and idles with
+# its page cache kept, until the driver stops it.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+up() { cut -d' ' -f1 /proc/uptime; }
+n=0; while [ ! -b /dev/vda ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1)); done
+if ! mount -t ext4 -o ro /dev/vda /mnt; then
+    echo "GUEST-ERROR cannot mount /dev/vda (ext4, the golden image's root)"
+    poweroff -f
+fi
+mount -t proc proc /mnt/proc 2>/dev/null
+mount -t devtmpfs dev /mnt/dev 2>/dev/null
+echo "GUEST-BOOTED $(up)"
+t0=$(up)
+# the image's own binaries, which load its shared libraries
+for c in "/bin/bash -c true" "/usr/bin/systemctl --version" \
+         "/usr/lib/systemd/systemd --version" "/usr/bin/udevadm --version" \
+         "/usr/bin/udevadm hwdb --test=pci:v00008086d00001237" \
+         "/usr/bin/journalctl --version" "/usr/bin/dpkg -l" \
+         "/usr/bin/apt-cache policy" "/usr/bin/perl -e 1" "/sbin/ldconfig -p" \
+         "/usr/bin/ls -la /usr/bin" "/usr/bin/find /usr/share/doc -name copyright"; do
+    chroot /mnt $c >/dev/null 2>&1
+done
+t1=$(up)
+echo "GUEST-BINS $t0 $t1"
+grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND __GREP_DIRS__
+t2=$(up)
+echo "GUEST-GREP $t1 $t2"
+sum=$(find __SUM_DIRS__ -type f | sort | xargs cat | sha256sum)
+echo "GUEST-SUM ${sum%% *}"
+echo "GUEST-WORK-DONE $(up)"
+while :; do sleep 3600; done

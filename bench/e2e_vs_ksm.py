@@ -1,0 +1,517 @@
+#!/usr/bin/env python3
+"""Benchmark: booted guests sharing their page cache through the whole
+stack, against KSM (the talk's evaluation 3).
+
+One command:
+
+    sudo .venv/bin/python bench/e2e_vs_ksm.py [--guests 3] [--observe 180]
+
+It builds (all cached) the patched 6.12 kernel (plain config), the small
+guest kernel of config/guest-bench.config, the patched QEMU and
+pageshare-server, takes the golden image (default: the "small" variant) and
+the list analyze-image made for it (run once and cached), and boots the
+patched kernel under TCG as a pageshare host with all of it in its
+initramfs.  In that host bench/e2e/driver.sh runs the same N guests and
+workload in each configuration (none, ksm, ksm-advisor, pageshare,
+ksm-fpr; see driver.sh) while kernel-syscall/tests/e2e_sampler.c records,
+every second, from outside the guests: each QEMU's PSS and RSS, which guest
+pages hold listed blocks, zeros or other data and which of them are shared
+(KSM pages, by pagemap and kpageflags), ksmd's and the server's CPU, the
+filter's merge counters and time, MemAvailable.
+
+Results go to --out (default bench/results/e2e-<date>/) as CSV:
+samples_host.csv, samples_guest.csv, events.csv, guests.csv, plus
+summary.json and summary.md (the table for docs/benchmarks.md).
+notebooks/e2e_vs_ksm.ipynb plots them.
+
+The guests are booted Linux kernels (virtio-blk, the golden image's ext4
+root mounted read-only, its own binaries run in a chroot, then most of /usr
+read as `grep -r` does), nested under TCG in the TCG-booted host: see
+docs/ARCHITECTURE.md ("End to end") for why not a full multi-user boot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "analyzer"))
+
+from pageshare import golden, sectorlist  # noqa: E402
+
+CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr"]
+PAGE = 4096
+MIB = 2**20
+GREP_DIRS = "/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib"
+SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
+GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
+                "listed", "listed_shared", "zero", "zero_shared", "other_shared",
+                "requests", "merged", "merge_ns", "merge_failed", "not_listed"]
+HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
+               "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
+               "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
+               "distinct_other", "sample_ms"]
+
+
+class BenchError(Exception):
+    """The benchmark cannot run; the message says why and what to do."""
+
+
+def log(msg: str) -> None:
+    print(f"[e2e_vs_ksm] {msg}", file=sys.stderr, flush=True)
+
+
+def load_ktest() -> ModuleType:
+    """kernel-syscall/ktest.py, a standalone script, as a module."""
+    spec = importlib.util.spec_from_file_location("ktest", REPO / "kernel-syscall/ktest.py")
+    if spec is None or spec.loader is None:
+        raise BenchError("cannot load kernel-syscall/ktest.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ktest"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def page_hash(block: bytes) -> int:
+    """64-bit FNV-1a over little-endian 64-bit words: e2e_sampler.c's page_hash()."""
+    h = 0xCBF29CE484222325
+    for (w,) in struct.iter_unpack("<Q", block):
+        h = ((h ^ w) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def ensure_list(image: Path, cache: Path) -> Path:
+    """The list analyze-image makes for image, made once per image file."""
+    st = image.stat()
+    key = hashlib.sha256(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    d = cache / "bench-lists" / key.hexdigest()[:16]
+    found = sorted(d.glob("*.pcsl"))
+    if found:
+        log(f"list: cached {found[-1]}")
+        return found[-1]
+    d.mkdir(parents=True, exist_ok=True)
+    log(f"list: analyze-image {image} (once per image; several minutes under TCG)")
+    cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--runs", "1",
+           "--lists-dir", str(d), "--db", str(d / "results.sqlite"), str(image)]
+    p = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")))
+    found = sorted(d.glob("*.pcsl"))
+    if p.returncode != 0 or not found:
+        raise BenchError(f"analyze-image failed on {image} (exit {p.returncode}); "
+                         "run it by hand to see why: " + shlex.join(cmd))
+    return found[-1]
+
+
+def listed_hashes(image: Path, pcsl: Path) -> tuple[bytes, int]:
+    """e2e_sampler's hash file (the listed blocks' page_hash, 8 bytes each)
+    and the number of blocks; checks every block's bytes against the list."""
+    sl = sectorlist.read(pcsl)
+    with tempfile.TemporaryDirectory(prefix="e2e-raw-", dir="/var/tmp") as td:
+        raw = Path(td) / "base.raw"
+        subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
+        if raw.stat().st_size != sl.image.virtual_size:
+            raise BenchError(f"{pcsl} is for an image of {sl.image.virtual_size} bytes, "
+                             f"{image} is {raw.stat().st_size}: pass the list made for it")
+        out = bytearray()
+        with open(raw, "rb") as f:
+            for sector, digest in sorted(sl.blocks.items()):
+                f.seek(sector * 512)
+                block = f.read(PAGE)
+                if sectorlist.block_hash(block) != digest:
+                    raise BenchError(f"{pcsl}: block at sector {sector} does not match "
+                                     f"{image}; the list is for another image")
+                out += struct.pack("<Q", page_hash(block))
+    return bytes(out), len(sl.blocks)
+
+
+SERVER_TOML = """# pageshare-server in the benchmark's host VM (bench/e2e_vs_ksm.py)
+socket_dir = "/tmp/pageshare/run"
+cache_dir = "/tmp/pageshare/cache"
+metrics_listen = ""
+host_name = "e2e-bench"
+qemu_storage_daemon = "/pageshare/bin/qemu-storage-daemon"
+
+[[image]]
+name = "base"
+path = "/pageshare/base.qcow2"
+format = "qcow2"
+list_file = "/pageshare/base.pcsl"
+"""
+
+
+@dataclass
+class Settings:
+    guests: int
+    guest_mib: int
+    host_mib: int
+    observe: int
+    interval_ms: int
+    configs: list[str]
+    grep_dirs: str
+    sum_dirs: str
+    work_timeout: int
+
+
+def guest_initramfs(busybox: Path, st: Settings, out: Path) -> None:
+    init = ((REPO / "bench/e2e/guest-init.sh").read_text()
+            .replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs))
+    with tempfile.TemporaryDirectory(prefix="e2e-guest-") as td:
+        top = Path(td)
+        for d in ("bin", "dev", "proc", "sys", "mnt"):
+            (top / d).mkdir()
+        shutil.copy2(busybox, top / "bin/busybox")
+        (top / "init").write_text(init)
+        (top / "init").chmod(0o755)
+        cpio_gz(top, out)
+
+
+def cpio_gz(top: Path, out: Path) -> None:
+    files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
+                           check=True).stdout
+    cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+                          cwd=top, input=files, capture_output=True, check=True).stdout
+    out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
+                                   check=True).stdout)
+
+
+def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Settings,
+                  busybox: Path, guest_kernel: Path, out: Path) -> None:
+    """/pageshare in the host VM: binaries with their libraries, firmware,
+    the golden image and its list, the guest kernel and initramfs."""
+    qemu = kt.build_patched_qemu()
+    server = kt.build_page_server()
+    sampler = out.parent / "e2e_sampler"
+    kt.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(sampler),
+            str(REPO / "kernel-syscall/tests/e2e_sampler.c")])
+    bins = [qemu / "bin" / b for b in kt.QEMU_BINARIES] + [server]
+    with tempfile.TemporaryDirectory(prefix="e2e-payload-", dir="/var/tmp") as td:
+        top = Path(td)
+        pd = top / "pageshare"
+        for d in ("bin", "share/qemu", "guest"):
+            (pd / d).mkdir(parents=True)
+        for b in bins:
+            kt.run(["strip", "-o", str(pd / "bin" / b.name), str(b)])
+        shutil.copy2(sampler, pd / "bin/e2e_sampler")
+        for fw in kt.QEMU_FIRMWARE:
+            shutil.copy2((qemu / "share/qemu" / fw).resolve(), pd / "share/qemu" / fw)
+        for b in bins:
+            for lib in kt.shared_libs(b):
+                dst = top / str(lib).lstrip("/")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(lib.resolve(), dst)
+        shutil.copy2(image, pd / "base.qcow2")
+        # The server's proof of the base is its file stamp; a ctime under
+        # two seconds old is not trusted (qemu-patches/README.md).
+        shutil.copy2(pcsl, pd / "base.pcsl")
+        (pd / "listed.hashes").write_bytes(hashes)
+        (pd / "server.toml").write_text(SERVER_TOML)
+        shutil.copy2(REPO / "bench/e2e/driver.sh", pd / "driver.sh")
+        (pd / "e2e.env").write_text(
+            f"GUESTS={st.guests}\nGUEST_MIB={st.guest_mib}\nOBSERVE={st.observe}\n"
+            f"INTERVAL_MS={st.interval_ms}\nWORK_TIMEOUT={st.work_timeout}\n"
+            f"CONFIGS='{' '.join(st.configs)}'\n")
+        shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
+        guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
+        cpio_gz(top, out)
+
+
+def parse(lines: list[str]) -> dict[str, list[list[str]]]:
+    """The E2E- lines of the serial log, by kind."""
+    rows: dict[str, list[list[str]]] = defaultdict(list)
+    for line in lines:
+        line = line.strip()
+        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR "):
+            if line.startswith(kind):
+                if kind == "E2E-EV ":
+                    parts = line.split(" ", 4)
+                    rows["ev"].append(parts[1:] + [""] * (5 - len(parts)))
+                elif kind == "E2E-GUEST ":
+                    rows["guest"].append(line.split(" ", 3)[1:])
+                elif kind == "E2E-ERROR ":
+                    rows["error"].append([line[len(kind):]])
+                else:
+                    rows[kind.strip()].append(line.split()[1:])
+    return rows
+
+
+def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def guest_marks(text: str) -> dict[str, list[str]]:
+    """'GUEST-BOOTED 12.3 GUEST-BINS 1 2 ...' -> {'BOOTED': ['12.3'], ...}."""
+    marks: dict[str, list[str]] = {}
+    key = ""
+    for tok in text.split():
+        if tok.startswith("GUEST-"):
+            key = tok[len("GUEST-"):]
+            marks[key] = []
+        elif key:
+            marks[key].append(tok)
+    return marks
+
+
+def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> dict[str, Any]:
+    """Per configuration: memory, sharing by class, CPU, workload times."""
+    events: dict[str, dict[str, tuple[int, str]]] = defaultdict(dict)
+    for cfg, t_ev, name, rest, *_ in rows["ev"]:
+        events[cfg][name] = (int(t_ev), rest)
+    host: dict[str, list[dict[str, int]]] = defaultdict(list)
+    for r in rows["E2E-H"]:
+        host[r[0]].append({k: int(v) for k, v in zip(HOST_FIELDS[1:], r[1:], strict=True)})
+    guest: dict[str, dict[int, list[dict[str, int]]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows["E2E-G"]:
+        d = {k: int(v) for k, v in zip(GUEST_FIELDS[1:], r[1:], strict=True)}
+        guest[r[0]][d["guest"]].append(d)
+    marks: dict[str, dict[int, dict[str, list[str]]]] = defaultdict(dict)
+    for cfg, idx, text in rows["guest"]:
+        marks[cfg][int(idx)] = guest_marks(text)
+    sums = {m.get("SUM", ["?"])[0] for c in marks.values() for m in c.values()}
+
+    out: dict[str, Any] = {"configs": {}, "bytes_identical": len(sums) == 1,
+                           "checksums": sorted(sums), "listed_blocks": nlisted}
+    for cfg in st.configs:
+        if cfg not in events or "work-done" not in events[cfg] or not host[cfg]:
+            out["configs"][cfg] = {"error": "did not finish"}
+            continue
+        t_begin = events[cfg]["begin"][0]
+        t_work = events[cfg]["work-done"][0]
+        hs = host[cfg]
+        last_t = hs[-1]["t_ms"]
+
+        gids = sorted(guest[cfg])
+        series = {g: guest[cfg][g] for g in gids}
+
+        def at(t: int, g: int, series: dict[int, list[dict[str, int]]] = series
+               ) -> dict[str, int]:
+            """Guest g's last sample at or before t."""
+            before = [s for s in series[g] if s["t_ms"] <= t]
+            return before[-1] if before else series[g][0]
+
+        end = [guest[cfg][g][-1] for g in gids]
+        work = [at(t_work, g) for g in gids]
+        listed_end = sum(s["listed"] for s in end)
+        shared_end = sum(s["listed_shared"] for s in end)
+        # Time from the end of the workload until 90 % of the listed pages
+        # that guests hold are shared (0: already at the end of the reads).
+        t90 = None
+        for t in sorted({s["t_ms"] for g in gids for s in guest[cfg][g]}):
+            ss = [at(t, g) for g in gids]
+            tot = sum(s["listed"] for s in ss)
+            if t >= t_work and tot and sum(s["listed_shared"] for s in ss) >= 0.9 * tot:
+                t90 = (t - t_work) / 1000
+                break
+        h_end = hs[-1]
+        saved = {
+            "listed": sum(s["listed_shared"] for s in end) - h_end["distinct_listed"],
+            "zero": sum(s["zero_shared"] for s in end) - h_end["distinct_zero"],
+            "other": sum(s["other_shared"] for s in end) - h_end["distinct_other"],
+        }
+        ksmd_cpu = (hs[-1]["ksmd_cpu_ms"] - hs[0]["ksmd_cpu_ms"]) / 1000
+        server_cpu = (hs[-1]["server_cpu_ms"] - hs[0]["server_cpu_ms"]) / 1000
+        merged = sum(max(s["merged"], 0) for s in end)
+        merge_s = sum(max(s["merge_ns"], 0) for s in end) / 1e9
+        greps, bins, boots = [], [], []
+        for m in marks[cfg].values():
+            if "GREP" in m:
+                greps.append(float(m["GREP"][1]) - float(m["GREP"][0]))
+            if "BINS" in m:
+                bins.append(float(m["BINS"][1]) - float(m["BINS"][0]))
+            if "BOOTED" in m:
+                boots.append(float(m["BOOTED"][0]))
+        ksm_saved_gib = h_end["pages_sharing"] * PAGE / 2**30
+        c: dict[str, Any] = {
+            "work_s": (t_work - t_begin) / 1000,
+            "observed_s": (last_t - t_work) / 1000,
+            "pss_mib_end": (sum(s["pss_kb"] for s in end) + h_end["server_pss_kb"]) / 1024,
+            "rss_mib_end": (sum(s["rss_kb"] for s in end) + h_end["server_rss_kb"]) / 1024,
+            "pss_mib_work_done": sum(s["pss_kb"] for s in work) / 1024,
+            "server_pss_mib": h_end["server_pss_kb"] / 1024,
+            "memavail_mib_end": h_end["memavail_kb"] / 1024,
+            "listed_pages_held": listed_end,
+            "listed_shared_frac_end": shared_end / listed_end if listed_end else 0.0,
+            "listed_shared_frac_work_done": (sum(s["listed_shared"] for s in work)
+                                             / max(1, sum(s["listed"] for s in work))),
+            "t90_after_reads_s": t90,
+            "saved_mib": {k: v * PAGE / MIB for k, v in saved.items()},
+            "pages_sharing": h_end["pages_sharing"],
+            "ksmd_cpu_s": ksmd_cpu,
+            "ksmd_cpu_s_per_gib": ksmd_cpu / ksm_saved_gib if ksm_saved_gib > 0 else None,
+            "filter_merged": merged,
+            "filter_merge_s": merge_s,
+            "server_cpu_s": server_cpu,
+            "pageshare_cpu_s_per_gib": ((merge_s + server_cpu) / (merged * PAGE / 2**30)
+                                        if merged else None),
+            "merge_failed": sum(max(s["merge_failed"], 0) for s in end),
+            "grep_s_mean": sum(greps) / len(greps) if greps else None,
+            "bins_s_mean": sum(bins) / len(bins) if bins else None,
+            "boot_s_mean": sum(boots) / len(boots) if boots else None,
+            "sample_ms_mean": sum(h["sample_ms"] for h in hs) / len(hs),
+        }
+        out["configs"][cfg] = c
+    return out
+
+
+def fmt(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
+    rows = [
+        ("guests' QEMU PSS + server PSS at the end, MiB", "pss_mib_end", ".0f"),
+        ("guests' QEMU RSS + server RSS at the end, MiB", "rss_mib_end", ".0f"),
+        ("MemAvailable at the end, MiB", "memavail_mib_end", ".0f"),
+        ("saved: listed page cache, MiB", ("saved_mib", "listed"), ".1f"),
+        ("saved: zero pages, MiB", ("saved_mib", "zero"), ".1f"),
+        ("saved: everything else, MiB", ("saved_mib", "other"), ".1f"),
+        ("listed pages held by guests shared at the end of the reads",
+         "listed_shared_frac_work_done", ".0%"),
+        ("listed pages held by guests shared at the end", "listed_shared_frac_end", ".0%"),
+        ("s after the reads until 90 % of listed pages shared", "t90_after_reads_s", ".0f"),
+        ("ksmd CPU, s", "ksmd_cpu_s", ".1f"),
+        ("ksmd CPU s per GiB saved (pages_sharing)", "ksmd_cpu_s_per_gib", ".1f"),
+        ("pages merged at read time by the filter", "filter_merged", "d"),
+        ("filter time in merge_pages, s", "filter_merge_s", ".2f"),
+        ("pageshare CPU s per GiB merged (filter + server)", "pageshare_cpu_s_per_gib", ".2f"),
+        ("merges left to ksmd (EAGAIN etc.)", "merge_failed", "d"),
+        ("guest boot (mean), s", "boot_s_mean", ".0f"),
+        ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
+        ("grep -r over /usr (mean), s", "grep_s_mean", ".1f"),
+        ("workload, s (start to all done)", "work_s", ".0f"),
+        ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
+    ]
+    cfgs = list(summary["configs"])
+    out = [f"- command: `{cmdline}`", f"- {facts}",
+           f"- listed blocks: {summary['listed_blocks']}; guests read identical bytes in "
+           f"every configuration: {'yes' if summary['bytes_identical'] else 'NO'} "
+           f"({len(summary['checksums'])} distinct checksum(s))", "",
+           "| | " + " | ".join(cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+    for label, key, spec in rows:
+        vals = []
+        for c in cfgs:
+            d = summary["configs"][c]
+            if "error" in d:
+                vals.append(d["error"])
+                continue
+            v = d[key[0]][key[1]] if isinstance(key, tuple) else d[key]
+            vals.append(fmt(v, spec))
+        out.append(f"| {label} | " + " | ".join(vals) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--image", type=Path, help="golden image (default: the small variant)")
+    ap.add_argument("--list", type=Path, help="its list (default: analyze-image's, cached)")
+    ap.add_argument("--guests", type=int, default=3)
+    ap.add_argument("--guest-mib", type=int, default=384)
+    ap.add_argument("--host-mib", type=int, default=6144,
+                    help="memory of the pageshare host VM")
+    ap.add_argument("--observe", type=int, default=180,
+                    help="seconds sampled after the guests' workload is done")
+    ap.add_argument("--interval-ms", type=int, default=1000)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, in order (default {','.join(CONFIGS)})")
+    ap.add_argument("--grep-dirs", default=GREP_DIRS)
+    ap.add_argument("--sum-dirs", default=SUM_DIRS)
+    ap.add_argument("--work-timeout", type=int, default=2400)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}")
+    if os.geteuid() != 0:
+        ap.error("run as root (analyze-image drives host KSM)")
+    st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
+                  configs, args.grep_dirs, args.sum_dirs, args.work_timeout)
+    t_start = time.monotonic()
+    kt = load_ktest()
+    try:
+        root = kt.cache_root()
+        image = args.image or golden.build_image("small").path
+        pcsl = args.list or ensure_list(image, Path(os.environ.get(
+            "PAGESHARE_CACHE", Path.home() / ".cache/pageshare")))
+        hashes, nlisted = listed_hashes(image, pcsl)
+        log(f"{nlisted} listed blocks in {pcsl}")
+        patches = kt.series_files()
+        src = kt.ensure_source(root)
+        with src.locked():
+            kdir = kt.ensure_kernel(src, patches, "plain")
+            gk = kt.ensure_kernel(src, patches, kt.BENCH_GUEST_CONFIG) / "bzImage"
+        busybox = kt.ensure_busybox(root)
+        out = args.out or REPO / "bench/results" / time.strftime("e2e-%Y%m%d-%H%M")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="e2e-", dir="/var/tmp") as td:
+            payload = Path(td) / "payload.cpio.gz"
+            build_payload(kt, image, pcsl, hashes, st, busybox, gk, payload)
+            initramfs = Path(td) / "initramfs.cpio.gz"
+            test = kt.GuestTest("e2e", ["/bin/sh", "/pageshare/driver.sh"],
+                                st.work_timeout * len(configs) + 600)
+            empty = Path(td) / "tests"
+            empty.mkdir()
+            kt.build_initramfs(busybox, empty, [test], initramfs, payload)
+            log(f"prepared in {time.monotonic() - t_start:.0f} s; booting the pageshare "
+                f"host (-m {st.host_mib}M), serial log {out / 'serial.log'}")
+            t_boot = time.monotonic()
+            lines = kt.boot(kdir, initramfs, out / "serial.log", test.timeout + 300,
+                            mem=f"{st.host_mib}M",
+                            show=lambda s: s.startswith(("E2E-EV", "E2E-GUEST", "E2E-ERROR",
+                                                         "KTEST-")))
+        vm_s = time.monotonic() - t_boot
+    except kt.KtestError as e:
+        raise BenchError(str(e)) from e
+    rows = parse(lines)
+    if rows["error"]:
+        raise BenchError("the pageshare host refused: " + rows["error"][0][0])
+    write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
+    write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
+    write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
+    write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])
+    summary = summarize(rows, st, nlisted)
+    cmdline = shlex.join(["bench/e2e_vs_ksm.py", *sys.argv[1:]])
+    facts = (f"host: {os.cpu_count()} cores, {platform.release()}; pageshare host: patched "
+             f"6.12 plain under TCG, -m {st.host_mib}M -smp 2; {st.guests} guests of "
+             f"{st.guest_mib} MiB nested under TCG; image {image.name} "
+             f"({image.parent.name}); VM time {vm_s / 60:.0f} min")
+    summary.update(command=cmdline, facts=facts, settings=st.__dict__)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    md = markdown(summary, cmdline, facts)
+    (out / "summary.md").write_text(md)
+    print(md)
+    if not any(x.startswith("E2E-EV all") and " finished" in x for x in lines):
+        log(f"the run did not finish; see {out / 'serial.log'}")
+        return 1
+    if not summary["bytes_identical"]:
+        log("guests read different bytes in different configurations: a wrong byte")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BenchError as e:
+        print(f"e2e_vs_ksm: {e}", file=sys.stderr)
+        sys.exit(2)

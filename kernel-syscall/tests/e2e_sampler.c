@@ -1,0 +1,622 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * e2e_sampler: what the end-to-end benchmark (bench/e2e_vs_ksm.py) records
+ * in the pageshare host VM, once per interval, from outside the guests.
+ *
+ *   e2e_sampler CONFIG HASHFILE INTERVAL_MS SERVER_PID GUEST_MIB \
+ *               PID:QMP_SOCKET|PID:- ...
+ *
+ *   e2e_sampler --hash FILE   prints page_hash() of each 4 KiB page of FILE
+ *                             (the benchmark's test compares it with Python's)
+ *
+ * Runs until SIGTERM.  Every line it prints starts with E2E-H (the host)
+ * or E2E-G (one guest):
+ *
+ *   E2E-H cfg t memavail_kb ksmd_cpu_ms server_cpu_ms server_rss_kb
+ *         server_pss_kb pages_shared pages_sharing ksm_zero_pages
+ *         merge_page_merged full_scans distinct_listed distinct_zero
+ *         distinct_other sample_ms
+ *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
+ *         listed_shared zero zero_shared other_shared requests merged
+ *         merge_ns merge_failed not_listed
+ *
+ * t is CLOCK_BOOTTIME in ms, the clock of /proc/uptime, so the driver's
+ * shell can stamp its own events on the same axis.
+ *
+ * Classes are by content: a guest page is "listed" when its 64-bit hash is
+ * one of HASHFILE's (the hashes of the list's blocks, computed by the
+ * benchmark from the image), "zero" when it is all zeros or maps the zero
+ * page, "other" otherwise.  "Shared" means mapped from a KSM page
+ * (/proc/kpageflags), which is what both ksmd and merge_pages() produce, or
+ * the zero page.  Only present pages are read (process_vm_readv on a page
+ * that is not present would fault it in).  A KSM page's content cannot
+ * change while it is one, so its class is cached by PFN.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PS 4096UL
+#define PM_PRESENT (1ULL << 63)
+#define PM_PFN_MASK ((1ULL << 55) - 1)
+#define KPF_KSM 21
+#define KPF_ZERO_PAGE 24
+#define BATCH 256
+#define MAX_GUESTS 16
+
+enum cls { C_UNKNOWN, C_LISTED, C_ZERO, C_OTHER };
+
+struct guest {
+	pid_t pid;
+	const char *qmp_path;
+	int qmp;		/* -1: no filter, or not connected */
+	uint64_t ram, ram_len;	/* QEMU's mapping of guest RAM */
+	int pagemap;
+	char qbuf[1 << 16];
+	size_t qlen;
+};
+
+static volatile sig_atomic_t stop;
+static uint64_t *hashes;
+static size_t nhashes;
+static uint8_t *pfn_class;	/* per PFN: enum cls of a KSM page, cached */
+static uint8_t *seen[4];	/* per PFN bitmaps, per class: distinct shared PFNs */
+static uint64_t *kflags;
+static size_t nkflags, kflags_cap;
+
+static void die(const char *fmt, const char *arg)
+{
+	fprintf(stderr, "e2e_sampler: ");
+	fprintf(stderr, fmt, arg);
+	fprintf(stderr, "\n");
+	exit(1);
+}
+
+static void on_term(int sig)
+{
+	(void)sig;
+	stop = 1;
+}
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_BOOTTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/*
+ * 64-bit FNV-1a over the page's little-endian 64-bit words; the benchmark
+ * computes the same in Python (bench/e2e_vs_ksm.py: page_hash).  A
+ * classifier, not a proof: a collision only moves a page between classes.
+ */
+static uint64_t page_hash(const uint64_t *w)
+{
+	uint64_t h = 0xcbf29ce484222325ULL;
+
+	for (size_t i = 0; i < PS / 8; i++) {
+		h ^= w[i];
+		h *= 0x100000001b3ULL;
+	}
+	return h;
+}
+
+static bool is_listed(uint64_t h)
+{
+	size_t lo = 0, hi = nhashes;
+
+	while (lo < hi) {
+		size_t mid = lo + (hi - lo) / 2;
+
+		if (hashes[mid] == h)
+			return true;
+		if (hashes[mid] < h)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return false;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static void load_hashes(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	long sz;
+
+	if (!f)
+		die("cannot open the hash file %s", path);
+	fseek(f, 0, SEEK_END);
+	sz = ftell(f);
+	rewind(f);
+	nhashes = (size_t)sz / 8;
+	hashes = malloc(nhashes * 8 + 8);
+	if (!hashes || fread(hashes, 8, nhashes, f) != nhashes)
+		die("cannot read %s", path);
+	fclose(f);
+	qsort(hashes, nhashes, 8, cmp_u64);
+}
+
+/* All of /proc/kpageflags, once per sample (one sequential read). */
+static void read_kpageflags(void)
+{
+	int fd = open("/proc/kpageflags", O_RDONLY);
+	ssize_t r;
+
+	if (fd < 0)
+		die("/proc/kpageflags: %s", strerror(errno));
+	nkflags = 0;
+	for (;;) {
+		if (nkflags + 65536 > kflags_cap) {
+			kflags_cap = (kflags_cap ? kflags_cap * 2 : 1 << 20);
+			kflags = realloc(kflags, kflags_cap * 8);
+			if (!kflags)
+				die("out of memory for %s", "kpageflags");
+		}
+		r = read(fd, kflags + nkflags, 65536 * 8);
+		if (r <= 0)
+			break;
+		nkflags += (size_t)r / 8;
+	}
+	close(fd);
+	if (!pfn_class) {
+		pfn_class = calloc(nkflags + 1, 1);
+		for (int c = 0; c < 4; c++)
+			seen[c] = calloc(nkflags / 8 + 1, 1);
+		if (!pfn_class || !seen[3])
+			die("out of memory for %s", "PFN maps");
+	}
+}
+
+static uint64_t kflag(uint64_t pfn)
+{
+	return pfn < nkflags ? kflags[pfn] : 0;
+}
+
+/* "Rss:" and "Pss:" of /proc/PID/smaps_rollup, in kB. */
+static void rss_pss(pid_t pid, long *rss, long *pss)
+{
+	char path[64], line[256];
+	FILE *f;
+
+	*rss = *pss = -1;
+	snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", pid);
+	f = fopen(path, "r");
+	if (!f)
+		return;
+	while (fgets(line, sizeof(line), f)) {
+		if (!strncmp(line, "Rss:", 4))
+			*rss = strtol(line + 4, NULL, 10);
+		else if (!strncmp(line, "Pss:", 4))
+			*pss = strtol(line + 4, NULL, 10);
+	}
+	fclose(f);
+}
+
+/* utime + stime of a process in ms (fields 14 and 15 of /proc/PID/stat). */
+static long cpu_ms(pid_t pid)
+{
+	char path[64], buf[1024], *p;
+	unsigned long ut, st;
+	FILE *f;
+
+	if (pid <= 0)
+		return 0;
+	snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	p = fgets(buf, sizeof(buf), f);
+	fclose(f);
+	if (!p || !(p = strrchr(buf, ')')))
+		return -1;
+	if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+		   &ut, &st) != 2)
+		return -1;
+	return (long)((ut + st) * 1000 / (unsigned long)sysconf(_SC_CLK_TCK));
+}
+
+static pid_t find_ksmd(void)
+{
+	DIR *d = opendir("/proc");
+	struct dirent *e;
+	pid_t found = 0;
+
+	while (d && (e = readdir(d))) {
+		char path[300], comm[64] = "";
+		FILE *f;
+
+		if (e->d_name[0] < '0' || e->d_name[0] > '9')
+			continue;
+		snprintf(path, sizeof(path), "/proc/%s/comm", e->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f) && !strcmp(comm, "ksmd\n"))
+			found = atoi(e->d_name);
+		fclose(f);
+		if (found)
+			break;
+	}
+	if (d)
+		closedir(d);
+	return found;
+}
+
+static long ksm_stat(const char *name)
+{
+	char path[128], buf[64];
+	FILE *f;
+	long v = -1;
+
+	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
+	f = fopen(path, "r");
+	if (f && fgets(buf, sizeof(buf), f))
+		v = strtol(buf, NULL, 10);
+	if (f)
+		fclose(f);
+	return v;
+}
+
+static long memavailable_kb(void)
+{
+	char line[256];
+	FILE *f = fopen("/proc/meminfo", "r");
+	long v = -1;
+
+	while (f && fgets(line, sizeof(line), f))
+		if (!strncmp(line, "MemAvailable:", 13))
+			v = strtol(line + 13, NULL, 10);
+	if (f)
+		fclose(f);
+	return v;
+}
+
+/*
+ * Guest RAM is QEMU's smallest private anonymous read-write mapping that is
+ * at least the guest's memory size (-m); pc.ram is one block.
+ */
+static void find_ram(struct guest *g, uint64_t min_len)
+{
+	char path[64], line[512];
+	FILE *maps;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", g->pid);
+	maps = fopen(path, "r");
+	if (!maps)
+		die("cannot open %s", path);
+	g->ram_len = 0;
+	while (fgets(line, sizeof(line), maps)) {
+		uint64_t start, end, ino;
+		char perms[8];
+		int pathoff = 0;
+
+		if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %" SCNu64 " %n",
+			   &start, &end, perms, &ino, &pathoff) < 4)
+			continue;
+		if (strcmp(perms, "rw-p") || ino != 0 || line[pathoff] == '/')
+			continue;
+		if (end - start >= min_len && (!g->ram_len || end - start < g->ram_len)) {
+			g->ram = start;
+			g->ram_len = end - start;
+		}
+	}
+	fclose(maps);
+	if (!g->ram_len)
+		die("no guest RAM mapping in %s", path);
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", g->pid);
+	g->pagemap = open(path, O_RDONLY);
+	if (g->pagemap < 0)
+		die("cannot open %s", path);
+}
+
+/* --------------------------------------------------------------- QMP */
+
+static int qmp_line(struct guest *g, char *out, size_t cap)
+{
+	for (;;) {
+		char *nl = memchr(g->qbuf, '\n', g->qlen);
+		struct pollfd p = { .fd = g->qmp, .events = POLLIN };
+		ssize_t r;
+
+		if (nl) {
+			size_t n = (size_t)(nl - g->qbuf) + 1;
+			size_t c = n < cap ? n : cap - 1;
+
+			memcpy(out, g->qbuf, c);
+			out[c] = 0;
+			memmove(g->qbuf, g->qbuf + n, g->qlen - n);
+			g->qlen -= n;
+			return 0;
+		}
+		if (g->qlen == sizeof(g->qbuf))
+			g->qlen = 0;	/* a line longer than the buffer: drop it */
+		if (poll(&p, 1, 10000) <= 0)
+			return -1;
+		r = read(g->qmp, g->qbuf + g->qlen, sizeof(g->qbuf) - g->qlen);
+		if (r <= 0)
+			return -1;
+		g->qlen += (size_t)r;
+	}
+}
+
+static char reply[1 << 16];
+
+static const char *qmp(struct guest *g, const char *cmd)
+{
+	size_t n = strlen(cmd);
+
+	if (write(g->qmp, cmd, n) != (ssize_t)n)
+		return NULL;
+	for (;;) {
+		if (qmp_line(g, reply, sizeof(reply)))
+			return NULL;
+		if (strstr(reply, "\"return\"") || strstr(reply, "\"error\""))
+			return reply;
+	}
+}
+
+static void qmp_connect(struct guest *g)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+
+	g->qmp = -1;
+	if (!strcmp(g->qmp_path, "-"))
+		return;
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", g->qmp_path);
+	g->qmp = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (connect(g->qmp, (struct sockaddr *)&sa, sizeof(sa)) ||
+	    qmp_line(g, reply, sizeof(reply)) ||
+	    !qmp(g, "{\"execute\": \"qmp_capabilities\"}\n")) {
+		close(g->qmp);
+		g->qmp = -1;
+		die("no QMP on %s", g->qmp_path);
+	}
+}
+
+static long num(const char *obj, const char *key)
+{
+	char pat[64];
+	const char *p;
+
+	snprintf(pat, sizeof(pat), "\"%s\": ", key);
+	p = strstr(obj, pat);
+	return p ? strtol(p + strlen(pat), NULL, 10) : -1;
+}
+
+/* The pageshare node's counters, or -1s without a filter. */
+static void filter_stats(struct guest *g, long out[5])
+{
+	static const char *const keys[5] = {
+		"requests", "merged", "merge-ns", "fallback-merge-failed",
+		"fallback-not-listed" };
+	const char *r, *d, *p;
+	char obj[4096];
+	const char *e;
+
+	for (int i = 0; i < 5; i++)
+		out[i] = -1;
+	if (g->qmp < 0)
+		return;
+	r = qmp(g, "{\"execute\": \"query-blockstats\", "
+		"\"arguments\": {\"query-nodes\": true}}\n");
+	if (!r || !(d = strstr(r, "\"driver\": \"pageshare\"")))
+		return;
+	for (p = d; p > r && *p != '{'; p--)
+		;
+	e = strchr(d, '}');
+	if (!e || e - p >= (long)sizeof(obj))
+		return;
+	memcpy(obj, p, (size_t)(e - p));
+	obj[e - p] = 0;
+	for (int i = 0; i < 5; i++)
+		out[i] = num(obj, keys[i]);
+}
+
+/* ------------------------------------------------------- guest memory */
+
+struct counts {
+	long present, ksm, listed, listed_shared, zero, zero_shared, other_shared;
+};
+
+static void mark(int c, uint64_t pfn)
+{
+	if (pfn < nkflags)
+		seen[c][pfn / 8] |= (uint8_t)(1u << (pfn % 8));
+}
+
+static enum cls classify(const uint64_t *w)
+{
+	bool zero = true;
+
+	for (size_t i = 0; i < PS / 8 && zero; i++)
+		zero = !w[i];
+	if (zero)
+		return C_ZERO;
+	return is_listed(page_hash(w)) ? C_LISTED : C_OTHER;
+}
+
+static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
+{
+	if (k == C_LISTED) {
+		c->listed++;
+		c->listed_shared += shared;
+	} else if (k == C_ZERO) {
+		c->zero++;
+		c->zero_shared += shared;
+	} else {
+		c->other_shared += shared;
+	}
+	if (shared)
+		mark(k, pfn);
+}
+
+static void scan_guest(struct guest *g, struct counts *c)
+{
+	static uint64_t pm[BATCH];
+	static uint64_t buf[BATCH][PS / 8];
+	static struct iovec local[BATCH], remote[BATCH];
+	static uint64_t pfns[BATCH];
+	static bool ksm[BATCH];
+
+	memset(c, 0, sizeof(*c));
+	for (uint64_t off = 0; off < g->ram_len; off += BATCH * PS) {
+		size_t n = (g->ram_len - off) / PS < BATCH ? (g->ram_len - off) / PS : BATCH;
+		size_t nr = 0;
+		ssize_t got;
+
+		if (pread(g->pagemap, pm, n * 8, (g->ram + off) / PS * 8) != (ssize_t)(n * 8))
+			return;	/* QEMU exited */
+		for (size_t i = 0; i < n; i++) {
+			uint64_t pfn = pm[i] & PM_PFN_MASK, f;
+
+			if (!(pm[i] & PM_PRESENT))
+				continue;
+			c->present++;
+			f = kflag(pfn);
+			if (f & (1ULL << KPF_ZERO_PAGE)) {
+				account(c, C_ZERO, true, pfn);
+				continue;
+			}
+			if (f & (1ULL << KPF_KSM)) {
+				c->ksm++;
+				if (pfn < nkflags && pfn_class[pfn] != C_UNKNOWN) {
+					account(c, pfn_class[pfn], true, pfn);
+					continue;
+				}
+			} else if (pfn < nkflags) {
+				pfn_class[pfn] = C_UNKNOWN;
+			}
+			local[nr].iov_base = buf[nr];
+			local[nr].iov_len = PS;
+			remote[nr].iov_base = (void *)(uintptr_t)(g->ram + off + i * PS);
+			remote[nr].iov_len = PS;
+			pfns[nr] = pfn;
+			ksm[nr] = f & (1ULL << KPF_KSM);
+			nr++;
+		}
+		if (!nr)
+			continue;
+		got = process_vm_readv(g->pid, local, nr, remote, nr, 0);
+		if (got < 0)
+			return;
+		for (size_t i = 0; i < (size_t)got / PS; i++) {
+			enum cls k = classify(buf[i]);
+
+			if (ksm[i] && pfns[i] < nkflags)
+				pfn_class[pfns[i]] = (uint8_t)k;
+			account(c, k, ksm[i], pfns[i]);
+		}
+	}
+}
+
+static long popcount_map(const uint8_t *m)
+{
+	long n = 0;
+
+	for (size_t i = 0; i < nkflags / 8 + 1; i++)
+		n += __builtin_popcount(m[i]);
+	return n;
+}
+
+int main(int argc, char **argv)
+{
+	struct guest g[MAX_GUESTS];
+	const char *cfg;
+	long interval, guest_mib;
+	pid_t server, ksmd;
+	int ng = 0;
+
+	if (argc == 3 && !strcmp(argv[1], "--hash")) {
+		static uint64_t page[PS / 8];
+		FILE *f = fopen(argv[2], "rb");
+
+		if (!f)
+			die("cannot open %s", argv[2]);
+		while (fread(page, 1, PS, f) == PS)
+			printf("%016" PRIx64 "\n", page_hash(page));
+		fclose(f);
+		return 0;
+	}
+	if (argc < 7 || argc - 6 > MAX_GUESTS) {
+		fprintf(stderr, "usage: e2e_sampler CONFIG HASHFILE INTERVAL_MS SERVER_PID "
+			"GUEST_MIB PID:QMP|PID:- ...\n");
+		return 2;
+	}
+	cfg = argv[1];
+	load_hashes(argv[2]);
+	interval = atol(argv[3]);
+	server = atoi(argv[4]);
+	guest_mib = atol(argv[5]);
+	ksmd = find_ksmd();
+	signal(SIGTERM, on_term);
+	signal(SIGINT, on_term);
+	signal(SIGPIPE, SIG_IGN);
+	for (int i = 6; i < argc; i++, ng++) {
+		char *colon = strchr(argv[i], ':');
+
+		if (!colon)
+			die("bad guest argument %s (PID:QMP_SOCKET or PID:-)", argv[i]);
+		*colon = 0;
+		memset(&g[ng], 0, sizeof(g[ng]));
+		g[ng].pid = atoi(argv[i]);
+		g[ng].qmp_path = colon + 1;
+		find_ram(&g[ng], (uint64_t)guest_mib << 20);
+		qmp_connect(&g[ng]);
+	}
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	while (!stop) {
+		uint64_t t0 = now_ms(), t1;
+		long srss, spss;
+
+		read_kpageflags();
+		for (int c = 0; c < 4; c++)
+			memset(seen[c], 0, nkflags / 8 + 1);
+		for (int i = 0; i < ng; i++) {
+			struct counts c;
+			long rss, pss, fs[5];
+
+			scan_guest(&g[i], &c);
+			rss_pss(g[i].pid, &rss, &pss);
+			filter_stats(&g[i], fs);
+			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
+			       "%ld %ld %ld %ld %ld\n", cfg, t0, i, cpu_ms(g[i].pid), rss, pss,
+			       c.present, c.ksm, c.listed, c.listed_shared, c.zero,
+			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4]);
+		}
+		rss_pss(server, &srss, &spss);
+		t1 = now_ms();
+		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
+		       "%ld %" PRIu64 "\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
+		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
+		       ksm_stat("pages_shared"), ksm_stat("pages_sharing"),
+		       ksm_stat("ksm_zero_pages"), ksm_stat("merge_page_merged"),
+		       ksm_stat("full_scans"), popcount_map(seen[C_LISTED]),
+		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0);
+		if ((long)(t1 - t0) < interval)
+			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
+	}
+	return 0;
+}
