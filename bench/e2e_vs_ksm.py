@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -57,7 +58,7 @@ sys.path.insert(0, str(REPO / "analyzer"))
 
 from pageshare import golden, sectorlist  # noqa: E402
 
-CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr"]
+CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 PAGE = 4096
 MIB = 2**20
 GREP_DIRS = "/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib"
@@ -141,6 +142,13 @@ def listed_hashes(image: Path, pcsl: Path) -> tuple[bytes, int]:
     return bytes(out), len(sl.blocks)
 
 
+def half_list(pcsl: Path) -> str:
+    """The list with every other block: what the faults configuration reloads."""
+    sl = sectorlist.read(pcsl)
+    keep = dict(sorted(sl.blocks.items())[::2])
+    return sectorlist.dumps(dataclasses.replace(sl, blocks=keep))
+
+
 SERVER_TOML = """# pageshare-server in the benchmark's host VM (bench/e2e_vs_ksm.py)
 socket_dir = "/tmp/pageshare/run"
 cache_dir = "/tmp/pageshare/cache"
@@ -152,7 +160,7 @@ qemu_storage_daemon = "/pageshare/bin/qemu-storage-daemon"
 name = "base"
 path = "/pageshare/base.qcow2"
 format = "qcow2"
-list_file = "/pageshare/base.pcsl"
+list_file = "/tmp/pageshare/base.pcsl"
 """
 
 
@@ -220,6 +228,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
         # The server's proof of the base is its file stamp; a ctime under
         # two seconds old is not trusted (qemu-patches/README.md).
         shutil.copy2(pcsl, pd / "base.pcsl")
+        (pd / "base-half.pcsl").write_text(half_list(pcsl))
         (pd / "listed.hashes").write_bytes(hashes)
         (pd / "server.toml").write_text(SERVER_TOML)
         shutil.copy2(REPO / "bench/e2e/driver.sh", pd / "driver.sh")

@@ -11,6 +11,9 @@
 #   pageshare    the filter in merge mode with pageshare-server, and KSM
 #                as in "ksm" for everything else
 #   ksm-fpr      "ksm" with virtio-balloon free page reporting in the guests
+#   pageshare-faults
+#                "pageshare" while the server is killed and restarted, reloads
+#                a list of half the blocks and ksmd is switched off and on
 #
 # Every line the outer script reads starts with E2E-: E2E-EV (an event),
 # E2E-G/E2E-H (e2e_sampler's samples), E2E-ERROR (a refusal).
@@ -21,6 +24,7 @@ set -u
 P=${PAGESHARE_PAYLOAD:-/pageshare}
 W=/tmp/e2e
 K=/sys/kernel/mm/ksm
+LIST=/tmp/pageshare/base.pcsl
 cfg=preflight
 
 ms() { awk '{ printf "%d", $1 * 1000 }' /proc/uptime; }
@@ -37,10 +41,13 @@ preflight() {
         "($K/merge_page_merged missing): boot the patched kernel" \
         "(kernel-syscall/ktest.py builds it); pageshare cannot merge here"
     [ -w $K/run ] || fail "$K/run is not writable: run the benchmark as root"
-    echo 1 > $K/run 2>/dev/null && [ "$(cat $K/run)" = 1 ] ||
-        fail "KSM cannot be switched on ($K/run stays $(cat $K/run)):" \
-            "pageshare needs KSM in merge mode (run=1)"
-    echo 0 > $K/run
+    # switch KSM on once to see that it can be, and put back what was there
+    old_run=$(cat $K/run)
+    echo 1 > $K/run 2>/dev/null
+    now_run=$(cat $K/run)
+    echo "$old_run" > $K/run
+    [ "$now_run" = 1 ] || fail "KSM cannot be switched on ($K/run stays $now_run):" \
+        "pageshare needs KSM in merge mode (run=1)"
 }
 
 if [ "${1:-}" = --preflight ]; then
@@ -88,7 +95,7 @@ wait_file() { # path seconds
 }
 
 start_server() {
-    rm -rf /tmp/pageshare
+    rm -rf /tmp/pageshare/run /tmp/pageshare/cache
     mkdir -p /tmp/pageshare/run /tmp/pageshare/cache
     $P/bin/pageshare-server --config $P/server.toml > $W/server.log 2>&1 &
     server_pid=$!
@@ -143,6 +150,35 @@ wait_guests() {
     done
 }
 
+# While the guests read: the server SIGKILLed and restarted, a reload with
+# a list of half the blocks, ksmd switched off and on again.  The guests'
+# checksums must still be everyone else's.
+inject_faults() {
+    n=0
+    until [ "$(cat $W/g*.log 2>/dev/null | grep -c GUEST-BOOTED)" = "$GUESTS" ]; do
+        sleep 1
+        n=$((n + 1))
+        [ $n -gt "$WORK_TIMEOUT" ] && fail "guests did not boot"
+    done
+    kill -9 "$server_pid"
+    wait "$server_pid" 2>/dev/null
+    ev fault server-killed
+    start_server
+    ev fault server-restarted
+    sleep 10
+    cp $P/base-half.pcsl /tmp/pageshare/half.pcsl
+    mv /tmp/pageshare/half.pcsl "$LIST"
+    $P/bin/pageshare-server reload --config $P/server.toml >> $W/server.log 2>&1 ||
+        fail "pageshare-server reload failed: $(tail -3 $W/server.log)"
+    ev fault list-reloaded-half
+    sleep 10
+    echo 0 > $K/run
+    ev fault ksmd-off
+    sleep 10
+    echo 1 > $K/run
+    ev fault ksmd-on
+}
+
 run_config() { # name filter ksm(off/default/advisor) balloon
     cfg=$1 c_filter=$2 c_ksm=$3 c_balloon=$4
     ev begin "filter=$c_filter ksm=$c_ksm balloon=$c_balloon guests=$GUESTS guest_mib=$GUEST_MIB"
@@ -153,7 +189,12 @@ run_config() { # name filter ksm(off/default/advisor) balloon
         [ "$c_ksm" = advisor ] && echo scan-time > $K/advisor_mode
         echo 1 > $K/run
     fi
-    [ "$c_filter" = 1 ] && start_server
+    if [ "$c_filter" = 1 ]; then
+        # the full list, in a place a reload may replace it
+        mkdir -p /tmp/pageshare
+        cp $P/base.pcsl "$LIST"
+        start_server
+    fi
     for i in $(seq 1 "$GUESTS"); do start_guest "$i" "$c_filter" "$c_balloon"; done
     ev guests-started "$qemu_pids"
     set --
@@ -166,6 +207,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     $P/bin/e2e_sampler "$cfg" $P/listed.hashes "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" \
         "$@" &
     sampler_pid=$!
+    [ "$cfg" = pageshare-faults ] && inject_faults
     wait_guests "$WORK_TIMEOUT"
     ev work-done
     for i in $(seq 1 "$GUESTS"); do
@@ -186,6 +228,7 @@ for c in $CONFIGS; do
     ksm) run_config ksm 0 default 0 ;;
     ksm-advisor) run_config ksm-advisor 0 advisor 0 ;;
     pageshare) run_config pageshare 1 default 0 ;;
+    pageshare-faults) run_config pageshare-faults 1 default 0 ;;
     ksm-fpr) run_config ksm-fpr 0 default 1 ;;
     *) fail "unknown configuration $c" ;;
     esac

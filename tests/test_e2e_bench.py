@@ -1,0 +1,200 @@
+"""The end-to-end benchmark's own parts (bench/e2e_vs_ksm.py): what can be
+checked without its 40-minute nested run.
+
+- e2e_sampler.c (the in-VM sampler) and the benchmark hash guest pages and
+  listed blocks the same way, or no page would ever be classed as listed;
+- bench/e2e/driver.sh refuses, with a message that says what to do, to run
+  on a kernel without the merge_pages series (this host's kernel is one);
+- the summary's arithmetic on a sample stream whose answers are known;
+- the sample stream of a real run (bench/results/) parses and summarizes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import e2e_vs_ksm as e2e  # noqa: E402
+
+KSM = Path("/sys/kernel/mm/ksm")
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sampler") / "e2e_sampler"
+    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out),
+                    str(REPO / "kernel-syscall/tests/e2e_sampler.c")], check=True)
+    return out
+
+
+def test_sampler_and_benchmark_hash_pages_alike(sampler: Path, tmp_path: Path) -> None:
+    rnd = random.Random(20261124)
+    pages = [rnd.randbytes(4096) for _ in range(6)] + [bytes(4096), b"\xff" * 4096]
+    f = tmp_path / "pages.bin"
+    f.write_bytes(b"".join(pages))
+    out = subprocess.run([str(sampler), "--hash", str(f)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    want = [f"{e2e.page_hash(p):016x}" for p in pages]
+    assert out == want
+    assert len(set(want)) == len(want)
+
+
+def test_sampler_usage_error(sampler: Path) -> None:
+    p = subprocess.run([str(sampler)], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "usage: e2e_sampler" in p.stderr
+
+
+def test_driver_preflight_on_this_kernel() -> None:
+    """On a kernel without the series (this host's) the benchmark refuses
+    with what to do; on a patched one it passes and leaves KSM's run as it was."""
+    before = (KSM / "run").read_text() if (KSM / "run").exists() else None
+    p = subprocess.run(["sh", str(REPO / "bench/e2e/driver.sh"), "--preflight"],
+                       capture_output=True, text=True, timeout=60)
+    after = (KSM / "run").read_text() if (KSM / "run").exists() else None
+    assert before == after
+    if not (KSM / "merge_page_merged").exists():
+        assert p.returncode == 1, p.stdout
+        assert "E2E-ERROR this kernel lacks the merge_pages series" in p.stdout
+        assert "boot the patched kernel" in p.stdout
+    else:
+        assert p.returncode == 0 and "E2E-PREFLIGHT ok" in p.stdout, p.stdout
+
+
+def _g(cfg: str, t: int, guest: int, listed: int, shared: int, *, merged: int = -1,
+       merge_ns: int = -1, zero_shared: int = 0, other_shared: int = 0,
+       pss: int = 100_000) -> str:
+    vals = [cfg, t, guest, 1000, pss + 1000, pss, 5000, shared + zero_shared + other_shared,
+            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0]
+    return "E2E-G " + " ".join(map(str, vals))
+
+
+def _h(cfg: str, t: int, ksmd_ms: int, sharing: int, dl: int, dz: int, do: int,
+       server_ms: int = 0) -> str:
+    vals = [cfg, t, 5_000_000, ksmd_ms, server_ms, 0, 0, 10, sharing, 0, 0, 1, dl, dz, do, 50]
+    return "E2E-H " + " ".join(map(str, vals))
+
+
+def test_summary_arithmetic() -> None:
+    lines = [
+        "E2E-EV ksm 1000 begin filter=0",
+        # two guests, 1000 listed pages each; KSM shares them after the reads
+        _g("ksm", 2000, 1, 1000, 0), _g("ksm", 2000, 2, 1000, 0),
+        _h("ksm", 2000, 0, 0, 0, 0, 0),
+        "E2E-EV ksm 3000 work-done",
+        _g("ksm", 3000, 1, 1000, 100), _g("ksm", 3000, 2, 1000, 100),
+        _h("ksm", 3000, 500, 100, 50, 0, 0),
+        _g("ksm", 13000, 1, 1000, 950, zero_shared=200),
+        _g("ksm", 13000, 2, 1000, 950, zero_shared=200, other_shared=60),
+        _h("ksm", 13000, 4500, 2**18, 950, 1, 30),
+        "E2E-EV ksm 13500 end",
+        "E2E-GUEST ksm 1 GUEST-BOOTED 20.5 GUEST-BINS 21 25 GUEST-GREP 25 55 GUEST-SUM abc",
+        "E2E-GUEST ksm 2 GUEST-BOOTED 22.5 GUEST-BINS 23 26 GUEST-GREP 26 66 GUEST-SUM abc",
+        "E2E-EV all 14000 finished",
+    ]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm"], "", "", 100)
+    s = e2e.summarize(e2e.parse(lines), st, 4096)
+    c = s["configs"]["ksm"]
+    assert s["bytes_identical"] and s["checksums"] == ["abc"]
+    assert c["work_s"] == 2.0 and c["observed_s"] == 10.0
+    assert c["listed_shared_frac_work_done"] == pytest.approx(0.1)
+    assert c["listed_shared_frac_end"] == pytest.approx(0.95)
+    assert c["t90_after_reads_s"] == 10.0
+    # saved = guest mappings of shared pages - distinct shared pages
+    assert c["saved_mib"]["listed"] == pytest.approx((1900 - 950) * 4096 / 2**20)
+    assert c["saved_mib"]["zero"] == pytest.approx((400 - 1) * 4096 / 2**20)
+    assert c["saved_mib"]["other"] == pytest.approx((60 - 30) * 4096 / 2**20)
+    # 4.5 s of ksmd for 2**18 pages_sharing = 1 GiB
+    assert c["ksmd_cpu_s"] == pytest.approx(4.5)
+    assert c["ksmd_cpu_s_per_gib"] == pytest.approx(4.5)
+    assert c["pageshare_cpu_s_per_gib"] is None
+    assert c["grep_s_mean"] == pytest.approx(35.0)
+    assert c["boot_s_mean"] == pytest.approx(21.5)
+    md = e2e.markdown(s, "bench/e2e_vs_ksm.py", "facts")
+    assert "| ksmd CPU s per GiB saved (pages_sharing) | 4.5 |" in md
+
+
+def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
+    gib_pages = 2**18
+    lines = [
+        "E2E-EV pageshare 0 begin filter=1",
+        _g("pageshare", 100, 1, 10, 10, merged=0, merge_ns=0),
+        _h("pageshare", 100, 0, 0, 0, 0, 0, server_ms=1000),
+        "E2E-EV pageshare 200 work-done",
+        _g("pageshare", 300, 1, 10, 10, merged=gib_pages, merge_ns=2_000_000_000),
+        _h("pageshare", 300, 0, gib_pages, 10, 0, 0, server_ms=1500),
+        "E2E-GUEST pageshare 1 GUEST-SUM abc",
+        "E2E-GUEST pageshare 2 GUEST-SUM abd",
+    ]
+    st = e2e.Settings(1, 384, 6144, 10, 1000, ["pageshare", "none"], "", "", 100)
+    s = e2e.summarize(e2e.parse(lines), st, 10)
+    c = s["configs"]["pageshare"]
+    assert c["t90_after_reads_s"] == pytest.approx(0.1)
+    assert c["filter_merged"] == gib_pages
+    assert c["pageshare_cpu_s_per_gib"] == pytest.approx(2.5)  # 2 s merge + 0.5 s server
+    assert not s["bytes_identical"]
+    assert s["configs"]["none"] == {"error": "did not finish"}
+    assert "NO" in e2e.markdown(s, "x", "y")
+
+
+def _latest_results() -> Path | None:
+    runs = sorted((REPO / "bench/results").glob("e2e-*/serial.log"))
+    return runs[-1].parent if runs else None
+
+
+def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
+    """The committed run's raw serial log gives the committed summary."""
+    run = _latest_results()
+    assert run is not None, "no recorded run under bench/results/e2e-*/"
+    import json
+
+    lines = (run / "serial.log").read_text(errors="replace").splitlines()
+    saved = json.loads((run / "summary.json").read_text())
+    st = e2e.Settings(**saved["settings"])
+    again = e2e.summarize(e2e.parse(lines), st, saved["listed_blocks"])
+    assert again["configs"] == saved["configs"]
+    assert saved["bytes_identical"]
+    assert os.path.getsize(run / "samples_guest.csv") > 0
+
+
+def test_notebook_plots_the_recorded_run(tmp_path: Path) -> None:
+    """notebooks/e2e_vs_ksm.ipynb runs headless on the recorded run and
+    draws its three figures."""
+    import tempfile
+
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient import NotebookClient
+
+    run = _latest_results()
+    assert run is not None, "no recorded run under bench/results/e2e-*/"
+    nb = nbformat.read(REPO / "notebooks/e2e_vs_ksm.ipynb", as_version=4)  # type: ignore[no-untyped-call]
+    sockets = Path(tempfile.mkdtemp(prefix="e2e-kernel-"))
+    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(
+        kernel_dirs=[]), transport="ipc", ip=str(sockets / "kernel"))
+    client = NotebookClient(nb, km=km, kernel_name="python3", timeout=300,
+                            resources={"metadata": {"path": str(REPO / "notebooks")}})
+    env = dict(os.environ, PAGESHARE_E2E_RESULTS=str(run), PAGESHARE_FIGURES=str(tmp_path),
+               MPLBACKEND="Agg")
+    try:
+        client.execute(cleanup_kc=True, env=env)
+    finally:
+        import shutil
+
+        shutil.rmtree(sockets, ignore_errors=True)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    for name in ("shared_over_time", "pss_over_time", "cpu_per_gib"):
+        png = tmp_path / f"e2e_{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert run.name in text
