@@ -61,11 +61,12 @@ from pageshare import golden, sectorlist  # noqa: E402
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 PAGE = 4096
 MIB = 2**20
-GREP_DIRS = "/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib"
+GREP_DIRS = ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/systemd "
+             "/mnt/usr/lib/udev")
 SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
 GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
-                "requests", "merged", "merge_ns", "merge_failed", "not_listed"]
+                "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full"]
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
@@ -405,7 +406,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("merges left to ksmd (EAGAIN etc.)", "merge_failed", "d"),
         ("guest boot (mean), s", "boot_s_mean", ".0f"),
         ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
-        ("grep -r over /usr (mean), s", "grep_s_mean", ".1f"),
+        ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
         ("workload, s (start to all done)", "work_s", ".0f"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
     ]
@@ -437,7 +438,7 @@ def main() -> int:
     ap.add_argument("--guest-mib", type=int, default=384)
     ap.add_argument("--host-mib", type=int, default=6144,
                     help="memory of the pageshare host VM")
-    ap.add_argument("--observe", type=int, default=180,
+    ap.add_argument("--observe", type=int, default=150,
                     help="seconds sampled after the guests' workload is done")
     ap.add_argument("--interval-ms", type=int, default=1000)
     ap.add_argument("--configs", default=",".join(CONFIGS),
@@ -493,7 +494,8 @@ def main() -> int:
         raise BenchError(str(e)) from e
     rows = parse(lines)
     if rows["error"]:
-        raise BenchError("the pageshare host refused: " + rows["error"][0][0])
+        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
+                         + f" (serial log: {out / 'serial.log'})")
     write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
     write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])

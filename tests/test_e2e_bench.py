@@ -73,7 +73,7 @@ def _g(cfg: str, t: int, guest: int, listed: int, shared: int, *, merged: int = 
        merge_ns: int = -1, zero_shared: int = 0, other_shared: int = 0,
        pss: int = 100_000) -> str:
     vals = [cfg, t, guest, 1000, pss + 1000, pss, 5000, shared + zero_shared + other_shared,
-            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0]
+            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0, 1]
     return "E2E-G " + " ".join(map(str, vals))
 
 

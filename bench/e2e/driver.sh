@@ -95,12 +95,19 @@ wait_file() { # path seconds
 }
 
 start_server() {
-    rm -rf /tmp/pageshare/run /tmp/pageshare/cache
+    # the cache (the image's verified identity) survives a restart
+    rm -rf /tmp/pageshare/run
     mkdir -p /tmp/pageshare/run /tmp/pageshare/cache
-    $P/bin/pageshare-server --config $P/server.toml > $W/server.log 2>&1 &
+    $P/bin/pageshare-server run --config $P/server.toml >> $W/server.log 2>&1 &
     server_pid=$!
-    wait_file /tmp/pageshare/run/base.sock 300 ||
-        { cat $W/server.log; fail "pageshare-server did not publish base.sock"; }
+    n=0
+    until [ -e /tmp/pageshare/run/base.sock ]; do
+        kill -0 "$server_pid" 2>/dev/null ||
+            { cat $W/server.log; fail "pageshare-server exited before publishing base.sock"; }
+        [ $n -gt 6000 ] && { cat $W/server.log; fail "pageshare-server: no base.sock after 600 s"; }
+        sleep 0.1
+        n=$((n + 1))
+    done
     ev server-ready "$(grep -c . $W/server.log)"
 }
 
@@ -193,6 +200,8 @@ run_config() { # name filter ksm(off/default/advisor) balloon
         # the full list, in a place a reload may replace it
         mkdir -p /tmp/pageshare
         cp $P/base.pcsl "$LIST"
+        rm -rf /tmp/pageshare/cache
+        : > $W/server.log
         start_server
     fi
     for i in $(seq 1 "$GUESTS"); do start_guest "$i" "$c_filter" "$c_balloon"; done

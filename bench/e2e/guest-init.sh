@@ -3,7 +3,7 @@
 # kernel-syscall/config/guest-bench.config).  The guest mounts the golden
 # image's root read-only from its virtio-blk disk (a qcow2 overlay of the
 # golden image, through the pageshare filter or not), runs the image's own
-# binaries, then reads most of /usr the way `grep -r` does (the talk's
+# binaries, then reads its programs and libraries the way `grep -r` does (the talk's
 # file-reading workload), prints a checksum of what it read and idles with
 # its page cache kept, until the driver stops it.
 /bin/busybox --install -s /bin
