@@ -21,7 +21,8 @@ filter's merge counters and time, MemAvailable.
 
 Results go to --out (default bench/results/e2e-<date>/) as CSV:
 samples_host.csv, samples_guest.csv, events.csv, guests.csv, plus
-summary.json and summary.md (the table for docs/benchmarks.md).
+summary.json and summary.md (the table for docs/benchmarks.md) and the
+host VM's whole serial log (serial.log.gz), from which all of it is parsed.
 notebooks/e2e_vs_ksm.ipynb plots them.
 
 The guests are booted Linux kernels (virtio-blk, the golden image's ext4
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -502,10 +504,13 @@ def main() -> int:
         vm_s = time.monotonic() - t_boot
     except kt.KtestError as e:
         raise BenchError(str(e)) from e
+    serial = out / "serial.log"
+    (out / "serial.log.gz").write_bytes(gzip.compress(serial.read_bytes()))
+    serial.unlink()
     rows = parse(lines)
     if rows["error"]:
         raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
-                         + f" (serial log: {out / 'serial.log'})")
+                         + f" (serial log: {out / 'serial.log.gz'})")
     write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
     write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
@@ -522,7 +527,7 @@ def main() -> int:
     (out / "summary.md").write_text(md)
     print(md)
     if not any(x.startswith("E2E-EV all") and " finished" in x for x in lines):
-        log(f"the run did not finish; see {out / 'serial.log'}")
+        log(f"the run did not finish; see {out / 'serial.log.gz'}")
         return 1
     if not summary["bytes_identical"]:
         log("guests read different bytes in different configurations: a wrong byte")

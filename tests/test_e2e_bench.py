@@ -152,7 +152,7 @@ def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
 
 
 def _latest_results() -> Path | None:
-    runs = sorted((REPO / "bench/results").glob("e2e-*/serial.log"))
+    runs = sorted((REPO / "bench/results").glob("e2e-*/summary.json"))
     return runs[-1].parent if runs else None
 
 
@@ -162,7 +162,10 @@ def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
     assert run is not None, "no recorded run under bench/results/e2e-*/"
     import json
 
-    lines = (run / "serial.log").read_text(errors="replace").splitlines()
+    import gzip
+
+    lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
+        errors="replace").splitlines()
     saved = json.loads((run / "summary.json").read_text())
     st = e2e.Settings(**saved["settings"])
     again = e2e.summarize(e2e.parse(lines), st, saved["listed_blocks"])
