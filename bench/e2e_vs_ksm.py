@@ -68,7 +68,8 @@ GREP_DIRS = ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/
 SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
 GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
-                "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full"]
+                "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
+                "on_server"]
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
@@ -299,6 +300,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         host[r[0]].append({k: int(v) for k, v in zip(HOST_FIELDS[1:], r[1:], strict=True)})
     guest: dict[str, dict[int, list[dict[str, int]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows["E2E-G"]:
+        if len(r) == len(GUEST_FIELDS) - 1:
+            r.append("-1")      # a sampler from before on_server
         d = {k: int(v) for k, v in zip(GUEST_FIELDS[1:], r[1:], strict=True)}
         guest[r[0]][d["guest"]].append(d)
     marks: dict[str, dict[int, dict[str, list[str]]]] = defaultdict(dict)
@@ -372,6 +375,10 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "memavail_mib_end": h_end["memavail_kb"] / 1024,
             "listed_pages_held": listed_end,
             "listed_shared_frac_end": shared_end / listed_end if listed_end else 0.0,
+            # listed, shared guest pages that are the server's physical page
+            "listed_on_server_frac_end": (sum(s["on_server"] for s in end) / shared_end
+                                          if shared_end and end[0]["on_server"] >= 0
+                                          else None),
             "listed_shared_frac_work_done": (sum(s["listed_shared"] for s in work)
                                              / max(1, sum(s["listed"] for s in work))),
             "t90_after_reads_s": t90,
@@ -380,6 +387,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "ksmd_cpu_s": ksmd_cpu,
             "ksmd_cpu_s_per_gib": ksmd_cpu / ksm_saved_gib if ksm_saved_gib > 0 else None,
             "filter_merged": merged,
+            # the kernel's own count of the same merges (all guests)
+            "kernel_merge_page_merged": hs[-1]["merge_page_merged"] - hs[0]["merge_page_merged"],
             "filter_merge_s": merge_s,
             "server_cpu_s": server_cpu,
             "pageshare_cpu_s_per_gib": ((merge_s + server_cpu) / (merged * PAGE / 2**30)
@@ -409,10 +418,12 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("listed pages held by guests shared at the end of the reads",
          "listed_shared_frac_work_done", ".0%"),
         ("listed pages held by guests shared at the end", "listed_shared_frac_end", ".0%"),
+        ("of those, the server's own page (PFN)", "listed_on_server_frac_end", ".0%"),
         ("s after the reads until 90 % of listed pages shared", "t90_after_reads_s", ".0f"),
         ("ksmd CPU, s", "ksmd_cpu_s", ".1f"),
         ("ksmd CPU s per GiB saved (pages_sharing)", "ksmd_cpu_s_per_gib", ".1f"),
         ("pages merged at read time by the filter", "filter_merged", "d"),
+        ("the same, counted by the kernel (merge_page_merged)", "kernel_merge_page_merged", "d"),
         ("filter time in merge_pages, s", "filter_merge_s", ".2f"),
         ("pageshare CPU s per GiB merged (filter + server)", "pageshare_cpu_s_per_gib", ".2f"),
         ("merges left to ksmd (EAGAIN etc.)", "merge_failed", "d"),

@@ -11,10 +11,14 @@ checked without its 40-minute nested run.
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -73,7 +77,8 @@ def _g(cfg: str, t: int, guest: int, listed: int, shared: int, *, merged: int = 
        merge_ns: int = -1, zero_shared: int = 0, other_shared: int = 0,
        pss: int = 100_000) -> str:
     vals = [cfg, t, guest, 1000, pss + 1000, pss, 5000, shared + zero_shared + other_shared,
-            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0, 1]
+            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0, 1,
+            shared if merged >= 0 else 0]
     return "E2E-G " + " ".join(map(str, vals))
 
 
@@ -121,6 +126,7 @@ def test_summary_arithmetic() -> None:
     assert c["ksmd_cpu_s"] == pytest.approx(4.5)
     assert c["ksmd_cpu_s_per_gib"] == pytest.approx(4.5)
     assert c["pageshare_cpu_s_per_gib"] is None
+    assert c["listed_on_server_frac_end"] == 0.0   # KSM's pages are not the server's
     assert c["grep_s_mean"] == pytest.approx(0.55)   # driver stamps, not guest clocks
     assert c["bins_s_mean"] == pytest.approx(0.2)
     assert c["boot_s_mean"] == pytest.approx(0.55)
@@ -145,6 +151,8 @@ def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
     c = s["configs"]["pageshare"]
     assert c["t90_after_reads_s"] == pytest.approx(0.1)
     assert c["filter_merged"] == gib_pages
+    assert c["kernel_merge_page_merged"] == 0   # _h() leaves the kernel counter at 0
+    assert c["listed_on_server_frac_end"] == 1.0
     assert c["pageshare_cpu_s_per_gib"] == pytest.approx(2.5)  # 2 s merge + 0.5 s server
     assert not s["bytes_identical"]
     assert s["configs"]["none"] == {"error": "did not finish"}
@@ -160,10 +168,6 @@ def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
     """The committed run's raw serial log gives the committed summary."""
     run = _latest_results()
     assert run is not None, "no recorded run under bench/results/e2e-*/"
-    import json
-
-    import gzip
-
     lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
         errors="replace").splitlines()
     saved = json.loads((run / "summary.json").read_text())
@@ -177,8 +181,6 @@ def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
 def test_notebook_plots_the_recorded_run(tmp_path: Path) -> None:
     """notebooks/e2e_vs_ksm.ipynb runs headless on the recorded run and
     draws its three figures."""
-    import tempfile
-
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -197,8 +199,6 @@ def test_notebook_plots_the_recorded_run(tmp_path: Path) -> None:
     try:
         client.execute(cleanup_kc=True, env=env)
     finally:
-        import shutil
-
         shutil.rmtree(sockets, ignore_errors=True)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors

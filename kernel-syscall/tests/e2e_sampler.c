@@ -18,7 +18,7 @@
  *         distinct_other sample_ms
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
- *         merge_ns merge_failed not_listed full
+ *         merge_ns merge_failed not_listed full on_server
  *
  * t is CLOCK_BOOTTIME in ms, the clock of /proc/uptime, so the driver's
  * shell can stamp its own events on the same axis.
@@ -36,6 +36,8 @@
  * so only every FULL_EVERY-th sample (full=1) reads the pages that are not
  * shared; the others count shared pages exactly and carry "listed" and
  * "zero" (all such pages, shared or not) over from the last full sample.
+ * on_server counts the listed, shared guest pages whose PFN is one the
+ * page server maps: the server's own physical page, as merge_pages makes.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -83,6 +85,7 @@ static uint64_t *hashes;
 static size_t nhashes;
 static uint8_t *pfn_class;	/* per PFN: enum cls of a KSM page, cached */
 static uint8_t *seen[4];	/* per PFN bitmaps, per class: distinct shared PFNs */
+static uint8_t *server_pfns;	/* per PFN bitmap: mapped by the page server */
 static uint64_t *kflags;
 static size_t nkflags, kflags_cap;
 
@@ -192,7 +195,8 @@ static void read_kpageflags(void)
 		pfn_class = calloc(nkflags + 1, 1);
 		for (int c = 0; c < 4; c++)
 			seen[c] = calloc(nkflags / 8 + 1, 1);
-		if (!pfn_class || !seen[3])
+		server_pfns = calloc(nkflags / 8 + 1, 1);
+		if (!pfn_class || !seen[3] || !server_pfns)
 			die("out of memory for %s", "PFN maps");
 	}
 }
@@ -446,7 +450,54 @@ static void filter_stats(struct guest *g, long out[5])
 
 struct counts {
 	long present, ksm, listed, listed_shared, zero, zero_shared, other_shared;
+	long on_server;		/* listed and shared: the server's own page */
 };
+
+static bool is_server_pfn(uint64_t pfn)
+{
+	return pfn < nkflags && (server_pfns[pfn / 8] & (1u << (pfn % 8)));
+}
+
+/*
+ * The PFNs of every present page the server maps (its arena among them),
+ * so that a guest page can be shown to be the server's physical page.
+ */
+static void read_server_pfns(pid_t pid)
+{
+	char path[64], line[512];
+	FILE *maps;
+	int pm;
+
+	memset(server_pfns, 0, nkflags / 8 + 1);
+	if (pid <= 0)
+		return;
+	snprintf(path, sizeof(path), "/proc/%d/maps", pid);
+	maps = fopen(path, "r");
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", pid);
+	pm = open(path, O_RDONLY);
+	while (maps && pm >= 0 && fgets(line, sizeof(line), maps)) {
+		uint64_t start, end, e[512];
+
+		if (sscanf(line, "%" SCNx64 "-%" SCNx64, &start, &end) != 2)
+			continue;
+		for (uint64_t a = start; a < end; a += 512 * PS) {
+			size_t n = (end - a) / PS < 512 ? (end - a) / PS : 512;
+
+			if (pread(pm, e, n * 8, a / PS * 8) != (ssize_t)(n * 8))
+				break;
+			for (size_t i = 0; i < n; i++) {
+				uint64_t pfn = e[i] & PM_PFN_MASK;
+
+				if ((e[i] & PM_PRESENT) && pfn < nkflags)
+					server_pfns[pfn / 8] |= (uint8_t)(1u << (pfn % 8));
+			}
+		}
+	}
+	if (maps)
+		fclose(maps);
+	if (pm >= 0)
+		close(pm);
+}
 
 static void mark(int c, uint64_t pfn)
 {
@@ -470,6 +521,7 @@ static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
 	if (k == C_LISTED) {
 		c->listed++;
 		c->listed_shared += shared;
+		c->on_server += shared && is_server_pfn(pfn);
 	} else if (k == C_ZERO) {
 		c->zero++;
 		c->zero_shared += shared;
@@ -612,6 +664,7 @@ int main(int argc, char **argv)
 		read_kpageflags();
 		for (int c = 0; c < 4; c++)
 			memset(seen[c], 0, nkflags / 8 + 1);
+		read_server_pfns(server);
 		for (int i = 0; i < ng; i++) {
 			struct counts c;
 			long rss, pss, fs[5];
@@ -620,10 +673,10 @@ int main(int argc, char **argv)
 			rss_pss(g[i].pid, &rss, &pss);
 			filter_stats(&g[i], fs);
 			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-			       "%ld %ld %ld %ld %ld %d\n", cfg, t0, i, cpu_ms(g[i].pid), rss, pss,
-			       c.present, c.ksm, c.listed, c.listed_shared, c.zero,
+			       "%ld %ld %ld %ld %ld %d %ld\n", cfg, t0, i, cpu_ms(g[i].pid), rss,
+			       pss, c.present, c.ksm, c.listed, c.listed_shared, c.zero,
 			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4],
-			       full);
+			       full, c.on_server);
 		}
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
