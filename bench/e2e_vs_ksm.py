@@ -317,8 +317,11 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             continue
         t_begin = events[cfg]["begin"][0]
         t_work = events[cfg]["work-done"][0]
-        # samples up to the end event (the driver stops the guests after it)
+        # samples up to the end event (the driver stops the guests after it),
+        # and only while every guest's QEMU was there to be read
         t_end = events[cfg].get("end", (1 << 62, ""))[0]
+        gone = [s["t_ms"] for g in guest[cfg].values() for s in g if s["pss_kb"] < 0]
+        t_end = min([t_end, *(t - 1 for t in gone)])
         hs = [h for h in host[cfg] if h["t_ms"] <= t_end] or host[cfg][:1]
         last_t = hs[-1]["t_ms"]
 

@@ -100,6 +100,9 @@ def test_summary_arithmetic() -> None:
         _g("ksm", 13000, 1, 1000, 950, zero_shared=200),
         _g("ksm", 13000, 2, 1000, 950, zero_shared=200, other_shared=60),
         _h("ksm", 13000, 4500, 2**18, 950, 1, 30),
+        # a sample taken as the guests were being stopped: not counted
+        _g("ksm", 13400, 1, 0, 0, pss=-1), _g("ksm", 13400, 2, 0, 0, pss=-1),
+        _h("ksm", 13400, 0, 0, 0, 0, 0),
         "E2E-EV ksm 13500 end",
         # after the end event: the guests are being stopped, not counted
         _g("ksm", 14000, 1, 0, 0), _g("ksm", 14000, 2, 0, 0), _h("ksm", 14000, 0, 0, 0, 0, 0),

@@ -162,6 +162,7 @@ wait_guests() {
         for p in $qemu_pids; do
             kill -0 "$p" 2>/dev/null || { cat $W/qemu*.log; fail "a guest's QEMU exited"; }
         done
+        kill -0 "$sampler_pid" 2>/dev/null || fail "e2e_sampler exited (its message is above)"
         [ $(($(ms) / 1000)) -gt "$deadline" ] && fail "guests not done after $1 s"
         sleep 1
     done

@@ -315,28 +315,35 @@ static void find_ram(struct guest *g, uint64_t min_len)
 	FILE *maps;
 
 	snprintf(path, sizeof(path), "/proc/%d/maps", g->pid);
-	maps = fopen(path, "r");
-	if (!maps)
-		die("cannot open %s", path);
-	g->ram_len = 0;
-	while (fgets(line, sizeof(line), maps)) {
-		uint64_t start, end, ino;
-		char perms[8];
-		int pathoff = 0;
+	/* QEMU answers on QMP before it has allocated guest RAM: wait a minute */
+	for (int tries = 0; tries < 600; tries++) {
+		g->ram_len = 0;
+		maps = fopen(path, "r");
+		if (!maps)
+			die("cannot open %s", path);
+		while (fgets(line, sizeof(line), maps)) {
+			uint64_t start, end, ino;
+			char perms[8];
+			int pathoff = 0;
 
-		if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %" SCNu64 " %n",
-			   &start, &end, perms, &ino, &pathoff) < 4)
-			continue;
-		if (strcmp(perms, "rw-p") || ino != 0 || line[pathoff] == '/')
-			continue;
-		if (end - start >= min_len && (!g->ram_len || end - start < g->ram_len)) {
-			g->ram = start;
-			g->ram_len = end - start;
+			if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %" SCNu64 " %n",
+				   &start, &end, perms, &ino, &pathoff) < 4)
+				continue;
+			if (strcmp(perms, "rw-p") || ino != 0 || line[pathoff] == '/')
+				continue;
+			if (end - start >= min_len &&
+			    (!g->ram_len || end - start < g->ram_len)) {
+				g->ram = start;
+				g->ram_len = end - start;
+			}
 		}
+		fclose(maps);
+		if (g->ram_len)
+			break;
+		usleep(100000);
 	}
-	fclose(maps);
 	if (!g->ram_len)
-		die("no guest RAM mapping in %s", path);
+		die("no guest RAM mapping in %s after 60 s", path);
 	snprintf(path, sizeof(path), "/proc/%d/pagemap", g->pid);
 	g->pagemap = open(path, O_RDONLY);
 	if (g->pagemap < 0)
