@@ -348,6 +348,7 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             if t >= t_work and tot and sum(s["listed_shared"] for s in ss) >= 0.9 * tot:
                 t90 = (t - t_work) / 1000
                 break
+        lag50, lag90 = share_lag(series, gids, t_work)
         h_end = hs[-1]
         saved = {
             "listed": sum(s["listed_shared"] for s in end) - h_end["distinct_listed"],
@@ -385,6 +386,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "listed_shared_frac_work_done": (sum(s["listed_shared"] for s in work)
                                              / max(1, sum(s["listed"] for s in work))),
             "t90_after_reads_s": t90,
+            "lag50_s": lag50,
+            "lag90_s": lag90,
             "saved_mib": {k: v * PAGE / MIB for k, v in saved.items()},
             "pages_sharing": h_end["pages_sharing"],
             "ksmd_cpu_s": ksmd_cpu,
@@ -406,6 +409,35 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
     return out
 
 
+def share_lag(series: dict[int, list[dict[str, int]]], gids: list[int],
+              t_work: int) -> tuple[float | None, float | None]:
+    """How long after the guests held a level of listed pages the same
+    level was shared: the horizontal distance between the two curves (sum
+    over guests; "held" from full samples only), at 50 % and 90 % of what
+    they held at the end of the reads.  The time from a read to its page
+    being shared, for the pages as a whole."""
+    times = sorted({s["t_ms"] for g in gids for s in series[g]})
+
+    def total(t: int, key: str, full_only: bool) -> int:
+        n = 0
+        for g in gids:
+            before = [s for s in series[g] if s["t_ms"] <= t and (s["full"] or not full_only)]
+            n += before[-1][key] if before else 0
+        return n
+
+    held = [(t, total(t, "listed", True)) for t in times]
+    shared = [(t, total(t, "listed_shared", False)) for t in times]
+    final = max((n for t, n in held if t <= t_work), default=0)
+    out: list[float | None] = []
+    for frac in (0.5, 0.9):
+        level = frac * final
+        t_held = next((t for t, n in held if n >= level), None)
+        t_shared = next((t for t, n in shared if n >= level), None)
+        out.append(None if t_held is None or t_shared is None or final == 0
+                   else max(0.0, (t_shared - t_held) / 1000))
+    return out[0], out[1]
+
+
 def fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -423,6 +455,8 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("listed pages held by guests shared at the end", "listed_shared_frac_end", ".0%"),
         ("of those, the server's own page (PFN)", "listed_on_server_frac_end", ".0%"),
         ("s after the reads until 90 % of listed pages shared", "t90_after_reads_s", ".0f"),
+        ("s from holding to sharing half the listed pages (curve lag)", "lag50_s", ".0f"),
+        ("s from holding to sharing 90 % of them (curve lag)", "lag90_s", ".0f"),
         ("ksmd CPU, s", "ksmd_cpu_s", ".1f"),
         ("ksmd CPU s per GiB saved (pages_sharing)", "ksmd_cpu_s_per_gib", ".1f"),
         ("pages merged at read time by the filter", "filter_merged", "d"),

@@ -210,3 +210,15 @@ def test_notebook_plots_the_recorded_run(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert run.name in text
+
+
+def test_share_lag_is_the_distance_between_held_and_shared() -> None:
+    def s(t: int, listed: int, shared: int, full: int) -> dict[str, int]:
+        return {"t_ms": t, "listed": listed, "listed_shared": shared, "full": full}
+
+    series = {1: [s(1000, 100, 0, 1), s(2000, 100, 60, 0), s(3000, 100, 95, 0)],
+              2: [s(1000, 0, 0, 1), s(2000, 0, 0, 0), s(3000, 0, 0, 0)]}
+    assert e2e.share_lag(series, [1, 2], 1500) == (1.0, 2.0)
+    # never shared: no lag to report
+    never = {1: [s(1000, 100, 0, 1), s(2000, 100, 0, 0)]}
+    assert e2e.share_lag(never, [1], 1500) == (None, None)
