@@ -108,6 +108,16 @@ start_server() {
         sleep 0.1
         n=$((n + 1))
     done
+    # as on a host where the server runs before VMs start: wait until the
+    # image is published (its first start hashes the whole image)
+    n=0
+    until grep -q "image base: published" $W/server.log; do
+        kill -0 "$server_pid" 2>/dev/null ||
+            { cat $W/server.log; fail "pageshare-server exited before publishing"; }
+        [ $n -gt 6000 ] && { cat $W/server.log; fail "pageshare-server: image not published after 600 s"; }
+        sleep 0.1
+        n=$((n + 1))
+    done
     ev server-ready "$(grep -c . $W/server.log)"
 }
 
