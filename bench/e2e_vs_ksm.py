@@ -500,6 +500,41 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdline: str,
+                  facts: str) -> dict[str, Any]:
+    """The CSVs, summary.json and summary.md of a run, from its serial log."""
+    rows = parse(lines)
+    if rows["error"]:
+        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
+                         + f" (serial log: {out / 'serial.log.gz'})")
+    write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
+    write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
+    write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
+    write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])
+    summary = summarize(rows, st, nlisted)
+    summary.update(command=cmdline, facts=facts, settings=st.__dict__)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    md = markdown(summary, cmdline, facts)
+    (out / "summary.md").write_text(md)
+    print(md)
+    return summary
+
+
+def reparse(run: Path) -> int:
+    """Recompute a recorded run's CSVs and summaries from its serial log
+    (after the summary's arithmetic changed); settings, command line and
+    facts are the run's own."""
+    old = json.loads((run / "summary.json").read_text())
+    if (run / "serial.log").exists():
+        (run / "serial.log.gz").write_bytes(gzip.compress((run / "serial.log").read_bytes()))
+        (run / "serial.log").unlink()
+    lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
+        errors="replace").splitlines()
+    write_results(run, lines, Settings(**old["settings"]), old["listed_blocks"],
+                  old["command"], old["facts"])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -518,7 +553,12 @@ def main() -> int:
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--reparse", type=Path, metavar="RUN_DIR",
+                    help="only recompute a recorded run's CSVs and summaries from its "
+                         "serial log, and exit")
     args = ap.parse_args()
+    if args.reparse:
+        return reparse(args.reparse)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
@@ -566,25 +606,12 @@ def main() -> int:
     serial = out / "serial.log"
     (out / "serial.log.gz").write_bytes(gzip.compress(serial.read_bytes()))
     serial.unlink()
-    rows = parse(lines)
-    if rows["error"]:
-        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
-                         + f" (serial log: {out / 'serial.log.gz'})")
-    write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
-    write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
-    write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
-    write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])
-    summary = summarize(rows, st, nlisted)
     cmdline = shlex.join(["bench/e2e_vs_ksm.py", *sys.argv[1:]])
     facts = (f"host: {os.cpu_count()} cores, {platform.release()}; pageshare host: patched "
              f"6.12 plain under TCG, -m {st.host_mib}M -smp 2; {st.guests} guests of "
              f"{st.guest_mib} MiB nested under TCG; image {image.name} "
              f"({image.parent.name}); VM time {vm_s / 60:.0f} min")
-    summary.update(command=cmdline, facts=facts, settings=st.__dict__)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    md = markdown(summary, cmdline, facts)
-    (out / "summary.md").write_text(md)
-    print(md)
+    summary = write_results(out, lines, st, nlisted, cmdline, facts)
     if not any(x.startswith("E2E-EV all") and " finished" in x for x in lines):
         log(f"the run did not finish; see {out / 'serial.log.gz'}")
         return 1
