@@ -97,6 +97,11 @@ BAD_PATTERNS = [
     r"hung_task",
     r"blocked for more than",
     r"RIP: ",
+    # A stack dumped without WARN/BUG: dump_stack() callers such as the
+    # fault path's "FAULT_FLAG_ALLOW_RETRY missing" (a user fault taken
+    # where it must not be, issue 14's item 4), OOM reports, sysrq.
+    r"Call Trace:",
+    r"FAULT_FLAG_ALLOW_RETRY missing",
 ]
 BAD_RE = re.compile("|".join(f"(?:{p})" for p in BAD_PATTERNS), re.IGNORECASE)
 
@@ -1117,6 +1122,8 @@ SCAN_SAMPLES_BAD = [
     "[    9.9] list_add corruption. prev->next should be next (ffff888), but was 0",
     "[    9.9] Oops: general protection fault, probably for non-canonical address",
     "[   99.0] INFO: task ksmd:40 blocked for more than 120 seconds.",
+    "[   41.5] FAULT_FLAG_ALLOW_RETRY missing 881",
+    "[   41.5] Call Trace:",
 ]
 SCAN_SAMPLES_GOOD = [
     "[    0.000000] Lock dependency validator: Copyright (c) 2006 Red Hat, Inc., Ingo Molnar",
@@ -1252,8 +1259,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     blurb = (HERE / "cover-letter.txt").read_text().rstrip("\n").split("\n", 1)
     subject, body = blurb[0], blurb[1].strip("\n") if len(blurb) > 1 else ""
     with tempfile.TemporaryDirectory() as td:
+        # A fixed abbreviation: git's default grows with the repository's
+        # object count, which would rewrite every index line on export.
         run(["git", *GIT_ID, "-c", f"user.name={AUTHOR[0]}", "-c", f"user.email={AUTHOR[1]}",
-             "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter",
+             "-c", "core.abbrev=9", "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter",
              "--base=base", "-o", td, "base..series"], cwd=dev)
         for old in PATCHES.glob("*.patch"):
             old.unlink()
