@@ -1262,8 +1262,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         # A fixed abbreviation: git's default grows with the repository's
         # object count, which would rewrite every index line on export.
         run(["git", *GIT_ID, "-c", f"user.name={AUTHOR[0]}", "-c", f"user.email={AUTHOR[1]}",
-             "-c", "core.abbrev=9", "format-patch", "-q", "--no-signature", "--zero-commit", "--cover-letter",
-             "--base=base", "-o", td, "base..series"], cwd=dev)
+             "-c", "core.abbrev=9", "format-patch", "-q", "--no-signature", "--zero-commit",
+             "--cover-letter", "--base=base", "-o", td, "base..series"], cwd=dev)
         for old in PATCHES.glob("*.patch"):
             old.unlink()
         for f in sorted(Path(td).glob("*.patch")):
