@@ -362,7 +362,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             at(h["t_ms"], g)["merged"] > 0 for g in gids)), None)
         h_first = next((h for h in hs if first_merge is not None
                         and h["t_ms"] >= first_merge), hs[-1])
-        server_cpu = (hs[-1]["server_cpu_ms"] - h_first["server_cpu_ms"]) / 1000
+        server_ms = cpu_since(hs, h_first)
+        server_cpu = server_ms / 1000 if server_ms is not None else None
         server_startup_cpu = h_first["server_cpu_ms"] / 1000
         merged = sum(max(s["merged"], 0) for s in end)
         merge_s = sum(max(s["merge_ns"], 0) for s in end) / 1e9
@@ -406,7 +407,7 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "server_cpu_s": server_cpu,
             "server_startup_cpu_s": server_startup_cpu,
             "pageshare_cpu_s_per_gib": ((merge_s + server_cpu) / (merged * PAGE / 2**30)
-                                        if merged else None),
+                                        if merged and server_cpu is not None else None),
             "merge_failed": sum(max(s["merge_failed"], 0) for s in end),
             "grep_s_mean": sum(greps) / len(greps) if greps else None,
             "bins_s_mean": sum(bins) / len(bins) if bins else None,
@@ -415,6 +416,24 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         }
         out["configs"][cfg] = c
     return out
+
+
+def cpu_since(hs: list[dict[str, int]], first: dict[str, int]) -> int | None:
+    """The server's CPU (ms) from sample ``first`` to the last one, or None
+    if the sampler lost the server: it follows the pid it was started with,
+    so after the faults configuration kills and restarts the server it
+    reads -1.  A counter that drops (a new process of the same pid would
+    start from 0) starts a new sum."""
+    total, prev, on = 0, None, False
+    for h in hs:
+        on = on or h is first
+        cur = h["server_cpu_ms"]
+        if on and cur < 0:
+            return None
+        if on and prev is not None and h is not first:
+            total += cur - prev if cur >= prev else cur
+        prev = cur
+    return total
 
 
 def share_lag(series: dict[int, list[dict[str, int]]], gids: list[int],

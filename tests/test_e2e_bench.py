@@ -165,6 +165,18 @@ def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
     assert "NO" in e2e.markdown(s, "x", "y")
 
 
+def test_server_cpu_across_a_restart_and_a_lost_server() -> None:
+    """A counter that drops is a new server process (its CPU counts from 0);
+    a sample of -1 (the sampler lost the killed server) makes the server's
+    CPU unknown, not negative."""
+    first = {"server_cpu_ms": 100}
+    hs = [{"server_cpu_ms": 50}, first, {"server_cpu_ms": 300}, {"server_cpu_ms": 20},
+          {"server_cpu_ms": 70}]
+    assert e2e.cpu_since(hs, first) == 200 + 20 + 50
+    assert e2e.cpu_since([*hs, {"server_cpu_ms": -1}], first) is None
+    assert e2e.cpu_since([{"server_cpu_ms": -1}, first, {"server_cpu_ms": 150}], first) == 50
+
+
 def _latest_results() -> Path | None:
     runs = sorted((REPO / "bench/results").glob("e2e-*/summary.json"))
     return runs[-1].parent if runs else None
