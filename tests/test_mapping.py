@@ -1,10 +1,12 @@
 """Page -> base-image sector mapping: partition offsets, extents, holes, verification."""
 
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from pageshare.classify import PageRecord
-from pageshare.ext4map import Extent, lookup, parse_extents
+from pageshare.ext4map import Extent, lookup, parse_extents, read_paths
 from pageshare.mapping import Geometry, page_sector, verify
 
 UUID = "059a5ac684ce4b8f88bf106cefac840b"
@@ -106,3 +108,22 @@ def test_verify() -> None:
     assert verify(8, b"\x02" * 4096, disk.__getitem__) == "mismatch"
     assert verify(8, bytes(4096), disk.__getitem__) == "zero"
     assert verify(8, None, disk.__getitem__) == "not-in-dump"
+
+
+def test_read_paths_of_thousands_of_inodes(tmp_path: Path) -> None:
+    """A workload that reads thousands of files: every inode gets its path
+    (one long ncheck line made debugfs run its tail as a command)."""
+    root = tmp_path / "root"
+    d = root / "usr" / "lib"
+    d.mkdir(parents=True)
+    for i in range(3000):
+        (d / f"lib{i:05d}.so").write_bytes(b"x")
+    img = tmp_path / "fs.ext4"
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-N", "4096", "-d", str(root), str(img), "32M"],
+                   check=True, capture_output=True)
+    listing = subprocess.run(["debugfs", "-R", "ls -l /usr/lib", str(img)],
+                             capture_output=True, text=True, check=True).stdout
+    names = {int(f[0]): f[-1] for f in map(str.split, listing.splitlines())
+             if f and f[-1].startswith("lib")}
+    assert len(names) == 3000
+    assert read_paths(img, 0, sorted(names)) == {i: f"/usr/lib/{n}" for i, n in names.items()}

@@ -76,11 +76,20 @@ def read_extents(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, li
     return parse_extents(_debugfs(raw, part_offset, "".join(f"ex <{i}>\n" for i in inodes)))
 
 
+# Inodes per `ncheck` command: debugfs reads its commands in lines of a few
+# KiB and runs the rest of a longer line as a command of its own ("Command
+# not found 6"), which a workload that reads thousands of files reached.
+NCHECK_CHUNK = 256
+
+
 def read_paths(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, str]:
     """One path per inode (hard links: the first one found)."""
     if not inodes:
         return {}
-    out = _debugfs(raw, part_offset, "ncheck -c " + " ".join(map(str, inodes)) + "\n")
+    commands = "".join(
+        "ncheck -c " + " ".join(map(str, inodes[i:i + NCHECK_CHUNK])) + "\n"
+        for i in range(0, len(inodes), NCHECK_CHUNK))
+    out = _debugfs(raw, part_offset, commands)
     paths: dict[int, str] = {}
     for line in out.splitlines():
         ino, sep, path = line.partition("\t")
