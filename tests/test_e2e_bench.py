@@ -177,15 +177,16 @@ def test_server_cpu_across_a_restart_and_a_lost_server() -> None:
     assert e2e.cpu_since([{"server_cpu_ms": -1}, first, {"server_cpu_ms": 150}], first) == 50
 
 
-def _latest_results() -> Path | None:
-    runs = sorted((REPO / "bench/results").glob("e2e-*/summary.json"))
-    return runs[-1].parent if runs else None
+RUNS = sorted(p.parent for p in (REPO / "bench/results").glob("e2e-*/summary.json"))
 
 
-def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
-    """The committed run's raw serial log gives the committed summary."""
-    run = _latest_results()
-    assert run is not None, "no recorded run under bench/results/e2e-*/"
+def test_a_run_is_recorded() -> None:
+    assert RUNS, "no recorded run under bench/results/e2e-*/"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_recorded_run_parses_and_agrees_with_its_summary(run: Path) -> None:
+    """Each committed run's raw serial log gives its committed summary."""
     lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
         errors="replace").splitlines()
     saved = json.loads((run / "summary.json").read_text())
@@ -196,16 +197,15 @@ def test_recorded_run_parses_and_agrees_with_its_summary() -> None:
     assert os.path.getsize(run / "samples_guest.csv") > 0
 
 
-def test_notebook_plots_the_recorded_run(tmp_path: Path) -> None:
-    """notebooks/e2e_vs_ksm.ipynb runs headless on the recorded run and
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
+    """notebooks/e2e_vs_ksm.ipynb runs headless on each recorded run and
     draws its three figures."""
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
     from nbclient import NotebookClient
 
-    run = _latest_results()
-    assert run is not None, "no recorded run under bench/results/e2e-*/"
     nb = nbformat.read(REPO / "notebooks/e2e_vs_ksm.ipynb", as_version=4)  # type: ignore[no-untyped-call]
     sockets = Path(tempfile.mkdtemp(prefix="e2e-kernel-"))
     km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(
