@@ -22,7 +22,6 @@ import hashlib
 import os
 import signal
 import socket
-import struct
 import subprocess
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import pytest
 from pageshare import sectorlist
 from pageshare.qmp import QMP, QMPError
-from test_page_server_helpers import ImageSpec, Server, make_list, wait_for
+from test_page_server_helpers import ImageSpec, Server, make_list, psc, wait_for
 from test_qemu_helpers import QemuBuild, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
@@ -310,33 +309,16 @@ class HoldingProxy:
         self.socks: list[socket.socket] = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    @staticmethod
-    def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), 8)
-            fds.extend(got)
-            if not data:
-                return None
-            buf += data
-        return buf
-
     def _pump(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
         try:
-            while True:
-                fds: list[int] = []
-                hdr = self._recv_exact(src, 8, fds)
-                if hdr is None:
-                    break
-                payload = self._recv_exact(src, struct.unpack("<II", hdr)[1], fds)
-                if payload is None:
-                    break
+            while (got := psc.recv_frame(src)) is not None:
+                kind, payload, fds = got
                 if held:
                     self.release.wait()     # a message read before hold is held too
-                socket.send_fds(dst, [hdr + payload], fds)
+                socket.send_fds(dst, [psc.frame(kind, payload)], fds)
                 for fd in fds:
                     os.close(fd)
-        except OSError:
+        except (OSError, EOFError):
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)

@@ -178,6 +178,35 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
     return struct.pack("<II", kind, len(payload)) + payload
 
 
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError("server closed the connection")
+        out += chunk
+    return out
+
+
+def recv_frame(sock: socket.socket, maxfds: int = 4) -> tuple[int, bytes, list[int]] | None:
+    """One message as sent: its type, its payload and the descriptors that
+    came with it (the caller owns them); None at end of stream."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 8, maxfds)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    try:
+        if len(data) < 8:
+            data += _read_exact(sock, 8 - len(data))
+        kind, length = struct.unpack("<II", data)
+        return kind, _read_exact(sock, length) if length else b"", fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
 class PageshareClient:
     def __init__(self, path: str | os.PathLike[str], timeout: float = 10.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,25 +227,11 @@ class PageshareClient:
         self.fds.clear()
         self.sock.close()
 
-    def _read_exact(self, n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = self.sock.recv(n - len(out))
-            if not chunk:
-                raise EOFError("server closed the connection")
-            out += chunk
-        return out
-
     def recv(self) -> Message:
-        data, fds, _flags, _addr = socket.recv_fds(self.sock, 8, 4)
-        if not data:
-            for fd in fds:
-                os.close(fd)
+        got = recv_frame(self.sock)
+        if got is None:
             raise EOFError("server closed the connection")
-        if len(data) < 8:
-            data += self._read_exact(8 - len(data))
-        kind, length = struct.unpack("<II", data)
-        payload = self._read_exact(length) if length else b""
+        kind, payload, fds = got
         if kind == MSG_TABLE:
             if len(fds) != 2 or len(payload) < TABLE_PAYLOAD.size:
                 raise ProtocolError(f"TABLE with {len(fds)} fds and {len(payload)} bytes")
@@ -259,19 +274,10 @@ def control_request(path: str | os.PathLike[str], kind: int, payload: bytes = b"
         s.settimeout(timeout)
         s.connect(os.fspath(path))
         s.sendall(frame(kind, payload))
-        hdr = b""
-        while len(hdr) < 8:
-            chunk = s.recv(8 - len(hdr))
-            if not chunk:
-                raise EOFError("no reply")
-            hdr += chunk
-        k, n = struct.unpack("<II", hdr)
-        body = b""
-        while len(body) < n:
-            chunk = s.recv(n - len(body))
-            if not chunk:
-                raise EOFError("short reply")
-            body += chunk
+        got = recv_frame(s, maxfds=0)
+        if got is None:
+            raise EOFError("no reply")
+        k, body, _fds = got
         return k, body
 
 
