@@ -186,9 +186,22 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, String> {
             return Err(format!("{}: exists and is not a socket", path.display()));
         }
     }
-    let l = UnixListener::bind(path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+    // Bind and chmod under a temporary name and rename it into place: a
+    // socket file that exists under its real name is already listening with
+    // its final mode, so a client never sees ECONNREFUSED from the window
+    // between bind() and listen(), nor a socket with the umask's mode.
+    let mut tmp_name = path.as_os_str().to_owned();
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp_name);
+    let _ = std::fs::remove_file(&tmp);
+    let l = UnixListener::bind(&tmp).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    let published = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))
+        .and_then(|_| std::fs::rename(&tmp, path).map_err(|e| format!("cannot publish {}: {e}", path.display())));
+    if let Err(e) = published {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     l.set_nonblocking(true).map_err(|e| e.to_string())?;
     Ok(l)
 }
@@ -1350,7 +1363,29 @@ impl Server {
 
 #[cfg(test)]
 mod tests {
-    use super::ksm_run_warning;
+    use super::{bind_socket, ksm_run_warning};
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn bind_socket_publishes_a_listening_socket_with_its_mode() {
+        let dir = std::env::temp_dir().join(format!("ps-bind-{}", std::process::id()));
+        let path = dir.join("img.sock");
+        let l = bind_socket(&path, 0o660).unwrap();
+        let md = std::fs::symlink_metadata(&path).unwrap();
+        assert!(md.file_type().is_socket());
+        assert_eq!(md.permissions().mode() & 0o777, 0o660);
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("img.sock")], "no temporary name left behind");
+        UnixStream::connect(&path).expect("the published name accepts connections");
+        // A second server on the same path is refused while the first listens.
+        assert!(bind_socket(&path, 0o660).unwrap_err().contains("another server"));
+        drop(l);
+        // The first one gone, its stale socket file is replaced.
+        let _l2 = bind_socket(&path, 0o600).unwrap();
+        UnixStream::connect(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn ksm_run_warning_only_unless_merging() {
