@@ -171,6 +171,8 @@ commands:
   fleet [--json]        what every page server reported to Redis
   image build ...       build the project's demo/small golden images (cached)
   host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
+  attach QMP [--json]   put the pageshare filter into a running QEMU's disks (over QMP)
+  detach QMP [--json]   take it out again (e.g. before migrating to a host without pageshare)
 
 Run `pageshare COMMAND --help` for details.
 """
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "host":
         from . import hostcheck
         return hostcheck.cli_main(rest)
+    if cmd in ("attach", "detach"):
+        from . import attach
+        return attach.main(cmd, rest)
     print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 
