@@ -12,7 +12,7 @@
 use crate::config::RedisConfig;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,8 +45,8 @@ pub struct Watcher {
     pub host: String,
     pub max_list_bytes: u64,
     pub cmds: Receiver<Cmd>,
-    pub lists: Sender<crate::server::Event>,
-    pub wake: Arc<dyn Fn() + Send + Sync>,
+    /// Hands a new list to the main loop (and wakes it).
+    pub deliver: Box<dyn Fn(RedisList) + Send>,
     pub status: Arc<Mutex<RedisStatus>>,
     /// The server's status JSON, pushed to the host hash.
     pub snapshot: Arc<Mutex<String>>,
@@ -71,14 +71,12 @@ fn redact(url: &str) -> String {
 }
 
 impl Watcher {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: RedisConfig,
         host: String,
         max_list_bytes: u64,
         cmds: Receiver<Cmd>,
-        lists: Sender<crate::server::Event>,
-        wake: Arc<dyn Fn() + Send + Sync>,
+        deliver: Box<dyn Fn(RedisList) + Send>,
         status: Arc<Mutex<RedisStatus>>,
         snapshot: Arc<Mutex<String>>,
     ) -> Watcher {
@@ -88,8 +86,7 @@ impl Watcher {
             host,
             max_list_bytes,
             cmds,
-            lists,
-            wake,
+            deliver,
             status,
             snapshot,
             watched: Vec::new(),
@@ -269,8 +266,7 @@ impl Watcher {
             }
             self.delivered.insert(key.clone(), digest);
             self.status.lock().expect("status").lists_received += 1;
-            let _ = self.lists.send(crate::server::Event::Redis(RedisList { image, key, text: Arc::new(text) }));
-            (self.wake)();
+            (self.deliver)(RedisList { image, key, text: Arc::new(text) });
         }
         Ok(())
     }

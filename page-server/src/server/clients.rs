@@ -1,0 +1,339 @@
+//! Client sessions on the image sockets: a client gets the current table
+//! (or NO_TABLE and why) on connect and every new generation after it,
+//! acknowledges each with SWITCHED and reports STATS; a client that
+//! misbehaves or does not switch in time gets BYE.  Control clients are
+//! accepted and read here too; their requests are in control.rs.
+
+use super::generations::Generation;
+use super::Server;
+use crate::arena::MergeMode;
+use crate::proto::{self, *};
+use crate::table;
+use serde_json::{json, Value};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+#[derive(Default, Clone, Copy)]
+pub(super) struct ClientCounters {
+    pub(super) lookups: u64,
+    pub(super) hits: u64,
+    pub(super) merged: u64,
+    pub(super) merge_errors: u64,
+    pub(super) fallbacks: u64,
+}
+
+impl ClientCounters {
+    pub(super) fn add(&mut self, o: &ClientCounters) {
+        self.lookups += o.lookups;
+        self.hits += o.hits;
+        self.merged += o.merged;
+        self.merge_errors += o.merge_errors;
+        self.fallbacks += o.fallbacks;
+    }
+    pub(super) fn json(&self) -> Value {
+        json!({"lookups": self.lookups, "hits": self.hits, "merged": self.merged,
+               "merge_errors": self.merge_errors, "fallbacks": self.fallbacks})
+    }
+}
+
+pub(super) enum Kind {
+    Image(usize),
+    Control,
+}
+
+pub(super) struct Client {
+    pub(super) stream: UnixStream,
+    pub(super) kind: Kind,
+    pub(super) buf: Vec<u8>,
+    /// Generations this client may still use (sent, not yet superseded by a
+    /// SWITCHED from the client).
+    pub(super) held: Vec<Rc<Generation>>,
+    pub(super) waiting_since: Option<Instant>,
+    pub(super) pid: i32,
+    pub(super) uid: u32,
+    pub(super) counters: ClientCounters,
+    pub(super) connected_at: f64,
+    pub(super) bad_messages: u64,
+}
+
+impl Client {
+    /// The image this client is a client of (None: a control client).
+    pub(super) fn image(&self) -> Option<usize> {
+        match self.kind {
+            Kind::Image(i) => Some(i),
+            Kind::Control => None,
+        }
+    }
+}
+
+impl Server {
+    /// The ids of the clients of image `idx`.
+    pub(super) fn image_clients(&self, idx: usize) -> Vec<u64> {
+        self.clients.iter().filter(|(_, c)| c.image() == Some(idx)).map(|(id, _)| *id).collect()
+    }
+
+    pub(super) fn send_table(&mut self, id: u64, gen: &Rc<Generation>) {
+        let Some(c) = self.clients.get_mut(&id) else { return };
+        let degraded = matches!(gen.arena.merge_mode, MergeMode::Degraded(_));
+        let p = table_payload(&TableMsg {
+            flags: if degraded { table::FLAG_DEGRADED } else { 0 },
+            generation: gen.number,
+            entries: gen.blocks.len() as u64,
+            table_bytes: gen.table_bytes as u64,
+            virtual_size: gen.arena.identity.virtual_size,
+            content_sha256: &gen.arena.identity.content_sha256,
+            server_pid: std::process::id(),
+            format: &gen.format,
+            published_at: gen.published_at,
+            file_dev: gen.stamp.dev,
+            file_ino: gen.stamp.ino,
+            file_size: gen.stamp.size,
+            file_mtime_ns: gen.stamp.mtime_ns,
+            file_ctime_ns: gen.stamp.ctime_ns,
+        });
+        let msg = frame(MSG_TABLE, &p);
+        match send_msg(c.stream.as_raw_fd(), &msg, &[gen.memfd.as_raw_fd(), self.pidfd.as_raw_fd()]) {
+            Ok(()) => {
+                if !c.held.is_empty() && c.waiting_since.is_none() {
+                    c.waiting_since = Some(Instant::now());
+                }
+                c.held.push(gen.clone());
+            }
+            Err(e) => {
+                let why = format!("cannot send the table: {e}");
+                self.drop_client(id, &why);
+            }
+        }
+    }
+
+    pub(super) fn send_no_table(&mut self, id: u64, reason: u32, why: &str) {
+        let Some(c) = self.clients.get_mut(&id) else { return };
+        let mut p = Vec::new();
+        p.extend_from_slice(&1u32.to_le_bytes());
+        p.extend_from_slice(&reason.to_le_bytes());
+        let text: String = why.chars().take(1000).collect();
+        p.extend_from_slice(text.as_bytes());
+        let r = send_msg(c.stream.as_raw_fd(), &frame(MSG_NO_TABLE, &p), &[]);
+        if let Err(e) = r {
+            self.drop_client(id, &format!("cannot send: {e}"));
+        }
+    }
+
+    pub(super) fn accept(&mut self, kind_of: Option<usize>) {
+        loop {
+            let l = match kind_of {
+                Some(i) => &self.images[i].listener,
+                None => &self.control,
+            };
+            let stream = match l.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.client_log(&format!("accept: {e}"));
+                    return;
+                }
+            };
+            if self.clients.len() >= self.cfg.limits.max_clients {
+                let _ = send_msg(
+                    stream.as_raw_fd(),
+                    &frame(MSG_BYE, b"too many clients (limits.max_clients)"),
+                    &[],
+                );
+                self.client_log("refused a client: limits.max_clients reached");
+                continue;
+            }
+            let _ = stream.set_nonblocking(true);
+            let cred = crate::sys::peer_cred(stream.as_raw_fd());
+            let id = self.next_client;
+            self.next_client += 1;
+            self.clients.insert(
+                id,
+                Client {
+                    stream,
+                    kind: match kind_of {
+                        Some(i) => Kind::Image(i),
+                        None => Kind::Control,
+                    },
+                    buf: Vec::new(),
+                    held: Vec::new(),
+                    waiting_since: None,
+                    pid: cred.map(|c| c.pid).unwrap_or(0),
+                    uid: cred.map(|c| c.uid).unwrap_or(u32::MAX),
+                    counters: ClientCounters::default(),
+                    connected_at: crate::sys::now_unix(),
+                    bad_messages: 0,
+                },
+            );
+            if let Some(i) = kind_of {
+                self.images[i].clients_total += 1;
+                match self.images[i].current.clone() {
+                    Some(gen) => self.send_table(id, &gen),
+                    None => {
+                        let img = &self.images[i];
+                        let reason = match img.state {
+                            "starting" | "loading" => NT_LOADING,
+                            "no-list" => NT_NO_LIST,
+                            "refused" => NT_REFUSED,
+                            _ => NT_IMAGE_CHANGED,
+                        };
+                        let why = img.message.clone();
+                        self.send_no_table(id, reason, &why);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Log about clients with a budget, so a hostile client cannot flood the journal.
+    pub(super) fn client_log(&mut self, msg: &str) {
+        let (since, n) = &mut self.log_budget;
+        if since.elapsed() > Duration::from_secs(10) {
+            if *n > 20 {
+                crate::log::warn(&format!("{} client messages suppressed", *n - 20));
+            }
+            *since = Instant::now();
+            *n = 0;
+        }
+        *n += 1;
+        if *n <= 20 {
+            crate::log::warn(msg);
+        }
+    }
+
+    pub(super) fn drop_client(&mut self, id: u64, why: &str) {
+        if let Some(c) = self.clients.remove(&id) {
+            if let Kind::Image(i) = c.kind {
+                self.images[i].closed_counters.add(&c.counters);
+                if !why.is_empty() {
+                    let msg = format!("image {}: client pid {} disconnected: {why}", self.images[i].cfg.name, c.pid);
+                    self.client_log(&msg);
+                }
+            }
+            // c.held dropped here: generations nobody uses are released.
+        }
+    }
+
+    fn bye(&mut self, id: u64, why: &str) {
+        if let Some(c) = self.clients.get(&id) {
+            let _ = send_msg(c.stream.as_raw_fd(), &frame(MSG_BYE, why.as_bytes()), &[]);
+        }
+        self.drop_client(id, why);
+    }
+
+    pub(super) fn read_client(&mut self, id: u64) {
+        let mut tmp = [0u8; 8192];
+        loop {
+            let Some(c) = self.clients.get_mut(&id) else { return };
+            match proto::recv_some(c.stream.as_raw_fd(), &mut tmp) {
+                Ok((0, _, _)) => {
+                    self.drop_client(id, "");
+                    return;
+                }
+                Ok((n, fds, _)) => {
+                    if !fds.is_empty() {
+                        drop(fds);
+                        self.bye(id, "clients must not send file descriptors");
+                        return;
+                    }
+                    c.buf.extend_from_slice(&tmp[..n]);
+                    if c.buf.len() > 4 * (MAX_CLIENT_PAYLOAD + HDR) {
+                        self.bye(id, "too much unparsed input");
+                        return;
+                    }
+                    let msgs = match take_messages(&mut c.buf, MAX_CLIENT_PAYLOAD) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            self.bye(id, &format!("protocol error: {e}"));
+                            return;
+                        }
+                    };
+                    for (kind, payload) in msgs {
+                        if !self.clients.contains_key(&id) {
+                            return;
+                        }
+                        self.handle_message(id, kind, &payload);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.drop_client(id, &format!("read: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn handle_message(&mut self, id: u64, kind: u32, p: &[u8]) {
+        let handled = match self.clients.get(&id).map(|c| &c.kind) {
+            Some(Kind::Image(_)) => self.image_message(id, kind, p),
+            Some(Kind::Control) => self.control_message(id, kind, p),
+            None => return,
+        };
+        if !handled {
+            let c = self.clients.get_mut(&id).expect("present");
+            c.bad_messages += 1;
+            if c.bad_messages > 100 {
+                self.bye(id, "too many unknown messages");
+            } else {
+                let msg = format!("client pid {}: ignored unknown message type {kind}", c.pid);
+                self.client_log(&msg);
+            }
+        }
+    }
+
+    /// A message from a client of an image socket; false if its type is
+    /// not one such a client sends.
+    fn image_message(&mut self, id: u64, kind: u32, p: &[u8]) -> bool {
+        match kind {
+            MSG_SWITCHED => {
+                let Some(gen) = u64_at(p, 0) else {
+                    self.bye(id, "protocol error: SWITCHED needs 8 bytes");
+                    return true;
+                };
+                let c = self.clients.get_mut(&id).expect("present");
+                if gen != NO_GENERATION && !c.held.iter().any(|g| g.number == gen) {
+                    self.bye(id, &format!("protocol error: SWITCHED to generation {gen}, which this client was never sent"));
+                    return true;
+                }
+                c.held.retain(|g| g.number == gen);
+                c.waiting_since = None;
+            }
+            MSG_STATS => {
+                let vals: Vec<u64> = (0..6).filter_map(|i| u64_at(p, 8 * i)).collect();
+                if vals.len() != 6 {
+                    self.bye(id, "protocol error: STATS needs 48 bytes");
+                    return true;
+                }
+                let c = self.clients.get_mut(&id).expect("present");
+                // Cumulative per connection; keep the latest.
+                c.counters = ClientCounters {
+                    lookups: vals[1],
+                    hits: vals[2],
+                    merged: vals[3],
+                    merge_errors: vals[4],
+                    fallbacks: vals[5],
+                };
+            }
+            _ => return false,
+        }
+        true
+    }
+
+    pub(super) fn expire_waiting(&mut self) {
+        let limit = Duration::from_secs(self.cfg.limits.client_switch_timeout_secs);
+        let late: Vec<u64> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.waiting_since.is_some_and(|t| t.elapsed() > limit))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.bye(
+                id,
+                "did not acknowledge the new generation in time (limits.client_switch_timeout_secs); reconnect",
+            );
+        }
+    }
+}

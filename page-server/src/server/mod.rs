@@ -1,0 +1,141 @@
+//! The daemon: sockets, clients, generations, hot reload.
+//!
+//! One thread owns all state and polls the listening sockets, the clients,
+//! an inotify descriptor and an eventfd that the loader and Redis threads
+//! use to wake it.  Heavy work (hashing, reading the image) happens on the
+//! loader thread, so the loop stays responsive and keeps the systemd
+//! watchdog fed.
+//!
+//! Where to read what (each file adds methods to [`Server`]):
+//!
+//! * `setup.rs`: [`Server::new`]: directories, sockets, the loader and
+//!   Redis threads, the kernel probe;
+//! * `sockets.rs`: publishing a listening Unix socket;
+//! * `event_loop.rs`: [`Server::run`]: what is polled, timers, shutdown;
+//! * `generations.rs`: loads requested and finished, publishing a new
+//!   generation, withdrawing a table;
+//! * `file_watch.rs`: inotify on list files, image directories and image
+//!   inodes;
+//! * `clients.rs`: client sessions on the image sockets (TABLE, NO_TABLE,
+//!   SWITCHED, STATS, BYE);
+//! * `control.rs`: requests on the control socket (status, reload) and the
+//!   status JSON.
+
+mod clients;
+mod control;
+mod event_loop;
+mod file_watch;
+mod generations;
+mod setup;
+mod sockets;
+
+use crate::arena::Arena;
+use crate::config::{Config, ImageConfig};
+use crate::identity::{FileStamp, Identity};
+use crate::loader::{Job, ListSource, Loaded};
+use crate::notify::Notifier;
+use crate::redis_watch::{self, RedisList, RedisStatus};
+use clients::{Client, ClientCounters};
+use generations::Generation;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What the loader and Redis threads hand to the main loop.
+enum Event {
+    Loaded(Box<Loaded>),
+    Redis(RedisList),
+}
+
+/// One image the server serves: its socket, the generation it publishes and
+/// what the loads so far said.
+struct ImageState {
+    cfg: ImageConfig,
+    listener: UnixListener,
+    current: Option<Rc<Generation>>,
+    next_generation: u64,
+    state: &'static str,
+    message: String,
+    identity: Option<Identity>,
+    /// Stamp of the image file the last load verified (None: re-check).
+    image_stamp: Option<FileStamp>,
+    /// inotify watch on the image file's inode: (wd, st_dev, st_ino).
+    inode_watch: Option<(i32, u64, u64)>,
+    arena: Option<Arc<Arena>>,
+    seq: u64,
+    loading: bool,
+    /// Debounced reload (inotify) at this time.
+    reload_at: Option<Instant>,
+    recheck_image_at: Option<Instant>,
+    last_source: Option<ListSource>,
+    redis_key: Option<String>,
+    last_load: Value,
+    last_error: String,
+    loads_ok: u64,
+    loads_failed: u64,
+    closed_counters: ClientCounters,
+    clients_total: u64,
+}
+
+impl ImageState {
+    fn new(cfg: ImageConfig, listener: UnixListener) -> ImageState {
+        ImageState {
+            cfg,
+            listener,
+            current: None,
+            next_generation: 1,
+            state: "starting",
+            message: String::new(),
+            identity: None,
+            image_stamp: None,
+            inode_watch: None,
+            arena: None,
+            seq: 0,
+            loading: false,
+            reload_at: None,
+            recheck_image_at: None,
+            last_source: None,
+            redis_key: None,
+            last_load: Value::Null,
+            last_error: String::new(),
+            loads_ok: 0,
+            loads_failed: 0,
+            closed_counters: ClientCounters::default(),
+            clients_total: 0,
+        }
+    }
+}
+
+pub struct Server {
+    cfg: Config,
+    images: Vec<ImageState>,
+    control: UnixListener,
+    clients: HashMap<u64, Client>,
+    next_client: u64,
+    pidfd: OwnedFd,
+    wake_fd: Arc<OwnedFd>,
+    inotify: Option<OwnedFd>,
+    /// inotify watch descriptor -> directory it watches (the images'
+    /// inodes are watched too: ImageState::inode_watch)
+    watches: HashMap<i32, PathBuf>,
+    events: Receiver<Event>,
+    jobs: Sender<Job>,
+    latest: Arc<Vec<AtomicU64>>,
+    redis_cmds: Option<Sender<redis_watch::Cmd>>,
+    redis_status: Arc<Mutex<RedisStatus>>,
+    snapshot: Arc<Mutex<String>>,
+    metrics: Arc<Mutex<String>>,
+    global_loaded: Arc<AtomicU64>,
+    degraded: Option<String>,
+    started: f64,
+    notifier: Notifier,
+    stop: Arc<AtomicBool>,
+    log_budget: (Instant, u32),
+}
