@@ -78,9 +78,29 @@ def test_trixie_variant_is_small_packages_on_demo_layout() -> None:
     # No UUID or GUID is shared with another variant: clones of different
     # golden images must not look like the same disk or file system.
     ids = [(v, i) for v in golden.VARIANTS for i in (
-        golden._spec(v).fs_uuid, golden._spec(v).disk_guid,
+        golden._spec(v).fs_uuid, golden._spec(v).disk_guid, golden._spec(v).boot_fs_uuid,
         *golden._spec(v).partition_guids.values()) if i]
     assert len({i for _, i in ids}) == len(ids)
+
+
+def test_bootsplit_variant_is_small_packages_with_a_separate_boot() -> None:
+    spec, small = golden._spec("bootsplit"), golden._spec("small")
+    assert (spec.packages, spec.mmdebstrap_variant, spec.suite) == (
+        small.packages, small.mmdebstrap_variant, small.suite)
+    assert spec.boot_fs_uuid and str(uuid.UUID(spec.boot_fs_uuid)) == spec.boot_fs_uuid
+    assert set(spec.partition_guids) == {"1", "2", "14", "15"}
+    g = golden.geometry("bootsplit")
+    assert g.layout == "gpt-bootsplit"
+    # /boot (128 MiB) where the root starts in "gpt", the root right after it;
+    # both 4 KiB-aligned on the disk, so pages of both can be listed.
+    assert (g.boot_partition, g.boot_start_sector, g.boot_end_sector) == (2, 262144, 524287)
+    assert (g.root_partition, g.root_start_sector) == (1, 524288)
+    assert g.boot_fs_bytes == (g.boot_end_sector - g.boot_start_sector + 1) * 512
+    assert g.root_start_sector % 8 == 0 and g.boot_start_sector % 8 == 0
+    assert g.root_end_sector == g.virtual_size // 512 - 34
+    # The other variants have no /boot partition (and their cache keys did not move).
+    assert all(golden.geometry(v).boot_partition is None for v in ("small", "demo", "trixie"))
+    assert all("boot_fs_uuid" not in golden.VARIANTS[v] for v in ("small", "demo", "trixie"))
 
 
 def test_gpt_geometry_matches_debian_cloud_layout() -> None:
@@ -322,6 +342,33 @@ def _boot_to_login(variant: str, tmp_path: Path) -> str:
         qemu.kill()
         qemu.wait()
     return log
+
+
+@pytest.mark.vm
+def test_bootsplit_has_its_kernel_only_on_the_boot_partition(tmp_path: Path) -> None:
+    image = _image("bootsplit")
+    m, geo, spec = image.manifest, golden.geometry("bootsplit"), golden._spec("bootsplit")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    disk_guid, parts = _gpt_partitions(raw)
+    assert str(disk_guid) == spec.disk_guid and sorted(parts) == [1, 2, 14, 15]
+    assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
+    assert parts[2][1:] == (geo.boot_start_sector, geo.boot_end_sector)
+    assert str(parts[2][0]) == spec.partition_guids["2"]
+    assert (m["boot_partition"], m["boot_start_sector"], m["boot_fs_uuid"]) == (
+        2, 262144, spec.boot_fs_uuid)
+    root, boot = f"{raw}?offset={geo.root_start_sector * 512}", \
+        f"{raw}?offset={geo.boot_start_sector * 512}"
+    assert f"Filesystem UUID:          {spec.boot_fs_uuid}" in _debugfs(boot, "stats")
+    assert "Filesystem volume name:   boot" in _debugfs(boot, "stats")
+    kernel = m["kernel_version"]
+    for name in (f"vmlinuz-{kernel}", f"initrd.img-{kernel}", f"config-{kernel}"):
+        assert _exists(boot, f"/{name}"), name
+        assert not _exists(root, f"/boot/{name}"), name     # only the mount point is left
+    assert _exists(root, "/boot") and _exists(root, "/usr/lib/systemd/systemd")
+    fstab = _debugfs(root, "cat /etc/fstab")
+    assert f"UUID={m['fs_uuid']}\t/\text4" in fstab
+    assert f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2" in fstab
 
 
 @pytest.mark.vm

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 from pageshare.classify import PageRecord
 from pageshare.ext4map import Extent, lookup, parse_extents, read_paths
-from pageshare.mapping import Geometry, page_sector, verify
+from pageshare.mapping import FsKey, Geometry, Placement, page_sector, verify
 
 UUID = "059a5ac684ce4b8f88bf106cefac840b"
-GEO = Geometry(root_start_sector=262144, root_uuid=UUID, virtual_size=3 << 30)
+BOOT_UUID = "2d6c9b1e5f484a0793e2b8c1f4a6d750"
+ROOT = Placement(UUID, 262144)
+GEO = Geometry((ROOT,), virtual_size=3 << 30)
 REC = PageRecord(pfn=1, kind="file", index=0, ino=12, fstype="ext4",
                  fs_uuid=UUID, disk="vda", start_sect=262144, blkbits=12, state="U----")
 
@@ -29,6 +31,11 @@ ex: Inode does not use extents
 """
 
 
+def on(fs: FsKey, by_ino: dict[int, list[Extent]]) -> dict[tuple[FsKey, int], list[Extent]]:
+    """Extents of one file system's inodes, keyed as analyze.py reads them."""
+    return {(fs, ino): exts for ino, exts in by_ino.items()}
+
+
 def test_parse_extents_leaf_only_and_skips_unwritten() -> None:
     ext = parse_extents(DEBUGFS)
     assert ext[12] == [Extent(0, 33000, 10)]
@@ -44,32 +51,50 @@ def test_lookup_holes() -> None:
 
 
 def test_partition_offset_and_block_size() -> None:
-    ext = {12: [Extent(0, 33000, 10)]}
+    ext = on(ROOT.key, {12: [Extent(0, 33000, 10)]})
     sector, why = page_sector(replace(REC, index=3), ext, GEO, False)
     assert why == "" and sector == 262144 + (33000 + 3) * 8
 
 
 def test_whole_disk_layout() -> None:
-    geo = replace(GEO, root_start_sector=0)
+    geo = replace(GEO, filesystems=(Placement(UUID, 0),))
     rec = replace(REC, start_sect=0, index=1)
-    assert page_sector(rec, {12: [Extent(0, 500, 4)]}, geo, False) == (501 * 8, "")
+    assert page_sector(rec, on((UUID, 0), {12: [Extent(0, 500, 4)]}), geo, False) \
+        == (501 * 8, "")
+
+
+def test_each_file_system_at_its_own_offset() -> None:
+    # A separate /boot: the same inode number on two file systems, each
+    # mapped with its own extents and partition start.
+    boot = Placement(BOOT_UUID, 2048, "/boot")
+    geo = replace(GEO, filesystems=(ROOT, boot))
+    ext = {**on(ROOT.key, {12: [Extent(0, 33000, 10)]}),
+           **on(boot.key, {12: [Extent(0, 700, 10)]})}
+    assert page_sector(REC, ext, geo, False) == (262144 + 33000 * 8, "")
+    brec = replace(REC, fs_uuid=BOOT_UUID, start_sect=2048)
+    assert page_sector(brec, ext, geo, False) == (2048 + 700 * 8, "")
+    # /boot's UUID at root's offset: a clone of the partition, not the one mapped.
+    assert page_sector(replace(brec, start_sect=262144), ext, geo, False) == (None, "other-disk")
+    # Not mapped (e.g. skipped as unaligned): never listed.
+    assert page_sector(brec, ext, GEO, False) == (None, "other-fs")
 
 
 def test_small_blocks_need_four_contiguous() -> None:
     # 1 KiB blocks: page 1 = logical blocks 4..7
     rec = replace(REC, blkbits=10, index=1)
-    ok = {12: [Extent(0, 2000, 8)]}
+    ok = on(ROOT.key, {12: [Extent(0, 2000, 8)]})
     assert page_sector(rec, ok, GEO, False) == (262144 + 2004 * 2, "")
-    split = {12: [Extent(0, 2000, 6), Extent(6, 3000, 2)]}
+    split = on(ROOT.key, {12: [Extent(0, 2000, 6), Extent(6, 3000, 2)]})
     assert page_sector(rec, split, GEO, False) == (None, "discontiguous")
-    hole = {12: [Extent(0, 2000, 6)]}
+    hole = on(ROOT.key, {12: [Extent(0, 2000, 6)]})
     assert page_sector(rec, hole, GEO, False) == (None, "hole")
 
 
 def test_unaligned_block_is_refused() -> None:
     rec = replace(REC, blkbits=10, index=0)
     # 1 KiB blocks starting at an odd block: sector not a multiple of 8
-    assert page_sector(rec, {12: [Extent(0, 2001, 4)]}, GEO, False) == (None, "unaligned")
+    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 2001, 4)]}), GEO, False) \
+        == (None, "unaligned")
 
 
 @pytest.mark.parametrize("change,why", [
@@ -82,7 +107,8 @@ def test_unaligned_block_is_refused() -> None:
 ])
 def test_rejections(change: dict[str, object], why: str) -> None:
     rec = replace(REC, **change)  # type: ignore[arg-type]
-    assert page_sector(rec, {12: [Extent(0, 33000, 10)]}, GEO, False) == (None, why)
+    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 33000, 10)]}), GEO, False) \
+        == (None, why)
 
 
 def test_unmapped_inode() -> None:
@@ -91,7 +117,8 @@ def test_unmapped_inode() -> None:
 
 def test_past_end_of_image() -> None:
     geo = replace(GEO, virtual_size=(262144 + 8) * 512)
-    assert page_sector(replace(REC, index=1), {12: [Extent(0, 0, 10)]}, geo, False) \
+    assert page_sector(replace(REC, index=1), on(ROOT.key, {12: [Extent(0, 0, 10)]}), geo,
+                       False) \
         == (None, "out-of-range")
 
 

@@ -59,6 +59,12 @@ OLD_PAGES: dict[tuple[int, str], dict[str, int]] = {
 }
 
 
+# Named, since later schema versions add columns (fs_uuid) after these.
+GUEST_PAGE_COLUMNS = ("run_id, vm, gpfn, host_pfn, merge, kind, category, ino, page_index, "
+                      "state, sector, verdict")
+LISTED_COLUMNS = "analysis_id, sector, sha256, ino, file_offset, kind, runs_seen, both_vms"
+
+
 def _insert_analysis(db: sqlite3.Connection, image_id: int, started: str, status: str,
                      pages: dict[tuple[int, str], dict[str, int]]) -> int:
     runs = sorted({run for run, _ in pages})
@@ -85,7 +91,8 @@ def _insert_analysis(db: sqlite3.Connection, image_id: int, started: str, status
             db.execute("INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
                        (run_id, vm, 1000 + seq, 25.0 + seq, 100_000,
                         sum(counts.values()) - counts["zero"], 10, counts["zero"]))
-            db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            db.executemany(f"INSERT INTO guest_page ({GUEST_PAGE_COLUMNS}) "
+                           "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                            list(_guest_rows(run_id, vm, counts)))
         # KSM converging: shared pages grow, then level off.
         for k in range(8):
@@ -156,14 +163,16 @@ def results_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sector = 300_000
     for ino, path_, kind, n in LISTED_FILES:
         if ino is not None and path_ is not None:
-            db.execute("INSERT INTO file VALUES (?,?,?)", (new, ino, path_))
+            db.execute("INSERT INTO file (analysis_id, ino, path) VALUES (?,?,?)",
+                       (new, ino, path_))
         for k in range(n):
             sector += 8
-            db.execute("INSERT INTO listed_block VALUES (?,?,?,?,?,?,?,?)",
+            db.execute(f"INSERT INTO listed_block ({LISTED_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
                        (new, sector, f"{sector:064x}", ino, k * PAGE if ino else None, kind,
                         2, 1))
-    db.execute("INSERT INTO file VALUES (?,?,?)", (old, 99, "/etc/old-analysis-only"))
-    db.execute("INSERT INTO listed_block VALUES (?,?,?,?,?,?,?,?)",
+    db.execute("INSERT INTO file (analysis_id, ino, path) VALUES (?,?,?)",
+               (old, 99, "/etc/old-analysis-only"))
+    db.execute(f"INSERT INTO listed_block ({LISTED_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
                (old, 8, "0" * 64, 99, 0, "file", 1, 1))
     db.executemany("INSERT INTO phase VALUES (?,?,?)", [(new, n, s) for n, s in PHASES])
     db.executemany("INSERT INTO phase VALUES (?,?,?)", [(old, "boot", 999.0)])

@@ -28,11 +28,11 @@ from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
 from .dump import ElfDump, parse_vmcoreinfo
 from .errors import UserError
-from .ext4map import read_extents, read_paths
+from .ext4map import Extent, read_extents, read_paths
 from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
 from .image_inspect import Inspection, inspect_image, probe_format
 from .ksm import KSM, Sample, ksm_session
-from .mapping import STABLE, Geometry, norm_uuid, page_sector, verify
+from .mapping import STABLE, FsKey, Geometry, Placement, norm_uuid, page_sector, verify
 from .progress import Progress
 from .resultsdb import connect
 from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
@@ -76,6 +76,7 @@ class PageFact:
     ino: int
     index: int
     kind: str
+    fs: Placement | None = None       # the file system of a file page
 
 
 @dataclass
@@ -159,7 +160,13 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     progress.say(f"{info.product} ({info.distro} {info.major}.{info.minor}), kernel "
                  f"{info.kernel_version}, root {info.root_fstype} on {info.root_device} at "
                  f"sector {info.root_start_sector}, {info.block_size}-byte blocks")
-    if "inline_data" in info.fs_features or "encrypt" in info.fs_features:
+    for fs in info.filesystems[1:]:
+        progress.say(f"also mapped: {fs.mountpoint} ({fs.fstype} on {fs.device} at sector "
+                     f"{fs.start_sector}, {fs.block_size}-byte blocks)")
+    for sk in info.skipped:
+        progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
+                     f"mapped, its files cannot be listed: {sk.reason}")
+    if any("inline_data" in f.features or "encrypt" in f.features for f in info.filesystems):
         progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
 
     with progress.phase("debug-symbols", "finding debug symbols for the guest kernel"):
@@ -190,9 +197,11 @@ def analyze(opts: Options, progress: Progress) -> Summary:
              # The request until a run has seen the guest kernel; then the backend used.
              opts.introspector))
         analysis_id = int(cur.lastrowid or 0)
+        _store_filesystems(db, analysis_id, insp)
         db.commit()
 
-        geo = Geometry(info.root_start_sector, norm_uuid(info.root_uuid), vsize)
+        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.start_sector, f.mountpoint)
+                             for f in info.filesystems), vsize)
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
         results: list[RunResult] = []
         ksm_series: list[dict[str, Any]] = []
@@ -235,6 +244,15 @@ def _store_image(db: Any, path: Path, fmt: str, vsize: int, content: str,
     row = db.execute("SELECT id FROM image WHERE content_sha256=? AND virtual_size=?",
                      (content, vsize)).fetchone()
     return int(row[0])
+
+
+def _store_filesystems(db: Any, analysis_id: int, insp: Inspection) -> None:
+    rows: list[tuple[Any, ...]] = [
+        (analysis_id, f.mountpoint, f.device, f.fstype, norm_uuid(f.uuid), f.start_sector,
+         f.block_size, 1, None) for f in insp.info.filesystems]
+    rows += [(analysis_id, f.mountpoint, f.device, f.fstype, None, None, None, 0, f.reason)
+             for f in insp.info.skipped]
+    db.executemany("INSERT INTO filesystem VALUES (?,?,?,?,?,?,?,?,?)", rows)
 
 
 def _wait_ready(guests: list[Guest], markers: Markers, boot_timeout: float,
@@ -487,9 +505,13 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                     recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
                     raw: Path, geo: Geometry, include_metadata: bool) -> RunResult:
     read_at, _ = sectorlist.raw_file_reader(raw)
-    inodes = sorted({r.ino for v in recs.values() for r in v.values() if r.kind == "file"
-                     and norm_uuid(r.fs_uuid) == geo.root_uuid})
-    extents = read_extents(raw, geo.root_start_sector * 512, inodes)
+    # One debugfs per mapped file system, for the inodes the guests cached there.
+    extents: dict[tuple[FsKey, int], list[Extent]] = {}
+    for fs in geo.filesystems:
+        inodes = sorted({r.ino for v in recs.values() for r in v.values()
+                         if r.kind == "file" and geo.find(r) == fs})
+        for ino, exts in read_extents(raw, fs.start_sector * 512, inodes).items():
+            extents[fs.key, ino] = exts
     stable: dict[str, dict[int, PageFact]] = {}
     cats: dict[str, Counter[str]] = {}
     gpfn_sector: dict[str, dict[int, int]] = {}
@@ -500,7 +522,7 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
         rows: list[tuple[Any, ...]] = []
         for gpfn in mc[vm].zero:
             rows.append((run_id, vm, gpfn, None, "zero", None, "zero", None, None, None, None,
-                         "zero"))
+                         "zero", None))
             cats[vm]["zero"] += 1
         for merge, frames in (("cross", mc[vm].cross), ("intra", mc[vm].intra)):
             for gpfn, pfn in frames.items():
@@ -517,18 +539,20 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                 ok = verdict == STABLE and merge == "cross"
                 if verdict == STABLE and merge != "cross":
                     verdict = "intra-only"
+                home = geo.find(rec) if rec is not None and rec.kind == "file" else None
                 if ok and rec is not None and sector is not None:
                     stable[vm][sector] = PageFact(sector, rec.ino if rec.kind == "file" else 0,
-                                                  rec.index, rec.kind)
+                                                  rec.index, rec.kind, home)
                     gpfn_sector[vm][gpfn] = sector
                     listed_candidates[vm].add(gpfn)
                 cat = category_of(rec, is_zero, ok)
                 cats[vm][cat] += 1
                 rows.append((run_id, vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
                              rec.ino if rec else None, rec.index if rec else None,
-                             rec.state if rec else None, sector, verdict or None))
+                             rec.state if rec else None, sector, verdict or None,
+                             norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None))
         merged_nonzero[vm] = sum(n for c, n in cats[vm].items() if c != "zero")
-        db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
     return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector)
 
 
@@ -560,13 +584,14 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
     list_path = opts.lists_dir / sectorlist.list_file_name(sl.image)
     sectorlist.write(sl, list_path)
 
-    inos = sorted({fact[s].ino for s in keep if fact[s].ino})
-    paths = read_paths(raw, info.root_start_sector * 512, inos)
-    db.executemany("INSERT OR REPLACE INTO file VALUES (?,?,?)",
-                   [(analysis_id, i, paths.get(i)) for i in inos])
-    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?)",
-                   [(analysis_id, s, blocks[s], fact[s].ino or None, fact[s].index * PAGE,
-                     fact[s].kind, seen[s], int(both[s])) for s in keep])
+    paths = _listed_paths(raw, [fact[s] for s in keep])
+    db.executemany("INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) "
+                   "VALUES (?,?,?,?)",
+                   [(analysis_id, place.uuid, ino, p) for (place, ino), p in paths.items()])
+    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
+                   [(analysis_id, s, blocks[s], f.ino or None, f.index * PAGE, f.kind, seen[s],
+                     int(both[s]), f.fs.uuid if f.fs else None)
+                    for s, f in ((s, fact[s]) for s in keep)])
     db.execute("UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
                "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
                (analysis_id, str(list_path.resolve()), len(keep), analysis_id))
@@ -587,7 +612,9 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
             total += r.merged_nonzero[vm]
     per_file: Counter[str] = Counter()
     for s in keep:
-        per_file[paths.get(fact[s].ino, "(metadata)" if fact[s].kind == "bdev" else "?")] += 1
+        f = fact[s]
+        per_file[(paths.get((f.fs, f.ino)) if f.fs else None)
+                 or ("(metadata)" if f.kind == "bdev" else "?")] += 1
     top = [(p, n * PAGE / 2**20) for p, n in per_file.most_common(15)]
     return Summary(
         image=str(opts.image), list_path=str(list_path), analysis_id=analysis_id, accel=accel,
@@ -595,6 +622,23 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
         listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=dict(breakdown),
         coverage=covered / total if total else 0.0, top_files=top, phases={},
         ksm=ksm_series)
+
+
+def _listed_paths(raw: Path, facts: list[PageFact]) -> dict[tuple[Placement, int], str | None]:
+    """The guest path of every listed file, by (file system, inode): one debugfs
+    per file system, its paths under its mount point (/boot/vmlinuz-...)."""
+    by_fs: dict[Placement, set[int]] = {}
+    for f in facts:
+        if f.fs is not None and f.ino:
+            by_fs.setdefault(f.fs, set()).add(f.ino)
+    out: dict[tuple[Placement, int], str | None] = {}
+    for fs, inos in by_fs.items():
+        found = read_paths(raw, fs.start_sector * 512, sorted(inos))
+        for ino in inos:
+            p = found.get(ino)
+            # debugfs names a file in the file system's top directory "//name".
+            out[fs, ino] = (fs.mountpoint.rstrip("/") + "/" + p.lstrip("/")) if p else None
+    return out
 
 
 def format_summary(s: Summary) -> str:

@@ -12,7 +12,9 @@ from .errors import UserError
 
 ANALYZE_EPILOG = """\
 what it does:
-  1. inspects the image (libguestfs): distribution, root ext4 geometry, guest kernel
+  1. inspects the image (libguestfs): distribution, the file systems of its
+     /etc/fstab (root, a separate /boot, ...) and where they sit on the disk, and
+     the kernel and initrd its boot loader boots
   2. fetches the guest kernel's debug symbols (Debian linux-image-<ver>-dbg, cached)
   3. boots two guests A and B from fresh copy-on-write overlays of the image
      (direct kernel boot with the image's own kernel; KVM if a probe boot works,
@@ -21,8 +23,8 @@ what it does:
   5. reads which guest frames KSM merged across A and B (pagemap, kpageflags),
      dumps guest memory and classifies those frames with crash + pagescan, or with
      drgn for guest kernels the installed crash cannot open (6.11+: Debian 13)
-  6. maps clean page-cache pages to base-image sectors via the image's ext4
-     block map and byte-verifies every block against the image
+  6. maps clean page-cache pages to base-image sectors via the block map of
+     each ext4 file system and byte-verifies every block against the image
   7. writes the sector list (lists/, format in lists/README.md) and the results DB
 Host KSM settings are saved first and restored on every exit path (also Ctrl-C);
 guests, overlays and dumps are removed.  Needs root.
@@ -40,7 +42,8 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
         description="Find the blocks of a golden VM image that guests keep, unchanged, in "
                     "their page caches, and write them as a verified sector list.",
         epilog=ANALYZE_EPILOG)
-    p.add_argument("image", type=Path, help="golden image (qcow2 or raw), Debian 12/13 on ext4")
+    p.add_argument("image", type=Path, help="golden image (qcow2 or raw), Debian 12/13 on ext4 "
+                   "partitions (a separate /boot, /usr, ... included)")
     p.add_argument("--runs", type=int, default=1,
                    help="boot the pair N times; one run is a noisy sample (default 1)")
     p.add_argument("--min-runs", type=int, default=None,

@@ -7,10 +7,11 @@ guests keep in their page caches, so the image must not be special.
 
 The image is built without mounting anything: mmdebstrap installs into a
 directory, ``mkfs.ext4 -d`` turns that directory into a filesystem image, and
-for the partitioned layout the filesystem is copied into a GPT disk at the same
-offset Debian's cloud images use.  No bootloader is installed because the
-analyzer boots guests by direct kernel boot with the image's own kernel and
-initrd from /boot.
+for the partitioned layouts the filesystem is copied into a GPT disk at the same
+offset Debian's cloud images use ("gpt"), or behind a separate /boot partition
+made the same way from the tree's /boot ("gpt-bootsplit").  No bootloader is
+installed because the analyzer boots guests by direct kernel boot with the
+image's own kernel and initrd from /boot.
 
 Images are cached under ``cache_dir("images")/<variant>-<key>/`` where the key
 hashes the variant's spec and BUILDER_VERSION.  The Debian mirror moves on, so
@@ -35,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ GPT_ROOT_START_SECTOR = 262144
 GPT_ROOT_PARTITION = 1
 GPT_BIOS_BOOT = (14, 2048, 8191)
 GPT_ESP = (15, 8192, GPT_ROOT_START_SECTOR - 1)
+# The "gpt-bootsplit" layout puts a separate /boot (partition 2, 128 MiB,
+# room for two kernels and initrds) where the root starts in "gpt", and the
+# root right after it, as Debian's installer and the RHEL family lay out a
+# separate /boot.
+BOOT_PARTITION = 2
+BOOT_SECTORS = 128 * 1024 * 1024 // 512
+BOOT_LABEL = "boot"
 # The backup GPT at the end of the disk: 32 sectors of entries plus the header.
 GPT_BACKUP_SECTORS = 33
 
@@ -129,6 +137,27 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
+    # small's packages with /boot on a partition of its own (issue 11): the
+    # kernel and initrd are not on the root file system, and the page cache
+    # of /boot files maps to another partition's offset.
+    "bootsplit": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": list(_BOOT_PACKAGES),
+        "layout": "gpt-bootsplit",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "8e0f5a2c-3b71-4c95-a6d4-0d2b9e7c1f38",
+        "boot_fs_uuid": "2d6c9b1e-5f48-4a07-93e2-b8c1f4a6d750",
+        "disk_guid": "7a3e1c59-d2b4-4f86-8e0a-65c9b3d1f274",
+        "partition_guids": {
+            "1": "e94b2d07-1c6a-4f3e-b5d8-2a7f0c9e6b41",
+            "2": "5c1d8e3a-97f2-4b60-a4c7-e0b6d2f9a385",
+            "14": "b7f2a6c1-0e94-4d3b-8a57-c1e9f4d2b068",
+            "15": "0d9e4b7a-6c21-4f58-b3a0-9f7e2c5d1a64",
+        },
+        "hostname": HOSTNAME,
+    },
 }
 
 # Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
@@ -161,11 +190,12 @@ class _Spec:
     disk_guid: str | None
     partition_guids: dict[str, str]
     hostname: str
+    boot_fs_uuid: str | None = None  # a separate /boot file system (gpt-bootsplit)
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where the root filesystem sits on the virtual disk."""
+    """Where the root filesystem (and a separate /boot, if any) sits on the virtual disk."""
 
     layout: str
     virtual_size: int
@@ -173,6 +203,10 @@ class Geometry:
     root_start_sector: int
     root_end_sector: int  # inclusive, like sgdisk
     fs_bytes: int
+    boot_partition: int | None = None
+    boot_start_sector: int = 0
+    boot_end_sector: int = 0  # inclusive
+    boot_fs_bytes: int = 0
 
 
 # --- spec and key ---------------------------------------------------------
@@ -200,6 +234,10 @@ def _spec(variant: str) -> _Spec:
     disk_guid = d["disk_guid"]
     if disk_guid is not None and not isinstance(disk_guid, str):
         raise TypeError("variant field 'disk_guid' must be str or None")
+    # Optional, so that the older variants' specs (and so their cache keys) stay as they were.
+    boot_fs_uuid = d.get("boot_fs_uuid")
+    if boot_fs_uuid is not None and not isinstance(boot_fs_uuid, str):
+        raise TypeError("variant field 'boot_fs_uuid' must be str or None")
     return _Spec(
         suite=_field(d, "suite", str),
         sources=[str(s) for s in _field(d, "sources", list)],
@@ -211,6 +249,7 @@ def _spec(variant: str) -> _Spec:
         disk_guid=disk_guid,
         partition_guids={str(k): str(v) for k, v in _field(d, "partition_guids", dict).items()},
         hostname=_field(d, "hostname", str),
+        boot_fs_uuid=boot_fs_uuid,
     )
 
 
@@ -225,16 +264,22 @@ def geometry(variant: str) -> Geometry:
     size = spec.virtual_size
     if spec.layout == "whole-disk":
         return Geometry(spec.layout, size, None, 0, size // SECTOR - 1, size)
-    if spec.layout != "gpt":
+    if spec.layout not in ("gpt", "gpt-bootsplit"):
         raise ValueError(f"unknown layout {spec.layout!r}")
     last_usable = size // SECTOR - GPT_BACKUP_SECTORS - 1
-    part_bytes = (last_usable - GPT_ROOT_START_SECTOR + 1) * SECTOR
+    root_start = GPT_ROOT_START_SECTOR
+    if spec.layout == "gpt-bootsplit":
+        root_start += BOOT_SECTORS
+    part_bytes = (last_usable - root_start + 1) * SECTOR
     # The partition ends where Debian's does (last usable sector), which is
     # not a whole number of 4 KiB blocks; the filesystem leaves the tail.
     fs_bytes = part_bytes // FS_BLOCK * FS_BLOCK
-    return Geometry(
-        spec.layout, size, GPT_ROOT_PARTITION, GPT_ROOT_START_SECTOR, last_usable, fs_bytes
-    )
+    geom = Geometry(spec.layout, size, GPT_ROOT_PARTITION, root_start, last_usable, fs_bytes)
+    if spec.layout == "gpt-bootsplit":
+        geom = replace(geom, boot_partition=BOOT_PARTITION,
+                       boot_start_sector=GPT_ROOT_START_SECTOR,
+                       boot_end_sector=root_start - 1, boot_fs_bytes=BOOT_SECTORS * SECTOR)
+    return geom
 
 
 def _image_dir(variant: str) -> Path:
@@ -264,7 +309,7 @@ def cached_image(variant: str) -> GoldenImage | None:
 
 def _required_tools(spec: _Spec) -> dict[str, str]:
     tools = {"mmdebstrap": "mmdebstrap", "mkfs.ext4": "e2fsprogs", "qemu-img": "qemu-utils"}
-    if spec.layout == "gpt":
+    if spec.layout != "whole-disk":
         tools["sgdisk"] = "gdisk"
     return tools
 
@@ -477,10 +522,10 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
         "::1\tlocalhost ip6-localhost ip6-loopback\n"
         "ff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n",
     )
-    _write(
-        rootdir / "etc/fstab",
-        f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n",
-    )
+    fstab = f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
+    if spec.boot_fs_uuid:
+        fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
+    _write(rootdir / "etc/fstab", fstab)
     # mmdebstrap copies the build host's resolver config in; it is not ours to ship.
     (rootdir / "etc/resolv.conf").unlink(missing_ok=True)
     # Empty, not absent: systemd then makes a fresh id per clone at boot.
@@ -496,14 +541,22 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     _clean_apt(rootdir)
 
 
-def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
+def _split_boot(rootdir: Path, bootdir: Path) -> None:
+    """Moves /boot's contents out of the root tree, leaving the empty mount point."""
+    bootdir.mkdir()
+    for entry in sorted((rootdir / "boot").iterdir()):
+        shutil.move(str(entry), str(bootdir / entry.name))
+
+
+def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str,
+               label: str = FS_LABEL) -> None:
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
     # Zeroing inode tables and journal now is free on a sparse file, and it
     # spares every clone the ext4lazyinit writes after its first mount.
     extended = f"hash_seed={fs_uuid},lazy_itable_init=0,lazy_journal_init=0"
     _run(
-        ["mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-L", FS_LABEL, "-U", fs_uuid,
+        ["mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-L", label, "-U", fs_uuid,
          "-E", extended, "-d", str(rootdir), str(fs_image)]
     )  # fmt: skip
 
@@ -512,11 +565,12 @@ def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
     guids = spec.partition_guids
     root_no = GPT_ROOT_PARTITION
     cmd = ["sgdisk", "--clear", f"--disk-guid={spec.disk_guid}"]
-    for number, first, last, code in (
-        (*GPT_BIOS_BOOT, "ef02"),
-        (*GPT_ESP, "ef00"),
-        (root_no, geom.root_start_sector, geom.root_end_sector, "8300"),
-    ):
+    parts = [(*GPT_BIOS_BOOT, "ef02"), (*GPT_ESP, "ef00"),
+             (root_no, geom.root_start_sector, geom.root_end_sector, "8300")]
+    if geom.boot_partition is not None:
+        # A plain Linux file system type, as Debian's installer gives /boot.
+        parts.append((geom.boot_partition, geom.boot_start_sector, geom.boot_end_sector, "8300"))
+    for number, first, last, code in parts:
         cmd += [f"--new={number}:{first}:{last}", f"--typecode={number}:{code}"]
         cmd += [f"--partition-guid={number}:{guids[str(number)]}"]
     _run([*cmd, str(disk)])
@@ -547,7 +601,8 @@ def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
             pos = end
 
 
-def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry) -> Path:
+def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
+                   boot_image: Path | None = None) -> Path:
     if geom.layout == "whole-disk":
         return fs_image
     disk = work / "disk.raw"
@@ -556,6 +611,9 @@ def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry) -> P
     _write_gpt(disk, spec, geom)
     _copy_sparse(fs_image, disk, geom.root_start_sector * SECTOR)
     fs_image.unlink()
+    if boot_image is not None:
+        _copy_sparse(boot_image, disk, geom.boot_start_sector * SECTOR)
+        boot_image.unlink()
     return disk
 
 
@@ -633,6 +691,9 @@ def _manifest(
         "root_start_sector": geom.root_start_sector,
         "root_fs_bytes": geom.fs_bytes,
         "fs_uuid": spec.fs_uuid,
+        "boot_partition": geom.boot_partition,
+        "boot_start_sector": geom.boot_start_sector,
+        "boot_fs_uuid": spec.boot_fs_uuid,
         "hostname": spec.hostname,
         "virtual_size": geom.virtual_size,
         "file_size": qcow.stat().st_size,
@@ -649,6 +710,13 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
     _mmdebstrap(spec, rootdir, work, log)
     _customize(rootdir, spec)
     kernel = _kernel_version(rootdir)
+    boot_image = None
+    if spec.boot_fs_uuid:
+        bootdir, boot_image = work / "bootfs", work / "boot.ext4"
+        _split_boot(rootdir, bootdir)
+        with _step(log, f"mkfs.ext4 -d /boot ({geom.boot_fs_bytes // (1024 * 1024)} MiB)"):
+            _make_ext4(bootdir, boot_image, geom.boot_fs_bytes, spec.boot_fs_uuid, BOOT_LABEL)
+        shutil.rmtree(bootdir)
     fs_image = work / "root.ext4"
     with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
         _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid)
@@ -657,7 +725,7 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
     out.mkdir()
     qcow = out / "base.qcow2"
     with _step(log, f"assemble {geom.layout} disk and convert to qcow2"):
-        _to_qcow2(_assemble_disk(fs_image, work, spec, geom), qcow)
+        _to_qcow2(_assemble_disk(fs_image, work, spec, geom, boot_image), qcow)
     manifest = _manifest(variant, spec, geom, kernel, qcow, time.monotonic() - start)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     final = _publish(out, _image_dir(variant), work, force)

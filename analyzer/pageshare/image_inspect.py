@@ -6,7 +6,9 @@ by the image file's content (see _content_key), since the appliance boot
 takes tens of seconds under TCG.  Before that, a damaged file (a truncated
 qcow2 or raw disk) is refused as damaged, not as "no Linux found".
 The analyzer supports what it can map back to disk sectors exactly: a Linux
-root on ext4, on a partition or on the whole disk.
+root on ext4, on a partition or on the whole disk, plus every other ext4 file
+system its /etc/fstab mounts from a partition (fslayout.py); the kernel and
+initrd are found with all of them mounted (bootfiles.py).
 """
 
 import hashlib
@@ -21,11 +23,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .bootfiles import find_kernel
 from .cache import cache_dir, inputs_key
 from .errors import UserError
+from .fslayout import MappedFs, SkippedFs, mount_all, root_must_map, survey
 
-INSPECT_VERSION = 2
-SUPPORTED_FS = ("ext4",)
+# 3: every file system of /etc/fstab (filesystems, skipped), kernels on a separate /boot.
+INSPECT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,18 @@ class ImageInfo:
     kernel_version: str
     kernel_path: str          # inside the image
     initrd_path: str          # inside the image, "" if none
+    # Every file system /etc/fstab mounts whose pages are mapped, root first,
+    # and those that are not, with the reason.
+    filesystems: tuple[MappedFs, ...] = ()
+    skipped: tuple[SkippedFs, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ImageInfo":
+        return cls(**{**d, "filesystems": tuple(MappedFs(**f) for f in d["filesystems"]),
+                      "skipped": tuple(SkippedFs(**f) for f in d["skipped"])})
 
 
 def probe_format(path: Path) -> tuple[str, int]:
@@ -215,10 +228,6 @@ def _cache_dir(path: Path) -> Path:
     return cache_dir("inspect") / _content_key(path)
 
 
-def _version_key(v: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"[.\-+~]", v)]
-
-
 @dataclass(frozen=True)
 class Inspection:
     info: ImageInfo
@@ -247,7 +256,7 @@ def inspect_image(path: Path, fmt: str, virtual_size: int, tcg: bool = True) -> 
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
     # The entry may come from another path of the same image: report this one.
-    info = replace(ImageInfo(**json.loads(meta.read_text())), path=str(path.resolve()))
+    info = replace(ImageInfo.from_json(json.loads(meta.read_text())), path=str(path.resolve()))
     initrd = d / "initrd.img"
     return Inspection(info, d / "vmlinuz", initrd if info.initrd_path else None)
 
@@ -280,27 +289,14 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
         if ostype != "linux":
             raise UserError(f"{path}: the OS inside is {ostype}, not Linux",
                             "analyze-image analyses Linux guests only")
-        fstype = g.vfs_type(root)
-        if fstype not in SUPPORTED_FS:
-            raise UserError(f"{path}: root file system is {fstype} on {root}; only ext4 is "
-                            "supported", "mapping page-cache pages back to disk sectors is "
-                            "implemented for ext4 (the Debian cloud images' root)")
-        m = re.fullmatch(r"/dev/sda(\d*)", root)
-        if not m:
-            raise UserError(f"{path}: root file system is on {root} (LVM, RAID or a second "
-                            "disk); not supported", "use an image with the root file system "
-                            "on a partition or on the whole disk")
-        partno = int(m.group(1) or 0)
-        start = 0
-        if partno:
-            for p in g.part_list("/dev/sda"):
-                if p["part_num"] == partno:
-                    start = p["part_start"] // 512
-        tune = g.tune2fs_l(root)
-        block_size = int(tune.get("Block size", "4096"))
-        features = tune.get("Filesystem features", "")
-        g.mount_ro(root, "/")
-        kernel, initrd, version = _find_kernel(g)
+        # libguestfs resolves /etc/fstab's UUID=/LABEL= to devices; an fstab
+        # without a root line still gives the root.
+        mountpoints = {**g.inspect_get_mountpoints(root), "/": root}
+        mapped, skipped = survey(g, mountpoints)
+        every: list[MappedFs | SkippedFs] = [*mapped, *skipped]
+        rootfs = root_must_map(path, next(f for f in every if f.mountpoint == "/"))
+        mount_all(g, mountpoints)
+        kernel, initrd, version = find_kernel(g)
         g.download(kernel, str(outdir / "vmlinuz"))
         if initrd:
             g.download(initrd, str(outdir / "initrd.img"))
@@ -308,39 +304,14 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
             path=str(path.resolve()), format=fmt, virtual_size=virtual_size,
             distro=g.inspect_get_distro(root), product=g.inspect_get_product_name(root),
             major=g.inspect_get_major_version(root), minor=g.inspect_get_minor_version(root),
-            root_device=root, root_partition=partno, root_start_sector=start,
-            root_fstype=fstype, root_uuid=g.vfs_uuid(root), block_size=block_size,
-            fs_features=features, kernel_version=version, kernel_path=kernel,
-            initrd_path=initrd)
+            root_device=root, root_partition=rootfs.partition,
+            root_start_sector=rootfs.start_sector, root_fstype=rootfs.fstype,
+            root_uuid=rootfs.uuid, block_size=rootfs.block_size, fs_features=rootfs.features,
+            kernel_version=version, kernel_path=kernel, initrd_path=initrd,
+            filesystems=tuple(mapped), skipped=tuple(skipped))
     except RuntimeError as e:
         raise UserError(f"{path}: libguestfs could not inspect the image: {e}",
                         "check the image with virt-inspector; it must be a readable disk image"
                         ) from None
     finally:
         g.close()
-
-
-def _find_kernel(g: Any) -> tuple[str, str, str]:
-    """The kernel the image boots by default: the /vmlinuz symlink, else the newest."""
-    for link in ("/vmlinuz", "/boot/vmlinuz"):
-        if g.is_symlink(link):
-            target = g.readlink(link)
-            name = target.rsplit("/", 1)[-1]
-            if name.startswith("vmlinuz-"):
-                return _kernel_files(g, name[len("vmlinuz-"):])
-    if not g.is_dir("/boot"):
-        raise UserError("the image has no /boot", "the analyzer boots the image's own kernel")
-    versions = sorted((n[len("vmlinuz-"):] for n in g.ls("/boot") if n.startswith("vmlinuz-")),
-                      key=_version_key)
-    if not versions:
-        raise UserError("no kernel (/boot/vmlinuz-*) in the image",
-                        "install a kernel package in the golden image")
-    return _kernel_files(g, versions[-1])
-
-
-def _kernel_files(g: Any, version: str) -> tuple[str, str, str]:
-    kernel = f"/boot/vmlinuz-{version}"
-    initrd = f"/boot/initrd.img-{version}"
-    if not g.is_file(kernel):
-        raise UserError(f"kernel {kernel} missing in the image", "repair the golden image")
-    return kernel, initrd if g.is_file(initrd) else "", version

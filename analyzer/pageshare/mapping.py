@@ -1,7 +1,8 @@
 """From a classified guest page to a verified base-image block.
 
 A page is listed only when all of this holds (see docs/ARCHITECTURE.md):
-clean page cache of a regular file on the base image's root ext4 (or, with
+clean page cache of a regular file on one of the base image's mapped ext4
+file systems (the root, a separate /boot, /usr, ...; or, with
 include_metadata, block-device cache of the base disk); its file offset maps
 to 4096/blocksize contiguous, allocated blocks; the block starts on an
 8-sector boundary; the page is not all zeros; and its bytes equal the base
@@ -21,16 +22,38 @@ SECTORS_PER_PAGE = PAGE // 512
 STABLE = "stable"
 
 
+def norm_uuid(u: str) -> str:
+    return u.replace("-", "").lower()
+
+
+# A mapped file system, as the guest's page cache names it: its UUID (hex,
+# no dashes) and its partition's start sector.  Both must match, so that a
+# clone of a partition (same UUID elsewhere on the disk) is never mistaken
+# for it.
+FsKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Placement:
+    uuid: str                 # hex, no dashes
+    start_sector: int
+    mountpoint: str = "/"
+
+    @property
+    def key(self) -> FsKey:
+        return self.uuid, self.start_sector
+
+
 @dataclass(frozen=True)
 class Geometry:
-    root_start_sector: int
-    root_uuid: str            # hex, no dashes
+    filesystems: tuple[Placement, ...]
     virtual_size: int
     disk: str = "vda"
 
-
-def norm_uuid(u: str) -> str:
-    return u.replace("-", "").lower()
+    def find(self, rec: PageRecord) -> Placement | None:
+        return next((f for f in self.filesystems
+                     if f.uuid == norm_uuid(rec.fs_uuid) and f.start_sector == rec.start_sect),
+                    None)
 
 
 def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
@@ -38,10 +61,11 @@ def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometr
     """Sector of a file page per the base image's block map, or (None, reason)."""
     if rec.fstype != "ext4":
         return None, "unsupported-fs"
-    if norm_uuid(rec.fs_uuid) != geo.root_uuid:
+    fs = geo.find(rec)
+    if fs is None:
+        if any(f.uuid == norm_uuid(rec.fs_uuid) for f in geo.filesystems):
+            return None, "other-disk"
         return None, "other-fs"
-    if rec.start_sect != geo.root_start_sector:
-        return None, "other-disk"
     if extents is None:
         return None, "unmapped"
     if rec.blkbits < 9 or rec.blkbits > 12:
@@ -55,13 +79,15 @@ def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometr
     b0 = blocks[0]
     if any(b != b0 + k for k, b in enumerate(blocks)):
         return None, "discontiguous"
-    return geo.root_start_sector + b0 * (bs // 512), ""
+    return fs.start_sector + b0 * (bs // 512), ""
 
 
-def page_sector(rec: PageRecord, extents: dict[int, list[Extent]], geo: Geometry,
-                include_metadata: bool) -> tuple[int | None, str]:
+def page_sector(rec: PageRecord, extents: dict[tuple[FsKey, int], list[Extent]],
+                geo: Geometry, include_metadata: bool) -> tuple[int | None, str]:
+    """extents: by (file system, inode), as read from the base image."""
     if rec.kind == "file":
-        sector, why = file_page_sector(rec, extents.get(rec.ino), geo)
+        sector, why = file_page_sector(
+            rec, extents.get(((norm_uuid(rec.fs_uuid), rec.start_sect), rec.ino)), geo)
     elif rec.kind == "bdev":
         if rec.disk != geo.disk:
             return None, "other-disk"

@@ -5,13 +5,15 @@ were set up, the KSM time series, every merged guest frame with its
 classification and verdict, and the blocks that went into lists.  The
 schema is documented in docs/results-db.md; notebooks/ read it with pandas.
 SCHEMA_VERSION is stored in PRAGMA user_version; an older database is
-migrated by creating what is missing (the tables only ever gain columns).
+migrated by creating what is missing (the tables gain columns), except that
+version 2 re-keys `file` by file system (see _rekey_file).
 """
 
 import sqlite3
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+# 2: file systems of the image (filesystem), fs_uuid on file, guest_page, listed_block.
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS image (
@@ -64,11 +66,22 @@ CREATE TABLE IF NOT EXISTS phase (
     seconds REAL NOT NULL,
     PRIMARY KEY (analysis_id, name)
 );
+-- Inode numbers are per file system: a separate /boot has an inode 12 too.
 CREATE TABLE IF NOT EXISTS file (
     analysis_id INTEGER NOT NULL REFERENCES analysis(id),
     ino INTEGER NOT NULL,
-    path TEXT,
-    PRIMARY KEY (analysis_id, ino)
+    path TEXT,                       -- in the guest, e.g. /boot/vmlinuz-6.1.0-56-cloud-amd64
+    fs_uuid TEXT NOT NULL DEFAULT '',  -- '' in rows of databases before version 2 (root)
+    PRIMARY KEY (analysis_id, fs_uuid, ino)
+);
+-- Every file system the image's /etc/fstab mounts, mapped or not (and why).
+CREATE TABLE IF NOT EXISTS filesystem (
+    analysis_id INTEGER NOT NULL REFERENCES analysis(id),
+    mountpoint TEXT NOT NULL,
+    device TEXT, fstype TEXT, uuid TEXT, start_sector INTEGER, block_size INTEGER,
+    mapped INTEGER NOT NULL,
+    reason TEXT,                     -- why it is not mapped
+    PRIMARY KEY (analysis_id, mountpoint)
 );
 -- Every KSM-merged guest frame (merge: cross = shared with the other VM,
 -- intra = merged but not with the other VM, zero = mapped to the zero page)
@@ -84,6 +97,7 @@ CREATE TABLE IF NOT EXISTS guest_page (
     ino INTEGER, page_index INTEGER, state TEXT,
     sector INTEGER,                  -- base-image sector, when it mapped
     verdict TEXT,                    -- stable, or why not: dirty, hole, mismatch, zero, ...
+    fs_uuid TEXT,                    -- of a file page's file system (hex, no dashes)
     PRIMARY KEY (run_id, vm, gpfn)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS guest_page_sector ON guest_page(sector);
@@ -94,6 +108,7 @@ CREATE TABLE IF NOT EXISTS listed_block (
     sha256 TEXT NOT NULL,
     ino INTEGER, file_offset INTEGER, kind TEXT,
     runs_seen INTEGER NOT NULL, both_vms INTEGER NOT NULL,
+    fs_uuid TEXT,                    -- of a file block's file system (hex, no dashes)
     PRIMARY KEY (analysis_id, sector)
 ) WITHOUT ROWID;
 """
@@ -101,7 +116,23 @@ CREATE TABLE IF NOT EXISTS listed_block (
 
 # Columns added after a table was first released: CREATE TABLE IF NOT EXISTS
 # leaves an existing table as it is, so connect() adds these when missing.
-ADDED_COLUMNS = (("analysis", "introspector", "TEXT"),)
+ADDED_COLUMNS = (("analysis", "introspector", "TEXT"), ("guest_page", "fs_uuid", "TEXT"),
+                 ("listed_block", "fs_uuid", "TEXT"))
+
+
+def _rekey_file(db: sqlite3.Connection) -> None:
+    """Version 1's `file` was keyed by (analysis, inode), which two file
+    systems of one image can share; SQLite cannot change a primary key in
+    place, so the table is copied into the version 2 layout (its old rows
+    belong to the root, fs_uuid '')."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(file)")}
+    if "fs_uuid" in have:
+        return
+    db.execute("ALTER TABLE file RENAME TO file_v1")
+    db.executescript(SCHEMA)            # creates the new file table
+    db.execute("INSERT INTO file (analysis_id, ino, path) SELECT analysis_id, ino, path "
+               "FROM file_v1")
+    db.execute("DROP TABLE file_v1")
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -110,6 +141,7 @@ def connect(path: Path) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA foreign_keys=ON")
     db.executescript(SCHEMA)
+    _rekey_file(db)
     for table, column, decl in ADDED_COLUMNS:
         have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
         if column not in have:

@@ -1,0 +1,282 @@
+"""Images whose file systems are not just an ext4 root (issue 11), without booting anything:
+which kernel and initrd a boot loader picks, which file systems are mapped or
+skipped and why, and the results database's file table keyed by file system.
+"""
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pageshare import bootfiles, fslayout, resultsdb
+from pageshare.bootfiles import BootEntry, bls_entry, grub_default_entry
+from pageshare.errors import UserError
+
+# What update-grub writes on Debian 12 with a separate /boot (trimmed): paths
+# are relative to /boot's own file system.
+DEBIAN_GRUB = """\
+if [ "${next_entry}" ] ; then
+   set default="${next_entry}"
+   set next_entry=
+else
+   set default="0"
+fi
+menuentry 'Debian GNU/Linux' --class debian $menuentry_id_option 'gnulinux-simple-8e0f' {
+	insmod ext2
+	search --no-floppy --fs-uuid --set=root 2d6c9b1e-5f48-4a07-93e2-b8c1f4a6d750
+	echo	'Loading Linux 6.1.0-56-cloud-amd64 ...'
+	linux	/vmlinuz-6.1.0-56-cloud-amd64 root=UUID=8e0f ro  console=ttyS0
+	echo	'Loading initial ramdisk ...'
+	initrd	/initrd.img-6.1.0-56-cloud-amd64
+}
+submenu 'Advanced options for Debian GNU/Linux' $menuentry_id_option 'gnulinux-advanced-8e0f' {
+	menuentry 'Debian GNU/Linux, with Linux 6.1.0-56-cloud-amd64' --class debian $menuentry_id_option 'gnulinux-6.1.0-56-cloud-amd64-advanced-8e0f' {
+		linux	/vmlinuz-6.1.0-56-cloud-amd64 root=UUID=8e0f ro  console=ttyS0
+		initrd	/initrd.img-6.1.0-56-cloud-amd64
+	}
+	menuentry 'Debian GNU/Linux, with Linux 6.1.0-10-cloud-amd64' --class debian $menuentry_id_option 'gnulinux-6.1.0-10-cloud-amd64-advanced-8e0f' {
+		linux	/vmlinuz-6.1.0-10-cloud-amd64 root=UUID=8e0f ro  console=ttyS0
+		initrd	/intel-ucode.img /initrd.img-6.1.0-10-cloud-amd64
+	}
+}
+"""  # noqa: E501
+
+
+def test_grub_default_is_the_first_entry() -> None:
+    assert grub_default_entry(DEBIAN_GRUB) == BootEntry(
+        "/vmlinuz-6.1.0-56-cloud-amd64", "/initrd.img-6.1.0-56-cloud-amd64")
+
+
+@pytest.mark.parametrize("default,kernel", [
+    ("1>1", "/vmlinuz-6.1.0-10-cloud-amd64"),
+    ("1", "/vmlinuz-6.1.0-56-cloud-amd64"),           # a submenu: its first entry
+    ("gnulinux-advanced-8e0f>gnulinux-6.1.0-10-cloud-amd64-advanced-8e0f",
+     "/vmlinuz-6.1.0-10-cloud-amd64"),
+    ("Advanced options for Debian GNU/Linux>Debian GNU/Linux, with Linux 6.1.0-10-cloud-amd64",
+     "/vmlinuz-6.1.0-10-cloud-amd64"),
+    ("${saved_entry}", "/vmlinuz-6.1.0-56-cloud-amd64"),  # unresolved: the first entry
+    ("7", "/vmlinuz-6.1.0-56-cloud-amd64"),
+])
+def test_grub_default_by_index_title_or_id(default: str, kernel: str) -> None:
+    cfg = DEBIAN_GRUB.replace('set default="0"', f'set default="{default}"')
+    entry = grub_default_entry(cfg)
+    assert entry is not None and entry.kernel == kernel
+    if kernel.endswith("-10-cloud-amd64"):
+        # Several initrds (microcode first): the last one is the distribution's.
+        assert entry.initrd == "/initrd.img-6.1.0-10-cloud-amd64"
+
+
+def test_grub_without_linux_entries() -> None:
+    assert grub_default_entry("set timeout=5\nmenuentry 'UEFI settings' {\n\tfwsetup\n}\n") \
+        is None
+
+
+def test_bls_entry() -> None:
+    text = ("title Rocky Linux (5.14.0-427.el9.x86_64)\nversion 5.14.0-427.el9.x86_64\n"
+            "linux /vmlinuz-5.14.0-427.el9.x86_64\n"
+            "initrd /initramfs-5.14.0-427.el9.x86_64.img $tuned_initrd\n"
+            "options root=UUID=abc ro\n")
+    e = bls_entry(text)
+    assert e is not None and e.kernel == "/vmlinuz-5.14.0-427.el9.x86_64"
+    assert bls_entry("title nothing\n") is None
+
+
+def test_version_order() -> None:
+    versions = ["6.1.0-9-amd64", "6.1.0-10-amd64", "5.10.0-28-amd64", "6.12.1+deb13-amd64"]
+    assert sorted(versions, key=bootfiles.version_key) == [
+        "5.10.0-28-amd64", "6.1.0-9-amd64", "6.1.0-10-amd64", "6.12.1+deb13-amd64"]
+
+
+class FakeImage:
+    """The few libguestfs calls bootfiles makes, on a dict of files and symlinks
+    (the image's tree with every fstab file system mounted)."""
+
+    def __init__(self, files: dict[str, str], links: dict[str, str] | None = None) -> None:
+        self.files, self.links = files, links or {}
+
+    def _target(self, path: str) -> str:
+        link = self.links.get(path)
+        if link is None:
+            return path
+        return link if link.startswith("/") else path.rsplit("/", 1)[0] + "/" + link
+
+    def is_file(self, path: str, followsymlinks: bool = False) -> bool:
+        return (self._target(path) if followsymlinks else path) in self.files
+
+    def is_symlink(self, path: str) -> bool:
+        return path in self.links
+
+    def readlink(self, path: str) -> str:
+        return self.links[path]
+
+    def is_dir(self, path: str) -> bool:
+        return any(p.startswith(path.rstrip("/") + "/") for p in [*self.files, *self.links])
+
+    def ls(self, path: str) -> list[str]:
+        pre = path.rstrip("/") + "/"
+        return sorted({p[len(pre):].split("/")[0] for p in [*self.files, *self.links]
+                       if p.startswith(pre)})
+
+    def cat(self, path: str) -> str:
+        return self.files[path]
+
+
+V = "6.1.0-56-cloud-amd64"
+
+
+def test_kernel_on_a_separate_boot_through_grub() -> None:
+    # /boot's grub.cfg names /vmlinuz-V: in the guest's tree that is /boot/vmlinuz-V.
+    g = FakeImage({"/boot/grub/grub.cfg": DEBIAN_GRUB, f"/boot/vmlinuz-{V}": "",
+                   f"/boot/initrd.img-{V}": "", "/boot/vmlinuz-6.1.0-10-cloud-amd64": ""})
+    assert bootfiles.find_kernel(g) == (f"/boot/vmlinuz-{V}", f"/boot/initrd.img-{V}", V)
+
+
+def test_grub_entry_missing_falls_back_to_the_symlink() -> None:
+    g = FakeImage({"/boot/grub/grub.cfg": DEBIAN_GRUB.replace(V, "6.1.0-1-cloud-amd64"),
+                   f"/boot/vmlinuz-{V}": "", f"/boot/initrd.img-{V}": ""},
+                  {"/vmlinuz": f"boot/vmlinuz-{V}"})
+    assert bootfiles.find_kernel(g) == (f"/boot/vmlinuz-{V}", f"/boot/initrd.img-{V}", V)
+
+
+def test_bls_entries_newest_with_initramfs_naming() -> None:
+    old, new = "5.14.0-70.el9.x86_64", "5.14.0-427.el9.x86_64"
+    entries = "/boot/loader/entries"
+    g = FakeImage({
+        f"{entries}/abc-{old}.conf": f"linux /vmlinuz-{old}\ninitrd /initramfs-{old}.img\n",
+        f"{entries}/abc-{new}.conf": f"linux /vmlinuz-{new}\n",
+        f"/boot/vmlinuz-{old}": "", f"/boot/initramfs-{old}.img": "",
+        f"/boot/vmlinuz-{new}": "", f"/boot/initramfs-{new}.img": ""})
+    # The entry has no initrd line: the initramfs-V.img convention finds it.
+    assert bootfiles.find_kernel(g) == (f"/boot/vmlinuz-{new}", f"/boot/initramfs-{new}.img",
+                                        new)
+
+
+def test_newest_kernel_without_boot_loader_or_symlink() -> None:
+    g = FakeImage({"/boot/vmlinuz-6.1.0-9-amd64": "", "/boot/vmlinuz-6.1.0-10-amd64": "",
+                   "/boot/initrd-6.1.0-10-amd64": "", "/boot/config-6.1.0-10-amd64": ""})
+    assert bootfiles.find_kernel(g) == ("/boot/vmlinuz-6.1.0-10-amd64",
+                                        "/boot/initrd-6.1.0-10-amd64", "6.1.0-10-amd64")
+
+
+def test_no_kernel_says_that_fstab_must_mount_boot() -> None:
+    # A separate /boot that /etc/fstab does not mount: the root's /boot is empty.
+    with pytest.raises(UserError, match="no kernel") as e:
+        bootfiles.find_kernel(FakeImage({"/boot/.keep": ""}))
+    assert "/etc/fstab must mount it" in e.value.hint
+    g = FakeImage({"/etc/hostname": ""}, {"/vmlinuz": f"boot/vmlinuz-{V}"})
+    with pytest.raises(UserError, match=f"kernel /boot/vmlinuz-{V} .the target of /vmlinuz."):
+        bootfiles.find_kernel(g)
+
+
+# --- which file systems are mapped ------------------------------------------------
+
+EXT4 = "has_journal ext_attr dir_index filetype extent 64bit flex_bg"
+
+
+@pytest.mark.parametrize("fstype,features,part,start,bs,why", [
+    ("ext4", EXT4, 1, 2048, 4096, ""),
+    ("ext4", EXT4, 0, 0, 4096, ""),
+    ("ext4", EXT4, 1, 63, 4096, "starts at sector 63, which is not a multiple of 8"),
+    ("ext4", EXT4, 1, 2050, 4096, "not a multiple of 8"),
+    # 1 KiB blocks: a block lands on a 4 KiB boundary whenever start is even.
+    ("ext4", EXT4, 1, 2050, 1024, ""),
+    ("ext4", EXT4, 1, 63, 1024, "not a multiple of 2"),
+    ("ext2", "ext_attr filetype", 1, 2048, 4096, "indirect block maps"),
+    ("xfs", "", 1, 2048, 0, "xfs cannot be mapped"),
+    ("vfat", "", 15, 8192, 0, "vfat cannot be mapped"),
+    ("ext4", EXT4, None, 0, 4096, "LVM, RAID, an encrypted volume or a second disk"),
+])
+def test_unmappable_reason(fstype: str, features: str, part: int | None, start: int, bs: int,
+                           why: str) -> None:
+    got = fslayout.unmappable_reason(fstype, features, part, start, bs)
+    assert (why in got and bool(got)) if why else got == ""
+
+
+def test_partition_numbers() -> None:
+    assert fslayout.partition_number("/dev/sda") == 0
+    assert fslayout.partition_number("/dev/sda15") == 15
+    assert fslayout.partition_number("/dev/vg0/root") is None
+    assert fslayout.partition_number("/dev/sdb1") is None
+    assert fslayout.partition_number("/dev/mapper/luks-1") is None
+
+
+class FakeDisk:
+    """libguestfs' answers about a disk's partitions and file systems."""
+
+    def __init__(self, parts: dict[int, int], fs: dict[str, tuple[str, int, str]]) -> None:
+        self.parts, self.fs = parts, fs       # fs: device -> (type, block size, uuid)
+
+    def part_list(self, dev: str) -> list[dict[str, int]]:
+        if not self.parts:
+            raise RuntimeError("part_list: unrecognised disk label")
+        return [{"part_num": n, "part_start": s * 512} for n, s in self.parts.items()]
+
+    def vfs_type(self, dev: str) -> str:
+        return self.fs[dev][0]
+
+    def tune2fs_l(self, dev: str) -> dict[str, Any]:
+        return {"Block size": str(self.fs[dev][1]), "Filesystem features": EXT4}
+
+    def vfs_uuid(self, dev: str) -> str:
+        return self.fs[dev][2]
+
+
+def test_survey_maps_each_ext4_and_skips_the_rest() -> None:
+    g = FakeDisk({1: 524288, 2: 262144, 15: 8192, 3: 63},
+                 {"/dev/sda1": ("ext4", 4096, "root-uuid"), "/dev/sda2": ("ext4", 4096, "boot"),
+                  "/dev/sda15": ("vfat", 0, "ESP"), "/dev/sda3": ("ext4", 4096, "var"),
+                  "/dev/vg/opt": ("ext4", 4096, "opt")})
+    mapped, skipped = fslayout.survey(g, {"/boot": "/dev/sda2", "/": "/dev/sda1",
+                                          "/boot/efi": "/dev/sda15", "/var": "/dev/sda3",
+                                          "/opt": "/dev/vg/opt"})
+    assert [(f.mountpoint, f.partition, f.start_sector, f.uuid) for f in mapped] == [
+        ("/", 1, 524288, "root-uuid"), ("/boot", 2, 262144, "boot")]
+    assert {s.mountpoint: s.device for s in skipped} == {
+        "/boot/efi": "/dev/sda15", "/opt": "/dev/vg/opt", "/var": "/dev/sda3"}
+    assert "sector 63" in next(s.reason for s in skipped if s.mountpoint == "/var")
+
+
+def test_whole_disk_root() -> None:
+    g = FakeDisk({}, {"/dev/sda": ("ext4", 4096, "u")})
+    mapped, skipped = fslayout.survey(g, {"/": "/dev/sda"})
+    assert [(f.partition, f.start_sector) for f in mapped] == [(0, 0)] and skipped == []
+
+
+def test_unaligned_root_is_refused_with_what_to_do() -> None:
+    g = FakeDisk({1: 63}, {"/dev/sda1": ("ext4", 4096, "u")})
+    _, skipped = fslayout.survey(g, {"/": "/dev/sda1"})
+    with pytest.raises(UserError, match="starts at sector 63") as e:
+        fslayout.root_must_map(Path("old.qcow2"), skipped[0])
+    assert "virt-resize --align-first always" in e.value.hint
+
+
+# --- results database -------------------------------------------------------------
+
+
+def test_version_1_database_is_migrated_to_file_per_file_system(tmp_path: Path) -> None:
+    path = tmp_path / "results.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE image (id INTEGER PRIMARY KEY, path TEXT NOT NULL, format TEXT NOT NULL,
+            virtual_size INTEGER NOT NULL, content_sha256 TEXT NOT NULL);
+        CREATE TABLE analysis (id INTEGER PRIMARY KEY, image_id INTEGER NOT NULL,
+            started_at TEXT NOT NULL, status TEXT NOT NULL);
+        CREATE TABLE file (analysis_id INTEGER NOT NULL REFERENCES analysis(id),
+            ino INTEGER NOT NULL, path TEXT, PRIMARY KEY (analysis_id, ino));
+        INSERT INTO image VALUES (1, '/i.qcow2', 'qcow2', 1, 'aa');
+        INSERT INTO analysis VALUES (1, 1, 't', 'ok');
+        INSERT INTO file VALUES (1, 12, '/usr/bin/true');
+        PRAGMA user_version=1;
+    """)
+    old.commit()
+    old.close()
+    db = resultsdb.connect(path)
+    assert db.execute("SELECT fs_uuid, ino, path FROM file").fetchall() == [
+        ("", 12, "/usr/bin/true")]
+    # Inode 12 of another file system of the same analysis is a row of its own.
+    db.execute("INSERT INTO file (analysis_id, fs_uuid, ino, path) VALUES (1, 'b00f', 12, "
+               "'/boot/vmlinuz')")
+    assert db.execute("SELECT count(*) FROM file WHERE ino=12").fetchone() == (2,)
+    assert db.execute("PRAGMA user_version").fetchone() == (resultsdb.SCHEMA_VERSION,)
+    db.close()
+    resultsdb.connect(path).close()           # connecting again changes nothing

@@ -1,0 +1,124 @@
+"""analyze-image end to end on an image with /boot on a partition of its own (issue 11).
+
+The bootsplit golden image has its kernel and initrd only on /boot (GPT
+partition 2, before the root), so the analysis must find them through the
+image's /etc/fstab, boot the guest with the root file system's UUID, and map
+page-cache pages of /boot files with /boot's own partition offset.  The
+workload reads the kernel image from /boot in both guests.  Properties, not
+counts: every listed block is byte-identical to the base image, some listed
+blocks are /boot's kernel at /boot's offset, blocks of files every boot reads
+are listed at the root's offset, and nothing outside the two file systems is.
+"""
+
+import hashlib
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Analysis, ksm_settings, qemu_pids, run_analyze
+from pageshare import golden, sectorlist
+from pageshare.ext4map import file_sectors
+from pageshare.ksm import host_lock
+
+pytestmark = pytest.mark.vm
+
+# Fails (and the analyzer warns with its exit status) unless /boot is the
+# separate file system, mounted by the guest from its /etc/fstab.
+WORKLOAD = "mountpoint -q /boot && md5sum /boot/vmlinuz-* /boot/config-* >/dev/null"
+ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6")
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path]]:
+    image = golden.build_image("bootsplit").path
+    tmp = tmp_path_factory.mktemp("e2e-bootsplit")
+    with host_lock():
+        before_ksm = ksm_settings()
+    result = run_analyze(tmp, "--json", "--settle", "10", "--workload", WORKLOAD, str(image))
+    assert result.rc == 0, result.stderr
+    with host_lock():
+        assert ksm_settings() == before_ksm
+    assert qemu_pids(str(tmp)) == set()
+    assert list(result.workdir.iterdir()) == []
+    raw = tmp / "base.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
+    yield result, raw
+    raw.unlink()
+
+
+def listed(result: Analysis) -> sectorlist.SectorList:
+    return sectorlist.read(Path(str(result.json()["list_path"])))
+
+
+def test_guest_booted_with_boot_mounted_and_ran_the_workload(
+        analysed: tuple[Analysis, Path]) -> None:
+    result, _ = analysed
+    assert "guest A ready" in result.stderr and "guest B ready" in result.stderr
+    assert "warning: the workload" not in result.stderr, result.stderr
+    assert "also mapped: /boot (ext4 on /dev/sda2 at sector 262144" in result.stderr
+
+
+def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
+    result, raw = analysed
+    sl = listed(result)
+    assert sl.blocks, "the list is empty"
+    geo = golden.geometry("bootsplit")
+    boot = range(geo.boot_start_sector, geo.boot_end_sector + 1)
+    root = range(geo.root_start_sector, geo.root_end_sector + 1)
+    with open(raw, "rb") as f:
+        for sector, digest in sl.blocks.items():
+            f.seek(sector * 512)
+            data = f.read(4096)
+            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
+            assert any(data), f"zero block listed at sector {sector}"
+            assert sector % 8 == 0
+            # File pages only (no --include-metadata): inside one of the two file systems.
+            assert sector in boot or sector in root, f"sector {sector} outside /boot and /"
+    assert sl.image.virtual_size == raw.stat().st_size
+    read_at, size = sectorlist.raw_file_reader(raw)
+    assert sl.image.content_sha256 == sectorlist.image_content_sha256(read_at, size)
+
+
+def test_boot_files_are_listed_at_the_boot_partition(analysed: tuple[Analysis, Path]) -> None:
+    result, raw = analysed
+    sl = listed(result)
+    geo = golden.geometry("bootsplit")
+    kernel = golden.build_image("bootsplit").manifest["kernel_version"]
+    start = geo.boot_start_sector
+    # On /boot's own file system the kernel is /vmlinuz-<version>.
+    sectors = set(file_sectors(raw, start * 512, f"/vmlinuz-{kernel}", start, 4096))
+    assert sectors and all(geo.boot_start_sector <= s <= geo.boot_end_sector for s in sectors)
+    assert sectors & set(sl.blocks), "no block of /boot's kernel, read by the workload, listed"
+    db = sqlite3.connect(result.db)
+    analysis_id = result.json()["analysis_id"]
+    # Its path is the guest's, and its inode is told apart from the root's by file system.
+    rows = db.execute("SELECT fs_uuid, path FROM file WHERE analysis_id=? AND path=?",
+                      (analysis_id, f"/boot/vmlinuz-{kernel}")).fetchall()
+    boot_uuid = str(golden._spec("bootsplit").boot_fs_uuid).replace("-", "")
+    assert rows == [(boot_uuid, f"/boot/vmlinuz-{kernel}")]
+    fss = db.execute("SELECT mountpoint, start_sector, mapped FROM filesystem "
+                     "WHERE analysis_id=? ORDER BY mountpoint", (analysis_id,)).fetchall()
+    assert fss == [("/", geo.root_start_sector, 1), ("/boot", geo.boot_start_sector, 1)]
+
+
+def test_files_every_boot_reads_are_listed_at_the_root(analysed: tuple[Analysis, Path]) -> None:
+    result, raw = analysed
+    sl = listed(result)
+    start = golden.geometry("bootsplit").root_start_sector
+    for path in ALWAYS_READ:
+        sectors = set(file_sectors(raw, start * 512, path, start, 4096))
+        assert sectors, f"{path} not found in the image"
+        assert sectors & set(sl.blocks), f"no block of {path} is listed"
+
+
+def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path]) -> None:
+    result, _ = analysed
+    image = golden.build_image("bootsplit").path
+    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
+                          str(result.json()["list_path"]), "--image", str(image)],
+                         capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO / "analyzer"),
+                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,74 @@
+"""An old MBR layout: a partition at sector 63, so no file system block of it
+is 4 KiB-aligned on the virtual disk (issue 11).
+
+Before, such an image went through the whole analysis (boots, KSM, dumps)
+and every file page came out "unaligned": an empty list and no word why.
+Now the inspection refuses a root there, saying what and how to realign;
+another file system there is skipped with the reason and the rest is mapped
+(tests/test_boot_layouts.py checks that part without booting anything).
+The image is built here with sfdisk and mke2fs and never boots.
+"""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_analyze
+from pageshare.image_inspect import inspect_image, probe_format
+from test_bad_input import assert_clean_failure, json_error
+
+pytestmark = pytest.mark.vm
+
+DEBIAN_TREE = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
+               "etc/debian_version": "12.0\n",
+               "etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n",
+               "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n",
+               "boot/vmlinuz-6.1.0-56-amd64": "not really a kernel\n"}
+
+
+def mbr_image(tmp: Path, start_sector: int) -> Path:
+    """A raw disk with one MBR partition at start_sector holding a Debian-looking ext4 root."""
+    tree = tmp / "tree"
+    for rel, content in DEBIAN_TREE.items():
+        p = tree / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content)
+    fs = tmp / "root.ext4"
+    subprocess.run(["truncate", "-s", "48M", str(fs)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", "-d", str(tree), str(fs)], check=True)
+    disk = tmp / f"mbr{start_sector}.raw"
+    subprocess.run(["truncate", "-s", "64M", str(disk)], check=True)
+    subprocess.run(["sfdisk", "-q", "--no-reread", str(disk)],
+                   input=f"start={start_sector}, type=83\n", text=True, check=True)
+    subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={start_sector}",
+                    "conv=notrunc,sparse", "status=none"], check=True)
+    fs.unlink()
+    return disk
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_root_partition_at_sector_63_is_refused_with_how_to_realign(tmp_path: Path) -> None:
+    img = mbr_image(tmp_path, 63)
+    r = run_analyze(tmp_path, str(img))
+    assert_clean_failure(r, "mbr63.raw: root file system /dev/sda1 cannot be analyzed: the "
+                            "partition starts at sector 63, which is not a multiple of 8")
+    assert "4 KiB-aligned" in r.stderr
+    assert "virt-resize --align-first always" in r.stderr
+    # The refusal comes from the inspection, before any guest boots.
+    assert "booting guests" not in r.stderr
+    error = json_error(run_analyze(tmp_path, "--json", str(img)), "user-error",
+                       "which is not a multiple of 8")
+    assert "realign /dev/sda1" in str(error["hint"])
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_the_same_root_at_sector_2048_is_inspected(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The control: only the alignment differs, and the inspection gets past the
+    # file systems to the kernel (this fake one is found; booting it would fail).
+    monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
+    img = mbr_image(tmp_path, 2048)
+    fmt, vsize = probe_format(img)
+    info = inspect_image(img, fmt, vsize).info
+    assert (info.root_start_sector, info.kernel_version) == (2048, "6.1.0-56-amd64")
+    assert [f.mountpoint for f in info.filesystems] == ["/"] and info.skipped == ()
