@@ -252,8 +252,9 @@ def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[V
     assert d["result"] == "attached" and d["overlay"] == "ovl" and d["base"] == "base", d
     assert d["base_file"] == str(images["a"]) and d["image"]["name"] == "golden", d
     assert d["image"]["socket"] == str(server.sock("golden")), d
-    assert d["method"].startswith("blockdev-reopen"), d
-    assert ("command line" in d["method"]) == (style == "cmdline"), d
+    # blockdev-reopen only with the overlay's whole definition at hand
+    assert d["method"] == {"cmdline": "blockdev-reopen", "blockdev-add": "qemu-io-reopen"}[
+        style], d
     assert data["qemu_pid"] == vm.proc.pid       # stdbuf execs QEMU: the same process
     # the filter proves the image with the server's content sha256
     assert d["filter_options"]["image-sha256"] == server.image("golden")["identity"][
@@ -278,7 +279,7 @@ def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[V
     assert again["drives"][0]["stats"]["merged"] == len(LISTED) - 1
 
     rc, st = run_json("attach", str(vm.qmp_path), "--status")
-    assert rc == 0 and st["drives"][0]["result"] == "attached-status", st
+    assert rc == 0 and st["drives"][0]["result"] == "attached", st
     assert st["drives"][0]["stats"]["merged"] == len(LISTED) - 1
 
     rc, det = run_json("detach", str(vm.qmp_path))
@@ -320,7 +321,7 @@ def test_drive_style_generated_node_names(images: dict[str, Path], tmp_path: Pat
     (d,) = data["drives"]
     assert d["result"] == "attached" and d["drive"] == "drive0", d
     assert d["overlay"] == root and d["base"].startswith("#"), d
-    assert d["method"] == "hmp-qemu-io-reopen", d
+    assert d["method"] == "qemu-io-reopen", d
     assert d["filter"].startswith("pageshare-block"), d
     assert d["reads_before"] is not None and d["reads_before"]["devices"] == ["drive0"], d
     assert vm.nodes()[root]["cache"] == cache
@@ -347,6 +348,40 @@ def test_text_output(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
     assert f"connected, generation 1, {len(LISTED)} blocks listed" in text, text
     rc, text, err = pageshare("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0 and "already attached: filter pageshare-base, nothing changed" in text
+    assert vm.wrong_blocks("ovl", expect("A", LISTED[:10])) == []
+    rc, text, err = pageshare("attach", str(vm.qmp_path), "--status")
+    assert rc == 0 and "  attached: filter pageshare-base\n" in text, text
+    assert f"ovl: overlay ovl ({tmp_path / 'vm.qcow2'}) over base" in text, text
+    assert "10 blocks merged/copied, 0 read from disk" in text, text
+
+
+def test_deeper_chain(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
+                      server: Server) -> None:
+    """drive -> top -> middle -> base: the filter goes between the middle
+    overlay and the base, the drive's name finds it, and blocks the middle
+    or the top overlay hold are read from them."""
+    mid = overlay(tmp_path, "mid", images["a"])
+    q = qemu_build()
+    subprocess.run([q.qemu_io, "-f", "qcow2", "-c", f"write -P {NEW} {WRITTEN * 4096} 4096",
+                    str(mid)], check=True, capture_output=True)
+    top = tmp_path / "top.qcow2"
+    subprocess.run([q.qemu_img, "create", "-q", "-f", "qcow2", "-o", "cluster_size=4096",
+                    "-b", str(mid), "-F", "qcow2", str(top)], check=True)
+    vm = Vm(tmp_path, "vm", ["-drive", f"if=none,id=drive0,file={top},format=qcow2"])
+    vms.append(vm)
+    vm.qemu_io("drive0", f"write -P {NEW} {6 * 4096} 4096")
+    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server), "--drive", "drive0")
+    assert rc == 0, data
+    (d,) = data["drives"]
+    assert d["overlay_file"] == str(mid) and d["base_file"] == str(images["a"]), d
+    want = expect("A", LISTED)
+    want[WRITTEN] = want[6] = NEW
+    assert vm.wrong_blocks("drive0", want) == []
+    s = vm.stats(d["filter"])
+    assert s is not None and s["merged"] == len(LISTED) - 2, s
+    rc, data = run_json("detach", str(vm.qmp_path))
+    assert rc == 0 and data["drives"][0]["result"] == "detached", data
+    assert vm.wrong_blocks("drive0", want) == []
 
 
 # --------------------------------------------------------------------------- what goes wrong

@@ -12,10 +12,12 @@ chain) in the QEMU behind a QMP socket:
    socket, `image-sha256` = the content the server verified) whose `file`
    child is the base node;
 3. re-point the overlay's backing child at it: `blockdev-reopen` when the
-   overlay has a node name of its own (-blockdev, libvirt), or HMP
-   `qemu-io <node> "reopen -o backing=..."` when QEMU generated its name
-   (-drive): blockdev-reopen cannot address those ("Cannot change the option
-   'node-name'"), and qemu-io's reopen keeps every other option as it was.
+   overlay's whole definition is on QEMU's command line (-blockdev JSON, as
+   libvirt writes it), else HMP `qemu-io <node> "reopen -o backing=..."`,
+   which keeps every other option as it is (blockdev-reopen resets what it
+   is not given, and QEMU does not report all of a node's options); nodes
+   QEMU named itself (-drive) can only be reopened that way: blockdev-reopen
+   refuses them ("Cannot change the option 'node-name'").
 
 The filter then checks on its own that the base is the very file the server
 verified (PROTOCOL.md, "Proof of identity"): whatever attach believes, a
@@ -81,10 +83,6 @@ class Node:
     children: dict[str, str] = field(default_factory=dict)   # child name -> node name
     parents: list[tuple[str, str]] = field(default_factory=list)  # (parent, child name)
     backends: list[str] = field(default_factory=list)        # BlockBackends on this node
-
-    @property
-    def auto_named(self) -> bool:
-        return self.name.startswith("#")
 
 
 @dataclass
@@ -246,21 +244,12 @@ def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
 
 
 def reopen_options(g: Graph, overlay: str, backing: str,
-                   defined: dict[str, Any] | None) -> dict[str, Any]:
-    """What blockdev-reopen gets for ``overlay``: its definition from the
-    command line if it has one (minus child definitions), else what QEMU
-    reports of it; its file child by name, the new backing child."""
+                   defined: dict[str, Any]) -> dict[str, Any]:
+    """What blockdev-reopen gets for ``overlay``: its -blockdev definition
+    from the command line (blockdev-reopen resets every option it is not
+    given), its children by name, the new backing child."""
     n = g.nodes[overlay]
-    if defined is not None:
-        opts = {k: v for k, v in defined.items() if k not in CHILDREN}
-    else:
-        info = n.info
-        opts = {"driver": n.drv, "read-only": bool(info.get("ro")),
-                "cache": {"direct": bool(info["cache"]["direct"]),
-                          "no-flush": bool(info["cache"]["no-flush"])},
-                "detect-zeroes": info.get("detect_zeroes", "off")}
-        if opts["detect-zeroes"] == "unmap":
-            opts["discard"] = "unmap"      # QEMU allows detect-zeroes=unmap only with it
+    opts = {k: v for k, v in defined.items() if k not in CHILDREN}
     opts["driver"] = n.drv
     opts["node-name"] = overlay
     for child in CHILDREN:
@@ -272,16 +261,23 @@ def reopen_options(g: Graph, overlay: str, backing: str,
 
 def set_backing(qmp: QMP, g: Graph, overlay: str, backing: str,
                 defined: dict[str, dict[str, Any]]) -> str:
-    """Re-point ``overlay``'s backing child; returns the method used."""
-    if g.nodes[overlay].auto_named:
-        out = qmp.hmp(f'qemu-io {overlay} "reopen -o backing={backing}"').strip()
-        if out:
-            raise QMPError(f"qemu-io reopen: {out}")
-        return "hmp-qemu-io-reopen"
-    opts = reopen_options(g, overlay, backing, defined.get(overlay))
-    qmp.command("blockdev-reopen", None, options=[opts])
-    return "blockdev-reopen" + (" (options from the command line)" if overlay in defined
-                                else " (options QEMU reports)")
+    """Re-point ``overlay``'s backing child; returns the method used.
+
+    blockdev-reopen when the overlay's whole definition is known (a -blockdev
+    JSON on QEMU's command line, as libvirt writes it): it resets whatever it
+    is not given, and QEMU reports only some options of a node (not discard,
+    not qcow2's cache sizes).  Otherwise qemu-io's reopen (HMP), which keeps
+    every option as it is; it is also the only way for nodes QEMU named
+    itself (-drive), which blockdev-reopen refuses ("Cannot change the
+    option 'node-name'")."""
+    if overlay in defined:
+        opts = reopen_options(g, overlay, backing, defined[overlay])
+        qmp.command("blockdev-reopen", None, options=[opts])
+        return "blockdev-reopen"
+    out = qmp.hmp(f'qemu-io {overlay} "reopen -o backing={backing}"').strip()
+    if out:
+        raise QMPError(f"qemu-io reopen: {out}")
+    return "qemu-io-reopen"
 
 
 def filter_stats(qmp: QMP, node: str) -> dict[str, Any] | None:
@@ -394,7 +390,9 @@ class Options:
 def _describe(g: Graph, ch: Chain) -> dict[str, Any]:
     bf = g.bottom_file(ch.base)
     return {"drive": ch.drive, "labels": ch.labels, "overlay": ch.overlay,
-            "overlay_file": g.nodes[ch.overlay].file, "base": ch.base,
+            # the protocol node's name: the overlay's own becomes json:{...} once
+            # its backing child is not the one its header names
+            "overlay_file": g.bottom_file(ch.overlay).file, "base": ch.base,
             "base_format": g.nodes[ch.base].drv, "base_file": bf.file, "filter": ch.filter}
 
 
@@ -627,7 +625,7 @@ def status(opts: Options) -> dict[str, Any]:
         g = read_graph(q)
         for ch in select(find_chains(g), opts.drives):
             d = _describe(g, ch)
-            d["result"] = "attached-status" if ch.filter else "not-attached"
+            d["result"] = "attached" if ch.filter else "not-attached"
             if ch.filter:
                 d["stats"] = filter_stats(q, ch.filter)
             result["drives"].append(d)
@@ -653,14 +651,19 @@ def _stats_line(s: dict[str, Any] | None) -> str:
 def render_text(r: dict[str, Any]) -> str:
     lines = []
     for d in r["drives"]:
-        head = f"{d['drive']}: overlay {d['overlay']} ({d['overlay_file']}) over base " \
-               f"{d['base']} ({d['base_file']})"
+        lines.append(f"{d['drive']}: overlay {d['overlay']} ({d['overlay_file']}) over base "
+                     f"{d['base']} ({d['base_file']})")
         res = d.get("result", "?")
-        if res == "attached":
+        if r["action"] == "status":
+            if res == "attached":
+                lines.append(f"  attached: filter {d['filter']}")
+                lines.append("  " + _stats_line(d.get("stats")))
+            else:
+                lines.append("  not attached: reads of the base go to disk")
+        elif res == "attached":
             img = d.get("image") or {}
             what = (f"image {img['name']}, " if "name" in img else "") + f"socket {img['socket']}"
-            lines.append(f"{head}\n  attached: filter {d['filter']} ({what}), by "
-                         f"{d.get('method')}")
+            lines.append(f"  attached: filter {d['filter']} ({what}), by {d.get('method')}")
             rb = d.get("reads_before")
             if rb:
                 lines.append(f"  before attach the guest read {rb['rd_operations']} requests, "
@@ -669,26 +672,24 @@ def render_text(r: dict[str, Any]) -> str:
                              "among them came from disk and stay private copies until the "
                              "guest reads them again")
             lines.append("  " + _stats_line(d.get("stats")))
-        elif res == "already-attached" or res == "attached-status":
-            lines.append(f"{head}\n  " + ("already attached" if res == "already-attached"
-                                           else "attached") + f": filter {d['filter']}"
-                         + (", nothing changed" if res == "already-attached" else ""))
+        elif res == "already-attached":
+            lines.append(f"  already attached: filter {d['filter']}, nothing changed")
             lines.append("  " + _stats_line(d.get("stats")))
-        elif res == "not-attached" and r["action"] == "status":
-            lines.append(f"{head}\n  not attached: reads of the base go to disk")
         elif res == "detached":
-            lines.append(f"{head}\n  detached: filter {d['filter']} removed, the base is read "
-                         f"from disk again (by {d.get('method')})")
-            lines.append("  while attached " + _stats_line(d.get("stats")))
+            lines.append(f"  detached: filter {d['filter']} removed, the base is read from "
+                         f"disk again (by {d.get('method')})")
+            lines.append("  while attached, " + _stats_line(d.get("stats")))
         elif res == "not-attached":
-            lines.append(f"{head}\n  not attached, nothing to do")
+            lines.append("  not attached, nothing to do")
         else:
             e = d.get("error") or {}
-            lines.append(f"{head}\n  {res}: {e.get('message')}")
+            lines.append(f"  {res}: {e.get('message')}")
             if e.get("hint"):
                 lines.append(f"  hint: {e['hint']}")
         for w in d.get("warnings", []):
             lines.append(f"  warning: {w}")
+    if not r["drives"] and r["ok"]:
+        lines.append("no overlay over a base image in this QEMU")
     if not r["ok"]:
         e = r["error"]
         lines.append(f"pageshare {r['action']}: error: {e['message']}")
@@ -708,10 +709,11 @@ what it does:
      base by its file (device and inode: any path to the same file)
   4. adds a read-only pageshare node above the base (blockdev-add: server =
      the image's socket, image-sha256 = the content the server verified)
-  5. re-points the overlay's backing child at it: blockdev-reopen for named
-     nodes, HMP qemu-io "reopen -o backing=..." for generated names (which
-     blockdev-reopen cannot address); the overlay's other options stay as
-     they were
+  5. re-points the overlay's backing child at it: blockdev-reopen when the
+     overlay's -blockdev JSON is on QEMU's command line (libvirt), else HMP
+     qemu-io "reopen -o backing=..." (also for -drive's generated names,
+     which blockdev-reopen refuses); the overlay's other options stay as
+     they were, which is checked
   6. prints the filter's counters: merges (copies in copy mode) start with
      the next reads of listed blocks
 Reads before attach went to disk: the guest's page cache keeps those pages
@@ -735,7 +737,7 @@ examples:
 DETACH_EPILOG = """\
 what it does:
   re-points each overlay's backing child at its base again (blockdev-reopen,
-  or HMP qemu-io reopen for generated node names) and deletes the pageshare
+  or HMP qemu-io reopen, as attach does) and deletes the pageshare
   node, printing what the filter did while attached.  Pages already merged
   stay in guest RAM as ordinary copy-on-write pages.  Run it before migrating
   the VM to a host without pageshare (the destination QEMU must be able to
