@@ -315,6 +315,7 @@ def test_guest_without_the_filter_is_reported(tmp_path: Path) -> None:
         assert g["severity"] == "warning" and g["details"]["name"] == "hostcheck-plain"
         assert "runs without the pageshare filter" in g["what"] and str(plain.pid) in g["what"]
         assert g["details"]["block_drivers"] == []  # asked over its QMP socket
+        assert f"`pageshare attach {g['details']['qmp']}`" in g["fix"], g["fix"]
         assert f"guest hostcheck-plain (pid {plain.pid}) runs without" in text
         f = guests[with_filter.pid]
         assert f["severity"] == "ok" and "pageshare" in f["details"]["block_drivers"]

@@ -485,8 +485,10 @@ def check_guests() -> Iterator[Finding]:
                 f"(no pageshare node in {source})",
                 why="its base-image reads fill its own page cache with private copies; the "
                     "host keeps one per guest",
-                fix="start it with the patched QEMU and a pageshare node above its base "
-                    "(qemu-patches/README.md has the -blockdev line), or ignore this if the "
+                fix="if its QEMU is the patched one, `pageshare attach "
+                    + (str(qmp) if qmp else "QMP_SOCKET") + "` adds the filter while it runs; "
+                    "else start it with the patched QEMU and a pageshare node above its base "
+                    "(qemu-patches/README.md has the -blockdev line); or ignore this if the "
                     "guest is not cloned from a served image", details=d)
     if n == 0:
         yield Finding("guests", "ok", "no QEMU guests running")
