@@ -1,0 +1,142 @@
+//! The commands that are not the daemon: `status` and `reload` (requests
+//! on a running daemon's control socket), `check-config` and `check-list`.
+
+use crate::cli::ControlSocket;
+use crate::{config, proto, sectorlist, sys};
+use std::path::{Path, PathBuf};
+
+fn control_path(socket: &ControlSocket) -> Result<PathBuf, String> {
+    match socket {
+        ControlSocket::Path(p) => Ok(p.clone()),
+        ControlSocket::FromConfig(cfg) => {
+            let c = config::Config::load(cfg)?;
+            Ok(c.control_socket.expect("set by load"))
+        }
+    }
+}
+
+pub fn check_config(file: &Path) -> Result<i32, String> {
+    let c = config::Config::load(file)?;
+    println!("{}: ok, {} image(s)", file.display(), c.images.len());
+    Ok(0)
+}
+
+pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, String> {
+    let path = control_path(socket)?;
+    let (kind, body) = proto::request(&path, proto::MSG_STATUS_REQ, b"")?;
+    if kind != proto::MSG_STATUS_REPLY {
+        return Err(format!("unexpected reply type {kind}"));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("bad status JSON: {e}"))?;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        print!("{}", human_status(&v));
+    }
+    Ok(0)
+}
+
+pub fn reload(socket: &ControlSocket, image: &str) -> Result<i32, String> {
+    let path = control_path(socket)?;
+    let (_, body) = proto::request(&path, proto::MSG_RELOAD_REQ, image.as_bytes())?;
+    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    println!("{v}");
+    Ok(if v["ok"].as_bool().unwrap_or(false) { 0 } else { 1 })
+}
+
+/// A list file parsed; else the line at fault (None: unreadable) and why.
+fn read_list(file: &str) -> Result<sectorlist::SectorList, (Option<usize>, String)> {
+    let data = std::fs::read(file).map_err(|e| (None, e.to_string()))?;
+    sectorlist::parse_bytes(&data).map_err(|e| (Some(e.line), e.to_string()))
+}
+
+pub fn check_list(files: &[String], as_json: bool) -> i32 {
+    let mut all_ok = true;
+    let mut out = Vec::new();
+    for f in files {
+        match read_list(f) {
+            Ok(l) => {
+                if as_json {
+                    out.push(serde_json::json!({"file": f, "ok": true, "count": l.blocks.len(), "digest": sys::hex(&l.digest), "virtual_size": l.virtual_size}));
+                } else {
+                    println!("OK {f}: {} blocks, sha256:{}", l.blocks.len(), sys::hex(&l.digest));
+                }
+            }
+            Err((line, e)) => {
+                all_ok = false;
+                if as_json {
+                    out.push(serde_json::json!({"file": f, "ok": false, "line": line, "error": e}));
+                } else {
+                    println!("ERR {f}: {e}");
+                }
+            }
+        }
+    }
+    if as_json {
+        println!("{}", serde_json::Value::Array(out));
+    }
+    if all_ok {
+        0
+    } else {
+        1
+    }
+}
+
+fn human_status(v: &serde_json::Value) -> String {
+    let mut o = String::new();
+    let mib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1 << 20) as f64;
+    o.push_str(&format!(
+        "pageshare-server {} pid {} on {}, up {:.0} s\n",
+        v["version"].as_str().unwrap_or("?"),
+        v["pid"],
+        v["host"].as_str().unwrap_or("?"),
+        v["uptime_seconds"].as_f64().unwrap_or(0.0)
+    ));
+    if v["degraded"].as_bool().unwrap_or(false) {
+        o.push_str(&format!("DEGRADED: {}\n", v["degraded_reason"].as_str().unwrap_or("")));
+    } else {
+        o.push_str("merge: kernel accepts MADV_ALLOWMERGED\n");
+    }
+    o.push_str(&format!(
+        "memory: RSS {:.1} MiB, {:.1} MiB of verified blocks held; clients: {}\n",
+        mib(&v["memory"]["rss_bytes"]),
+        mib(&v["memory"]["loaded_bytes"]),
+        v["clients"]
+    ));
+    if !v["redis"].is_null() {
+        let r = &v["redis"];
+        o.push_str(&format!(
+            "redis: {} {}{}\n",
+            r["url"].as_str().unwrap_or(""),
+            if r["connected"].as_bool().unwrap_or(false) { "connected" } else { "DISCONNECTED" },
+            match r["last_error"].as_str() {
+                Some(e) if !e.is_empty() => format!(" (last error: {e})"),
+                _ => String::new(),
+            }
+        ));
+    }
+    for i in v["images"].as_array().into_iter().flatten() {
+        o.push_str(&format!("image {}: {} - {}\n", i["name"].as_str().unwrap_or("?"), i["state"].as_str().unwrap_or("?"), i["message"].as_str().unwrap_or("")));
+        o.push_str(&format!("  base {}  socket {}\n", i["path"].as_str().unwrap_or("?"), i["socket"].as_str().unwrap_or("?")));
+        o.push_str(&format!("  list from {}\n", i["list_source"].as_str().unwrap_or("?")));
+        if !i["generation"].is_null() {
+            o.push_str(&format!(
+                "  generation {}: {} blocks, {:.1} MiB, table {} bytes, {}\n",
+                i["generation"],
+                i["blocks"],
+                mib(&i["bytes"]),
+                i["table_bytes"],
+                i["list_digest"].as_str().unwrap_or("")
+            ));
+        }
+        let cs = &i["client_stats"];
+        o.push_str(&format!(
+            "  clients {} (waiting to switch {}), live generations {}; lookups {} hits {} merged {} merge errors {} fallbacks {}\n",
+            i["clients"], i["clients_waiting_to_switch"], i["live_generations"], cs["lookups"], cs["hits"], cs["merged"], cs["merge_errors"], cs["fallbacks"]
+        ));
+        if let Some(e) = i["last_error"].as_str().filter(|e| !e.is_empty()) {
+            o.push_str(&format!("  last error: {e}\n"));
+        }
+    }
+    o
+}
