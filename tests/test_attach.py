@@ -484,6 +484,20 @@ def test_server_down(images: dict[str, Path], tmp_path: Path, vms: list[Vm]) -> 
         srv.stop(signal.SIGKILL)
 
 
+def test_qmp_socket_held_by_another_client(images: dict[str, Path], tmp_path: Path,
+                                           vms: list[Vm]) -> None:
+    """QEMU serves one client per QMP socket (libvirtd holds its own)."""
+    vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
+    holder = QMP(vm.qmp_path)
+    try:
+        rc, data = run_json("attach", str(vm.qmp_path), "--control", "/nonexistent")
+        assert rc == 1 and data["error"]["kind"] == "qmp-unreachable", data
+        assert "other client" in data["error"]["hint"]
+    finally:
+        holder.close()
+    assert vm.pageshare_nodes() == []
+
+
 def test_no_qmp_and_usage(tmp_path: Path) -> None:
     rc, data = run_json("attach", str(tmp_path / "nothing.qmp"))
     assert rc == 1 and data["error"]["kind"] == "qmp-unreachable", data

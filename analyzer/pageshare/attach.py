@@ -34,8 +34,6 @@ import contextlib
 import json
 import os
 import re
-import socket
-import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -200,26 +198,10 @@ def select(chains: list[Chain], drives: list[str]) -> list[Chain]:
 
 def has_driver(qmp: QMP) -> bool:
     """Is "pageshare" a block driver this QEMU knows (its QMP schema)?"""
-    for e in qmp.command("query-qmp-schema", 60):
+    for e in qmp.command("query-qmp-schema"):
         if isinstance(e, dict) and "pageshare" in (e.get("values") or []):
             return True
     return False
-
-
-def qemu_pid(path: Path) -> int | None:
-    """The process at the other end of a QMP socket (SO_PEERCRED)."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(5)
-            s.connect(str(path))
-            cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, _, _ = struct.unpack("3i", cred)
-            # read QEMU's greeting so that it does not log a broken pipe
-            with contextlib.suppress(OSError):
-                s.recv(4096)
-            return pid or None
-    except OSError:
-        return None
 
 
 def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
@@ -411,6 +393,7 @@ def connect(path: Path, timeout: float) -> Iterator[QMP]:
                           "socket? (QEMU serves one client per QMP socket; under libvirt, "
                           "use its monitor instead)") from None
     try:
+        q.command("query-version", timeout)     # from now on, QEMU has ``timeout`` s per command
         yield q
     finally:
         q.close()
@@ -432,7 +415,7 @@ def attach(opts: Options) -> dict[str, Any]:
                 "pageshare shares the pages of a base image that VMs read through "
                 "copy-on-write overlays; a VM whose disk is a single image has no base")
         images = [] if opts.socket else served_images(opts.control)
-        pid = qemu_pid(opts.qmp)
+        pid = q.peer_pid()
         result["qemu_pid"] = pid
         defined = cmdline_blockdevs(pid)
         explicit = bool(opts.drives)
@@ -574,7 +557,7 @@ def detach(opts: Options) -> dict[str, Any]:
     with connect(opts.qmp, opts.timeout) as q:
         g = read_graph(q)
         chains = select(find_chains(g), opts.drives)
-        pid = qemu_pid(opts.qmp)
+        pid = q.peer_pid()
         result["qemu_pid"] = pid
         defined = cmdline_blockdevs(pid)
         for ch in chains:

@@ -7,6 +7,7 @@ qemu.qmp package would be more machinery than the job needs.
 
 import json
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,16 @@ class QMP:
         args: dict[str, Any] = {"command-line": line}
         out: str = self.command("human-monitor-command", None, **args)
         return out
+
+    def peer_pid(self) -> int | None:
+        """The pid of the QEMU at the other end (SO_PEERCRED), if known."""
+        try:
+            cred = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                         struct.calcsize("3i"))
+        except OSError:
+            return None
+        pid: int = struct.unpack("3i", cred)[0]
+        return pid or None
 
     def close(self) -> None:
         try:
