@@ -387,6 +387,37 @@ def test_deeper_chain(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
 # --------------------------------------------------------------------------- what goes wrong
 
 
+def test_two_overlays_over_one_base_node(images: dict[str, Path], tmp_path: Path,
+                                         vms: list[Vm], server: Server) -> None:
+    """Two disks whose overlays share one base node: one filter above it,
+    both overlays re-pointed at it, and detach removes it once both are off."""
+    vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
+    ovl2 = overlay(tmp_path, "vm2", images["a"])
+    vm.qmp.command("blockdev-add", None, **{"driver": "file", "node-name": "ovl2-file",
+                                            "filename": str(ovl2)})
+    vm.qmp.command("blockdev-add", None, **{"driver": "qcow2", "node-name": "ovl2",
+                                            "file": "ovl2-file", "backing": "base"})
+    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
+    assert rc == 0, data
+    assert [(d["overlay"], d["result"], d["filter"]) for d in data["drives"]] == [
+        ("ovl", "attached", "pageshare-base"), ("ovl2", "attached", "pageshare-base")], data
+    assert vm.pageshare_nodes() == ["pageshare-base"]
+    for dev in ("ovl", "ovl2"):
+        assert vm.wrong_blocks(dev, expect("A", LISTED)) == []
+    s = vm.stats("pageshare-base")
+    assert s is not None and s["merged"] == 2 * len(LISTED), s
+    rc, data = run_json("detach", str(vm.qmp_path), "--drive", "ovl2")
+    assert rc == 0 and data["drives"][0]["result"] == "detached", data
+    assert "filter node pageshare-base kept: ovl still read(s) through it" in \
+        data["drives"][0]["warnings"], data
+    assert vm.pageshare_nodes() == ["pageshare-base"]
+    rc, data = run_json("detach", str(vm.qmp_path))
+    assert rc == 0 and [d["result"] for d in data["drives"]] == ["detached", "not-attached"]
+    assert vm.pageshare_nodes() == []
+    for dev in ("ovl", "ovl2"):
+        assert vm.wrong_blocks(dev, expect("A", LISTED[:16])) == []
+
+
 def test_base_not_served(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
                          server: Server) -> None:
     """A VM over another image (same size) than the server's: refused before

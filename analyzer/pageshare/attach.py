@@ -423,7 +423,7 @@ def attach(opts: Options) -> dict[str, Any]:
         by_base: dict[str, list[Chain]] = {}
         for ch in chains:
             by_base.setdefault(ch.base, []).append(ch)
-        for base, group in by_base.items():
+        for group in by_base.values():
             for ch in group:
                 d = _describe(g, ch)
                 result["drives"].append(d)
@@ -439,7 +439,6 @@ def attach(opts: Options) -> dict[str, Any]:
                         "nothing was changed for this drive; the message is QEMU's own "
                         "(a block job on the chain, or a node that writes the base, "
                         "can keep the filter out)").to_json()
-            del base
     done = [d for d in result["drives"] if d.get("result") in ("attached", "already-attached")]
     failed = [d for d in result["drives"] if d.get("result") == "failed"]
     if failed or not done:
@@ -502,8 +501,8 @@ def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
     else:
         sock = str(opts.socket)
         d["image"] = {"socket": sock}
-    # the filter for this base may already exist: another overlay of the
-    # group attached it a moment ago
+    # the filter for this base may already exist: another overlay over the
+    # same base node reads through it (attached before, or a moment ago)
     existing = next((c.filter for c in group if c.filter), None)
     name = existing or filter_name(g, ch.base)
     added = False
@@ -543,9 +542,6 @@ def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
                 q.command("blockdev-del", None, **{"node-name": name})
             del g.nodes[name]
         raise
-    for c in group:
-        if c.base == ch.base:
-            c.filter = name
     ch.filter = name
     d["filter"] = name
     d["result"] = "attached"
