@@ -2,10 +2,57 @@
 //! on a running daemon's control socket), `check-config` and `check-list`.
 
 use crate::cli::ControlSocket;
+use crate::config::ConfigError;
+use crate::proto::RequestError;
 use crate::{config, proto, sectorlist, sys};
+use std::fmt;
 use std::path::{Path, PathBuf};
 
-fn control_path(socket: &ControlSocket) -> Result<PathBuf, String> {
+/// A command that could not do its work.
+#[derive(Debug)]
+pub enum CommandError {
+    Config(ConfigError),
+    Request(RequestError),
+    UnexpectedReply(u32),
+    /// The daemon's reply is not the JSON it should be.
+    BadReply { what: &'static str, source: serde_json::Error },
+}
+
+impl fmt::Display for CommandError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CommandError::Config(e) => e.fmt(f),
+            CommandError::Request(e) => e.fmt(f),
+            CommandError::UnexpectedReply(kind) => write!(f, "unexpected reply type {kind}"),
+            CommandError::BadReply { what, source } => write!(f, "bad {what} JSON: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for CommandError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CommandError::Config(e) => Some(e),
+            CommandError::Request(e) => Some(e),
+            CommandError::UnexpectedReply(_) => None,
+            CommandError::BadReply { source, .. } => Some(source),
+        }
+    }
+}
+
+impl From<ConfigError> for CommandError {
+    fn from(e: ConfigError) -> Self {
+        CommandError::Config(e)
+    }
+}
+
+impl From<RequestError> for CommandError {
+    fn from(e: RequestError) -> Self {
+        CommandError::Request(e)
+    }
+}
+
+fn control_path(socket: &ControlSocket) -> Result<PathBuf, ConfigError> {
     match socket {
         ControlSocket::Path(p) => Ok(p.clone()),
         ControlSocket::FromConfig(cfg) => {
@@ -15,19 +62,19 @@ fn control_path(socket: &ControlSocket) -> Result<PathBuf, String> {
     }
 }
 
-pub fn check_config(file: &Path) -> Result<i32, String> {
+pub fn check_config(file: &Path) -> Result<i32, ConfigError> {
     let c = config::Config::load(file)?;
     println!("{}: ok, {} image(s)", file.display(), c.images.len());
     Ok(0)
 }
 
-pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, String> {
+pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, CommandError> {
     let path = control_path(socket)?;
     let (kind, body) = proto::request(&path, proto::MSG_STATUS_REQ, b"")?;
     if kind != proto::MSG_STATUS_REPLY {
-        return Err(format!("unexpected reply type {kind}"));
+        return Err(CommandError::UnexpectedReply(kind));
     }
-    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("bad status JSON: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|source| CommandError::BadReply { what: "status", source })?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
@@ -36,10 +83,11 @@ pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, String> {
     Ok(0)
 }
 
-pub fn reload(socket: &ControlSocket, image: &str) -> Result<i32, String> {
+pub fn reload(socket: &ControlSocket, image: &str) -> Result<i32, CommandError> {
     let path = control_path(socket)?;
     let (_, body) = proto::request(&path, proto::MSG_RELOAD_REQ, image.as_bytes())?;
-    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|source| CommandError::BadReply { what: "reload reply", source })?;
     println!("{v}");
     Ok(if v["ok"].as_bool().unwrap_or(false) { 0 } else { 1 })
 }

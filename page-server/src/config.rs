@@ -2,6 +2,7 @@
 //! page-server/pageshare-server.example.toml.
 
 use serde::Deserialize;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -158,11 +159,89 @@ fn d_format() -> String {
     "auto".into()
 }
 
+/// A configuration file that cannot be used.  Each message names the file,
+/// says what is wrong and what to do.
+#[derive(Debug)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    Read { path: PathBuf, source: std::io::Error },
+    /// Not TOML, an unknown key, a missing one or a value of the wrong type
+    /// (the TOML parser's message says which, and where).
+    Parse { path: PathBuf, source: toml::de::Error },
+    /// Parsed, but a value cannot be used.
+    Invalid { path: PathBuf, problem: Problem },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Read { path, source } => write!(f, "{}: {source}", path.display()),
+            ConfigError::Parse { path, source } => write!(f, "{}: {source}", path.display()),
+            ConfigError::Invalid { path, problem } => write!(f, "{}: {problem}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Read { source, .. } => Some(source),
+            ConfigError::Parse { source, .. } => Some(source),
+            ConfigError::Invalid { problem, .. } => Some(problem),
+        }
+    }
+}
+
+/// A value in a parsed configuration that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    SocketMode(String),
+    ImageName(String),
+    DuplicateImageName(String),
+    /// Neither or both of list_file and list_redis.
+    ListSource { image: String },
+    /// list_redis without a [redis] section.
+    NoRedis { image: String },
+    Format { image: String, format: String },
+    NoClients,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Problem::SocketMode(m) => write!(f, "socket_mode {m:?} is not an octal mode like \"0660\""),
+            Problem::ImageName(n) => {
+                write!(f, "image name {n:?}: use 1-64 characters of A-Z a-z 0-9 . _ - (not 'control', no leading '.')")
+            }
+            Problem::DuplicateImageName(n) => {
+                write!(f, "image name {n:?} appears twice: give each [[image]] its own name (it names the image's socket)")
+            }
+            Problem::ListSource { image } => write!(f, "image {image:?}: give exactly one of list_file and list_redis"),
+            Problem::NoRedis { image } => write!(
+                f,
+                "image {image:?} uses list_redis but there is no [redis] section: add one with the server's url, or use list_file"
+            ),
+            Problem::Format { image, format } => {
+                write!(f, "image {image:?}: format must be auto, qcow2 or raw, not {format:?}")
+            }
+            Problem::NoClients => write!(f, "limits.max_clients must be at least 1"),
+        }
+    }
+}
+
+impl std::error::Error for Problem {}
+
 impl Config {
-    pub fn load(path: &Path) -> Result<Config, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut c: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        c.validate().map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Config::parse(path, &text)
+    }
+
+    /// The configuration `text` of file `path`, validated, with the default
+    /// socket paths filled in.
+    fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let mut c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        c.validate().map_err(|problem| ConfigError::Invalid { path: path.into(), problem })?;
         if c.control_socket.is_none() {
             c.control_socket = Some(c.socket_dir.join("control.sock"));
         }
@@ -174,7 +253,7 @@ impl Config {
         Ok(c)
     }
 
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), Problem> {
         self.socket_mode_bits()?;
         let mut names = std::collections::HashSet::new();
         for img in &self.images {
@@ -184,44 +263,172 @@ impl Config {
                 && !img.name.starts_with('.')
                 && img.name != "control";
             if !ok {
-                return Err(format!(
-                    "image name {:?}: use 1-64 characters of A-Z a-z 0-9 . _ - (not 'control', no leading '.')",
-                    img.name
-                ));
+                return Err(Problem::ImageName(img.name.clone()));
             }
             if !names.insert(img.name.clone()) {
-                return Err(format!("image name {:?} appears twice", img.name));
+                return Err(Problem::DuplicateImageName(img.name.clone()));
             }
-            match (&img.list_file, &img.list_redis) {
-                (Some(_), None) | (None, Some(_)) => {}
-                _ => {
-                    return Err(format!(
-                        "image {:?}: give exactly one of list_file and list_redis",
-                        img.name
-                    ))
-                }
+            if img.list_file.is_some() == img.list_redis.is_some() {
+                return Err(Problem::ListSource { image: img.name.clone() });
             }
             if img.list_redis.is_some() && self.redis.is_none() {
-                return Err(format!("image {:?} uses list_redis but there is no [redis] section", img.name));
+                return Err(Problem::NoRedis { image: img.name.clone() });
             }
             if !["auto", "qcow2", "raw"].contains(&img.format.as_str()) {
-                return Err(format!("image {:?}: format must be auto, qcow2 or raw", img.name));
+                return Err(Problem::Format { image: img.name.clone(), format: img.format.clone() });
             }
         }
         if self.limits.max_clients == 0 {
-            return Err("limits.max_clients must be at least 1".into());
+            return Err(Problem::NoClients);
         }
         Ok(())
     }
 
-    pub fn socket_mode_bits(&self) -> Result<u32, String> {
+    pub fn socket_mode_bits(&self) -> Result<u32, Problem> {
         u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
             .ok()
             .filter(|m| *m <= 0o777)
-            .ok_or_else(|| format!("socket_mode {:?} is not an octal mode like \"0660\"", self.socket_mode))
+            .ok_or_else(|| Problem::SocketMode(self.socket_mode.clone()))
     }
 
     pub fn host(&self) -> String {
         self.host_name.clone().unwrap_or_else(crate::sys::hostname)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IMAGE: &str = "[[image]]\nname = \"deb\"\npath = \"/img/deb.qcow2\"\nlist_file = \"/lists/deb.pcsl\"\n";
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("/etc/ps.toml"), text)
+    }
+
+    /// The message for `text`, which must be refused.
+    fn refused(text: &str) -> String {
+        let e = parse(text).expect_err("refused");
+        let msg = e.to_string();
+        assert!(msg.starts_with("/etc/ps.toml: "), "names the file: {msg}");
+        msg
+    }
+
+    #[test]
+    fn defaults_and_derived_socket_paths() {
+        let c = parse(&format!("socket_dir = \"/run/x\"\n{IMAGE}")).unwrap();
+        assert_eq!(c.control_socket, Some(PathBuf::from("/run/x/control.sock")));
+        assert_eq!(c.images[0].socket, Some(PathBuf::from("/run/x/deb.sock")));
+        assert_eq!(c.images[0].format, "auto");
+        assert_eq!(c.socket_mode_bits(), Ok(0o660));
+        assert_eq!(c.cache_dir, PathBuf::from("/var/cache/pageshare-server"));
+        assert_eq!(c.limits.max_clients, 1024);
+        assert!(c.redis.is_none() && c.metrics_listen.is_empty());
+        // An empty file is a server with no images.
+        assert!(parse("").unwrap().images.is_empty());
+    }
+
+    #[test]
+    fn explicit_sockets_are_kept() {
+        let c = parse(&format!("control_socket = \"/c.sock\"\n{IMAGE}socket = \"/i.sock\"\n")).unwrap();
+        assert_eq!(c.control_socket, Some(PathBuf::from("/c.sock")));
+        assert_eq!(c.images[0].socket, Some(PathBuf::from("/i.sock")));
+    }
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("server.example.toml");
+        let c = Config::load(&p).unwrap();
+        assert_eq!(c.images.len(), 2);
+        assert!(c.redis.is_some());
+    }
+
+    #[test]
+    fn socket_modes() {
+        for (m, bits) in [("0660", 0o660), ("0o600", 0o600), ("777", 0o777), ("0", 0)] {
+            let c = parse(&format!("socket_mode = \"{m}\"")).unwrap();
+            assert_eq!(c.socket_mode_bits(), Ok(bits), "{m}");
+        }
+        for m in ["0999", "rw-rw----", "01777", ""] {
+            let msg = refused(&format!("socket_mode = \"{m}\""));
+            assert!(msg.contains(&format!("socket_mode {m:?} is not an octal mode like \"0660\"")), "{msg}");
+        }
+    }
+
+    #[test]
+    fn bad_image_names_say_which_characters_to_use() {
+        for name in ["", ".hidden", "control", "a/b", "sp ace", &"x".repeat(65)] {
+            let msg = refused(&IMAGE.replace("\"deb\"", &format!("{name:?}")));
+            assert!(msg.contains(&format!("image name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ -")), "{msg}");
+        }
+        parse(&IMAGE.replace("\"deb\"", "\"Deb_12.1-x\"")).unwrap();
+    }
+
+    #[test]
+    fn each_image_needs_its_own_name() {
+        let msg = refused(&format!("{IMAGE}{IMAGE}"));
+        assert!(msg.contains("image name \"deb\" appears twice: give each [[image]] its own name"), "{msg}");
+    }
+
+    #[test]
+    fn exactly_one_list_source() {
+        let neither = IMAGE.replace("list_file = \"/lists/deb.pcsl\"\n", "");
+        let both = format!("{IMAGE}list_redis = \"auto\"\n[redis]\nurl = \"redis://127.0.0.1/\"\n");
+        for text in [neither, both] {
+            let msg = refused(&text);
+            assert!(msg.contains("image \"deb\": give exactly one of list_file and list_redis"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn list_redis_needs_a_redis_section() {
+        let text = IMAGE.replace("list_file = \"/lists/deb.pcsl\"", "list_redis = \"auto\"");
+        let msg = refused(&text);
+        assert!(msg.contains("image \"deb\" uses list_redis but there is no [redis] section: add one"), "{msg}");
+        let c = parse(&format!("{text}[redis]\nurl = \"redis://127.0.0.1/\"\n")).unwrap();
+        let r = c.redis.unwrap();
+        assert_eq!((r.prefix.as_str(), r.poll_interval_secs), ("pageshare", 30));
+    }
+
+    #[test]
+    fn unknown_formats_are_refused() {
+        let msg = refused(&format!("{IMAGE}format = \"vmdk\"\n"));
+        assert!(msg.contains("image \"deb\": format must be auto, qcow2 or raw, not \"vmdk\""), "{msg}");
+        for f in ["auto", "qcow2", "raw"] {
+            parse(&format!("{IMAGE}format = \"{f}\"\n")).unwrap();
+        }
+    }
+
+    #[test]
+    fn max_clients_must_allow_one() {
+        let msg = refused("[limits]\nmax_clients = 0\n");
+        assert!(msg.ends_with("limits.max_clients must be at least 1"), "{msg}");
+    }
+
+    #[test]
+    fn toml_mistakes_name_the_key_and_the_line() {
+        // A misspelt key: unknown fields are refused, not ignored.
+        let msg = refused("sockets_dir = \"/run/x\"\n");
+        assert!(msg.contains("unknown field `sockets_dir`") && msg.contains("socket_dir"), "{msg}");
+        assert!(msg.contains("line 1"), "{msg}");
+        let msg = refused(&format!("{IMAGE}list_fiel = \"/x\"\n"));
+        assert!(msg.contains("unknown field `list_fiel`"), "{msg}");
+        // A value of the wrong type says what it expected.
+        let msg = refused("socket_mode = 660\n");
+        assert!(msg.contains("expected a string"), "{msg}");
+        // A required key that is missing.
+        let msg = refused("[[image]]\nname = \"deb\"\nlist_file = \"/l\"\n");
+        assert!(msg.contains("missing field `path`"), "{msg}");
+        // Not TOML at all.
+        let msg = refused("this is not toml");
+        assert!(msg.contains("line 1"), "{msg}");
+        assert!(matches!(parse("[limits\n"), Err(ConfigError::Parse { .. })));
+    }
+
+    #[test]
+    fn an_unreadable_file_is_named() {
+        let e = Config::load(Path::new("/nonexistent/ps.toml")).unwrap_err();
+        assert!(matches!(e, ConfigError::Read { .. }));
+        assert!(e.to_string().starts_with("/nonexistent/ps.toml: No such file"), "{e}");
     }
 }

@@ -23,10 +23,31 @@ mod table;
 mod fuzz_tests;
 
 use cli::Command;
+use std::fmt;
 
-fn real_main() -> Result<i32, String> {
+/// Everything that makes the program exit with status 2.
+#[derive(Debug)]
+enum Error {
+    Usage(cli::UsageError),
+    Config(config::ConfigError),
+    Server(server::ServerError),
+    Command(commands::CommandError),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Usage(e) => e.fmt(f),
+            Error::Config(e) => e.fmt(f),
+            Error::Server(e) => e.fmt(f),
+            Error::Command(e) => e.fmt(f),
+        }
+    }
+}
+
+fn real_main() -> Result<i32, Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match cli::parse(&args).map_err(|e| e.to_string())? {
+    match cli::parse(&args).map_err(Error::Usage)? {
         Command::Usage => {
             eprint!("{}", cli::USAGE);
             Ok(2)
@@ -40,13 +61,13 @@ fn real_main() -> Result<i32, String> {
             Ok(0)
         }
         Command::Run { config } => {
-            let c = config::Config::load(&config)?;
-            server::Server::new(c)?.run()?;
+            let c = config::Config::load(&config).map_err(Error::Config)?;
+            server::Server::new(c).and_then(server::Server::run).map_err(Error::Server)?;
             Ok(0)
         }
-        Command::CheckConfig { file } => commands::check_config(&file),
-        Command::Status { socket, json } => commands::status(&socket, json),
-        Command::Reload { socket, image } => commands::reload(&socket, &image),
+        Command::CheckConfig { file } => commands::check_config(&file).map_err(Error::Config),
+        Command::Status { socket, json } => commands::status(&socket, json).map_err(Error::Command),
+        Command::Reload { socket, image } => commands::reload(&socket, &image).map_err(Error::Command),
         Command::CheckList { files, json } => Ok(commands::check_list(&files, json)),
     }
 }

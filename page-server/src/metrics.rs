@@ -2,39 +2,84 @@
 //! answers GET /metrics with the text the main loop renders every 0.5 s.
 
 use serde_json::Value;
-use std::io::{Read, Write};
+use std::fmt;
+use std::io::{self, Read, Write};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub fn spawn(listen: &str, text: Arc<Mutex<String>>) -> Result<(), String> {
+/// The metrics endpoint could not be started.
+#[derive(Debug)]
+pub enum MetricsError {
+    /// `what` names the socket or the `metrics_listen` address.
+    Bind { what: String, source: io::Error },
+    Thread(io::Error),
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricsError::Bind { what, source } => write!(f, "{what}: {source}"),
+            MetricsError::Thread(e) => write!(f, "cannot start the metrics thread: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for MetricsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            MetricsError::Bind { source, .. } | MetricsError::Thread(source) => Some(source),
+        }
+    }
+}
+
+/// A connection the endpoint can answer: both stream kinds, with timeouts.
+trait Connection: Read + Write {
+    fn set_timeouts(&self, t: Duration);
+}
+
+impl Connection for std::os::unix::net::UnixStream {
+    fn set_timeouts(&self, t: Duration) {
+        let _ = self.set_read_timeout(Some(t));
+        let _ = self.set_write_timeout(Some(t));
+    }
+}
+
+impl Connection for std::net::TcpStream {
+    fn set_timeouts(&self, t: Duration) {
+        let _ = self.set_read_timeout(Some(t));
+        let _ = self.set_write_timeout(Some(t));
+    }
+}
+
+pub fn spawn(listen: &str, text: Arc<Mutex<String>>) -> Result<(), MetricsError> {
     if let Some(path) = listen.strip_prefix("unix:") {
         let _ = std::fs::remove_file(path);
-        let l = std::os::unix::net::UnixListener::bind(path).map_err(|e| format!("metrics socket {path}: {e}"))?;
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                for s in l.incoming().flatten() {
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                    serve(s, &text);
-                }
-            })
-            .map_err(|e| e.to_string())?;
+        let l = std::os::unix::net::UnixListener::bind(path)
+            .map_err(|source| MetricsError::Bind { what: format!("metrics socket {path}"), source })?;
+        serve_on(move || l.accept().map(|(s, _)| s), text)
     } else {
-        let l = std::net::TcpListener::bind(listen).map_err(|e| format!("metrics_listen {listen}: {e}"))?;
+        let l = std::net::TcpListener::bind(listen)
+            .map_err(|source| MetricsError::Bind { what: format!("metrics_listen {listen}"), source })?;
         crate::log::info(&format!("metrics on http://{}/metrics", l.local_addr().map(|a| a.to_string()).unwrap_or_default()));
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                for s in l.incoming().flatten() {
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                    serve(s, &text);
-                }
-            })
-            .map_err(|e| e.to_string())?;
+        serve_on(move || l.accept().map(|(s, _)| s), text)
     }
-    Ok(())
+}
+
+/// Answer the connections `accept` returns, one at a time, on a thread.
+fn serve_on<S: Connection>(
+    accept: impl Fn() -> io::Result<S> + Send + 'static,
+    text: Arc<Mutex<String>>,
+) -> Result<(), MetricsError> {
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || loop {
+            if let Ok(s) = accept() {
+                s.set_timeouts(Duration::from_secs(2));
+                serve(s, &text);
+            }
+        })
+        .map(drop)
+        .map_err(MetricsError::Thread)
 }
 
 fn serve<S: Read + Write>(mut s: S, text: &Arc<Mutex<String>>) {

@@ -186,16 +186,33 @@ pub fn recv_some(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>, 
     Ok((n, fds, mh.msg_flags & libc::MSG_CTRUNC != 0))
 }
 
+/// A header announcing a payload over the limit: the stream cannot be
+/// trusted past it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OversizedMessage {
+    pub kind: u32,
+    pub len: usize,
+    pub max: usize,
+}
+
+impl std::fmt::Display for OversizedMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "message type {} announces {} bytes (limit {})", self.kind, self.len, self.max)
+    }
+}
+
+impl std::error::Error for OversizedMessage {}
+
 /// Split complete messages off the front of `buf`.
 /// Err on a header announcing more than `max` bytes.
-pub fn take_messages(buf: &mut Vec<u8>, max: usize) -> Result<Vec<(u32, Vec<u8>)>, String> {
+pub fn take_messages(buf: &mut Vec<u8>, max: usize) -> Result<Vec<(u32, Vec<u8>)>, OversizedMessage> {
     let mut out = Vec::new();
     let mut pos = 0;
     while buf.len() - pos >= HDR {
         let kind = u32::from_le_bytes(buf[pos..pos + 4].try_into().expect("4"));
         let len = u32::from_le_bytes(buf[pos + 4..pos + 8].try_into().expect("4")) as usize;
         if len > max {
-            return Err(format!("message type {kind} announces {len} bytes (limit {max})"));
+            return Err(OversizedMessage { kind, len, max });
         }
         if buf.len() - pos - HDR < len {
             break;
@@ -211,21 +228,51 @@ pub fn u64_at(p: &[u8], off: usize) -> Option<u64> {
     p.get(off..off + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
 }
 
+/// A control request that got no usable reply.
+#[derive(Debug)]
+pub enum RequestError {
+    Connect { path: std::path::PathBuf, source: io::Error },
+    Send(io::Error),
+    Read(io::Error),
+    TooLarge(usize),
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RequestError::Connect { path, source } => write!(f, "{}: {source}", path.display()),
+            RequestError::Send(e) => write!(f, "sending the request: {e}"),
+            RequestError::Read(e) => write!(f, "reading reply: {e}"),
+            RequestError::TooLarge(len) => write!(f, "reply of {len} bytes is too large"),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RequestError::Connect { source: e, .. } | RequestError::Send(e) | RequestError::Read(e) => Some(e),
+            RequestError::TooLarge(_) => None,
+        }
+    }
+}
+
 /// Blocking client side: send a request and read one reply (for `status`).
-pub fn request(path: &std::path::Path, kind: u32, payload: &[u8]) -> Result<(u32, Vec<u8>), String> {
+pub fn request(path: &std::path::Path, kind: u32, payload: &[u8]) -> Result<(u32, Vec<u8>), RequestError> {
     use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut s = std::os::unix::net::UnixStream::connect(path)
+        .map_err(|source| RequestError::Connect { path: path.into(), source })?;
     let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
-    s.write_all(&frame(kind, payload)).map_err(|e| e.to_string())?;
+    s.write_all(&frame(kind, payload)).map_err(RequestError::Send)?;
     let mut hdr = [0u8; HDR];
-    s.read_exact(&mut hdr).map_err(|e| format!("reading reply: {e}"))?;
+    s.read_exact(&mut hdr).map_err(RequestError::Read)?;
     let k = u32::from_le_bytes(hdr[..4].try_into().expect("4"));
     let len = u32::from_le_bytes(hdr[4..].try_into().expect("4")) as usize;
     if len > MAX_SERVER_PAYLOAD {
-        return Err(format!("reply of {len} bytes is too large"));
+        return Err(RequestError::TooLarge(len));
     }
     let mut body = vec![0u8; len];
-    s.read_exact(&mut body).map_err(|e| format!("reading reply: {e}"))?;
+    s.read_exact(&mut body).map_err(RequestError::Read)?;
     Ok((k, body))
 }
 

@@ -2,7 +2,7 @@
 //! watchdog; on SIGTERM/SIGINT tell the clients and remove the sockets.
 
 use super::setup::{ksm_run_warning, KSM_RUN};
-use super::{Event, Server};
+use super::{Event, Server, ServerError};
 use crate::loader::ListSource;
 use crate::proto::NT_SHUTDOWN;
 use crate::redis_watch::{self, RedisList};
@@ -105,7 +105,7 @@ impl Server {
         }
     }
 
-    pub fn run(mut self) -> Result<(), String> {
+    pub fn run(mut self) -> Result<(), ServerError> {
         // SAFETY: installing a simple async-signal-safe handler.
         unsafe {
             libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -146,7 +146,7 @@ impl Server {
             // SAFETY: pfds is a valid array.
             let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
             if n < 0 && crate::sys::errno() != libc::EINTR {
-                return Err(format!("poll: {}", std::io::Error::last_os_error()));
+                return Err(ServerError::Poll(std::io::Error::last_os_error()));
             }
             if n > 0 {
                 for (p, tag) in pfds.iter().zip(tags) {

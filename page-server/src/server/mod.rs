@@ -30,7 +30,8 @@ mod setup;
 mod sockets;
 
 use crate::arena::Arena;
-use crate::config::{Config, ImageConfig};
+use crate::config::{Config, ImageConfig, Problem};
+use crate::metrics::MetricsError;
 use crate::identity::{FileStamp, Identity};
 use crate::loader::{Job, ListSource, Loaded};
 use crate::notify::Notifier;
@@ -38,7 +39,10 @@ use crate::redis_watch::{self, RedisList, RedisStatus};
 use clients::{Client, ClientCounters};
 use generations::Generation;
 use serde_json::Value;
+use sockets::SocketError;
 use std::collections::HashMap;
+use std::fmt;
+use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
@@ -47,6 +51,55 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Why the server could not start, or its loop had to stop.
+#[derive(Debug)]
+pub enum ServerError {
+    CacheDir { dir: PathBuf, source: io::Error },
+    Config(Problem),
+    Socket(SocketError),
+    Pidfd(io::Error),
+    Eventfd(io::Error),
+    Thread { name: &'static str, source: io::Error },
+    Metrics(MetricsError),
+    Poll(io::Error),
+}
+
+impl fmt::Display for ServerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServerError::CacheDir { dir, source } => write!(f, "cache_dir {}: {source}", dir.display()),
+            ServerError::Config(p) => p.fmt(f),
+            ServerError::Socket(e) => e.fmt(f),
+            ServerError::Pidfd(e) => write!(f, "pidfd_open(getpid()): {e}"),
+            ServerError::Eventfd(e) => write!(f, "eventfd: {e}"),
+            ServerError::Thread { name, source } => write!(f, "cannot start the {name} thread: {source}"),
+            ServerError::Metrics(e) => e.fmt(f),
+            ServerError::Poll(e) => write!(f, "poll: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ServerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ServerError::Config(p) => Some(p),
+            ServerError::Socket(e) => Some(e),
+            ServerError::Metrics(e) => Some(e),
+            ServerError::CacheDir { source: e, .. }
+            | ServerError::Thread { source: e, .. }
+            | ServerError::Pidfd(e)
+            | ServerError::Eventfd(e)
+            | ServerError::Poll(e) => Some(e),
+        }
+    }
+}
+
+impl From<SocketError> for ServerError {
+    fn from(e: SocketError) -> Self {
+        ServerError::Socket(e)
+    }
+}
 
 /// What the loader and Redis threads hand to the main loop.
 enum Event {

@@ -3,7 +3,7 @@
 
 use super::event_loop::wake;
 use super::sockets::bind_socket;
-use super::{Event, ImageState, Server};
+use super::{Event, ImageState, Server, ServerError};
 use crate::config::Config;
 use crate::identity::IdentityCache;
 use crate::loader::{FailKind, Job, Loaded, Loader};
@@ -61,21 +61,22 @@ pub(super) fn ksm_run_warning(run: Option<&str>) -> Option<String> {
 }
 
 impl Server {
-    pub fn new(cfg: Config) -> Result<Server, String> {
-        std::fs::create_dir_all(&cfg.cache_dir).map_err(|e| format!("cache_dir {}: {e}", cfg.cache_dir.display()))?;
-        std::fs::create_dir_all(cfg.cache_dir.join("lists")).map_err(|e| e.to_string())?;
-        let mode = cfg.socket_mode_bits()?;
+    pub fn new(cfg: Config) -> Result<Server, ServerError> {
+        for dir in [cfg.cache_dir.clone(), cfg.cache_dir.join("lists")] {
+            std::fs::create_dir_all(&dir).map_err(|source| ServerError::CacheDir { dir, source })?;
+        }
+        let mode = cfg.socket_mode_bits().map_err(ServerError::Config)?;
         let control = bind_socket(cfg.control_socket.as_ref().expect("set by load"), 0o600.min(mode) | 0o600)?;
         let mut images = Vec::new();
         for img in &cfg.images {
             let listener = bind_socket(img.socket.as_ref().expect("set by load"), mode)?;
             images.push(ImageState::new(img.clone(), listener));
         }
-        let pidfd = crate::sys::pidfd_self().map_err(|e| format!("pidfd_open(getpid()): {e}"))?;
+        let pidfd = crate::sys::pidfd_self().map_err(ServerError::Pidfd)?;
         // SAFETY: plain eventfd creation.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if efd < 0 {
-            return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+            return Err(ServerError::Eventfd(std::io::Error::last_os_error()));
         }
         // SAFETY: fresh descriptor.
         let wake_fd = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
@@ -109,13 +110,13 @@ impl Server {
                     redis_status.clone(),
                     snapshot.clone(),
                 );
-                std::thread::Builder::new().name("redis".into()).spawn(move || w.run()).map_err(|e| e.to_string())?;
+                std::thread::Builder::new().name("redis".into()).spawn(move || w.run()).map_err(|source| ServerError::Thread { name: "redis", source })?;
                 Some(cmd_tx)
             }
             None => None,
         };
         if !cfg.metrics_listen.is_empty() {
-            crate::metrics::spawn(&cfg.metrics_listen, metrics.clone())?;
+            crate::metrics::spawn(&cfg.metrics_listen, metrics.clone()).map_err(ServerError::Metrics)?;
         }
         let degraded = probe_degraded();
         let mut s = Server {
@@ -149,7 +150,7 @@ impl Server {
 
 /// The loader thread: runs the jobs one at a time and hands each result to
 /// the main loop.
-fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake_fd: Arc<OwnedFd>) -> Result<(), String> {
+fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake_fd: Arc<OwnedFd>) -> Result<(), ServerError> {
     std::thread::Builder::new()
         .name("loader".into())
         .spawn(move || {
@@ -172,7 +173,7 @@ fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake
             }
         })
         .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(|source| ServerError::Thread { name: "loader", source })
 }
 
 #[cfg(test)]

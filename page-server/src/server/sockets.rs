@@ -1,25 +1,72 @@
 //! Publishing a listening Unix socket (the control socket and one per image).
 
+use std::fmt;
+use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Why a socket could not be published.
+#[derive(Debug)]
+pub enum SocketError {
+    CreateDir { dir: PathBuf, source: io::Error },
+    InUse(PathBuf),
+    NotASocket(PathBuf),
+    Listen { path: PathBuf, source: io::Error },
+    Chmod { path: PathBuf, source: io::Error },
+    Publish { path: PathBuf, source: io::Error },
+    NonBlocking { path: PathBuf, source: io::Error },
+}
+
+impl fmt::Display for SocketError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SocketError::CreateDir { dir, source } => write!(f, "{}: {source}", dir.display()),
+            SocketError::InUse(p) => write!(
+                f,
+                "{}: another server is listening there; stop it, or give this one another socket_dir or socket",
+                p.display()
+            ),
+            SocketError::NotASocket(p) => {
+                write!(f, "{}: exists and is not a socket; move it away or choose another socket path", p.display())
+            }
+            SocketError::Listen { path, source } => write!(f, "cannot listen on {}: {source}", path.display()),
+            SocketError::Chmod { path, source } => write!(f, "chmod {}: {source}", path.display()),
+            SocketError::Publish { path, source } => write!(f, "cannot publish {}: {source}", path.display()),
+            SocketError::NonBlocking { path, source } => write!(f, "{}: non-blocking mode: {source}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for SocketError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SocketError::InUse(_) | SocketError::NotASocket(_) => None,
+            SocketError::CreateDir { source, .. }
+            | SocketError::Listen { source, .. }
+            | SocketError::Chmod { source, .. }
+            | SocketError::Publish { source, .. }
+            | SocketError::NonBlocking { source, .. } => Some(source),
+        }
+    }
+}
 
 /// Listen on `path` with permissions `mode`, replacing a stale socket left
 /// by an earlier run.
-pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, String> {
+pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, SocketError> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| SocketError::CreateDir { dir: dir.into(), source })?;
     }
     // Replace a stale socket from an earlier run, but never another kind of file.
     if let Ok(md) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if md.file_type().is_socket() {
             if UnixStream::connect(path).is_ok() {
-                return Err(format!("{}: another server is listening there", path.display()));
+                return Err(SocketError::InUse(path.into()));
             }
             let _ = std::fs::remove_file(path);
         } else {
-            return Err(format!("{}: exists and is not a socket", path.display()));
+            return Err(SocketError::NotASocket(path.into()));
         }
     }
     // Bind and chmod under a temporary name and rename it into place: a
@@ -28,17 +75,17 @@ pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, String
     // between bind() and listen(), nor a socket with the umask's mode.
     let mut tmp_name = path.as_os_str().to_owned();
     tmp_name.push(format!(".{}.tmp", std::process::id()));
-    let tmp = std::path::PathBuf::from(tmp_name);
+    let tmp = PathBuf::from(tmp_name);
     let _ = std::fs::remove_file(&tmp);
-    let l = UnixListener::bind(&tmp).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    let l = UnixListener::bind(&tmp).map_err(|source| SocketError::Listen { path: path.into(), source })?;
     let published = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("chmod {}: {e}", path.display()))
-        .and_then(|_| std::fs::rename(&tmp, path).map_err(|e| format!("cannot publish {}: {e}", path.display())));
+        .map_err(|source| SocketError::Chmod { path: path.into(), source })
+        .and_then(|_| std::fs::rename(&tmp, path).map_err(|source| SocketError::Publish { path: path.into(), source }));
     if let Err(e) = published {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    l.set_nonblocking(true).map_err(|e| e.to_string())?;
+    l.set_nonblocking(true).map_err(|source| SocketError::NonBlocking { path: path.into(), source })?;
     Ok(l)
 }
 
@@ -60,11 +107,25 @@ mod tests {
         assert_eq!(names, vec![std::ffi::OsString::from("img.sock")], "no temporary name left behind");
         UnixStream::connect(&path).expect("the published name accepts connections");
         // A second server on the same path is refused while the first listens.
-        assert!(bind_socket(&path, 0o660).unwrap_err().contains("another server"));
+        let e = bind_socket(&path, 0o660).unwrap_err();
+        assert!(matches!(e, super::SocketError::InUse(_)));
+        assert!(e.to_string().contains("another server is listening there"), "{e}");
         drop(l);
         // The first one gone, its stale socket file is replaced.
         let _l2 = bind_socket(&path, 0o600).unwrap();
         UnixStream::connect(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bind_socket_never_replaces_another_kind_of_file() {
+        let dir = std::env::temp_dir().join(format!("ps-bind-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("img.sock");
+        std::fs::write(&path, b"data").unwrap();
+        let e = bind_socket(&path, 0o660).unwrap_err();
+        assert!(e.to_string().ends_with("img.sock: exists and is not a socket; move it away or choose another socket path"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
