@@ -209,7 +209,11 @@ class FakeDisk:
     def part_list(self, dev: str) -> list[dict[str, int]]:
         if not self.parts:
             raise RuntimeError("part_list: unrecognised disk label")
-        return [{"part_num": n, "part_start": s * 512} for n, s in self.parts.items()]
+        return [{"part_num": n, "part_start": s * 512, "part_size": 2048 * 512}
+                for n, s in self.parts.items()]
+
+    def pread_device(self, dev: str, size: int, offset: int) -> bytes:
+        return bytes(size)                    # no LVM label anywhere
 
     def vfs_type(self, dev: str) -> str:
         return self.fs[dev][0]
@@ -228,23 +232,29 @@ def test_survey_maps_each_ext4_and_skips_the_rest() -> None:
                   "/dev/vg/opt": ("ext4", 4096, "opt")})
     mapped, skipped = fslayout.survey(g, {"/boot": "/dev/sda2", "/": "/dev/sda1",
                                           "/boot/efi": "/dev/sda15", "/var": "/dev/sda3",
-                                          "/opt": "/dev/vg/opt"})
-    assert [(f.mountpoint, f.partition, f.start_sector, f.uuid) for f in mapped] == [
-        ("/", 1, 524288, "root-uuid"), ("/boot", 2, 262144, "boot")]
+                                          "/opt": "/dev/vg/opt"}, 1 << 22)
+    assert [(f.mountpoint, f.partition, f.start_sector, f.uuid, f.guest_start_sector)
+            for f in mapped] == [("/", 1, 524288, "root-uuid", 524288),
+                                 ("/boot", 2, 262144, "boot", 262144)]
+    assert mapped[1].runs == ((0, 2048, 262144),)
     assert {s.mountpoint: s.device for s in skipped} == {
         "/boot/efi": "/dev/sda15", "/opt": "/dev/vg/opt", "/var": "/dev/sda3"}
+    # An LV of a volume group whose PVs are not on this disk cannot be located.
+    assert "volume group vg has no physical volume on the image's disk" in next(
+        s.reason for s in skipped if s.mountpoint == "/opt")
     assert "sector 63" in next(s.reason for s in skipped if s.mountpoint == "/var")
 
 
 def test_whole_disk_root() -> None:
     g = FakeDisk({}, {"/dev/sda": ("ext4", 4096, "u")})
-    mapped, skipped = fslayout.survey(g, {"/": "/dev/sda"})
+    mapped, skipped = fslayout.survey(g, {"/": "/dev/sda"}, 1 << 22)
     assert [(f.partition, f.start_sector) for f in mapped] == [(0, 0)] and skipped == []
+    assert mapped[0].runs == ((0, 1 << 22, 0),)
 
 
 def test_unaligned_root_is_refused_with_what_to_do() -> None:
     g = FakeDisk({1: 63}, {"/dev/sda1": ("ext4", 4096, "u")})
-    _, skipped = fslayout.survey(g, {"/": "/dev/sda1"})
+    _, skipped = fslayout.survey(g, {"/": "/dev/sda1"}, 1 << 22)
     with pytest.raises(UserError, match="starts at sector 63") as e:
         fslayout.root_must_map(Path("old.qcow2"), skipped[0])
     assert "virt-resize --align-first always" in e.value.hint

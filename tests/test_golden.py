@@ -103,6 +103,16 @@ def test_bootsplit_variant_is_small_packages_with_a_separate_boot() -> None:
     assert all("boot_fs_uuid" not in golden.VARIANTS[v] for v in ("small", "demo", "trixie"))
 
 
+def test_lvm_variant_is_small_packages_with_lvm2_on_a_pv_partition() -> None:
+    spec, small = golden._spec("lvm"), golden._spec("small")
+    assert spec.packages == [*small.packages, "lvm2"]      # the initrd activates the VG
+    g = golden.geometry("lvm")
+    assert (g.layout, g.root_partition, g.root_start_sector) == ("gpt-lvm", 1, 262144)
+    # The LV (the file system) fits in the PV partition after LVM's own metadata.
+    assert g.fs_bytes == golden.LVM_ROOT_BYTES
+    assert g.fs_bytes + (1 << 20) <= (g.root_end_sector - g.root_start_sector + 1) * 512
+
+
 def test_gpt_geometry_matches_debian_cloud_layout() -> None:
     g = golden.geometry("demo")
     assert g.layout == "gpt"
@@ -369,6 +379,33 @@ def test_bootsplit_has_its_kernel_only_on_the_boot_partition(tmp_path: Path) -> 
     fstab = _debugfs(root, "cat /etc/fstab")
     assert f"UUID={m['fs_uuid']}\t/\text4" in fstab
     assert f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2" in fstab
+
+
+@pytest.mark.vm
+def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
+    from pageshare import lvm
+    image = _image("lvm")
+    m, geo = image.manifest, golden.geometry("lvm")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    _, parts = _gpt_partitions(raw)
+    assert sorted(parts) == [1, 14, 15]
+    assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
+    part = geo.root_start_sector * 512
+    with raw.open("rb") as f:
+        label = lvm.read_label(lambda at, size: os.pread(f.fileno(), size, part + at))
+    assert label is not None
+    name, vg = lvm.volume_group(label.metadata)
+    assert name == golden.LVM_VG and list(vg["logical_volumes"]) == [golden.LVM_LV]
+    segs, why = lvm.lv_segments(vg, golden.LVM_LV,
+                                {label.uuid: geo.root_start_sector + label.pe_start // 512})
+    assert why == "" and len(segs) == 1
+    assert segs[0].disk_start == m["root_fs_start_sector"]
+    assert segs[0].sectors * 512 == golden.LVM_ROOT_BYTES
+    fs = f"{raw}?offset={segs[0].disk_start * 512}"
+    assert f"Filesystem UUID:          {m['fs_uuid']}" in _debugfs(fs, "stats")
+    assert "/dev/mapper/vg0-root\t/\text4" in _debugfs(fs, "cat /etc/fstab")
+    assert _exists(fs, f"/boot/vmlinuz-{m['kernel_version']}") and _exists(fs, "/usr/sbin/lvm")
 
 
 @pytest.mark.vm

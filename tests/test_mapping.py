@@ -11,7 +11,7 @@ from pageshare.mapping import FsKey, Geometry, Placement, page_sector, verify
 
 UUID = "059a5ac684ce4b8f88bf106cefac840b"
 BOOT_UUID = "2d6c9b1e5f484a0793e2b8c1f4a6d750"
-ROOT = Placement(UUID, 262144)
+ROOT = Placement.partition(UUID, 262144)
 GEO = Geometry((ROOT,), virtual_size=3 << 30)
 REC = PageRecord(pfn=1, kind="file", index=0, ino=12, fstype="ext4",
                  fs_uuid=UUID, disk="vda", start_sect=262144, blkbits=12, state="U----")
@@ -57,7 +57,7 @@ def test_partition_offset_and_block_size() -> None:
 
 
 def test_whole_disk_layout() -> None:
-    geo = replace(GEO, filesystems=(Placement(UUID, 0),))
+    geo = replace(GEO, filesystems=(Placement.partition(UUID, 0),))
     rec = replace(REC, start_sect=0, index=1)
     assert page_sector(rec, on((UUID, 0), {12: [Extent(0, 500, 4)]}), geo, False) \
         == (501 * 8, "")
@@ -66,7 +66,7 @@ def test_whole_disk_layout() -> None:
 def test_each_file_system_at_its_own_offset() -> None:
     # A separate /boot: the same inode number on two file systems, each
     # mapped with its own extents and partition start.
-    boot = Placement(BOOT_UUID, 2048, "/boot")
+    boot = Placement.partition(BOOT_UUID, 2048, "/boot")
     geo = replace(GEO, filesystems=(ROOT, boot))
     ext = {**on(ROOT.key, {12: [Extent(0, 33000, 10)]}),
            **on(boot.key, {12: [Extent(0, 700, 10)]})}
@@ -77,6 +77,22 @@ def test_each_file_system_at_its_own_offset() -> None:
     assert page_sector(replace(brec, start_sect=262144), ext, geo, False) == (None, "other-disk")
     # Not mapped (e.g. skipped as unaligned): never listed.
     assert page_sector(brec, ext, GEO, False) == (None, "other-fs")
+
+
+def test_logical_volume_segments() -> None:
+    # An LV of two linear segments (4 MiB extents): the guest names its device
+    # with start_sect 0; the file system's sectors map run by run.
+    lv = Placement(UUID, 0, ((0, 8192, 264192), (8192, 8192, 400000)))
+    geo = replace(GEO, filesystems=(lv,))
+    rec = replace(REC, start_sect=0, disk="dm-0")
+    ext = on(lv.key, {12: [Extent(0, 1023, 2)]})
+    assert page_sector(rec, ext, geo, False) == (264192 + 1023 * 8, "")
+    assert page_sector(replace(rec, index=1), ext, geo, False) == (400000, "")
+    # 1 KiB blocks: a page of blocks 4094..4097 (sectors 8188..8195) spans both segments.
+    ext = on(lv.key, {12: [Extent(0, 4094, 4)]})
+    assert page_sector(replace(rec, blkbits=10), ext, geo, False) == (None, "discontiguous")
+    # The PV partition's start_sect is not the LV's.
+    assert page_sector(replace(rec, start_sect=262144), ext, geo, False) == (None, "other-disk")
 
 
 def test_small_blocks_need_four_contiguous() -> None:

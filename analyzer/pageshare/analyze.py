@@ -28,7 +28,7 @@ from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
 from .dump import ElfDump, parse_vmcoreinfo
 from .errors import UserError
-from .ext4map import Extent, read_extents, read_paths
+from .ext4map import Extent, fs_image, read_extents, read_paths
 from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
 from .image_inspect import Inspection, inspect_image, probe_format
 from .ksm import KSM, Sample, ksm_session
@@ -160,9 +160,12 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     progress.say(f"{info.product} ({info.distro} {info.major}.{info.minor}), kernel "
                  f"{info.kernel_version}, root {info.root_fstype} on {info.root_device} at "
                  f"sector {info.root_start_sector}, {info.block_size}-byte blocks")
-    for fs in info.filesystems[1:]:
-        progress.say(f"also mapped: {fs.mountpoint} ({fs.fstype} on {fs.device} at sector "
-                     f"{fs.start_sector}, {fs.block_size}-byte blocks)")
+    for fs in info.filesystems:
+        where = (f"LV {fs.lv}, {len(fs.runs)} segment(s) from sector {fs.start_sector}"
+                 if fs.lv else f"at sector {fs.start_sector}")
+        if fs.lv or fs.mountpoint != "/":
+            progress.say(f"{'also ' if fs.mountpoint != '/' else ''}mapped: {fs.mountpoint} "
+                         f"({fs.fstype} on {fs.device}, {where}, {fs.block_size}-byte blocks)")
     for sk in info.skipped:
         progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
                      f"mapped, its files cannot be listed: {sk.reason}")
@@ -200,17 +203,21 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         _store_filesystems(db, analysis_id, insp)
         db.commit()
 
-        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.start_sector, f.mountpoint)
-                             for f in info.filesystems), vsize)
+        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs,
+                                       f.mountpoint) for f in info.filesystems), vsize)
+        sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img")
+                   for i, fs in enumerate(geo.filesystems)}
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
         results: list[RunResult] = []
         ksm_series: list[dict[str, Any]] = []
         with ksm_session(KSM(), progress.say) as ksm:
             for seq in range(1, opts.runs + 1):
                 results.append(_run_once(seq, opts, progress, db, analysis_id, ksm, boot, fmt,
-                                         accel, workdir, raw, geo, vmlinux, ksm_series))
+                                         accel, workdir, raw, geo, sources, vmlinux,
+                                         ksm_series))
         with progress.phase("write-list", "aggregating runs and writing the list"):
-            summary = _finish(opts, progress, db, analysis_id, insp, content, raw, results,
+            summary = _finish(opts, progress, db, analysis_id, insp, content, raw, sources,
+                              results,
                               accel, accel_reason, ksm_series)
         db.execute("UPDATE analysis SET status='ok', finished_at=? WHERE id=?",
                    (_now(), analysis_id))
@@ -300,7 +307,8 @@ def _tail(g: Guest, n: int = 12) -> str:
 
 def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id: int, ksm: KSM,
               boot: BootSpec, fmt: str, accel: str, workdir: Path, raw: Path, geo: Geometry,
-              vmlinux: Path, ksm_series: list[dict[str, Any]]) -> RunResult:
+              sources: dict[FsKey, tuple[Path, int]], vmlinux: Path,
+              ksm_series: list[dict[str, Any]]) -> RunResult:
     tag = f"run {seq}/{opts.runs}"
     markers = Markers.new()
     script = write_script(workdir, opts.workload, markers)
@@ -368,7 +376,7 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
                    (build_id[0], build_id[1], run_id))
         db.execute("UPDATE analysis SET introspector=? WHERE id=?", (used[0], analysis_id))
         with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
-            result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo,
+            result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo, sources,
                                      opts.include_metadata)
         result.introspector = used
         db.commit()
@@ -503,14 +511,15 @@ def category_of(rec: PageRecord | None, zero: bool, listed: bool) -> str:
 
 def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                     recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
-                    raw: Path, geo: Geometry, include_metadata: bool) -> RunResult:
+                    raw: Path, geo: Geometry, sources: dict[FsKey, tuple[Path, int]],
+                    include_metadata: bool) -> RunResult:
     read_at, _ = sectorlist.raw_file_reader(raw)
     # One debugfs per mapped file system, for the inodes the guests cached there.
     extents: dict[tuple[FsKey, int], list[Extent]] = {}
     for fs in geo.filesystems:
         inodes = sorted({r.ino for v in recs.values() for r in v.values()
                          if r.kind == "file" and geo.find(r) == fs})
-        for ino, exts in read_extents(raw, fs.start_sector * 512, inodes).items():
+        for ino, exts in read_extents(*sources[fs.key], inodes).items():
             extents[fs.key, ino] = exts
     stable: dict[str, dict[int, PageFact]] = {}
     cats: dict[str, Counter[str]] = {}
@@ -557,7 +566,8 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
 
 
 def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: Inspection,
-            content: str, raw: Path, results: list[RunResult], accel: str, accel_reason: str,
+            content: str, raw: Path, sources: dict[FsKey, tuple[Path, int]],
+            results: list[RunResult], accel: str, accel_reason: str,
             ksm_series: list[dict[str, Any]]) -> Summary:
     min_runs = opts.effective_min_runs()
     seen: Counter[int] = Counter()
@@ -584,7 +594,7 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
     list_path = opts.lists_dir / sectorlist.list_file_name(sl.image)
     sectorlist.write(sl, list_path)
 
-    paths = _listed_paths(raw, [fact[s] for s in keep])
+    paths = _listed_paths(sources, [fact[s] for s in keep])
     db.executemany("INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) "
                    "VALUES (?,?,?,?)",
                    [(analysis_id, place.uuid, ino, p) for (place, ino), p in paths.items()])
@@ -624,7 +634,8 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
         ksm=ksm_series)
 
 
-def _listed_paths(raw: Path, facts: list[PageFact]) -> dict[tuple[Placement, int], str | None]:
+def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
+                  ) -> dict[tuple[Placement, int], str | None]:
     """The guest path of every listed file, by (file system, inode): one debugfs
     per file system, its paths under its mount point (/boot/vmlinuz-...)."""
     by_fs: dict[Placement, set[int]] = {}
@@ -633,7 +644,7 @@ def _listed_paths(raw: Path, facts: list[PageFact]) -> dict[tuple[Placement, int
             by_fs.setdefault(f.fs, set()).add(f.ino)
     out: dict[tuple[Placement, int], str | None] = {}
     for fs, inos in by_fs.items():
-        found = read_paths(raw, fs.start_sector * 512, sorted(inos))
+        found = read_paths(*sources[fs.key], sorted(inos))
         for ino in inos:
             p = found.get(ino)
             # debugfs names a file in the file system's top directory "//name".

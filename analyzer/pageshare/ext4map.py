@@ -7,6 +7,8 @@ system inside the raw image at the partition's byte offset (e2fsprogs'
 for all inodes at once.
 """
 
+import errno
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -110,3 +112,42 @@ def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
             s = start_sector + b * per
             sectors.add(s - s % 8)
     return sorted(sectors)
+
+
+# (file system sector, sectors, disk sector), as fslayout/mapping describe runs.
+Run = tuple[int, int, int]
+
+
+def fs_image(raw: Path, runs: tuple[Run, ...], scratch: Path) -> tuple[Path, int]:
+    """Where debugfs can read a file system: (image, byte offset).
+
+    One run (a partition, a one-segment LV) is the raw disk at its offset.
+    debugfs needs the file system's bytes in one piece, so an LV of several
+    segments is copied, run by run, into the sparse file scratch (only the
+    data the raw copy holds; holes stay holes).
+    """
+    if len(runs) == 1 and runs[0][0] == 0:
+        return raw, runs[0][2] * 512
+    with open(raw, "rb") as src, open(scratch, "wb") as dst:
+        fd_in, fd_out = src.fileno(), dst.fileno()
+        for fs_start, sectors, disk_start in runs:
+            pos, end = disk_start * 512, (disk_start + sectors) * 512
+            while pos < end:
+                try:
+                    data = os.lseek(fd_in, pos, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno != errno.ENXIO:     # ENXIO: only a hole is left
+                        raise
+                    break
+                hole = min(os.lseek(fd_in, data, os.SEEK_HOLE), end)
+                if data >= end:
+                    break
+                at = data
+                while at < hole:
+                    chunk = os.pread(fd_in, min(1 << 20, hole - at), at)
+                    os.pwrite(fd_out, chunk, fs_start * 512 + at - disk_start * 512)
+                    at += len(chunk)
+                pos = hole
+        last = max(r[0] + r[1] for r in runs)
+        os.ftruncate(fd_out, max(os.fstat(fd_out).st_size, last * 512))
+    return scratch, 0

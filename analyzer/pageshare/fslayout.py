@@ -3,8 +3,10 @@
 The guest's page cache names a page by (file system UUID, partition start,
 inode, index); a list entry names a 4 KiB block of the virtual disk.  For a
 file system to be mapped, its block map must be readable offline (ext4
-extents, through debugfs) and its blocks must be able to land on 4 KiB
-boundaries of the virtual disk.  Every file system the image mounts from
+extents, through debugfs), its bytes must sit at known places of the disk
+(a partition, the whole disk, or the extents of a linear LVM logical volume,
+lvm.py) and its blocks must be able to land on 4 KiB boundaries of the
+virtual disk.  Every file system the image mounts from
 /etc/fstab is looked at; the root must be mappable (without it nothing of
 /usr is), any other one that is not is skipped with the reason, and the
 analysis goes on with the rest.
@@ -12,27 +14,38 @@ analysis goes on with the rest.
 
 import re
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import lvm
 from .errors import UserError
 
 PAGE_SECTORS = 8            # a 4 KiB page in 512-byte sectors
 MAPPED_FSTYPES = ("ext4",)
 
 
+# (file system sector, sectors, disk sector): a run of the file system's bytes
+# on the virtual disk.  One run for a partition; one per LV segment.
+Run = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class MappedFs:
     """A file system whose file pages are mapped to virtual-disk sectors."""
     mountpoint: str
-    device: str               # as libguestfs names it, e.g. /dev/sda2
-    partition: int            # 0 = the whole disk
-    start_sector: int         # of the partition on the virtual disk
+    device: str               # as libguestfs names it, e.g. /dev/sda2, /dev/vg0/root
+    partition: int            # 0 = the whole disk; for an LV, the PV's partition
+    start_sector: int         # where the file system starts on the virtual disk
     fstype: str
     uuid: str
     block_size: int
     features: str
+    runs: tuple[Run, ...] = ()
+    # start_sect as the guest's page cache reports the file system's block
+    # device: the partition's start, 0 for a device-mapper volume.
+    guest_start_sector: int = 0
+    lv: str = ""              # "vg/lv" for a logical volume
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,9 @@ class SkippedFs:
 
 
 _DISK_PART = re.compile(r"/dev/sda(\d*)")
+
+
+_LV = re.compile(r"/dev/([^/]+)/([^/]+)")
 
 
 def partition_number(device: str) -> int | None:
@@ -65,12 +81,18 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
     if "extent" not in features.split():
         return (f"{fstype} without the extent feature: its files use indirect block maps, "
                 "which the mapping does not read (only ext4 is supported)")
+    return alignment_reason(start_sector, block_size, "the partition starts")
+
+
+def alignment_reason(start_sector: int, block_size: int, what: str) -> str:
+    """Why blocks of a run that starts (file system block 0) at start_sector can
+    never be 4 KiB-aligned on the disk, "" when they can."""
     per_block = block_size // 512
     # A block starts at start + k * per_block; some k lands on a 4 KiB
     # boundary only if start is a multiple of gcd(per_block, 8).
     step = min(per_block, PAGE_SECTORS)
     if start_sector % step:
-        return (f"the partition starts at sector {start_sector}, which is not a multiple of "
+        return (f"{what} at sector {start_sector}, which is not a multiple of "
                 f"{step}: none of its {block_size}-byte blocks is 4 KiB-aligned on the virtual "
                 "disk, and the page server shares only aligned 4 KiB blocks")
     return ""
@@ -90,6 +112,12 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
     if "not a multiple of" in root.reason:
         raise UserError(f"{image}: root file system {root.device} cannot be analyzed: "
                         f"{root.reason}", realign_hint(root.device))
+    if _LV.fullmatch(root.device) and partition_number(root.device) is None \
+            and ("volume group" in root.reason or "linear" in root.reason):
+        raise UserError(f"{image}: root file system on {root.device} cannot be mapped: "
+                        f"{root.reason}", "only linear logical volumes on the image's own disk "
+                        "are mapped: convert the LV (lvconvert --type linear) or move the root "
+                        "to a linear LV or a partition in the golden image")
     if partition_number(root.device) is None:
         raise UserError(f"{image}: root file system is on {root.device} (LVM, RAID or a second "
                         "disk); not supported", "use an image with the root file system on a "
@@ -100,35 +128,79 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
                     "root); convert or rebuild the image with an ext4 root")
 
 
-def survey(g: Any, mountpoints: dict[str, str]) -> tuple[list[MappedFs], list[SkippedFs]]:
+def _ext_facts(g: Any, dev: str) -> tuple[str, int, str]:
+    """(type, block size, features) of a device's file system."""
+    try:
+        fstype = g.vfs_type(dev)
+    except RuntimeError:
+        fstype = ""
+    block_size, features = 0, ""
+    if fstype in ("ext2", "ext3", "ext4"):
+        tune = g.tune2fs_l(dev)
+        block_size = int(tune.get("Block size", "4096"))
+        features = tune.get("Filesystem features", "")
+    return fstype, block_size, features
+
+
+def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
+           ) -> tuple[list[MappedFs], list[SkippedFs]]:
     """Looks at every file system /etc/fstab mounts (mountpoint -> device), root first."""
-    parts: dict[int, int] = {}
+    parts: dict[int, tuple[int, int]] = {}      # number -> (start, sectors)
     with suppress(RuntimeError):      # no partition table: a file system on the whole disk
-        parts = {int(p["part_num"]): int(p["part_start"]) // 512
+        parts = {int(p["part_num"]): (int(p["part_start"]) // 512, int(p["part_size"]) // 512)
                  for p in g.part_list("/dev/sda")}
+    vgs: dict[str, lvm.VolumeGroup] | None = None
     mapped: list[MappedFs] = []
     skipped: list[SkippedFs] = []
     for mp in sorted(mountpoints, key=lambda m: (m != "/", m)):
         dev = mountpoints[mp]
-        try:
-            fstype = g.vfs_type(dev)
-        except RuntimeError:
-            fstype = ""
+        fstype, block_size, features = _ext_facts(g, dev)
         partno = partition_number(dev)
-        start = parts.get(partno, 0) if partno else 0
-        block_size, features = 0, ""
-        if fstype in ("ext2", "ext3", "ext4"):
-            tune = g.tune2fs_l(dev)
-            block_size = int(tune.get("Block size", "4096"))
-            features = tune.get("Filesystem features", "")
+        lv = _LV.fullmatch(dev) if partno is None else None
+        if lv and lv.group(1) not in ("mapper", "md", "disk"):
+            if vgs is None:
+                vgs = lvm.volume_groups(g, {n: s for n, (s, _) in parts.items()})
+            fs, why = _logical_volume(mp, dev, lv.group(1), lv.group(2), vgs, fstype,
+                                      block_size, features)
+            if fs is None:
+                skipped.append(SkippedFs(mp, dev, fstype, why))
+            else:
+                mapped.append(replace(fs, uuid=g.vfs_uuid(dev)))
+            continue
+        start, size = parts.get(partno, (0, 0)) if partno else (0, disk_sectors)
         why = unmappable_reason(fstype, features, partno, start, block_size)
         if why:
             skipped.append(SkippedFs(mp, dev, fstype, why))
         else:
             assert partno is not None
             mapped.append(MappedFs(mp, dev, partno, start, fstype, g.vfs_uuid(dev), block_size,
-                                   features))
+                                   features, ((0, size, start),), start))
     return mapped, skipped
+
+
+def _logical_volume(mp: str, dev: str, vg_name: str, lv_name: str,
+                    vgs: dict[str, "lvm.VolumeGroup"], fstype: str, block_size: int,
+                    features: str) -> tuple[MappedFs | None, str]:
+    """A file system on an LVM logical volume, mapped through its segments."""
+    why = unmappable_reason(fstype, features, 0, 0, block_size)
+    if why:
+        return None, why
+    vg = vgs.get(vg_name)
+    if vg is None:
+        return None, (f"volume group {vg_name} has no physical volume on the image's disk "
+                      "(a second disk?), so its extents cannot be located")
+    segments, why = lvm.lv_segments(vg.metadata, lv_name, vg.pv_starts)
+    if why:
+        return None, why
+    for seg in segments:
+        why = alignment_reason(seg.disk_start - seg.lv_start, block_size,
+                               f"a segment of {vg_name}/{lv_name} puts its file system start")
+        if why:
+            return None, why
+    runs = tuple((s.lv_start, s.sectors, s.disk_start) for s in segments)
+    first = segments[0].disk_start - segments[0].lv_start
+    return MappedFs(mp, dev, vg.partition_of(segments[0].disk_start), first, fstype, "",
+                    block_size, features, runs, 0, f"{vg_name}/{lv_name}"), ""
 
 
 def mount_all(g: Any, mountpoints: dict[str, str]) -> None:

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pageshare import lvm
 from pageshare.cache import cache_dir, inputs_key
 from pageshare.errors import UserError
 
@@ -64,6 +65,11 @@ GPT_ESP = (15, 8192, GPT_ROOT_START_SECTOR - 1)
 BOOT_PARTITION = 2
 BOOT_SECTORS = 128 * 1024 * 1024 // 512
 BOOT_LABEL = "boot"
+# The "gpt-lvm" layout: the root partition is an LVM physical volume holding
+# volume group vg0 with one linear logical volume "root" (what Debian's
+# installer makes with "guided - use entire disk and set up LVM", minus swap).
+LVM_VG, LVM_LV = "vg0", "root"
+LVM_ROOT_BYTES = 1536 * 1024 * 1024
 # The backup GPT at the end of the disk: 32 sectors of entries plus the header.
 GPT_BACKUP_SECTORS = 33
 
@@ -155,6 +161,25 @@ VARIANTS: dict[str, dict[str, object]] = {
             "2": "5c1d8e3a-97f2-4b60-a4c7-e0b6d2f9a385",
             "14": "b7f2a6c1-0e94-4d3b-8a57-c1e9f4d2b068",
             "15": "0d9e4b7a-6c21-4f58-b3a0-9f7e2c5d1a64",
+        },
+        "hostname": HOSTNAME,
+    },
+    # small's packages, plus lvm2 for the initrd to activate the volume group,
+    # with the root on an LVM logical volume (issue 11): its blocks are at the
+    # LV's extents on the PV partition.
+    "lvm": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, "lvm2"],
+        "layout": "gpt-lvm",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "c1a7e4d2-6b39-4f08-9e5a-3d2c8b7f1e64",
+        "disk_guid": "4f8b2e6d-1a93-4c57-b0e2-7d6a9c3f5b18",
+        "partition_guids": {
+            "1": "9b3e7d1c-4a26-4f85-8c0b-e6d2a5f7b394",
+            "14": "3c6f9a2e-8d14-4b7a-95e3-1f0c7b4d2a86",
+            "15": "d5a2c8f1-7e39-4b06-a4d1-6c9e2b8f3a57",
         },
         "hostname": HOSTNAME,
     },
@@ -264,7 +289,7 @@ def geometry(variant: str) -> Geometry:
     size = spec.virtual_size
     if spec.layout == "whole-disk":
         return Geometry(spec.layout, size, None, 0, size // SECTOR - 1, size)
-    if spec.layout not in ("gpt", "gpt-bootsplit"):
+    if spec.layout not in ("gpt", "gpt-bootsplit", "gpt-lvm"):
         raise ValueError(f"unknown layout {spec.layout!r}")
     last_usable = size // SECTOR - GPT_BACKUP_SECTORS - 1
     root_start = GPT_ROOT_START_SECTOR
@@ -274,6 +299,10 @@ def geometry(variant: str) -> Geometry:
     # The partition ends where Debian's does (last usable sector), which is
     # not a whole number of 4 KiB blocks; the filesystem leaves the tail.
     fs_bytes = part_bytes // FS_BLOCK * FS_BLOCK
+    if spec.layout == "gpt-lvm":
+        # root_start_sector is the PV partition's; the LV (and so the file
+        # system) starts at the PV's first extent, known once LVM wrote it.
+        fs_bytes = LVM_ROOT_BYTES
     geom = Geometry(spec.layout, size, GPT_ROOT_PARTITION, root_start, last_usable, fs_bytes)
     if spec.layout == "gpt-bootsplit":
         geom = replace(geom, boot_partition=BOOT_PARTITION,
@@ -522,7 +551,10 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
         "::1\tlocalhost ip6-localhost ip6-loopback\n"
         "ff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n",
     )
-    fstab = f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
+    root = f"UUID={spec.fs_uuid}"
+    if spec.layout == "gpt-lvm":
+        root = f"/dev/mapper/{LVM_VG}-{LVM_LV}"      # as Debian's installer writes it
+    fstab = f"{root}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
     _write(rootdir / "etc/fstab", fstab)
@@ -565,8 +597,9 @@ def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
     guids = spec.partition_guids
     root_no = GPT_ROOT_PARTITION
     cmd = ["sgdisk", "--clear", f"--disk-guid={spec.disk_guid}"]
+    root_type = "8e00" if geom.layout == "gpt-lvm" else "8300"    # 8e00: Linux LVM
     parts = [(*GPT_BIOS_BOOT, "ef02"), (*GPT_ESP, "ef00"),
-             (root_no, geom.root_start_sector, geom.root_end_sector, "8300")]
+             (root_no, geom.root_start_sector, geom.root_end_sector, root_type)]
     if geom.boot_partition is not None:
         # A plain Linux file system type, as Debian's installer gives /boot.
         parts.append((geom.boot_partition, geom.boot_start_sector, geom.boot_end_sector, "8300"))
@@ -602,19 +635,60 @@ def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
 
 
 def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
-                   boot_image: Path | None = None) -> Path:
+                   boot_image: Path | None = None) -> tuple[Path, int]:
+    """The raw disk, and the sector where the root file system starts on it."""
     if geom.layout == "whole-disk":
-        return fs_image
+        return fs_image, 0
     disk = work / "disk.raw"
     with disk.open("wb") as f:
         f.truncate(geom.virtual_size)
     _write_gpt(disk, spec, geom)
-    _copy_sparse(fs_image, disk, geom.root_start_sector * SECTOR)
+    fs_start = geom.root_start_sector
+    if geom.layout == "gpt-lvm":
+        fs_start = _make_lvm(disk, geom)
+    _copy_sparse(fs_image, disk, fs_start * SECTOR)
     fs_image.unlink()
     if boot_image is not None:
         _copy_sparse(boot_image, disk, geom.boot_start_sector * SECTOR)
         boot_image.unlink()
-    return disk
+    return disk, fs_start
+
+
+def _make_lvm(disk: Path, geom: Geometry) -> int:
+    """Makes the root partition a PV with VG vg0 and linear LV root; returns the
+    LV's first disk sector, read back from the PV's metadata with the
+    analyzer's own reader (so a build checks it too).
+
+    The host has no device-mapper, so LVM runs in the libguestfs appliance,
+    which only writes LVM's metadata; the file system is copied in afterwards.
+    """
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    part = f"/dev/sda{GPT_ROOT_PARTITION}"
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(disk), format="raw", readonly=0)
+        g.launch()
+        g.pvcreate(part)
+        g.vgcreate(LVM_VG, [part])
+        g.lvcreate(LVM_LV, LVM_VG, geom.fs_bytes // (1024 * 1024))
+        g.shutdown()
+    finally:
+        g.close()
+    offset = geom.root_start_sector * SECTOR
+    with disk.open("rb") as f:
+        def read(at: int, size: int) -> bytes:
+            return os.pread(f.fileno(), size, offset + at)
+        label = lvm.read_label(read)
+    if label is None:
+        raise RuntimeError(f"no LVM label on {part} after pvcreate")
+    _, vg = lvm.volume_group(label.metadata)
+    segments, why = lvm.lv_segments(
+        vg, LVM_LV, {label.uuid: geom.root_start_sector + label.pe_start // SECTOR})
+    if len(segments) != 1 or segments[0].sectors * SECTOR != geom.fs_bytes:
+        raise RuntimeError(f"unexpected layout of {LVM_VG}/{LVM_LV}: {segments} {why}")
+    return segments[0].disk_start
 
 
 def _to_qcow2(raw: Path, qcow: Path) -> None:
@@ -725,8 +799,11 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
     out.mkdir()
     qcow = out / "base.qcow2"
     with _step(log, f"assemble {geom.layout} disk and convert to qcow2"):
-        _to_qcow2(_assemble_disk(fs_image, work, spec, geom, boot_image), qcow)
+        disk, fs_start = _assemble_disk(fs_image, work, spec, geom, boot_image)
+        _to_qcow2(disk, qcow)
     manifest = _manifest(variant, spec, geom, kernel, qcow, time.monotonic() - start)
+    # Where the root file system's bytes start: after the PV's metadata on LVM.
+    manifest["root_fs_start_sector"] = fs_start
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     final = _publish(out, _image_dir(variant), work, force)
     log(f"{variant}: {final / 'base.qcow2'} (kernel {kernel}, {manifest['build_seconds']} s)")

@@ -29,7 +29,7 @@ from .errors import UserError
 from .fslayout import MappedFs, SkippedFs, mount_all, root_must_map, survey
 
 # 3: every file system of /etc/fstab (filesystems, skipped), kernels on a separate /boot.
-INSPECT_VERSION = 3
+INSPECT_VERSION = 4      # 4: LVM linear logical volumes (runs, guest_start_sector, lv)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ class ImageInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ImageInfo":
-        return cls(**{**d, "filesystems": tuple(MappedFs(**f) for f in d["filesystems"]),
+        mapped = tuple(MappedFs(**{**f, "runs": tuple(tuple(r) for r in f["runs"])})
+                       for f in d["filesystems"])
+        return cls(**{**d, "filesystems": mapped,
                       "skipped": tuple(SkippedFs(**f) for f in d["skipped"])})
 
 
@@ -292,7 +294,7 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
         # libguestfs resolves /etc/fstab's UUID=/LABEL= to devices; an fstab
         # without a root line still gives the root.
         mountpoints = {**g.inspect_get_mountpoints(root), "/": root}
-        mapped, skipped = survey(g, mountpoints)
+        mapped, skipped = survey(g, mountpoints, virtual_size // 512)
         every: list[MappedFs | SkippedFs] = [*mapped, *skipped]
         rootfs = root_must_map(path, next(f for f in every if f.mountpoint == "/"))
         mount_all(g, mountpoints)

@@ -27,21 +27,39 @@ def norm_uuid(u: str) -> str:
 
 
 # A mapped file system, as the guest's page cache names it: its UUID (hex,
-# no dashes) and its partition's start sector.  Both must match, so that a
-# clone of a partition (same UUID elsewhere on the disk) is never mistaken
-# for it.
+# no dashes) and its block device's start sector (a partition's start, 0 for
+# an LVM volume).  Both must match, so that a clone of a partition (same UUID
+# elsewhere on the disk) is never mistaken for it.
 FsKey = tuple[str, int]
+# (file system sector, sectors, disk sector): where a run of the file
+# system's bytes is on the virtual disk (one for a partition, one per LV segment).
+Run = tuple[int, int, int]
+WHOLE = 1 << 62             # a partition's run: as long as the file system is
 
 
 @dataclass(frozen=True)
 class Placement:
     uuid: str                 # hex, no dashes
-    start_sector: int
+    guest_start: int          # start_sect the guest reports for its block device
+    runs: tuple[Run, ...]
     mountpoint: str = "/"
+
+    @classmethod
+    def partition(cls, uuid: str, start: int, mountpoint: str = "/") -> "Placement":
+        return cls(uuid, start, ((0, WHOLE, start),), mountpoint)
 
     @property
     def key(self) -> FsKey:
-        return self.uuid, self.start_sector
+        return self.uuid, self.guest_start
+
+    def to_disk(self, fs_sector: int, count: int) -> int | None:
+        """The disk sector of file system sectors [fs_sector, fs_sector + count),
+        None unless they are all in one run (contiguous on the disk)."""
+        for start, length, disk in self.runs:
+            if start <= fs_sector < start + length:
+                return disk + fs_sector - start if fs_sector + count <= start + length \
+                    else None
+        return None
 
 
 @dataclass(frozen=True)
@@ -52,7 +70,7 @@ class Geometry:
 
     def find(self, rec: PageRecord) -> Placement | None:
         return next((f for f in self.filesystems
-                     if f.uuid == norm_uuid(rec.fs_uuid) and f.start_sector == rec.start_sect),
+                     if f.uuid == norm_uuid(rec.fs_uuid) and f.guest_start == rec.start_sect),
                     None)
 
 
@@ -79,7 +97,10 @@ def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometr
     b0 = blocks[0]
     if any(b != b0 + k for k, b in enumerate(blocks)):
         return None, "discontiguous"
-    return fs.start_sector + b0 * (bs // 512), ""
+    sector = fs.to_disk(b0 * (bs // 512), PAGE // 512)
+    if sector is None:
+        return None, "discontiguous"      # the page spans two LV segments
+    return sector, ""
 
 
 def page_sector(rec: PageRecord, extents: dict[tuple[FsKey, int], list[Extent]],

@@ -1,0 +1,101 @@
+"""analyze-image end to end on an image whose root is an LVM logical volume (issue 11).
+
+The lvm golden image has its root file system on vg0/root, a linear LV on
+GPT partition 1 (an LVM PV).  Nothing on the host activates LVM: the
+inspection reads the PV's label and metadata to find the LV's extents, the
+guest's initrd activates the volume group, and page-cache pages of the root
+(which the guest sees on dm-0, start sector 0) are mapped through the LV's
+segments to virtual-disk sectors.  Properties, not counts: every listed
+block is byte-identical to the base image and lies inside the LV's extents,
+and blocks of files every boot reads are listed.
+"""
+
+import hashlib
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Analysis, ksm_settings, qemu_pids, run_analyze
+from pageshare import golden, sectorlist
+from pageshare.ext4map import file_sectors
+from pageshare.ksm import host_lock
+
+pytestmark = pytest.mark.vm
+
+# Fails (and the analyzer warns with its exit status) unless the guest's root
+# really is the logical volume.
+WORKLOAD = "findmnt -n -o SOURCE / | grep -qx /dev/mapper/vg0-root"
+ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
+               "/usr/sbin/lvm")
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path, int]]:
+    image = golden.build_image("lvm")
+    tmp = tmp_path_factory.mktemp("e2e-lvm")
+    with host_lock():
+        before_ksm = ksm_settings()
+    result = run_analyze(tmp, "--json", "--settle", "10", "--workload", WORKLOAD,
+                         str(image.path))
+    assert result.rc == 0, result.stderr
+    with host_lock():
+        assert ksm_settings() == before_ksm
+    assert qemu_pids(str(tmp)) == set()
+    assert list(result.workdir.iterdir()) == []
+    raw = tmp / "base.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    yield result, raw, int(image.manifest["root_fs_start_sector"])
+    raw.unlink()
+
+
+def test_guest_root_was_the_logical_volume(analysed: tuple[Analysis, Path, int]) -> None:
+    result, _, lv_start = analysed
+    assert "warning: the workload" not in result.stderr, result.stderr
+    assert f"mapped: / (ext4 on /dev/vg0/root, LV vg0/root, 1 segment(s) from sector " \
+           f"{lv_start}" in result.stderr
+    # The LV starts after the PV's label and metadata, not at the partition.
+    assert lv_start > golden.geometry("lvm").root_start_sector
+    db = sqlite3.connect(result.db)
+    rows = db.execute("SELECT mountpoint, device, start_sector, mapped FROM filesystem "
+                      "WHERE analysis_id=?", (result.json()["analysis_id"],)).fetchall()
+    assert rows == [("/", "/dev/vg0/root", lv_start, 1)]
+
+
+def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, int]
+                                                    ) -> None:
+    result, raw, lv_start = analysed
+    sl = sectorlist.read(Path(str(result.json()["list_path"])))
+    assert sl.blocks, "the list is empty"
+    lv = range(lv_start, lv_start + golden.LVM_ROOT_BYTES // 512)
+    with open(raw, "rb") as f:
+        for sector, digest in sl.blocks.items():
+            f.seek(sector * 512)
+            data = f.read(4096)
+            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
+            assert any(data), f"zero block listed at sector {sector}"
+            assert sector % 8 == 0
+            assert sector in lv, f"sector {sector} outside the logical volume"
+    read_at, size = sectorlist.raw_file_reader(raw)
+    assert sl.image.content_sha256 == sectorlist.image_content_sha256(read_at, size)
+
+
+def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, int]) -> None:
+    result, raw, lv_start = analysed
+    sl = sectorlist.read(Path(str(result.json()["list_path"])))
+    for path in ALWAYS_READ:
+        sectors = set(file_sectors(raw, lv_start * 512, path, lv_start, 4096))
+        assert sectors, f"{path} not found in the image"
+        assert sectors & set(sl.blocks), f"no block of {path} is listed"
+
+
+def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path, int]) -> None:
+    result, _, _ = analysed
+    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
+                          str(result.json()["list_path"]), "--image",
+                          str(golden.build_image("lvm").path)],
+                         capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO / "analyzer"),
+                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    assert out.returncode == 0, out.stdout + out.stderr
