@@ -110,10 +110,17 @@ class Graph:
         """Names an operator may use for the drive above node ``name``: the
         BlockBackends (drive ids, qdev ids) above it, then its node names."""
         names = [name, *self.ancestors(name)]
-        out = [b for n in names for b in self.nodes[n].backends]
-        out += [bb for bb, root in self.backend_names.items() if root in names]
+        out = [bb for bb, root in self.backend_names.items() if root in names]
+        out += [b for n in names for b in self.nodes[n].backends]
         out += names
         return list(dict.fromkeys(x for x in out if x))
+
+
+def backend_label(device: str, qdev: str) -> str:
+    """A drive's name: its -drive id, else its device's id (from the QOM
+    path /machine/peripheral/ID/...), else that path."""
+    m = re.match(r"^/machine/peripheral/([^/]+)", qdev)
+    return device or (m.group(1) if m else qdev)
 
 
 def read_graph(qmp: QMP) -> Graph:
@@ -140,10 +147,9 @@ def read_graph(qmp: QMP) -> Graph:
             backends[b["device"]] = root
         qdev = b.get("qdev") or ""
         if qdev:
+            # the device's id (-device ...,id=disk0) first, then its QOM path
+            backends[backend_label("", qdev)] = root
             backends[qdev] = root
-            m = re.match(r"^/machine/peripheral/([^/]+)", qdev)
-            if m:
-                backends[m.group(1)] = root
     return Graph(nodes, backends)
 
 
@@ -283,7 +289,7 @@ def backend_reads(qmp: QMP, g: Graph, overlay: str) -> dict[str, Any] | None:
             if bname in (s.get("device"), s.get("qdev")):
                 root = r
         if root in names:
-            found.append(s.get("device") or s.get("qdev"))
+            found.append(backend_label(s.get("device") or "", s.get("qdev") or ""))
             ops += int(s["stats"].get("rd_operations", 0))
             nbytes += int(s["stats"].get("rd_bytes", 0))
     if not found:

@@ -1,0 +1,210 @@
+"""`pageshare attach` and `detach` on a booted guest, as an operator would
+use them on a VM that a management stack started: the small golden image
+boots (its own kernel, TCG here) from a qcow2 overlay over the base, all
+-blockdev JSON on the command line with no pageshare node.  The guest hashes
+a set of binaries and libraries three times, each time after dropping its
+caches: before attach (from disk), while attached (listed blocks copied
+into guest RAM by the filter, copy mode: what runs on a stock kernel) and
+after detach (from disk again).  Every hash must equal the image's.  The
+host tells the guest to go on by writing into a small second disk that the
+guest polls with O_DIRECT reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pageshare import golden, sectorlist
+from pageshare.image_inspect import inspect_image
+from pageshare.qmp import QMP
+from pageshare.vm import _child_setup, choose_accel
+from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from test_page_server_helpers import (
+    ImageSpec,
+    Server,
+    content_sha256,
+    make_list,
+    raw_copy,
+)
+from test_qemu_filter_guest import file_blocks, file_sha256, regular_files
+from test_qemu_helpers import qemu_build
+
+assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pageshare(*args: str) -> tuple[int, dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
+    p = subprocess.run([sys.executable, "-m", "pageshare.cli", *args, "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr
+    data: dict[str, Any] = json.loads(p.stdout)
+    assert data["exit_code"] == p.returncode
+    return p.returncode, data
+
+
+def hashes(text: str, phase: str) -> dict[str, str]:
+    """sha256sum lines the guest printed between "<phase>-begin" and "<phase>-end"."""
+    m = re.search(rf"^{phase}-begin\s*$(.*?)^{phase}-end\s*$", text, re.M | re.S)
+    assert m, f"no {phase} in the serial log:\n{text[-3000:]}"
+    return {f: h for h, f in re.findall(r"^([0-9a-f]{64})  (\S+)\s*$", m.group(1), re.M)}
+
+
+@pytest.mark.vm
+def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
+    q = qemu_build()
+    image = golden.build_image("small").path
+    raw = raw_copy(image, tmp_path / "small.raw")
+    insp = inspect_image(image, "qcow2", raw.stat().st_size)
+    files = regular_files(raw)
+    assert len(files) >= 6, files
+    want = {f: file_sha256(raw, f, tmp_path) for f in files}
+
+    # The list: every non-zero block of the chosen files.
+    blocks: dict[int, str] = {}
+    zero = bytes(4096)
+    with open(raw, "rb") as r:
+        for f in files:
+            for b in file_blocks(raw, f):
+                r.seek(b * 4096)
+                chunk = r.read(4096)
+                if chunk != zero:
+                    blocks[b * 8] = hashlib.sha256(chunk).hexdigest()
+    lst = tmp_path / "small.pcsl"
+    make_list(sectorlist.ImageIdentity(raw.stat().st_size, content_sha256(raw), image.name),
+              blocks, lst)
+
+    server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
+    server.start()
+    proc = None
+    try:
+        server.wait_generation("small", 1)
+        ovl = tmp_path / "ovl.qcow2"
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F",
+                        "qcow2", str(ovl)], check=True)
+        signal_disk = tmp_path / "go.raw"
+        signal_disk.write_bytes(bytes(1 << 20))
+
+        markers = Markers.new()
+        wait_for_go = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
+                       '| head -c 3)" = "{}" ]; do sleep 0.5; done')
+        phase = "; ".join(["echo 3 > /proc/sys/vm/drop_caches", "echo {0}-begin",
+                           *(f"sha256sum {f}" for f in files), "echo {0}-end"])
+        command = "; ".join([phase.format("before"), wait_for_go.format("GO1"),
+                             phase.format("attached"), wait_for_go.format("GO2"),
+                             phase.format("detached")])
+        wl = tmp_path / "workload.sh"
+        wl.write_text(script(Workload(command), markers))
+        accel, _ = choose_accel("auto", insp.kernel)
+        serial = tmp_path / "serial.log"
+        qmp_path, test_qmp = tmp_path / "vm.qmp", tmp_path / "test.qmp"
+        nodes = [
+            {"driver": "file", "node-name": "base-file", "filename": str(image),
+             "read-only": True},
+            {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
+            {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base",
+             "discard": "unmap"},
+            {"driver": "file", "node-name": "go-file", "filename": str(signal_disk)},
+            {"driver": "raw", "node-name": "go", "file": "go-file"},
+        ]
+        cmd = [q.qemu_system, "-machine", f"q35,accel={accel},memory-backend=pc.ram",
+               "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
+               "-m", "1024M", "-smp", "1",
+               "-cpu", "host" if accel == "kvm" else "max,la57=off",
+               "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
+               "-serial", f"file:{serial}",
+               *(a for n in nodes for a in ("-blockdev", json.dumps(n))),
+               "-device", "virtio-blk-pci,drive=ovl,id=disk0",
+               "-device", "virtio-blk-pci,drive=go,id=disk1",
+               "-qmp", f"unix:{qmp_path},server=on,wait=off",
+               "-qmp", f"unix:{test_qmp},server=on,wait=off",
+               "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
+               "-fw_cfg", f"name={FW_CFG_NAME},file={wl}"]
+        if insp.initrd:
+            cmd += ["-initrd", str(insp.initrd)]
+        qlog = tmp_path / "qemu.log"
+        with open(qlog, "wb") as lf:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
+                                    preexec_fn=_child_setup, start_new_session=True)
+        qmp = QMP(test_qmp, timeout=30)
+
+        def serial_until(marker: str, timeout: float = 300) -> str:
+            deadline = time.monotonic() + timeout
+            text = ""
+            while marker not in text:
+                assert proc is not None and proc.poll() is None, \
+                    qlog.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, f"no {marker}:\n" + text[-3000:]
+                assert "Kernel panic" not in text, "guest panicked:\n" + text[-3000:]
+                time.sleep(1)
+                text = serial.read_text(errors="replace") if serial.exists() else ""
+            return text
+
+        def go(word: bytes) -> None:
+            with open(signal_disk, "r+b") as f:
+                f.write(word)
+                f.flush()
+                os.fsync(f.fileno())
+
+        text = serial_until("before-end")
+        assert hashes(text, "before") == want
+
+        rc, data = pageshare("attach", str(qmp_path), "--control", str(server.control),
+                             "--mode", "copy")
+        assert rc == 0, data
+        by = {d["drive"]: d for d in data["drives"]}
+        assert set(by) == {"disk0"}, data          # the signal disk has no base
+        d = by["disk0"]
+        assert d["result"] == "attached" and d["overlay"] == "ovl" and d["base"] == "base", d
+        assert d["method"] == "blockdev-reopen", d     # its -blockdev JSON is on the cmdline
+        # the boot and the first hashes went to disk, through the guest's device
+        rb = d["reads_before"]
+        assert rb["devices"] == ["disk0"] and rb["rd_operations"] > 100, rb
+        assert rb["rd_bytes"] >= sum(len(file_blocks(raw, f)) for f in files) * 4096, rb
+        st0 = d["stats"]
+        assert st0["connected"] and st0["table-entries"] == len(blocks), st0
+        assert st0["merged"] == 0, st0
+
+        go(b"GO1")
+        text = serial_until("attached-end")
+        assert hashes(text, "attached") == want
+        st = {s["node-name"]: s.get("driver-specific") for s in
+              qmp.command("query-blockstats", **{"query-nodes": True}) if s.get("node-name")}
+        ps = st[d["filter"]]
+        assert ps is not None
+        print(f"reads before attach: {rb}; filter while attached: {ps}")
+        # the guest's reads of the files put listed blocks into its RAM
+        assert ps["merged"] > len(blocks) // 2, ps
+        assert ps["fallback-not-guest-ram"] < ps["merged"] // 10, ps
+        assert ps["fallback-unproven"] == 0 and not ps["base-changed"], ps
+
+        rc, data = pageshare("detach", str(qmp_path))
+        assert rc == 0, data
+        (dd,) = [x for x in data["drives"] if x["drive"] == "disk0"]
+        assert dd["result"] == "detached" and dd["stats"]["merged"] >= ps["merged"], dd
+        names = [n["node-name"] for n in qmp.command("query-named-block-nodes", flat=True)]
+        assert d["filter"] not in names
+
+        go(b"GO2")
+        text = serial_until(markers.ready)
+        assert hashes(text, "detached") == want
+        assert f"{markers.ready} rc=0" in text
+        qmp.command("quit")
+        proc.wait(30)
+    finally:
+        if proc and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop(signal.SIGKILL)
