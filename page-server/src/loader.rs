@@ -43,6 +43,8 @@ pub struct Job {
     pub arena: Option<Arc<Arena>>,
 }
 
+/// What kind of failure a load is: the server keeps serving, withdraws the
+/// table or retries by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailKind {
     /// No list exists yet (Redis image without a cached list).
@@ -55,6 +57,28 @@ pub enum FailKind {
     Limit,
     Cancelled,
 }
+
+impl FailKind {
+    pub fn with(self, message: impl Into<String>) -> LoadError {
+        LoadError { kind: self, message: message.into() }
+    }
+}
+
+/// A load that produced no generation: its kind and what to tell the
+/// operator and the clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadError {
+    pub kind: FailKind,
+    pub message: String,
+}
+
+impl std::fmt::Display for LoadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for LoadError {}
 
 pub struct LoadOk {
     pub arena: Arc<Arena>,
@@ -81,7 +105,7 @@ pub struct Loaded {
     pub identity: Option<Identity>,
     /// The stamp of the image file the identity belongs to.
     pub stamp: Option<FileStamp>,
-    pub result: Result<LoadOk, (FailKind, String)>,
+    pub result: Result<LoadOk, LoadError>,
 }
 
 pub struct Loader {
@@ -95,8 +119,8 @@ pub fn cached_list_path(cfg: &Config, id: &Identity) -> PathBuf {
     cfg.cache_dir.join("lists").join(format!("{}.pcsl", id.key()))
 }
 
-fn fail<T>(kind: FailKind, msg: impl Into<String>) -> Result<T, (FailKind, String)> {
-    Err((kind, msg.into()))
+fn fail<T>(kind: FailKind, msg: impl Into<String>) -> Result<T, LoadError> {
+    Err(kind.with(msg))
 }
 
 impl Loader {
@@ -117,7 +141,7 @@ impl Loader {
         self.latest[job.image].load(Ordering::SeqCst) != job.seq
     }
 
-    fn read_list(&self, path: &std::path::Path) -> Result<Vec<u8>, (FailKind, String)> {
+    fn read_list(&self, path: &std::path::Path) -> Result<Vec<u8>, LoadError> {
         let md = match std::fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -131,7 +155,7 @@ impl Loader {
                 format!("list {} is {} bytes, over limits.max_list_bytes", path.display(), md.len()),
             );
         }
-        std::fs::read(path).map_err(|e| (FailKind::Refused, format!("cannot read list {}: {e}", path.display())))
+        std::fs::read(path).map_err(|e| FailKind::Refused.with(format!("cannot read list {}: {e}", path.display())))
     }
 
     fn load(
@@ -139,7 +163,7 @@ impl Loader {
         job: &Job,
         identity_out: &mut Option<Identity>,
         stamp_out: &mut Option<FileStamp>,
-    ) -> Result<LoadOk, (FailKind, String)> {
+    ) -> Result<LoadOk, LoadError> {
         let t0 = Instant::now();
         let img = &job.cfg;
         // 1. The list, parsed and validated before the image is touched.
@@ -156,7 +180,7 @@ impl Loader {
         let mut cached_text: Option<Arc<Vec<u8>>> = None;
         let mut list = match &text {
             Some(t) => Some(
-                sectorlist::parse_bytes(t).map_err(|e| (FailKind::Refused, format!("list refused: {origin}: {e}")))?,
+                sectorlist::parse_bytes(t).map_err(|e| FailKind::Refused.with(format!("list refused: {origin}: {e}")))?,
             ),
             None => None,
         };
@@ -172,15 +196,15 @@ impl Loader {
         // 2. The image, opened once: its stamp (not racy), its format, and
         // its identity (cached by path, format and stamp, else hashed).
         let cancel = || self.cancelled(job);
-        let cancel_or = |kind: FailKind| move |e: String| if cancel() { (FailKind::Cancelled, e) } else { (kind, e) };
+        let cancel_or = |kind: FailKind| move |e: String| if cancel() { FailKind::Cancelled.with(e) } else { kind.with(e) };
         let image = open_stable(&img.path, &cancel).map_err(cancel_or(FailKind::Image))?;
-        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| (FailKind::Image, e))?;
+        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| FailKind::Image.with(e))?;
         let mut reader: Option<BlockReader> = None;
-        let open = |r: &mut Option<BlockReader>| -> Result<(), (FailKind, String)> {
+        let open = |r: &mut Option<BlockReader>| -> Result<(), LoadError> {
             if r.is_none() {
                 *r = Some(
                     BlockReader::open(&self.cfg.qemu_storage_daemon, &image.file, &img.path, &format)
-                        .map_err(|e| (FailKind::Image, e))?,
+                        .map_err(|e| FailKind::Image.with(e))?,
                 );
             }
             Ok(())
@@ -207,7 +231,7 @@ impl Loader {
                 Err(_) => return fail(FailKind::NoList, "no list yet (waiting for Redis)"),
             };
             let l = sectorlist::parse_bytes(&t)
-                .map_err(|e| (FailKind::Refused, format!("cached list {} refused: {e}", p.display())))?;
+                .map_err(|e| FailKind::Refused.with(format!("cached list {} refused: {e}", p.display())))?;
             list = Some(l);
             cached_text = Some(Arc::new(t));
         }
@@ -236,7 +260,7 @@ impl Loader {
         // 4. Reserve slots; reuse blocks already loaded and verified.
         let arena = match &job.arena {
             Some(a) if a.identity == identity => a.clone(),
-            _ => Arc::new(Arena::new(identity, self.global_loaded.clone()).map_err(|e| (FailKind::Limit, e))?),
+            _ => Arc::new(Arena::new(identity, self.global_loaded.clone()).map_err(|e| FailKind::Limit.with(e))?),
         };
         let mut held: Vec<u64> = Vec::with_capacity(list.blocks.len());
         let mut to_load: Vec<(u64, [u8; 32])> = Vec::new();
@@ -320,7 +344,7 @@ impl Loader {
         arena: &Arena,
         to_load: &[(u64, [u8; 32])],
         origin: &str,
-    ) -> Result<(), (FailKind, String)> {
+    ) -> Result<(), LoadError> {
         const MAX_RUN: usize = 256;
         let mut buf = vec![0u8; MAX_RUN * BLOCK_SIZE as usize];
         let mut i = 0;
@@ -335,7 +359,7 @@ impl Loader {
             let n = j - i;
             let start = to_load[i].0;
             let bytes = &mut buf[..n * BLOCK_SIZE as usize];
-            r.read_at(start * BLOCK_SIZE, bytes).map_err(|e| (FailKind::Image, format!("reading the image: {e}")))?;
+            r.read_at(start * BLOCK_SIZE, bytes).map_err(|e| FailKind::Image.with(format!("reading the image: {e}")))?;
             for k in 0..n {
                 let (block, want) = &to_load[i + k];
                 let data = &bytes[k * BLOCK_SIZE as usize..(k + 1) * BLOCK_SIZE as usize];
@@ -354,9 +378,224 @@ impl Loader {
             }
             // The whole run is verified: move it into place in one step
             // (ENOMEM there is vm.max_map_count, a limit).
-            arena.fill_run(start, bytes).map_err(|e| (FailKind::Limit, e))?;
+            arena.fill_run(start, bytes).map_err(|e| FailKind::Limit.with(e))?;
             i = j;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::tests::vm_read;
+    use crate::sectorlist::test_list_text;
+
+    const BLOCKS: u64 = 16;
+
+    struct Setup {
+        dir: PathBuf,
+        image: PathBuf,
+        /// The image's bytes.
+        data: Vec<u8>,
+    }
+
+    impl Drop for Setup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// A raw image of BLOCKS distinct blocks in a directory of its own.
+    fn setup(name: &str) -> Setup {
+        let dir = std::env::temp_dir().join(format!("pageshare-loader-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = (0..BLOCKS * BLOCK_SIZE).map(|i| ((i / BLOCK_SIZE) as u8).wrapping_mul(37) ^ (i as u8)).collect();
+        let image = dir.join("base.raw");
+        std::fs::write(&image, &data).unwrap();
+        Setup { dir, image, data }
+    }
+
+    impl Setup {
+        fn block(&self, b: u64) -> &[u8] {
+            &self.data[(b * BLOCK_SIZE) as usize..((b + 1) * BLOCK_SIZE) as usize]
+        }
+
+        /// A list of `blocks` of this image, or of an image with content
+        /// hash `content` instead.
+        fn list(&self, blocks: &[u64], content: Option<[u8; 32]>) -> String {
+            let hashed: Vec<(u64, [u8; 32])> =
+                blocks.iter().map(|&b| (b * SECTORS_PER_BLOCK, Sha256::digest(self.block(b)).into())).collect();
+            let content = content.unwrap_or_else(|| Sha256::digest(&self.data).into());
+            test_list_text(self.data.len() as u64, &content, &hashed)
+        }
+
+        fn write_list(&self, text: &str) -> PathBuf {
+            let p = self.dir.join("list.pcsl");
+            std::fs::write(&p, text).unwrap();
+            p
+        }
+
+        fn loader(&self, limits: &str) -> Loader {
+            let cfg: Config = toml::from_str(&format!("cache_dir = {:?}\n[limits]\n{limits}", self.dir)).unwrap();
+            std::fs::create_dir_all(cfg.cache_dir.join("lists")).unwrap();
+            Loader {
+                ids: IdentityCache::new(&cfg.cache_dir),
+                cfg,
+                latest: Arc::new(vec![AtomicU64::new(1)]),
+                global_loaded: Arc::new(AtomicU64::new(0)),
+            }
+        }
+
+        fn job(&self, source: ListSource, arena: Option<Arc<Arena>>) -> Job {
+            let cfg = ImageConfig {
+                name: "img".into(),
+                path: self.image.clone(),
+                format: "auto".into(),
+                list_file: None,
+                list_redis: None,
+                socket: None,
+            };
+            Job { image: 0, seq: 1, cfg, source, arena }
+        }
+    }
+
+    fn failure(l: Loaded) -> LoadError {
+        match l.result {
+            Ok(ok) => panic!("loaded {} blocks", ok.blocks.len()),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn a_list_for_this_image_is_loaded_whole_and_reloads_reuse_blocks() {
+        let s = setup("ok");
+        let loader = s.loader("");
+        let list = s.write_list(&s.list(&[1, 2, 9], None));
+        let l = loader.run(s.job(ListSource::File(list.clone()), None));
+        assert_eq!(l.identity.map(|id| id.virtual_size), Some(BLOCKS * BLOCK_SIZE));
+        assert_eq!(l.stamp, Some(FileStamp::of_path(&s.image).unwrap()));
+        let ok = l.result.unwrap();
+        assert_eq!((ok.blocks.clone(), ok.read_blocks, ok.reused_blocks), (vec![1, 2, 9], 3, 0));
+        assert_eq!(ok.format, "raw");
+        assert_eq!(ok.list.blocks.len(), 3);
+        assert_eq!(ok.text_sha, <[u8; 32]>::from(Sha256::digest(std::fs::read(&list).unwrap())));
+        for b in [1, 2, 9] {
+            assert_eq!(vm_read(ok.arena.addr(b), BLOCK_SIZE as usize).unwrap(), s.block(b), "block {b}");
+        }
+        assert_eq!(vm_read(ok.arena.addr(3), BLOCK_SIZE as usize), Err(libc::EFAULT), "not listed, not readable");
+        assert_eq!(loader.global_loaded.load(Ordering::Relaxed), 3);
+
+        // The next list, on the same arena: only the new block is read.
+        let text = s.list(&[2, 9, 10], None);
+        let job = s.job(ListSource::Redis("k".into(), Arc::new(text.into_bytes())), Some(ok.arena.clone()));
+        let ok2 = loader.run(job).result.unwrap();
+        assert!(Arc::ptr_eq(&ok.arena, &ok2.arena));
+        assert_eq!((ok2.read_blocks, ok2.reused_blocks), (1, 2));
+        assert_eq!(vm_read(ok2.arena.addr(10), BLOCK_SIZE as usize).unwrap(), s.block(10));
+        ok.arena.release(&ok.blocks);
+        ok2.arena.release(&ok2.blocks);
+        assert_eq!(ok2.arena.loaded_blocks(), 0);
+    }
+
+    #[test]
+    fn a_missing_list_file_is_no_list_yet() {
+        let s = setup("nolist");
+        let e = failure(s.loader("").run(s.job(ListSource::File(s.dir.join("absent.pcsl")), None)));
+        assert_eq!(e.kind, FailKind::NoList);
+        assert!(e.message.starts_with("list file ") && e.message.ends_with("absent.pcsl does not exist"), "{e}");
+    }
+
+    #[test]
+    fn a_malformed_list_is_refused_before_the_image_is_opened() {
+        let s = setup("malformed");
+        let text = s.list(&[1, 2], None).replace("count: 2", "count: 3");
+        let list = s.write_list(&text);
+        std::fs::remove_file(&s.image).unwrap();
+        let l = s.loader("").run(s.job(ListSource::File(list.clone()), None));
+        assert_eq!(l.identity, None, "the image was not looked at");
+        let e = failure(l);
+        assert_eq!(e.kind, FailKind::Refused);
+        assert!(e.message.starts_with(&format!("list refused: {}: line ", list.display())), "{e}");
+    }
+
+    #[test]
+    fn lists_over_the_limits_are_refused_as_limits() {
+        let s = setup("limits");
+        let text = s.list(&[1, 2, 3], None);
+        let list = s.write_list(&text);
+        let small = s.loader("max_list_bytes = 100");
+        let e = failure(small.run(s.job(ListSource::File(list.clone()), None)));
+        assert_eq!(e.kind, FailKind::Limit);
+        assert!(e.message.contains("over limits.max_list_bytes"), "{e}");
+        let e = failure(small.run(s.job(ListSource::Redis("pageshare:list:x".into(), Arc::new(text.into_bytes())), None)));
+        assert_eq!(e.kind, FailKind::Limit);
+        assert!(e.message.starts_with("list in redis key pageshare:list:x is "), "{e}");
+        let e = failure(s.loader("max_blocks_per_image = 2").run(s.job(ListSource::File(list.clone()), None)));
+        assert_eq!(e.kind, FailKind::Limit);
+        assert!(e.message.contains("has 3 blocks, over limits.max_blocks_per_image"), "{e}");
+        let e = failure(s.loader("max_total_bytes = 8192").run(s.job(ListSource::File(list), None)));
+        assert_eq!(e.kind, FailKind::Limit);
+        assert!(e.message.contains("loading 3 more blocks would exceed limits.max_total_bytes"), "{e}");
+    }
+
+    #[test]
+    fn a_list_for_another_image_is_refused() {
+        let s = setup("other");
+        let list = s.write_list(&s.list(&[1], Some([7; 32])));
+        let l = s.loader("").run(s.job(ListSource::File(list), None));
+        assert!(l.identity.is_some(), "the image's identity is known even so");
+        let e = failure(l);
+        assert_eq!(e.kind, FailKind::Refused);
+        assert!(e.message.contains("is for another image"), "{e}");
+    }
+
+    #[test]
+    fn a_block_that_does_not_hash_to_the_list_refuses_the_whole_list() {
+        let s = setup("hash");
+        // Block 3 listed with block 2's hash.
+        let hash = |b: u64| -> [u8; 32] { Sha256::digest(s.block(b)).into() };
+        let blocks = [(8, hash(1)), (16, hash(2)), (24, hash(2))];
+        let text = test_list_text(s.data.len() as u64, &Sha256::digest(&s.data).into(), &blocks);
+        let loader = s.loader("");
+        let e = failure(loader.run(s.job(ListSource::Redis("k".into(), Arc::new(text.into_bytes())), None)));
+        assert_eq!(e.kind, FailKind::Refused);
+        assert!(e.message.starts_with("list refused: redis key k: block at sector 24 hashes to "), "{e}");
+        assert!(e.message.ends_with("the image was modified since its content hash was taken, or the list is wrong"), "{e}");
+        assert_eq!(loader.global_loaded.load(Ordering::Relaxed), 0, "nothing of it stays loaded");
+    }
+
+    #[test]
+    fn an_unreadable_image_is_an_image_failure() {
+        let s = setup("noimage");
+        let list = s.write_list(&s.list(&[1], None));
+        std::fs::remove_file(&s.image).unwrap();
+        let e = failure(s.loader("").run(s.job(ListSource::File(list), None)));
+        assert_eq!(e.kind, FailKind::Image);
+    }
+
+    #[test]
+    fn a_redis_image_serves_its_cached_list_until_redis_answers() {
+        let s = setup("cached");
+        let loader = s.loader("");
+        let e = failure(loader.run(s.job(ListSource::Cached, None)));
+        assert_eq!(e, FailKind::NoList.with("no list yet (waiting for Redis)"));
+        let id = Identity { virtual_size: s.data.len() as u64, content_sha256: Sha256::digest(&s.data).into() };
+        std::fs::write(cached_list_path(&loader.cfg, &id), s.list(&[4], None)).unwrap();
+        let ok = loader.run(s.job(ListSource::Cached, None)).result.unwrap();
+        assert_eq!(ok.blocks, vec![4]);
+        ok.arena.release(&ok.blocks);
+        assert_eq!(ListSource::Cached.describe(), "cached list");
+    }
+
+    #[test]
+    fn a_superseded_job_is_cancelled() {
+        let s = setup("cancel");
+        let list = s.write_list(&s.list(&[1], None));
+        let loader = s.loader("");
+        loader.latest[0].store(2, Ordering::SeqCst);
+        let e = failure(loader.run(s.job(ListSource::File(list), None)));
+        assert_eq!(e.kind, FailKind::Cancelled);
     }
 }

@@ -381,23 +381,36 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
     })
 }
 
+/// The text of a valid list (for tests): `blocks` are (sector, sha256 of
+/// the block's 4096 bytes), in order.
+#[cfg(test)]
+pub(crate) fn test_list_text(virtual_size: u64, content_sha256: &[u8; 32], blocks: &[(u64, [u8; 32])]) -> String {
+    let mut body = String::new();
+    for (s, hash) in blocks {
+        body.push_str(&format!("{s} {}\n", crate::sys::hex(hash)));
+    }
+    let digest = crate::sys::hex(&Sha256::digest(body.as_bytes()));
+    format!(
+        "# pcsl v1\nimage-virtual-size: {virtual_size}\nimage-content-sha256: {}\nimage-name: t\nblock-size: 4096\nsector-size: 512\nhash: sha256\ncount: {}\nlist-digest: sha256:{digest}\ngenerator:\ncreated:\ncriteria:\nruns:\n---\n{body}",
+        crate::sys::hex(content_sha256),
+        blocks.len()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn make(blocks: &[(u64, &[u8])], size: u64) -> String {
-        let mut body = String::new();
-        for (s, data) in blocks {
-            let mut block = vec![0u8; 4096];
-            block[..data.len()].copy_from_slice(data);
-            body.push_str(&format!("{s} {}\n", crate::sys::hex(&Sha256::digest(&block))));
-        }
-        let digest = crate::sys::hex(&Sha256::digest(body.as_bytes()));
-        format!(
-            "# pcsl v1\nimage-virtual-size: {size}\nimage-content-sha256: {}\nimage-name: t\nblock-size: 4096\nsector-size: 512\nhash: sha256\ncount: {}\nlist-digest: sha256:{digest}\ngenerator:\ncreated:\ncriteria:\nruns:\n---\n{body}",
-            "ab".repeat(32),
-            blocks.len()
-        )
+        let hashed: Vec<(u64, [u8; 32])> = blocks
+            .iter()
+            .map(|(s, data)| {
+                let mut block = vec![0u8; 4096];
+                block[..data.len()].copy_from_slice(data);
+                (*s, Sha256::digest(&block).into())
+            })
+            .collect();
+        test_list_text(size, &[0xab; 32], &hashed)
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use super::Server;
 use crate::arena::{Arena, MergeMode};
 use crate::identity::FileStamp;
-use crate::loader::{cached_list_path, FailKind, Job, ListSource, LoadOk, Loaded};
+use crate::loader::{cached_list_path, FailKind, Job, ListSource, LoadError, LoadOk, Loaded};
 use crate::proto::{NT_IMAGE_CHANGED, NT_NO_LIST, NT_REFUSED};
 use crate::redis_watch;
 use crate::table::{self, TableInfo};
@@ -118,48 +118,53 @@ impl Server {
                 }
                 self.publish(idx, ok, &l.source)
             }
-            Err((kind, msg)) => {
-                let img = &mut self.images[idx];
-                if kind == FailKind::Cancelled {
-                    return;
-                }
-                let serving = img.current.as_ref().map(|g| g.number);
-                let keep = match serving {
-                    Some(n) => format!("; still serving generation {n}"),
-                    None => String::new(),
-                };
-                if kind == FailKind::NoList {
-                    img.state = if img.current.is_some() { "serving" } else { "no-list" };
-                    img.message = msg.clone();
-                    crate::log::info(&format!("image {}: {msg}{keep}", img.cfg.name));
-                    self.broadcast_no_table_if_empty(idx, NT_NO_LIST, &msg);
-                    return;
-                }
-                img.loads_failed += 1;
-                img.last_error = msg.clone();
-                crate::log::error(&format!("image {}: {msg}{keep}", img.cfg.name));
-                if kind == FailKind::Image {
-                    // The image cannot be read or changed: what we serve may
-                    // no longer be what QEMU reads.  Stop publishing it.
-                    self.withdraw(idx, NT_IMAGE_CHANGED, &msg);
-                    let img = &mut self.images[idx];
-                    img.state = "error";
-                    img.message = format!("{msg} (retrying in {} s)", IMAGE_RETRY.as_secs());
-                    // The image may come back (a transient lock, a copy in
-                    // progress): try again later, inotify may be quicker.
-                    if img.reload_at.is_none() {
-                        img.reload_at = Some(Instant::now() + IMAGE_RETRY);
-                    }
-                } else {
-                    let img = &mut self.images[idx];
-                    if img.current.is_none() {
-                        img.state = "refused";
-                        img.message = msg.clone();
-                        self.broadcast_no_table_if_empty(idx, NT_REFUSED, &msg);
-                    } else {
-                        img.message = format!("new list refused, serving the previous one: {msg}");
-                    }
-                }
+            Err(e) => self.on_load_failed(idx, e),
+        }
+    }
+
+    /// A load failed: keep serving what was verified, or withdraw it if the
+    /// image itself is in doubt, and say why.
+    fn on_load_failed(&mut self, idx: usize, e: LoadError) {
+        let LoadError { kind, message: msg } = e;
+        if kind == FailKind::Cancelled {
+            return;
+        }
+        let img = &mut self.images[idx];
+        let serving = img.current.as_ref().map(|g| g.number);
+        let keep = match serving {
+            Some(n) => format!("; still serving generation {n}"),
+            None => String::new(),
+        };
+        if kind == FailKind::NoList {
+            img.state = if img.current.is_some() { "serving" } else { "no-list" };
+            img.message = msg.clone();
+            crate::log::info(&format!("image {}: {msg}{keep}", img.cfg.name));
+            self.broadcast_no_table_if_empty(idx, NT_NO_LIST, &msg);
+            return;
+        }
+        img.loads_failed += 1;
+        img.last_error = msg.clone();
+        crate::log::error(&format!("image {}: {msg}{keep}", img.cfg.name));
+        if kind == FailKind::Image {
+            // The image cannot be read or changed: what we serve may
+            // no longer be what QEMU reads.  Stop publishing it.
+            self.withdraw(idx, NT_IMAGE_CHANGED, &msg);
+            let img = &mut self.images[idx];
+            img.state = "error";
+            img.message = format!("{msg} (retrying in {} s)", IMAGE_RETRY.as_secs());
+            // The image may come back (a transient lock, a copy in
+            // progress): try again later, inotify may be quicker.
+            if img.reload_at.is_none() {
+                img.reload_at = Some(Instant::now() + IMAGE_RETRY);
+            }
+        } else {
+            let img = &mut self.images[idx];
+            if img.current.is_none() {
+                img.state = "refused";
+                img.message = msg.clone();
+                self.broadcast_no_table_if_empty(idx, NT_REFUSED, &msg);
+            } else {
+                img.message = format!("new list refused, serving the previous one: {msg}");
             }
         }
     }

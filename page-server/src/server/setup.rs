@@ -164,7 +164,7 @@ fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake
                     source,
                     identity: None,
                     stamp: None,
-                    result: Err((FailKind::Image, "internal error: loader panicked".into())),
+                    result: Err(FailKind::Image.with("internal error: loader panicked")),
                 });
                 if events.send(Event::Loaded(Box::new(out))).is_err() {
                     break;
