@@ -79,14 +79,15 @@ class Vm:
     """A QEMU with no machine; its block graph over QMP, reads with HMP
     qemu-io (which prints to QEMU's stdout, line-buffered into a file)."""
 
-    def __init__(self, tmp: Path, name: str, args: list[str], binary: str | None = None) -> None:
+    def __init__(self, tmp: Path, name: str, args: list[str], binary: str | None = None,
+                 machine: tuple[str, ...] = ("-M", "none")) -> None:
         self.tmp, self.name = tmp, name
         self.qmp_path = tmp / f"{name}.qmp"            # the operator's (pageshare attach)
         self.test_qmp_path = tmp / f"{name}-test.qmp"  # the test's own (QEMU serves one
         self.stdout_path = tmp / f"{name}.stdout"      # client per socket)
         with open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
-                ["stdbuf", "-oL", binary or qemu_build().qemu_system, "-M", "none",
+                ["stdbuf", "-oL", binary or qemu_build().qemu_system, *machine,
                  "-nodefaults", "-display", "none",
                  "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
                  "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off", *args],
@@ -95,12 +96,14 @@ class Vm:
         self.out_pos = 0
 
     def qemu_io(self, device: str, cmd: str) -> str:
-        self.qmp.hmp(f'qemu-io {device} "{cmd}"')
+        """What qemu-io printed (on QEMU's stdout), after the monitor's own
+        reply (errors such as a device that is not there)."""
+        reply = self.qmp.hmp(f'qemu-io {device} "{cmd}"')
         with open(self.stdout_path, "rb") as f:
             f.seek(self.out_pos)
             out = f.read()
         self.out_pos += len(out)
-        return out.decode(errors="replace")
+        return reply + out.decode(errors="replace")
 
     def wrong_blocks(self, device: str, want: dict[int, int]) -> list[int]:
         """Read each block of ``want`` (block -> fill byte) through the
@@ -336,6 +339,38 @@ def test_drive_style_generated_node_names(images: dict[str, Path], tmp_path: Pat
     assert vm.pageshare_nodes() == []
     assert vm.nodes()[root]["cache"] == cache
     chain_bytes(vm, "drive0")
+
+
+def test_disk_in_an_iothread(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
+                             server: Server) -> None:
+    """A virtio-blk disk served by an iothread (its nodes live in the
+    iothread's AioContext; qtest accel, nothing runs in the guest): the
+    filter joins that context, reads through the device are right and
+    copied, detach works."""
+    ovl = overlay(tmp_path, "vm", images["a"])
+    defs = [{"driver": "file", "node-name": "base-file", "filename": str(images["a"]),
+             "read-only": True},
+            {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
+            {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"}]
+    vm = Vm(tmp_path, "vm", ["-object", "iothread,id=io0",
+                             *(a for d in defs for a in ("-blockdev", json.dumps(d))),
+                             "-device", "virtio-blk-pci,drive=ovl,id=disk0,iothread=io0"],
+            machine=("-M", "q35", "-accel", "qtest"))
+    vms.append(vm)
+    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
+    assert rc == 0, data
+    (d,) = data["drives"]
+    assert d["drive"] == "disk0" and d["result"] == "attached", d
+    assert d["reads_before"]["devices"] == ["disk0"], d
+    dev = "-d /machine/peripheral/disk0/virtio-backend"      # the device's BlockBackend
+    assert vm.wrong_blocks(dev, expect("A", LISTED)) == []
+    s = vm.stats(d["filter"])
+    assert s is not None and s["merged"] == len(LISTED), s
+    rc, data = run_json("detach", str(vm.qmp_path), "--drive", "disk0")
+    assert rc == 0 and data["drives"][0]["result"] == "detached", data
+    assert vm.pageshare_nodes() == []
+    assert vm.wrong_blocks(dev, expect("A", LISTED[:16])) == []
 
 
 def test_text_output(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
