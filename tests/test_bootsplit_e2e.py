@@ -57,7 +57,8 @@ def test_guest_booted_with_boot_mounted_and_ran_the_workload(
     result, _ = analysed
     assert "guest A ready" in result.stderr and "guest B ready" in result.stderr
     assert "warning: the workload" not in result.stderr, result.stderr
-    assert "also mapped: /boot (ext4 on /dev/sda2 at sector 262144" in result.stderr
+    assert "also mapped: /boot (ext4 on /dev/sda2, at sector 262144, 4096-byte blocks)" \
+        in result.stderr
 
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
