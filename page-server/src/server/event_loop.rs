@@ -137,7 +137,7 @@ impl Server {
         ));
         let mut last_watchdog = Instant::now();
         let mut last_snapshot = Instant::now();
-        while !STOP.load(Ordering::SeqCst) && !self.stop.load(Ordering::SeqCst) {
+        while !STOP.load(Ordering::SeqCst) {
             let (mut pfds, tags) = self.poll_set();
             let mut timeout_ms: i32 = 500;
             if let Some(w) = self.notifier.watchdog_every {

@@ -6,9 +6,22 @@ use super::Server;
 use crate::identity::FileStamp;
 use crate::proto::NT_IMAGE_CHANGED;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// inotify_add_watch(2): the watch descriptor.
+fn add_watch(fd: RawFd, path: &Path, mask: u32) -> io::Result<i32> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: valid C string; our inotify fd.
+    let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) };
+    if wd < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(wd)
+    }
+}
 
 impl Server {
     pub(super) fn setup_inotify(&mut self) {
@@ -42,17 +55,14 @@ impl Server {
             | libc::IN_ATTRIB
             | libc::IN_MODIFY;
         for d in dirs {
-            let Ok(c) = CString::new(d.as_os_str().as_encoded_bytes()) else { continue };
-            // SAFETY: valid C string; our inotify fd.
-            let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) };
-            if wd < 0 {
-                crate::log::warn(&format!(
-                    "inotify watch on {}: {}; changes there are noticed only on `reload`",
-                    d.display(),
-                    std::io::Error::last_os_error()
-                ));
-            } else {
-                self.watches.insert(wd, d);
+            match add_watch(fd, &d, mask) {
+                Ok(wd) => {
+                    self.watches.insert(wd, d);
+                }
+                Err(e) => crate::log::warn(&format!(
+                    "inotify watch on {}: {e}; changes there are noticed only on `reload`",
+                    d.display()
+                )),
             }
         }
     }
@@ -140,17 +150,18 @@ impl Server {
         }
         let path = self.images[idx].cfg.path.clone();
         let old = self.images[idx].inode_watch.take();
-        let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return };
         let mask = libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE | libc::IN_DELETE_SELF | libc::IN_MOVE_SELF;
-        // SAFETY: valid C string; our inotify fd.
-        let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) };
-        if wd < 0 {
-            crate::log::warn(&format!(
-                "inotify watch on image {}: {}; writes to it through other paths are noticed only by clients and on `reload`",
-                path.display(),
-                std::io::Error::last_os_error()
-            ));
-        } else {
+        let wd = match add_watch(fd, &path, mask) {
+            Ok(wd) => wd,
+            Err(e) => {
+                crate::log::warn(&format!(
+                    "inotify watch on image {}: {e}; writes to it through other paths are noticed only by clients and on `reload`",
+                    path.display()
+                ));
+                -1
+            }
+        };
+        if wd >= 0 {
             self.images[idx].inode_watch = Some((wd, stamp.dev, stamp.ino));
             // The watch is on whatever the path names now: if that is no
             // longer the verified file, re-check at once.
@@ -166,6 +177,8 @@ impl Server {
         }
     }
 
+    /// The image file may have changed: unless it still has the stamp the
+    /// last load verified, withdraw its table and load it again.
     pub(super) fn recheck_image(&mut self, i: usize) {
         let now_stamp = FileStamp::of_path(&self.images[i].cfg.path).ok();
         let img = &self.images[i];

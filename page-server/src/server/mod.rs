@@ -47,7 +47,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -189,6 +189,5 @@ pub struct Server {
     degraded: Option<String>,
     started: f64,
     notifier: Notifier,
-    stop: Arc<AtomicBool>,
     log_budget: (Instant, u32),
 }

@@ -11,7 +11,7 @@ use crate::notify::Notifier;
 use crate::redis_watch::{self, RedisStatus};
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -140,7 +140,6 @@ impl Server {
             degraded,
             started: crate::sys::now_unix(),
             notifier: Notifier::from_env(),
-            stop: Arc::new(AtomicBool::new(false)),
             log_budget: (Instant::now(), 0),
         };
         s.setup_inotify();
