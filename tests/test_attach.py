@@ -80,7 +80,7 @@ class Vm:
     qemu-io (which prints to QEMU's stdout, line-buffered into a file)."""
 
     def __init__(self, tmp: Path, name: str, args: list[str], binary: str | None = None,
-                 machine: tuple[str, ...] = ("-M", "none")) -> None:
+                 machine: tuple[str, ...] = ("-M", "none"), cwd: Path | None = None) -> None:
         self.tmp, self.name = tmp, name
         self.qmp_path = tmp / f"{name}.qmp"            # the operator's (pageshare attach)
         self.test_qmp_path = tmp / f"{name}-test.qmp"  # the test's own (QEMU serves one
@@ -91,7 +91,7 @@ class Vm:
                  "-nodefaults", "-display", "none",
                  "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
                  "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off", *args],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
         self.qmp = QMP(self.test_qmp_path, timeout=30)
         self.out_pos = 0
 
@@ -548,6 +548,36 @@ def test_server_down(images: dict[str, Path], tmp_path: Path, vms: list[Vm]) -> 
         assert s is not None and s["merged"] == len(LISTED), s
     finally:
         srv.stop(signal.SIGKILL)
+    # attached already: the server is not needed to say so
+    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(srv))
+    assert rc == 0 and data["drives"][0]["result"] == "already-attached", data
+
+
+def test_base_by_another_path_relative_to_qemu(images: dict[str, Path], tmp_path: Path,
+                                               vms: list[Vm], server: Server) -> None:
+    """The VM names its base by a relative path (QEMU's working directory)
+    through a symbolic link: the same file as the server's, so served.  (A
+    hard link would not do here: making it changes the file's ctime, so the
+    server's proof no longer holds until it has verified the file again.)"""
+    (tmp_path / "vmdir").mkdir()
+    (tmp_path / "vmdir" / "golden-link.raw").symlink_to(images["a"])
+    ovl = overlay(tmp_path, "vm", images["a"])
+    defs = [{"driver": "file", "node-name": "base-file", "filename": "golden-link.raw",
+             "read-only": True},
+            {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
+            {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"}]
+    vm = Vm(tmp_path, "vm", [a for d in defs for a in ("-blockdev", json.dumps(d))],
+            cwd=tmp_path / "vmdir")
+    vms.append(vm)
+    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
+    assert rc == 0, data
+    (d,) = data["drives"]
+    assert d["base_file"] == "golden-link.raw" and d["image"]["name"] == "golden", d
+    assert "warnings" not in d, d
+    assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
+    s = vm.stats(d["filter"])
+    assert s is not None and s["merged"] == len(LISTED) and s["fallback-unproven"] == 0, s
 
 
 def test_qmp_socket_held_by_another_client(images: dict[str, Path], tmp_path: Path,
@@ -597,3 +627,40 @@ def test_qemu_refuses_and_nothing_changes(images: dict[str, Path], tmp_path: Pat
     assert "QEMU refused" in data["error"]["message"]
     assert vm.pageshare_nodes() == []
     assert vm.wrong_blocks("ovl", expect("A", LISTED[:8])) == []
+
+
+
+def test_base_changed_just_before_attach(images: dict[str, Path], tmp_path: Path,
+                                         vms: list[Vm]) -> None:
+    """A hard link made to the base changes its ctime: the server withdraws
+    its table and verifies the file again.  An attach in that window
+    succeeds and says that reads go to disk for now; bytes are right all
+    along, and once the server publishes again the filter serves."""
+    base = tmp_path / "golden.raw"
+    base.write_bytes(images["a"].read_bytes())
+    srv = Server(tmp_path / "srv", [ImageSpec("g2", base, list_file=images["list"],
+                                              fmt="raw")])
+    srv.start()
+    try:
+        gen = srv.wait_generation("g2", 1)["generation"]
+        os.link(base, tmp_path / "golden-link.raw")
+        wait_for(lambda: srv.image("g2")["generation"] is None, 10,
+                 "the server withdraws the table of a changed file")
+        vm = blockdev_vm(vms, tmp_path, "vm", tmp_path / "golden-link.raw")
+        rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(srv))
+        assert rc == 0, data
+        (d,) = data["drives"]
+        assert d["result"] == "attached" and d["image"]["name"] == "g2", d
+        assert any("is not serving yet" in w and "reads go to disk" in w
+                   for w in d["warnings"]), d
+        assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
+        s = vm.stats(d["filter"])
+        assert s is not None and s["merged"] == 0, s
+        srv.wait_generation("g2", gen + 1)
+        wait_for(lambda: (vm.stats(d["filter"]) or {}).get("generation") == gen + 1, 30,
+                 "the filter gets the new table")
+        assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
+        s = vm.stats(d["filter"])
+        assert s is not None and s["merged"] == len(LISTED), s
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -320,7 +320,6 @@ class Served:
     blocks: int
     sha256: str | None
     format: str | None
-    stamp: dict[str, int] | None
 
 
 def served_images(control: Path) -> list[Served]:
@@ -341,7 +340,7 @@ def served_images(control: Path) -> list[Served]:
         ident = i.get("identity") or {}
         out.append(Served(str(i.get("name")), str(i.get("path")), str(i.get("socket")),
                           str(i.get("state")), i.get("generation"), int(i.get("blocks") or 0),
-                          ident.get("content_sha256"), i.get("format"), i.get("image_file")))
+                          ident.get("content_sha256"), i.get("format")))
     return out
 
 
@@ -396,8 +395,8 @@ def connect(path: Path, timeout: float) -> Iterator[QMP]:
     except (OSError, QMPError, ValueError) as e:
         raise AttachError("qmp-unreachable", f"cannot talk QMP on {path}: {e}",
                           "is the QEMU running, and is no other client holding its QMP "
-                          "socket? (QEMU serves one client per QMP socket; under libvirt, "
-                          "use its monitor instead)") from None
+                          "socket? (QEMU serves one client per QMP socket: libvirtd holds "
+                          "its own, so give such a VM a second -qmp socket)") from None
     try:
         q.command("query-version", timeout)     # from now on, QEMU has ``timeout`` s per command
         yield q
@@ -420,7 +419,9 @@ def attach(opts: Options) -> dict[str, Any]:
                 "no-overlay", "this QEMU has no overlay over a base image (no backing chain)",
                 "pageshare shares the pages of a base image that VMs read through "
                 "copy-on-write overlays; a VM whose disk is a single image has no base")
-        images = [] if opts.socket else served_images(opts.control)
+        # the server is asked only if there is something to attach
+        todo = [c for c in chains if c.filter is None]
+        images = served_images(opts.control) if todo and opts.socket is None else []
         pid = q.peer_pid()
         result["qemu_pid"] = pid
         defined = cmdline_blockdevs(pid)
@@ -434,7 +435,7 @@ def attach(opts: Options) -> dict[str, Any]:
                 d = _describe(g, ch)
                 result["drives"].append(d)
                 try:
-                    _attach_one(q, g, ch, d, opts, images, defined, group)
+                    _attach_one(q, g, ch, d, opts, images, defined, group, pid)
                 except AttachError as e:
                     d["result"] = "failed" if explicit or e.kind != "not-served" else "skipped"
                     d["error"] = e.to_json()
@@ -463,15 +464,18 @@ def attach(opts: Options) -> dict[str, Any]:
 
 def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
                 images: list[Served], defined: dict[str, dict[str, Any]],
-                group: list[Chain]) -> None:
+                group: list[Chain], pid: int | None) -> None:
     if ch.filter is not None:
         d["result"] = "already-attached"
         d["stats"] = filter_stats(q, ch.filter)
         return
     base_file = d["base_file"]
+    local = base_file                                 # where this process finds it
+    if not base_file.startswith("/") and pid is not None:
+        local = f"/proc/{pid}/cwd/{base_file}"        # relative to QEMU's directory
     img: Served | None = None
     if opts.socket is None:
-        img = match_image(images, base_file)
+        img = match_image(images, local)
         if img is None:
             served = ", ".join(f"{i.name} ({i.path})" for i in images) or "none"
             raise AttachError(
@@ -494,13 +498,6 @@ def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
         if img.state != "serving" or img.generation is None:
             warnings.append(f"image {img.name} is not serving yet (state {img.state}): "
                             "reads go to disk until its list is published")
-        if img.stamp:
-            st = os.stat(base_file)
-            now = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
-                   "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
-            if any(img.stamp.get(k) != v for k, v in now.items()):
-                warnings.append(f"{base_file} changed since the server verified it: reads "
-                                "go to disk until the server has verified it again")
         if warnings:
             d["warnings"] = warnings
         sock = img.socket
