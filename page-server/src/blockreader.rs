@@ -4,15 +4,68 @@
 //! read it with an NBD client.  No qcow2 parsing of our own.
 
 use nbd::client::{handshake, NbdClient};
+use std::fmt;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{self, Read, Seek, SeekFrom};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+/// The image cannot be read through qemu-storage-daemon.
+#[derive(Debug)]
+pub enum ReadError {
+    Magic { path: PathBuf, source: io::Error },
+    PrivateDir { base: PathBuf, source: io::Error },
+    Log { path: PathBuf, source: io::Error },
+    Spawn { qsd: PathBuf, source: io::Error },
+    /// qemu-storage-daemon exited: what it logged, and how it ended.
+    Exited { path: PathBuf, format: String, log: String, status: ExitStatus },
+    StartTimeout,
+    Handshake(io::Error),
+    PastEnd { len: usize, offset: u64, size: u64 },
+    Seek { offset: u64, source: io::Error },
+    Read { len: usize, offset: u64, source: io::Error },
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::Magic { path, source } => write!(f, "cannot read image {}: {source}", path.display()),
+            ReadError::PrivateDir { base, source } => write!(f, "mkdtemp in {}: {source}", base.display()),
+            ReadError::Log { path, source } => write!(f, "{}: {source}", path.display()),
+            ReadError::Spawn { qsd, source } => write!(f, "cannot start {}: {source}", qsd.display()),
+            ReadError::Exited { path, format, log, status } => {
+                write!(f, "qemu-storage-daemon could not open {} ({format}): {log} ({status})", path.display())
+            }
+            ReadError::StartTimeout => write!(f, "qemu-storage-daemon did not start its NBD export within 30 s"),
+            ReadError::Handshake(e) => write!(f, "NBD handshake: {e}"),
+            ReadError::PastEnd { len, offset, size } => {
+                write!(f, "read of {len} bytes at {offset} is past the image end ({size})")
+            }
+            ReadError::Seek { offset, source } => write!(f, "NBD seek to offset {offset}: {source}"),
+            ReadError::Read { len, offset, source } => write!(f, "NBD read of {len} bytes at offset {offset}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for ReadError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ReadError::Magic { source, .. }
+            | ReadError::PrivateDir { source, .. }
+            | ReadError::Log { source, .. }
+            | ReadError::Spawn { source, .. }
+            | ReadError::Seek { source, .. }
+            | ReadError::Read { source, .. }
+            | ReadError::Handshake(source) => Some(source),
+            ReadError::Exited { .. } | ReadError::StartTimeout | ReadError::PastEnd { .. } => None,
+        }
+    }
+}
 
 pub struct BlockReader {
     child: Child,
@@ -23,12 +76,12 @@ pub struct BlockReader {
 
 /// The format the image is read with: `configured`, or for "auto" what its
 /// first bytes say (the qcow2 magic, else raw), read from the open image.
-pub fn detect_format(file: &File, path: &Path, configured: &str) -> Result<String, String> {
+pub fn detect_format(file: &File, path: &Path, configured: &str) -> Result<String, ReadError> {
     if configured != "auto" {
         return Ok(configured.to_string());
     }
     let mut magic = [0u8; 4];
-    let n = file.read_at(&mut magic, 0).map_err(|e| format!("cannot read image {}: {e}", path.display()))?;
+    let n = file.read_at(&mut magic, 0).map_err(|source| ReadError::Magic { path: path.into(), source })?;
     Ok(if n == 4 && &magic == b"QFI\xfb" { "qcow2" } else { "raw" }.to_string())
 }
 
@@ -37,7 +90,7 @@ impl BlockReader {
     /// messages) and connect to its NBD export.  The daemon opens
     /// /proc/self/fd/N of a descriptor it inherits, so it reads exactly the
     /// file the caller opened and stamped, whatever the path names now.
-    pub fn open(qsd: &Path, file: &File, path: &Path, format: &str) -> Result<BlockReader, String> {
+    pub fn open(qsd: &Path, file: &File, path: &Path, format: &str) -> Result<BlockReader, ReadError> {
         let fd = file.as_raw_fd();
         let dir = make_private_dir()?;
         let sock = dir.join("nbd.sock");
@@ -53,7 +106,8 @@ impl BlockReader {
         let export = serde_json::json!({
             "type": "nbd", "id": "exp0", "node-name": "img0", "name": "img", "writable": false,
         });
-        let logf = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let log_error = |source| ReadError::Log { path: log.clone(), source };
+        let logf = std::fs::File::create(&log).map_err(log_error)?;
         let mut cmd = Command::new(qsd);
         cmd.arg("--blockdev")
             .arg(file_node.to_string())
@@ -64,7 +118,7 @@ impl BlockReader {
             .arg("--export")
             .arg(export.to_string())
             .stdin(Stdio::null())
-            .stdout(logf.try_clone().map_err(|e| e.to_string())?)
+            .stdout(logf.try_clone().map_err(log_error)?)
             .stderr(logf);
         // SAFETY: prctl and fcntl are async-signal-safe; the child dies
         // with us and keeps the image descriptor across exec.
@@ -81,7 +135,7 @@ impl BlockReader {
             Ok(c) => c,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                return Err(format!("cannot start {}: {e}", qsd.display()));
+                return Err(ReadError::Spawn { qsd: qsd.into(), source: e });
             }
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -89,11 +143,7 @@ impl BlockReader {
             if let Ok(Some(status)) = child.try_wait() {
                 let msg = std::fs::read_to_string(&log).unwrap_or_default();
                 let _ = std::fs::remove_dir_all(&dir);
-                return Err(format!(
-                    "qemu-storage-daemon could not open {} ({format}): {} ({status})",
-                    path.display(),
-                    msg.trim()
-                ));
+                return Err(ReadError::Exited { path: path.into(), format: format.into(), log: msg.trim().into(), status });
             }
             if let Ok(s) = UnixStream::connect(&sock) {
                 break s;
@@ -102,36 +152,33 @@ impl BlockReader {
                 let _ = child.kill();
                 let _ = child.wait();
                 let _ = std::fs::remove_dir_all(&dir);
-                return Err("qemu-storage-daemon did not start its NBD export within 30 s".into());
+                return Err(ReadError::StartTimeout);
             }
             std::thread::sleep(Duration::from_millis(10));
         };
         let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-        let result = (|| {
-            let export = handshake(&stream, b"img").map_err(|e| format!("NBD handshake: {e}"))?;
-            let client = NbdClient::new(stream, &export);
-            Ok::<_, String>((client, export.size))
-        })();
-        match result {
-            Ok((client, size)) => Ok(BlockReader { child, dir, client, size }),
+        match handshake(&stream, b"img") {
+            Ok(export) => {
+                let client = NbdClient::new(stream, &export);
+                Ok(BlockReader { child, dir, client, size: export.size })
+            }
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 let _ = std::fs::remove_dir_all(&dir);
-                Err(e)
+                Err(ReadError::Handshake(e))
             }
         }
     }
 
     /// Fill `buf` with the virtual disk bytes at `offset`.
-    pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
-        if offset.checked_add(buf.len() as u64).is_none_or(|end| end > self.size) {
-            return Err(format!("read of {} bytes at {offset} is past the image end ({})", buf.len(), self.size));
+    pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let len = buf.len();
+        if offset.checked_add(len as u64).is_none_or(|end| end > self.size) {
+            return Err(ReadError::PastEnd { len, offset, size: self.size });
         }
-        self.client.seek(SeekFrom::Start(offset)).map_err(|e| e.to_string())?;
-        self.client
-            .read_exact(buf)
-            .map_err(|e| format!("NBD read of {} bytes at offset {offset}: {e}", buf.len()))
+        self.client.seek(SeekFrom::Start(offset)).map_err(|source| ReadError::Seek { offset, source })?;
+        self.client.read_exact(buf).map_err(|source| ReadError::Read { len, offset, source })
     }
 }
 
@@ -155,7 +202,7 @@ impl Drop for BlockReader {
     }
 }
 
-fn make_private_dir() -> Result<PathBuf, String> {
+fn make_private_dir() -> Result<PathBuf, ReadError> {
     let base = std::env::var_os("RUNTIME_DIRECTORY")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
@@ -165,7 +212,7 @@ fn make_private_dir() -> Result<PathBuf, String> {
     // SAFETY: bytes is a writable NUL-terminated template.
     let p = unsafe { libc::mkdtemp(bytes.as_mut_ptr().cast()) };
     if p.is_null() {
-        return Err(format!("mkdtemp in {}: {}", base.display(), std::io::Error::last_os_error()));
+        return Err(ReadError::PrivateDir { base, source: io::Error::last_os_error() });
     }
     bytes.pop();
     Ok(PathBuf::from(String::from_utf8_lossy(&bytes).into_owned()))

@@ -18,10 +18,12 @@
 //! [`RACY_NS`] older than the wall-clock time at which it was taken; until
 //! then [`open_stable`] waits and takes it again.
 
-use crate::blockreader::BlockReader;
+use crate::blockreader::{BlockReader, ReadError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::fmt;
 use std::fs::File;
+use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -60,6 +62,79 @@ const MAX_RACY_WAITS: u32 = 5;
 /// A ctime further in the future than this is a clock problem, not a race.
 const FUTURE_SLACK_NS: i64 = 1_000_000_000;
 
+/// The image file cannot be proved to be the one verified, or read whole.
+#[derive(Debug)]
+pub enum ImageError {
+    NulInPath(PathBuf),
+    Stat { path: PathBuf, source: io::Error },
+    NotAnImage(PathBuf),
+    Open { path: PathBuf, source: io::Error },
+    Fstat { path: PathBuf, source: io::Error },
+    /// The open descriptor's stamp moved.
+    Changed { path: PathBuf, was: FileStamp, now: FileStamp },
+    /// The path names another file, or the same one changed.
+    Replaced { path: PathBuf, now: FileStamp, verified: FileStamp },
+    /// Opening and stat() kept disagreeing.
+    Unsettled { path: PathBuf, opened: FileStamp, named: FileStamp },
+    FutureCtime { path: PathBuf, seconds: f64 },
+    KeepsChanging { path: PathBuf, waits: u32 },
+    Cancelled,
+    Read(ReadError),
+    HashThread(&'static str),
+    /// The file changed while its content hash was computed.
+    ChangedWhileHashing(Box<ImageError>),
+}
+
+impl fmt::Display for ImageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ImageError::NulInPath(p) => write!(f, "image path {} contains a NUL byte", p.display()),
+            ImageError::Stat { path, source } => write!(f, "cannot stat image {}: {source}", path.display()),
+            ImageError::NotAnImage(p) => write!(f, "image {} is not a regular file", p.display()),
+            ImageError::Open { path, source } => write!(f, "cannot open image {}: {source}", path.display()),
+            ImageError::Fstat { path, source } => write!(f, "fstat of image {}: {source}", path.display()),
+            ImageError::Changed { path, was, now } => write!(f, "image {} changed (was {was:?}, now {now:?})", path.display()),
+            ImageError::Replaced { path, now, verified } => write!(
+                f,
+                "image {} was replaced or changed (path now names {now:?}, verified {verified:?})",
+                path.display()
+            ),
+            ImageError::Unsettled { path, opened, named } => write!(
+                f,
+                "image {} changes or is replaced while it is opened (opened {opened:?}, path names {named:?})",
+                path.display()
+            ),
+            ImageError::FutureCtime { path, seconds } => write!(
+                f,
+                "image {} has a ctime {seconds:.1} s in the future: the clock went back? cannot prove it unchanged until then",
+                path.display()
+            ),
+            ImageError::KeepsChanging { path, waits } => write!(
+                f,
+                "image {} keeps changing (changed again {waits} times while waiting for it to settle)",
+                path.display()
+            ),
+            ImageError::Cancelled => write!(f, "cancelled"),
+            ImageError::Read(e) => e.fmt(f),
+            ImageError::HashThread(what) => write!(f, "hash thread {what}"),
+            ImageError::ChangedWhileHashing(e) => write!(f, "{e} while its content hash was computed"),
+        }
+    }
+}
+
+impl std::error::Error for ImageError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ImageError::Stat { source, .. } | ImageError::Open { source, .. } | ImageError::Fstat { source, .. } => {
+                Some(source)
+            }
+            ImageError::Read(e) => Some(e),
+            ImageError::ChangedWhileHashing(e) => Some(e.as_ref()),
+            _ => None,
+        }
+    }
+}
+
 fn is_image_type(st: &libc::stat) -> bool {
     matches!(st.st_mode & libc::S_IFMT, libc::S_IFREG | libc::S_IFBLK)
 }
@@ -87,17 +162,16 @@ impl FileStamp {
     }
 
     /// stat() of a path (symlinks followed, like open()).
-    pub fn of_path(path: &Path) -> Result<FileStamp, String> {
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| format!("image path {} contains a NUL byte", path.display()))?;
+    pub fn of_path(path: &Path) -> Result<FileStamp, ImageError> {
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| ImageError::NulInPath(path.into()))?;
         // SAFETY: plain struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid C string and pointer.
         if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
-            return Err(format!("cannot stat image {}: {}", path.display(), std::io::Error::last_os_error()));
+            return Err(ImageError::Stat { path: path.into(), source: io::Error::last_os_error() });
         }
         if !is_image_type(&st) {
-            return Err(format!("image {} is not a regular file", path.display()));
+            return Err(ImageError::NotAnImage(path.into()));
         }
         Ok(FileStamp::from_stat(&st))
     }
@@ -130,19 +204,14 @@ pub struct OpenImage {
 impl OpenImage {
     /// Err unless the descriptor and the path both still have the stamp
     /// taken at open: same file, not modified since.
-    pub fn check_unchanged(&self, path: &Path) -> Result<(), String> {
-        let fd = FileStamp::of_file(&self.file).map_err(|e| format!("fstat of image {}: {e}", path.display()))?;
+    pub fn check_unchanged(&self, path: &Path) -> Result<(), ImageError> {
+        let fd = FileStamp::of_file(&self.file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
         if fd != self.stamp {
-            return Err(format!("image {} changed (was {:?}, now {:?})", path.display(), self.stamp, fd));
+            return Err(ImageError::Changed { path: path.into(), was: self.stamp, now: fd });
         }
         let p = FileStamp::of_path(path)?;
         if p != self.stamp {
-            return Err(format!(
-                "image {} was replaced or changed (path now names {:?}, verified {:?})",
-                path.display(),
-                p,
-                self.stamp
-            ));
+            return Err(ImageError::Replaced { path: path.into(), now: p, verified: self.stamp });
         }
         Ok(())
     }
@@ -153,7 +222,7 @@ impl OpenImage {
 /// replaced in between: retried, then refused).  If the stamp is racy,
 /// wait until it is not and take it again (see [`is_racy`]).  `cancelled`
 /// is polled while waiting.
-pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImage, String> {
+pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImage, ImageError> {
     let mut logged = false;
     let mut waits = 0;
     loop {
@@ -164,19 +233,11 @@ pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImag
         }
         let wait = stamp.ctime_ns.saturating_add(RACY_NS).saturating_sub(now);
         if wait > RACY_NS + FUTURE_SLACK_NS {
-            return Err(format!(
-                "image {} has a ctime {:.1} s in the future: the clock went back? cannot prove it unchanged until then",
-                path.display(),
-                (stamp.ctime_ns - now) as f64 / 1e9
-            ));
+            return Err(ImageError::FutureCtime { path: path.into(), seconds: (stamp.ctime_ns - now) as f64 / 1e9 });
         }
         waits += 1;
         if waits > MAX_RACY_WAITS {
-            return Err(format!(
-                "image {} keeps changing (changed again {} times while waiting for it to settle)",
-                path.display(),
-                MAX_RACY_WAITS
-            ));
+            return Err(ImageError::KeepsChanging { path: path.into(), waits: MAX_RACY_WAITS });
         }
         if !logged {
             crate::log::info(&format!(
@@ -190,7 +251,7 @@ pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImag
         let until = Instant::now() + Duration::from_nanos(wait as u64 + 1_000_000);
         while Instant::now() < until {
             if cancelled() {
-                return Err("cancelled".into());
+                return Err(ImageError::Cancelled);
             }
             std::thread::sleep((until - Instant::now()).min(Duration::from_millis(100)));
         }
@@ -198,21 +259,21 @@ pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImag
 }
 
 /// open() + fstat(), equal to stat() of the path.
-fn open_matching(path: &Path) -> Result<(File, FileStamp), String> {
-    let mut last = String::new();
-    for attempt in 0..3 {
-        if attempt > 0 {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let file = File::open(path).map_err(|e| format!("cannot open image {}: {e}", path.display()))?;
-        let fd = FileStamp::of_file(&file).map_err(|e| format!("fstat of image {}: {e}", path.display()))?;
+fn open_matching(path: &Path) -> Result<(File, FileStamp), ImageError> {
+    let mut attempt = 0;
+    loop {
+        let file = File::open(path).map_err(|source| ImageError::Open { path: path.into(), source })?;
+        let fd = FileStamp::of_file(&file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
         let p = FileStamp::of_path(path)?;
         if fd == p {
             return Ok((file, fd));
         }
-        last = format!("opened {fd:?}, path names {p:?}");
+        attempt += 1;
+        if attempt == 3 {
+            return Err(ImageError::Unsettled { path: path.into(), opened: fd, named: p });
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    Err(format!("image {} changes or is replaced while it is opened ({last})", path.display()))
 }
 
 /// A content-hash cache entry's key: the path, the format the image was
@@ -295,7 +356,7 @@ impl IdentityCache {
         img: &OpenImage,
         reader: &mut BlockReader,
         cancelled: &dyn Fn() -> bool,
-    ) -> Result<(Identity, bool), String> {
+    ) -> Result<(Identity, bool), ImageError> {
         if let Some(id) = self.lookup(path, format, &img.stamp) {
             if id.virtual_size == reader.size {
                 return Ok((id, true));
@@ -304,8 +365,7 @@ impl IdentityCache {
         let t0 = Instant::now();
         let id = content_hash(reader, cancelled)?;
         // The file must not have changed while we read it.
-        img.check_unchanged(path)
-            .map_err(|e| format!("{e} while its content hash was computed"))?;
+        img.check_unchanged(path).map_err(|e| ImageError::ChangedWhileHashing(Box::new(e)))?;
         crate::log::info(&format!(
             "content sha256 of {} ({} bytes) computed in {:.1} s: {}",
             path.display(),
@@ -320,7 +380,7 @@ impl IdentityCache {
 
 /// sha256 of the whole virtual disk, read in 4 MiB chunks; the hashing runs
 /// in a second thread so that reading and hashing overlap.
-pub fn content_hash(reader: &mut BlockReader, cancelled: &dyn Fn() -> bool) -> Result<Identity, String> {
+pub fn content_hash(reader: &mut BlockReader, cancelled: &dyn Fn() -> bool) -> Result<Identity, ImageError> {
     const CHUNK: usize = 4 << 20;
     let size = reader.size;
     let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
@@ -338,24 +398,24 @@ pub fn content_hash(reader: &mut BlockReader, cancelled: &dyn Fn() -> bool) -> R
     let mut result = Ok(());
     while off < size {
         if cancelled() {
-            result = Err("cancelled".to_string());
+            result = Err(ImageError::Cancelled);
             break;
         }
         let n = CHUNK.min((size - off) as usize);
         let mut buf = back_rx.try_recv().unwrap_or_else(|_| vec![0u8; CHUNK]);
         buf.resize(n, 0);
         if let Err(e) = reader.read_at(off, &mut buf) {
-            result = Err(e);
+            result = Err(ImageError::Read(e));
             break;
         }
         if tx.send(buf).is_err() {
-            result = Err("hash thread died".into());
+            result = Err(ImageError::HashThread("died"));
             break;
         }
         off += n as u64;
     }
     drop(tx);
-    let digest = hasher.join().map_err(|_| "hash thread panicked".to_string())?;
+    let digest = hasher.join().map_err(|_| ImageError::HashThread("panicked"))?;
     result?;
     Ok(Identity { virtual_size: size, content_sha256: digest })
 }
@@ -436,7 +496,8 @@ mod tests {
         img.check_unchanged(&f).unwrap();
         // Any later change is caught, through the descriptor or the path.
         std::fs::OpenOptions::new().append(true).open(&f).unwrap().write_all(b"!").unwrap();
-        assert!(img.check_unchanged(&f).unwrap_err().contains("changed"));
+        let e = img.check_unchanged(&f).unwrap_err();
+        assert!(matches!(e, ImageError::Changed { .. }) && e.to_string().contains("changed"), "{e}");
         let img2 = open_stable(&f, &|| false).unwrap();
         let other = d.join("other");
         std::fs::write(&other, b"first second!").unwrap();
@@ -452,7 +513,7 @@ mod tests {
         std::fs::write(&f, b"x").unwrap();
         let t0 = Instant::now();
         let e = open_stable(&f, &|| t0.elapsed() > Duration::from_millis(200)).err().unwrap();
-        assert_eq!(e, "cancelled");
+        assert!(matches!(e, ImageError::Cancelled), "{e}");
         assert!(t0.elapsed() < Duration::from_millis(1500));
         assert!(open_stable(&d.join("missing"), &|| false).is_err());
         std::fs::remove_dir_all(&d).unwrap();

@@ -6,7 +6,7 @@
 use crate::arena::{Acquire, Arena};
 use crate::blockreader::{detect_format, BlockReader};
 use crate::config::{Config, ImageConfig};
-use crate::identity::{open_stable, FileStamp, Identity, IdentityCache};
+use crate::identity::{open_stable, FileStamp, Identity, IdentityCache, ImageError};
 use crate::sectorlist::{self, SectorList, BLOCK_SIZE, SECTORS_PER_BLOCK, SECTOR_SIZE};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
@@ -196,15 +196,15 @@ impl Loader {
         // 2. The image, opened once: its stamp (not racy), its format, and
         // its identity (cached by path, format and stamp, else hashed).
         let cancel = || self.cancelled(job);
-        let cancel_or = |kind: FailKind| move |e: String| if cancel() { FailKind::Cancelled.with(e) } else { kind.with(e) };
+        let cancel_or = |kind: FailKind| move |e: ImageError| if cancel() { FailKind::Cancelled } else { kind }.with(e.to_string());
         let image = open_stable(&img.path, &cancel).map_err(cancel_or(FailKind::Image))?;
-        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| FailKind::Image.with(e))?;
+        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| FailKind::Image.with(e.to_string()))?;
         let mut reader: Option<BlockReader> = None;
         let open = |r: &mut Option<BlockReader>| -> Result<(), LoadError> {
             if r.is_none() {
                 *r = Some(
                     BlockReader::open(&self.cfg.qemu_storage_daemon, &image.file, &img.path, &format)
-                        .map_err(|e| FailKind::Image.with(e))?,
+                        .map_err(|e| FailKind::Image.with(e.to_string()))?,
                 );
             }
             Ok(())

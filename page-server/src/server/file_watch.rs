@@ -165,7 +165,7 @@ impl Server {
             self.images[idx].inode_watch = Some((wd, stamp.dev, stamp.ino));
             // The watch is on whatever the path names now: if that is no
             // longer the verified file, re-check at once.
-            if FileStamp::of_path(&path).map(|s| (s.dev, s.ino)) != Ok((stamp.dev, stamp.ino)) {
+            if FileStamp::of_path(&path).ok().map(|s| (s.dev, s.ino)) != Some((stamp.dev, stamp.ino)) {
                 self.images[idx].recheck_image_at = Some(Instant::now());
             }
         }
