@@ -49,6 +49,7 @@
 use crate::identity::Identity;
 use crate::sys::{MADV_ALLOWMERGED, PAGE_SIZE};
 use std::collections::{BTreeSet, HashMap};
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -99,18 +100,105 @@ pub enum Acquire {
     MustLoad,
 }
 
-/// "<what>: <error>", with the vm.max_map_count hint for ENOMEM (the
-/// kernel's answer when a new mapping or a split would exceed the limit).
-fn vm_error(what: &str, e: std::io::Error) -> String {
-    if e.raw_os_error() == Some(libc::ENOMEM) {
-        let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap_or_default();
-        let have = std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0);
-        format!(
-            "{what}: {e}: the process has {have} memory mappings and vm.max_map_count is {} (each run of loaded blocks is its own mapping); raise vm.max_map_count",
-            max.trim()
-        )
-    } else {
-        format!("{what}: {e}")
+/// Why the arena cannot do what a list asks.
+#[derive(Debug)]
+pub enum ArenaError {
+    Map { len: usize, source: std::io::Error },
+    /// A loaded block whose verified bytes hash to something else.
+    Contradicts { sector: u64, listed: [u8; 32], verified: [u8; 32] },
+    BeingLoaded { sector: u64 },
+    Unreserved { sector: u64 },
+    AlreadyLoaded { sector: u64 },
+    Vm(VmError),
+}
+
+impl fmt::Display for ArenaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArenaError::Map { len, source } => write!(f, "mmap of {len} bytes for the block arena: {source}"),
+            ArenaError::Contradicts { sector, listed, verified } => write!(
+                f,
+                "the list gives sector {sector} hash {}, but this image's block hashes to {} (verified earlier)",
+                crate::sys::hex(listed),
+                crate::sys::hex(verified)
+            ),
+            ArenaError::BeingLoaded { sector } => write!(f, "block at sector {sector} is being loaded by another list"),
+            ArenaError::Unreserved { sector } => write!(f, "fill of an unreserved slot (sector {sector})"),
+            ArenaError::AlreadyLoaded { sector } => write!(f, "fill of a loaded slot (sector {sector})"),
+            ArenaError::Vm(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ArenaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ArenaError::Map { source, .. } => Some(source),
+            ArenaError::Vm(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<VmError> for ArenaError {
+    fn from(e: VmError) -> Self {
+        ArenaError::Vm(e)
+    }
+}
+
+/// A system call on arena memory failed: "<what>: <error>", with the
+/// vm.max_map_count hint for ENOMEM (the kernel's answer when a new mapping
+/// or a split would exceed the limit).
+#[derive(Debug)]
+pub struct VmError {
+    what: String,
+    source: std::io::Error,
+    /// For ENOMEM: the process's mappings and vm.max_map_count then.
+    map_count: Option<(usize, String)>,
+    /// What else failed while repairing after this.
+    then: Option<Box<VmError>>,
+}
+
+impl VmError {
+    fn new(what: impl Into<String>, source: std::io::Error) -> VmError {
+        let map_count = (source.raw_os_error() == Some(libc::ENOMEM)).then(|| {
+            let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap_or_default();
+            let have = std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0);
+            (have, max.trim().to_string())
+        });
+        VmError { what: what.into(), source, map_count, then: None }
+    }
+
+    /// Without the vm.max_map_count hint.
+    fn plain(what: impl Into<String>, source: std::io::Error) -> VmError {
+        VmError { what: what.into(), source, map_count: None, then: None }
+    }
+
+    fn then(mut self, more: Option<VmError>) -> VmError {
+        self.then = more.map(Box::new);
+        self
+    }
+}
+
+impl fmt::Display for VmError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.what, self.source)?;
+        if let Some((have, max)) = &self.map_count {
+            write!(
+                f,
+                ": the process has {have} memory mappings and vm.max_map_count is {max} (each run of loaded blocks is its own mapping); raise vm.max_map_count"
+            )?;
+        }
+        if let Some(more) = &self.then {
+            write!(f, "; {more}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for VmError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
     }
 }
 
@@ -208,7 +296,7 @@ impl Drop for Staging {
 }
 
 impl Arena {
-    pub fn new(identity: Identity, global_loaded: Arc<AtomicU64>) -> Result<Arena, String> {
+    pub fn new(identity: Identity, global_loaded: Arc<AtomicU64>) -> Result<Arena, ArenaError> {
         let len = (identity.virtual_size as usize).div_ceil(PAGE_SIZE).max(1) * PAGE_SIZE;
         // SAFETY: a fresh anonymous mapping; no existing memory is affected.
         let p = unsafe {
@@ -222,7 +310,7 @@ impl Arena {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(format!("mmap of {len} bytes for the block arena: {}", std::io::Error::last_os_error()));
+            return Err(ArenaError::Map { len, source: std::io::Error::last_os_error() });
         }
         let base = p as usize;
         if let Err(e) = advise(base, len, libc::MADV_NOHUGEPAGE) {
@@ -252,7 +340,7 @@ impl Arena {
     /// Take a reference on `block` for a list that says its content hashes to
     /// `hash`.  Err if a loaded slot holds content with another hash (the
     /// list contradicts what we verified from this image).
-    pub fn acquire(&self, block: u64, hash: &[u8; 32]) -> Result<Acquire, String> {
+    pub fn acquire(&self, block: u64, hash: &[u8; 32]) -> Result<Acquire, ArenaError> {
         let mut slots = self.slots.lock().expect("arena lock");
         let slots = &mut *slots;
         match slots.map.get_mut(&block) {
@@ -263,13 +351,8 @@ impl Arena {
                 s.refs += 1;
                 Ok(Acquire::Reused)
             }
-            Some(s) if s.loaded => Err(format!(
-                "the list gives sector {} hash {}, but this image's block hashes to {} (verified earlier)",
-                block * 8,
-                crate::sys::hex(hash),
-                crate::sys::hex(&s.hash)
-            )),
-            Some(_) => Err(format!("block at sector {} is being loaded by another list", block * 8)),
+            Some(s) if s.loaded => Err(ArenaError::Contradicts { sector: block * 8, listed: *hash, verified: s.hash }),
+            Some(_) => Err(ArenaError::BeingLoaded { sector: block * 8 }),
             None => {
                 slots.map.insert(block, Slot { hash: *hash, refs: 1, loaded: false });
                 Ok(Acquire::MustLoad)
@@ -281,29 +364,24 @@ impl Arena {
     /// data.len() / 4096), all reserved by acquire() -> MustLoad: assembled
     /// read-only in a staging mapping and moved onto the PROT_NONE run in
     /// one mremap(), so the run goes from inaccessible to complete at once.
-    pub fn fill_run(&self, start: u64, data: &[u8]) -> Result<(), String> {
+    pub fn fill_run(&self, start: u64, data: &[u8]) -> Result<(), ArenaError> {
         assert!(!data.is_empty() && data.len() & (PAGE_SIZE - 1) == 0);
         let n = (data.len() / PAGE_SIZE) as u64;
         assert!(start.checked_add(n).is_some_and(|end| end <= self.blocks()), "fill outside the arena");
         let dst = self.addr(start) as usize;
         let what = |op: &str| format!("{op} for {n} blocks at sector {} of the arena", start * 8);
         // Nobody can see the staging area: put it together without the lock.
-        let staging = Staging::new(data).map_err(|e| vm_error(&what("staging mapping"), e))?;
+        let staging = Staging::new(data).map_err(|e| VmError::new(what("staging mapping"), e))?;
         let mut slots = self.slots.lock().expect("arena lock");
         for b in start..start + n {
             match slots.map.get(&b) {
-                None => return Err(format!("fill of an unreserved slot (sector {})", b * 8)),
-                Some(s) if s.loaded => return Err(format!("fill of a loaded slot (sector {})", b * 8)),
+                None => return Err(ArenaError::Unreserved { sector: b * 8 }),
+                Some(s) if s.loaded => return Err(ArenaError::AlreadyLoaded { sector: b * 8 }),
                 Some(_) => {}
             }
         }
         if let Err(e) = staging.move_to(dst) {
-            let mut msg = vm_error(&what("mremap(MREMAP_FIXED)"), e);
-            if let Some(more) = self.rereserve(dst, data.len()) {
-                msg.push_str("; ");
-                msg.push_str(&more);
-            }
-            return Err(msg);
+            return Err(VmError::new(what("mremap(MREMAP_FIXED)"), e).then(self.rereserve(dst, data.len())).into());
         }
         for b in start..start + n {
             slots.map.get_mut(&b).expect("checked above").loaded = true;
@@ -313,7 +391,7 @@ impl Arena {
         if self.merge_mode == MergeMode::Allowed {
             // The bytes are verified and in place: readable is right even
             // if this fails (the load fails and releases them).
-            advise(dst, data.len(), MADV_ALLOWMERGED).map_err(|e| vm_error(&what("madvise(MADV_ALLOWMERGED)"), e))?;
+            advise(dst, data.len(), MADV_ALLOWMERGED).map_err(|e| VmError::new(what("madvise(MADV_ALLOWMERGED)"), e))?;
         }
         Ok(())
     }
@@ -322,8 +400,8 @@ impl Arena {
     /// a few late failures (out of memory) leave it unmapped.  Map a
     /// PROT_NONE reservation there again without replacing anything
     /// (MAP_FIXED_NOREPLACE: EEXIST means the target was still mapped,
-    /// the usual case).  Some(message) if the target is not reserved now.
-    fn rereserve(&self, addr: usize, len: usize) -> Option<String> {
+    /// the usual case).  Some(error) if the target is not reserved now.
+    fn rereserve(&self, addr: usize, len: usize) -> Option<VmError> {
         // SAFETY: maps only where nothing is mapped (MAP_FIXED_NOREPLACE).
         let p = unsafe {
             libc::mmap(
@@ -338,7 +416,7 @@ impl Arena {
         if p == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
             return (e.raw_os_error() != Some(libc::EEXIST))
-                .then(|| format!("re-reserving the unmapped arena range at {addr:#x}: {e}"));
+                .then(|| VmError::plain(format!("re-reserving the unmapped arena range at {addr:#x}"), e));
         }
         if p as usize != addr {
             // A kernel before 4.17 takes MAP_FIXED_NOREPLACE as a hint.
@@ -365,7 +443,7 @@ impl Arena {
     /// Replace blocks `lo..hi`, all inaccessible and empty, by one fresh
     /// PROT_NONE reservation (one VMA instead of the pieces moved runs
     /// leave behind).  Safe at any time: the range faults before and after.
-    fn reserve(&self, lo: u64, hi: u64) -> Result<(), String> {
+    fn reserve(&self, lo: u64, hi: u64) -> Result<(), VmError> {
         let (addr, len) = (self.addr(lo) as usize, ((hi - lo) as usize) * PAGE_SIZE);
         // SAFETY: MAP_FIXED over a PROT_NONE part of our own mapping that
         // holds nothing (the caller holds the lock: no fill can run).
@@ -381,12 +459,9 @@ impl Arena {
         };
         if p == libc::MAP_FAILED {
             let what = format!("mmap(MAP_FIXED, PROT_NONE) of {} blocks at sector {}", hi - lo, lo * 8);
-            let e = vm_error(&what, std::io::Error::last_os_error());
+            let e = VmError::new(what, std::io::Error::last_os_error());
             // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
-            return Err(match self.rereserve(addr, len) {
-                Some(more) => format!("{e}; {more}"),
-                None => e,
-            });
+            return Err(e.then(self.rereserve(addr, len)));
         }
         self.advise_reservation(addr, len);
         Ok(())
@@ -440,7 +515,7 @@ impl Arena {
                 Err(e) => {
                     // Never discard a readable page (it would read as
                     // zeros): keep the verified bytes, retry later.
-                    failed.push(vm_error(&format!("{} blocks at sector {}", j - i, free[i] * 8), e));
+                    failed.push(VmError::new(format!("{} blocks at sector {}", j - i, free[i] * 8), e).to_string());
                     slots.stuck.extend(free[i..j].iter().copied());
                 }
             }
@@ -456,7 +531,7 @@ impl Arena {
         // staging area it came from, which keeps it from merging with its
         // neighbours.  Replace every inaccessible stretch that contains one,
         // from loaded block to loaded block, by one fresh reservation.
-        let mut untidy: Vec<String> = Vec::new();
+        let mut untidy: Vec<VmError> = Vec::new();
         let mut done_to = 0;
         for (a, b) in freed {
             if a < done_to {
@@ -509,7 +584,7 @@ impl Drop for Arena {
                 },
                 Err(e) => crate::log::error(&format!(
                     "retiring an arena: {}; its verified bytes stay in memory",
-                    vm_error("mprotect(PROT_NONE)", e)
+                    VmError::new("mprotect(PROT_NONE)", e)
                 )),
             }
         }
@@ -753,7 +828,7 @@ pub(crate) mod tests {
         let run: Vec<u8> = (8..12).flat_map(|b| page(b as u8)).collect();
         BREAK_NEXT_MOVE.with(|x| x.set(true));
         let e = a.fill_run(8, &run).unwrap_err();
-        assert!(e.contains("mremap"), "{e}");
+        assert!(e.to_string().contains("mremap"), "{e}");
         for b in 0..32 {
             assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT), "block {b}");
         }
@@ -862,9 +937,9 @@ pub(crate) mod tests {
 
     #[test]
     fn enomem_names_max_map_count() {
-        let m = vm_error("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::ENOMEM));
+        let m = VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::ENOMEM)).to_string();
         assert!(m.contains("vm.max_map_count"), "{m}");
-        let m = vm_error("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::EINVAL));
+        let m = VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::EINVAL)).to_string();
         assert!(!m.contains("vm.max_map_count"), "{m}");
     }
 
@@ -905,7 +980,7 @@ pub(crate) mod tests {
             }
             b += 2;
         };
-        assert!(err.contains("vm.max_map_count"), "{err}");
+        assert!(err.to_string().contains("vm.max_map_count"), "{err}");
         // The block that failed faults, and its range is still reserved.
         assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT));
         let at = a.addr(b);

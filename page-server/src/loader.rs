@@ -260,7 +260,7 @@ impl Loader {
         // 4. Reserve slots; reuse blocks already loaded and verified.
         let arena = match &job.arena {
             Some(a) if a.identity == identity => a.clone(),
-            _ => Arc::new(Arena::new(identity, self.global_loaded.clone()).map_err(|e| FailKind::Limit.with(e))?),
+            _ => Arc::new(Arena::new(identity, self.global_loaded.clone()).map_err(|e| FailKind::Limit.with(e.to_string()))?),
         };
         let mut held: Vec<u64> = Vec::with_capacity(list.blocks.len());
         let mut to_load: Vec<(u64, [u8; 32])> = Vec::new();
@@ -378,7 +378,7 @@ impl Loader {
             }
             // The whole run is verified: move it into place in one step
             // (ENOMEM there is vm.max_map_count, a limit).
-            arena.fill_run(start, bytes).map_err(|e| FailKind::Limit.with(e))?;
+            arena.fill_run(start, bytes).map_err(|e| FailKind::Limit.with(e.to_string()))?;
             i = j;
         }
         Ok(())
