@@ -12,6 +12,7 @@
 use crate::config::RedisConfig;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,6 +55,38 @@ pub struct Watcher {
     /// sha256 of the last text delivered per key, so a list is delivered once.
     delivered: HashMap<String, [u8; 32]>,
     shutdown: bool,
+}
+
+/// Why a Redis session ended.
+#[derive(Debug)]
+enum RedisError {
+    BadUrl(redis::RedisError),
+    /// Connecting or subscribing.
+    Connect(redis::RedisError),
+    Subscription(redis::RedisError),
+    /// A command on a key: what it was, and Redis's answer.
+    Command { what: String, source: redis::RedisError },
+    PushStats(redis::RedisError),
+}
+
+impl RedisError {
+    /// Whether the session had got as far as a connection (a session that
+    /// did resets the backoff).
+    fn was_connected(&self) -> bool {
+        !matches!(self, RedisError::BadUrl(_) | RedisError::Connect(_))
+    }
+}
+
+impl fmt::Display for RedisError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RedisError::BadUrl(e) => write!(f, "bad url: {e}"),
+            RedisError::Connect(e) => e.fmt(f),
+            RedisError::Subscription(e) => write!(f, "subscription: {e}"),
+            RedisError::Command { what, source } => write!(f, "{what}: {source}"),
+            RedisError::PushStats(e) => write!(f, "pushing stats: {e}"),
+        }
+    }
 }
 
 fn redact(url: &str) -> String {
@@ -118,11 +151,11 @@ impl Watcher {
             self.drain_cmds();
             let err = match self.session() {
                 Ok(()) => break,
-                Err((e, was_connected)) => {
-                    if was_connected {
+                Err(e) => {
+                    if e.was_connected() {
                         backoff = Duration::from_secs(1);
                     }
-                    e
+                    e.to_string()
                 }
             };
             if self.shutdown {
@@ -156,18 +189,18 @@ impl Watcher {
         }
     }
 
-    /// One connected session; returns Err((message, had_connected)).
-    fn session(&mut self) -> Result<(), (String, bool)> {
-        let client = redis::Client::open(self.cfg.url.as_str()).map_err(|e| (format!("bad url: {e}"), false))?;
+    /// One connected session, until Redis fails or the server shuts down.
+    fn session(&mut self) -> Result<(), RedisError> {
+        let client = redis::Client::open(self.cfg.url.as_str()).map_err(RedisError::BadUrl)?;
         let timeout = Duration::from_secs(5);
-        let mut con = client.get_connection_with_timeout(timeout).map_err(|e| (e.to_string(), false))?;
-        let mut sub = client.get_connection_with_timeout(timeout).map_err(|e| (e.to_string(), false))?;
-        con.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| (e.to_string(), false))?;
-        con.set_write_timeout(Some(Duration::from_secs(10))).map_err(|e| (e.to_string(), false))?;
+        let mut con = client.get_connection_with_timeout(timeout).map_err(RedisError::Connect)?;
+        let mut sub = client.get_connection_with_timeout(timeout).map_err(RedisError::Connect)?;
+        con.set_read_timeout(Some(Duration::from_secs(10))).map_err(RedisError::Connect)?;
+        con.set_write_timeout(Some(Duration::from_secs(10))).map_err(RedisError::Connect)?;
         let channel = format!("{}:events", self.cfg.prefix);
         let mut ps = sub.as_pubsub();
-        ps.subscribe(&channel).map_err(|e| (e.to_string(), false))?;
-        ps.set_read_timeout(Some(Duration::from_millis(500))).map_err(|e| (e.to_string(), false))?;
+        ps.subscribe(&channel).map_err(RedisError::Connect)?;
+        ps.set_read_timeout(Some(Duration::from_millis(500))).map_err(RedisError::Connect)?;
         {
             let mut s = self.status.lock().expect("status");
             s.connected = true;
@@ -177,8 +210,8 @@ impl Watcher {
         }
         crate::log::info(&format!("redis {}: connected, watching channel {channel}", redact(&self.cfg.url)));
         // Anything we missed while disconnected.
-        self.check(&mut con, None).map_err(|e| (e, true))?;
-        self.push_stats(&mut con).map_err(|e| (e, true))?;
+        self.check(&mut con, None)?;
+        self.push_stats(&mut con)?;
         let poll = Duration::from_secs(self.cfg.poll_interval_secs.max(1));
         let stats_every = Duration::from_secs(self.cfg.stats_interval_secs.max(1));
         let mut next_poll = Instant::now() + poll;
@@ -189,7 +222,7 @@ impl Watcher {
                 return Ok(());
             }
             for image in new {
-                self.check(&mut con, Some(image)).map_err(|e| (e, true))?;
+                self.check(&mut con, Some(image))?;
             }
             match ps.get_message() {
                 Ok(msg) => {
@@ -201,18 +234,18 @@ impl Watcher {
                         .map(|(i, _)| *i)
                         .collect();
                     for image in hit {
-                        self.check(&mut con, Some(image)).map_err(|e| (e, true))?;
+                        self.check(&mut con, Some(image))?;
                     }
                 }
                 Err(e) if e.is_timeout() => {}
-                Err(e) => return Err((format!("subscription: {e}"), true)),
+                Err(e) => return Err(RedisError::Subscription(e)),
             }
             if Instant::now() >= next_poll {
-                self.check(&mut con, None).map_err(|e| (e, true))?;
+                self.check(&mut con, None)?;
                 next_poll = Instant::now() + poll;
             }
             if Instant::now() >= next_stats {
-                self.push_stats(&mut con).map_err(|e| (e, true))?;
+                self.push_stats(&mut con)?;
                 next_stats = Instant::now() + stats_every;
             }
             self.status.lock().expect("status").last_contact = crate::sys::now_unix();
@@ -220,7 +253,7 @@ impl Watcher {
     }
 
     /// Fetch the watched keys (or one image's) and deliver new texts.
-    fn check(&mut self, con: &mut redis::Connection, only: Option<usize>) -> Result<(), String> {
+    fn check(&mut self, con: &mut redis::Connection, only: Option<usize>) -> Result<(), RedisError> {
         let watched = self.watched.clone();
         for (image, key) in watched {
             if only.is_some_and(|o| o != image) {
@@ -236,7 +269,7 @@ impl Watcher {
                     }
                     continue;
                 }
-                Err(e) => return Err(format!("STRLEN {key}: {e}")),
+                Err(source) => return Err(RedisError::Command { what: format!("STRLEN {key}"), source }),
             };
             if len == 0 {
                 continue; // no list published (or not a string: reported by GET below)
@@ -257,7 +290,7 @@ impl Watcher {
                     crate::log::error(&format!("redis key {key} is not a string; ignored"));
                     continue;
                 }
-                Err(e) => return Err(format!("GET {key}: {e}")),
+                Err(source) => return Err(RedisError::Command { what: format!("GET {key}"), source }),
             };
             let Some(text) = text else { continue };
             let digest: [u8; 32] = Sha256::digest(&text).into();
@@ -271,7 +304,7 @@ impl Watcher {
         Ok(())
     }
 
-    fn push_stats(&mut self, con: &mut redis::Connection) -> Result<(), String> {
+    fn push_stats(&mut self, con: &mut redis::Connection) -> Result<(), RedisError> {
         let snap = self.snapshot.lock().expect("snapshot").clone();
         let key = format!("{}:host:{}", self.cfg.prefix, self.host);
         redis::pipe()
@@ -294,8 +327,22 @@ impl Watcher {
             .arg(&self.host)
             .ignore()
             .query::<()>(con)
-            .map_err(|e| format!("pushing stats: {e}"))?;
+            .map_err(RedisError::PushStats)?;
         self.status.lock().expect("status").stats_pushed += 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn redact_hides_only_the_password() {
+        assert_eq!(redact("redis://user:secret@host:6379/0"), "redis://user:***@host:6379/0");
+        assert_eq!(redact("redis://:secret@host/"), "redis://:***@host/");
+        assert_eq!(redact("redis://user@host/"), "redis://user@host/");
+        assert_eq!(redact("redis://127.0.0.1:6379/0"), "redis://127.0.0.1:6379/0");
+        assert_eq!(redact("unix:///run/redis.sock"), "unix:///run/redis.sock");
     }
 }
