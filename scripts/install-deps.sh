@@ -12,6 +12,8 @@ APT_PACKAGES=(
 	# guests and images
 	qemu-system-x86 qemu-utils ovmf libguestfs-tools python3-guestfs mmdebstrap
 	e2fsprogs gdisk fdisk zstd
+	# mapping XFS file systems (xfs_db) and testing it (mkfs.xfs)
+	xfsprogs
 	# introspection: crash ships its defs.h for extensions
 	crash binutils gcc make
 	# Python

@@ -4,6 +4,7 @@ skipped and why, and the results database's file table keyed by file system.
 """
 
 import sqlite3
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,11 @@ EXT4 = "has_journal ext_attr dir_index filetype extent 64bit flex_bg"
     ("ext4", EXT4, 1, 2050, 1024, ""),
     ("ext4", EXT4, 1, 63, 1024, "not a multiple of 2"),
     ("ext2", "ext_attr filetype", 1, 2048, 4096, "indirect block maps"),
-    ("xfs", "", 1, 2048, 0, "xfs cannot be mapped"),
+    ("ext3", "has_journal ext_attr filetype", 1, 2048, 4096, "indirect block maps"),
+    ("xfs", "", 1, 2048, 4096, ""),
+    ("xfs", "", 1, 63, 4096, "not a multiple of 8"),
+    ("xfs", "realtime", 1, 2048, 4096, "realtime section"),
+    ("btrfs", "", 1, 2048, 0, "btrfs cannot be mapped"),
     ("vfat", "", 15, 8192, 0, "vfat cannot be mapped"),
     ("ext4", EXT4, None, 0, 4096, "LVM, RAID, an encrypted volume or a second disk"),
 ])
@@ -203,8 +208,10 @@ def test_partition_numbers() -> None:
 class FakeDisk:
     """libguestfs' answers about a disk's partitions and file systems."""
 
-    def __init__(self, parts: dict[int, int], fs: dict[str, tuple[str, int, str]]) -> None:
+    def __init__(self, parts: dict[int, int], fs: dict[str, tuple[str, int, str]],
+                 realtime: tuple[str, ...] = ()) -> None:
         self.parts, self.fs = parts, fs       # fs: device -> (type, block size, uuid)
+        self.realtime = realtime
 
     def part_list(self, dev: str) -> list[dict[str, int]]:
         if not self.parts:
@@ -213,6 +220,11 @@ class FakeDisk:
                 for n, s in self.parts.items()]
 
     def pread_device(self, dev: str, size: int, offset: int) -> bytes:
+        if self.fs.get(dev, ("",))[0] == "xfs" and offset == 0:
+            # An XFS superblock: magic, sb_blocksize, sb_dblocks, sb_rblocks.
+            rblocks = 1000 if dev in self.realtime else 0
+            return (b"XFSB" + struct.pack(">IQQ", self.fs[dev][1], 1 << 20, rblocks)).ljust(
+                size, b"\0")
         return bytes(size)                    # no LVM label anywhere
 
     def vfs_type(self, dev: str) -> str:
@@ -243,6 +255,19 @@ def test_survey_maps_each_ext4_and_skips_the_rest() -> None:
     assert "volume group vg has no physical volume on the image's disk" in next(
         s.reason for s in skipped if s.mountpoint == "/opt")
     assert "sector 63" in next(s.reason for s in skipped if s.mountpoint == "/var")
+
+
+def test_xfs_file_systems_from_their_superblock() -> None:
+    g = FakeDisk({1: 262144, 2: 8192 + 1, 3: 2048},
+                 {"/dev/sda1": ("xfs", 4096, "root"), "/dev/sda2": ("xfs", 4096, "srv"),
+                  "/dev/sda3": ("xfs", 4096, "rt")}, realtime=("/dev/sda3",))
+    mapped, skipped = fslayout.survey(g, {"/": "/dev/sda1", "/srv": "/dev/sda2",
+                                          "/rt": "/dev/sda3"}, 1 << 22)
+    assert [(f.mountpoint, f.fstype, f.block_size, f.start_sector) for f in mapped] == [
+        ("/", "xfs", 4096, 262144)]
+    why = {s.mountpoint: s.reason for s in skipped}
+    assert "sector 8193, which is not a multiple of 8" in why["/srv"]
+    assert "realtime section" in why["/rt"]
 
 
 def test_whole_disk_root() -> None:

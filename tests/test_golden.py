@@ -113,6 +113,14 @@ def test_lvm_variant_is_small_packages_with_lvm2_on_a_pv_partition() -> None:
     assert g.fs_bytes + (1 << 20) <= (g.root_end_sector - g.root_start_sector + 1) * 512
 
 
+def test_xfs_variant_is_small_packages_with_an_xfs_root() -> None:
+    spec, small = golden._spec("xfs"), golden._spec("small")
+    assert spec.root_fstype == "xfs" and small.root_fstype == "ext4"
+    assert spec.packages == [*small.packages, "xfsprogs"]      # fsck.xfs for the initrd
+    assert golden.geometry("xfs") == golden.geometry("trixie")
+    assert "FSTYPE=xfs" in golden._root_fstype_hook("xfs")
+
+
 def test_gpt_geometry_matches_debian_cloud_layout() -> None:
     g = golden.geometry("demo")
     assert g.layout == "gpt"
@@ -406,6 +414,31 @@ def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
     assert f"Filesystem UUID:          {m['fs_uuid']}" in _debugfs(fs, "stats")
     assert "/dev/mapper/vg0-root\t/\text4" in _debugfs(fs, "cat /etc/fstab")
     assert _exists(fs, f"/boot/vmlinuz-{m['kernel_version']}") and _exists(fs, "/usr/sbin/lvm")
+
+
+@pytest.mark.vm
+def test_xfs_root_partition(tmp_path: Path) -> None:
+    from pageshare.ext4map import fs_image
+    image = _image("xfs")
+    m, geo = image.manifest, golden.geometry("xfs")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    _, parts = _gpt_partitions(raw)
+    assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
+    root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
+                              geo.root_start_sector),), tmp_path / "root.xfs", copy=True)
+    raw.unlink()
+
+    def xfs_db(*cmds: str) -> str:
+        args = [a for c in cmds for a in ("-c", c)]
+        return subprocess.run(["xfs_db", "-r", *args, str(root)], capture_output=True,
+                              text=True, check=True).stdout
+
+    assert f"uuid = {m['fs_uuid']}" in xfs_db("sb 0", "print uuid")
+    assert 'fname = "root' in xfs_db("sb 0", "print fname")
+    # The tree came through whole: /tmp keeps its sticky bit, the kernel is in /boot.
+    assert "core.mode = 041777" in xfs_db("path /tmp", "print core.mode")  # dir, 1777
+    assert "current inode number" in xfs_db(f"path /boot/vmlinuz-{m['kernel_version']}", "inode")
 
 
 @pytest.mark.vm

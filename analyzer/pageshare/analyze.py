@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, drgn_backend, sectorlist
+from . import __version__, drgn_backend, sectorlist, xfsmap
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
@@ -169,6 +169,9 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     for sk in info.skipped:
         progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
                      f"mapped, its files cannot be listed: {sk.reason}")
+    if any(f.fstype == "xfs" for f in info.filesystems) and not shutil.which("xfs_db"):
+        raise UserError("xfs_db not found; the image has XFS file systems to map",
+                        "run scripts/install-deps.sh (apt: xfsprogs)")
     if any("inline_data" in f.features or "encrypt" in f.features for f in info.filesystems):
         progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
 
@@ -204,8 +207,11 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         db.commit()
 
         geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs,
-                                       f.mountpoint) for f in info.filesystems), vsize)
-        sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img")
+                                       f.mountpoint, f.fstype) for f in info.filesystems),
+                       vsize)
+        # xfs_db reads no file system at an offset of a disk: XFS gets a copy.
+        sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
+                                    copy=fs.fstype == "xfs")
                    for i, fs in enumerate(geo.filesystems)}
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
         results: list[RunResult] = []
@@ -519,7 +525,7 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
     for fs in geo.filesystems:
         inodes = sorted({r.ino for v in recs.values() for r in v.values()
                          if r.kind == "file" and geo.find(r) == fs})
-        for ino, exts in read_extents(*sources[fs.key], inodes).items():
+        for ino, exts in _read_extents(fs, sources[fs.key], inodes).items():
             extents[fs.key, ino] = exts
     stable: dict[str, dict[int, PageFact]] = {}
     cats: dict[str, Counter[str]] = {}
@@ -634,6 +640,14 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
         ksm=ksm_series)
 
 
+def _read_extents(fs: Placement, source: tuple[Path, int], inodes: list[int]
+                  ) -> dict[int, list[Extent]]:
+    image, offset = source
+    if fs.fstype == "xfs":
+        return xfsmap.read_extents(image, inodes)      # a copy of the file system alone
+    return read_extents(image, offset, inodes)
+
+
 def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
                   ) -> dict[tuple[Placement, int], str | None]:
     """The guest path of every listed file, by (file system, inode): one debugfs
@@ -644,7 +658,9 @@ def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
             by_fs.setdefault(f.fs, set()).add(f.ino)
     out: dict[tuple[Placement, int], str | None] = {}
     for fs, inos in by_fs.items():
-        found = read_paths(*sources[fs.key], sorted(inos))
+        image, offset = sources[fs.key]
+        found = (xfsmap.read_paths(image, sorted(inos)) if fs.fstype == "xfs"
+                 else read_paths(image, offset, sorted(inos)))
         for ino in inos:
             p = found.get(ino)
             # debugfs names a file in the file system's top directory "//name".

@@ -118,15 +118,17 @@ def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
 Run = tuple[int, int, int]
 
 
-def fs_image(raw: Path, runs: tuple[Run, ...], scratch: Path) -> tuple[Path, int]:
-    """Where debugfs can read a file system: (image, byte offset).
+def fs_image(raw: Path, runs: tuple[Run, ...], scratch: Path, copy: bool = False
+             ) -> tuple[Path, int]:
+    """Where debugfs (or xfs_db) can read a file system: (image, byte offset).
 
     One run (a partition, a one-segment LV) is the raw disk at its offset.
     debugfs needs the file system's bytes in one piece, so an LV of several
     segments is copied, run by run, into the sparse file scratch (only the
-    data the raw copy holds; holes stay holes).
+    data the raw copy holds; holes stay holes); so is any file system with
+    copy (xfs_db takes no offset).
     """
-    if len(runs) == 1 and runs[0][0] == 0:
+    if len(runs) == 1 and runs[0][0] == 0 and not copy:
         return raw, runs[0][2] * 512
     with open(raw, "rb") as src, open(scratch, "wb") as dst:
         fd_in, fd_out = src.fileno(), dst.fileno()

@@ -3,7 +3,7 @@
 The guest's page cache names a page by (file system UUID, partition start,
 inode, index); a list entry names a 4 KiB block of the virtual disk.  For a
 file system to be mapped, its block map must be readable offline (ext4
-extents, through debugfs), its bytes must sit at known places of the disk
+extents through debugfs, XFS extents through xfs_db), its bytes must sit at known places of the disk
 (a partition, the whole disk, or the extents of a linear LVM logical volume,
 lvm.py) and its blocks must be able to land on 4 KiB boundaries of the
 virtual disk.  Every file system the image mounts from
@@ -13,6 +13,7 @@ analysis goes on with the rest.
 """
 
 import re
+import struct
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from . import lvm
 from .errors import UserError
 
 PAGE_SECTORS = 8            # a 4 KiB page in 512-byte sectors
-MAPPED_FSTYPES = ("ext4",)
+MAPPED_FSTYPES = ("ext4", "xfs")
 
 
 # (file system sector, sectors, disk sector): a run of the file system's bytes
@@ -76,11 +77,17 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
     if partition is None:
         return ("it is not on a partition of the disk or the whole disk (LVM, RAID, an "
                 "encrypted volume or a second disk), which the mapping does not translate")
-    if fstype not in ("ext2", "ext3", "ext4"):
-        return f"{fstype or 'an unknown file system'} cannot be mapped (only ext4 is supported)"
-    if "extent" not in features.split():
+    if fstype not in ("ext2", "ext3", "ext4", "xfs"):
+        return (f"{fstype or 'an unknown file system'} cannot be mapped (ext4 and XFS "
+                "can)")
+    if fstype == "xfs" and "realtime" in features.split():
+        return ("XFS with a realtime section: its realtime files' blocks are on another "
+                "device, which the mapping does not follow")
+    if fstype != "xfs" and "extent" not in features.split():
         return (f"{fstype} without the extent feature: its files use indirect block maps, "
-                "which the mapping does not read (only ext4 is supported)")
+                "which the mapping does not read (ext4 with extents and XFS can be mapped)")
+    if block_size < 512:
+        return f"its {fstype} superblock gives no block size"
     return alignment_reason(start_sector, block_size, "the partition starts")
 
 
@@ -122,10 +129,10 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
         raise UserError(f"{image}: root file system is on {root.device} (LVM, RAID or a second "
                         "disk); not supported", "use an image with the root file system on a "
                         "partition or on the whole disk")
-    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4 is "
-                    f"supported ({root.reason})", "mapping page-cache pages back to disk "
-                    "sectors is implemented for ext4 with extents (the Debian cloud images' "
-                    "root); convert or rebuild the image with an ext4 root")
+    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4 "
+                    f"and XFS are supported ({root.reason})", "mapping page-cache pages back "
+                    "to disk sectors is implemented for ext4 with extents (the Debian cloud "
+                    "images' root) and XFS; convert or rebuild the image with such a root")
 
 
 def _ext_facts(g: Any, dev: str) -> tuple[str, int, str]:
@@ -139,6 +146,14 @@ def _ext_facts(g: Any, dev: str) -> tuple[str, int, str]:
         tune = g.tune2fs_l(dev)
         block_size = int(tune.get("Block size", "4096"))
         features = tune.get("Filesystem features", "")
+    elif fstype == "xfs":
+        # From the superblock itself: libguestfs' xfs_info needs its optional
+        # xfs feature (Debian's libguestfs-xfs), which the appliance may lack.
+        sb = g.pread_device(dev, 512, 0)
+        if sb[:4] == b"XFSB":
+            block_size, = struct.unpack_from(">I", sb, 4)       # sb_blocksize
+            rblocks, = struct.unpack_from(">Q", sb, 16)          # sb_rblocks
+            features = "realtime" if rblocks else ""
     return fstype, block_size, features
 
 

@@ -8,8 +8,12 @@ guests keep in their page caches, so the image must not be special.
 The image is built without mounting anything: mmdebstrap installs into a
 directory, ``mkfs.ext4 -d`` turns that directory into a filesystem image, and
 for the partitioned layouts the filesystem is copied into a GPT disk at the same
-offset Debian's cloud images use ("gpt"), or behind a separate /boot partition
-made the same way from the tree's /boot ("gpt-bootsplit").  No bootloader is
+offset Debian's cloud images use ("gpt"), behind a separate /boot partition
+made the same way from the tree's /boot ("gpt-bootsplit"), or into a linear
+LVM logical volume on that partition ("gpt-lvm"; LVM's metadata is written
+in the libguestfs appliance).  An XFS root ("xfs") is made by mkfs.xfs and
+filled from a tar of the tree in the appliance, since mkfs.xfs cannot copy a
+directory with all its attributes.  No bootloader is
 installed because the analyzer boots guests by direct kernel boot with the
 image's own kernel and initrd from /boot.
 
@@ -183,6 +187,25 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
+    # small's packages (plus xfsprogs, for fsck.xfs in the initrd) on the
+    # trixie/demo GPT layout with an XFS root (issue 11).
+    "xfs": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, "xfsprogs"],
+        "layout": "gpt",
+        "root_fstype": "xfs",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "e3b5a1c7-2d94-4f60-8b1e-9c7d4a2f6e35",
+        "disk_guid": "1d7c4e9a-b253-4f18-a6e0-3f9b2c5d8a71",
+        "partition_guids": {
+            "1": "7e2a9d4c-51b8-4c3f-9d06-b4e1a8c2f573",
+            "14": "a8d3f6b1-29c4-4e75-b1a9-5c0e7d3b9f26",
+            "15": "62c9e1f4-8a37-4d5b-a2c8-e9f1b6d4a037",
+        },
+        "hostname": HOSTNAME,
+    },
 }
 
 # Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
@@ -216,6 +239,7 @@ class _Spec:
     partition_guids: dict[str, str]
     hostname: str
     boot_fs_uuid: str | None = None  # a separate /boot file system (gpt-bootsplit)
+    root_fstype: str = "ext4"
 
 
 @dataclass(frozen=True)
@@ -263,6 +287,9 @@ def _spec(variant: str) -> _Spec:
     boot_fs_uuid = d.get("boot_fs_uuid")
     if boot_fs_uuid is not None and not isinstance(boot_fs_uuid, str):
         raise TypeError("variant field 'boot_fs_uuid' must be str or None")
+    root_fstype = d.get("root_fstype", "ext4")
+    if root_fstype not in ("ext4", "xfs"):
+        raise TypeError("variant field 'root_fstype' must be ext4 or xfs")
     return _Spec(
         suite=_field(d, "suite", str),
         sources=[str(s) for s in _field(d, "sources", list)],
@@ -275,6 +302,7 @@ def _spec(variant: str) -> _Spec:
         partition_guids={str(k): str(v) for k, v in _field(d, "partition_guids", dict).items()},
         hostname=_field(d, "hostname", str),
         boot_fs_uuid=boot_fs_uuid,
+        root_fstype=str(root_fstype),
     )
 
 
@@ -338,6 +366,8 @@ def cached_image(variant: str) -> GoldenImage | None:
 
 def _required_tools(spec: _Spec) -> dict[str, str]:
     tools = {"mmdebstrap": "mmdebstrap", "mkfs.ext4": "e2fsprogs", "qemu-img": "qemu-utils"}
+    if spec.root_fstype == "xfs":
+        tools["mkfs.xfs"] = "xfsprogs"
     if spec.layout != "whole-disk":
         tools["sgdisk"] = "gdisk"
     return tools
@@ -444,10 +474,9 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 # device named in fstab, which does not exist in a chroot; without this the
 # initrd has no fsck.ext4 and every boot warns "fsck not present".  It must be
 # in place before the kernel package builds the initrd, hence an essential hook.
-_ROOT_FSTYPE_HOOK = (
-    'mkdir -p "$1/etc/initramfs-tools/conf.d" && '
-    'echo FSTYPE=ext4 > "$1/etc/initramfs-tools/conf.d/root-fstype"'
-)
+def _root_fstype_hook(fstype: str) -> str:
+    return ('mkdir -p "$1/etc/initramfs-tools/conf.d" && '
+            f'echo FSTYPE={fstype} > "$1/etc/initramfs-tools/conf.d/root-fstype"')
 
 
 def _mmdebstrap(spec: _Spec, rootdir: Path, work: Path, log: Log) -> None:
@@ -456,7 +485,7 @@ def _mmdebstrap(spec: _Spec, rootdir: Path, work: Path, log: Log) -> None:
         "--mode=root",
         f"--variant={spec.mmdebstrap_variant}",
         f"--include={','.join(spec.packages)}",
-        f"--essential-hook={_ROOT_FSTYPE_HOOK}",
+        f"--essential-hook={_root_fstype_hook(spec.root_fstype)}",
         spec.suite,
         str(rootdir),
         *spec.sources,
@@ -554,7 +583,8 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     root = f"UUID={spec.fs_uuid}"
     if spec.layout == "gpt-lvm":
         root = f"/dev/mapper/{LVM_VG}-{LVM_LV}"      # as Debian's installer writes it
-    fstab = f"{root}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
+    options = "rw,discard,errors=remount-ro" if spec.root_fstype == "ext4" else "rw,discard"
+    fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t1\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
     _write(rootdir / "etc/fstab", fstab)
@@ -638,6 +668,8 @@ def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
                    boot_image: Path | None = None) -> tuple[Path, int]:
     """The raw disk, and the sector where the root file system starts on it."""
     if geom.layout == "whole-disk":
+        if spec.root_fstype != "ext4":
+            raise ValueError("the whole-disk layout is built for ext4 roots only")
         return fs_image, 0
     disk = work / "disk.raw"
     with disk.open("wb") as f:
@@ -689,6 +721,30 @@ def _make_lvm(disk: Path, geom: Geometry) -> int:
     if len(segments) != 1 or segments[0].sectors * SECTOR != geom.fs_bytes:
         raise RuntimeError(f"unexpected layout of {LVM_VG}/{LVM_LV}: {segments} {why}")
     return segments[0].disk_start
+
+
+def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
+    """An XFS file system image (the spec's UUID, label root) holding the root
+    tree's tar.  mkfs.xfs runs on the host; the tar is unpacked by the
+    libguestfs appliance, which mounts the image (nothing is mounted on the
+    host)."""
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    with fs_image.open("wb") as f:
+        f.truncate(fs_bytes)
+    _run(["mkfs.xfs", "-q", "-f", "-b", f"size={FS_BLOCK}", "-L", FS_LABEL,
+          "-m", f"uuid={fs_uuid}", str(fs_image)])
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(fs_image), format="raw", readonly=0)
+        g.launch()
+        g.mount("/dev/sda", "/")
+        g.tar_in(str(tree), "/", xattrs=True, acls=True)
+        g.umount_all()
+        g.shutdown()
+    finally:
+        g.close()
 
 
 def _to_qcow2(raw: Path, qcow: Path) -> None:
@@ -792,8 +848,19 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
             _make_ext4(bootdir, boot_image, geom.boot_fs_bytes, spec.boot_fs_uuid, BOOT_LABEL)
         shutil.rmtree(bootdir)
     fs_image = work / "root.ext4"
-    with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
-        _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid)
+    if spec.root_fstype == "xfs":
+        # No mkfs.xfs can fill a file system from a directory with every
+        # attribute (its protofiles lose sticky bits, hard links, xattrs):
+        # the tree travels as a tar into the libguestfs appliance instead.
+        tree, fs_image = work / "root.tar", work / "root.xfs"
+        _run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--acls",
+              "-C", str(rootdir), "-cf", str(tree), "."])
+        with _step(log, f"mkfs.xfs + unpack in the appliance ({geom.fs_bytes >> 20} MiB)"):
+            _make_xfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid)
+        tree.unlink()
+    else:
+        with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
+            _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid)
     _remove_tree(rootdir, log)  # frees ~1 GB before the next copies
     out = work / "out"
     out.mkdir()

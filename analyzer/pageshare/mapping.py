@@ -2,7 +2,7 @@
 
 A page is listed only when all of this holds (see docs/ARCHITECTURE.md):
 clean page cache of a regular file on one of the base image's mapped ext4
-file systems (the root, a separate /boot, /usr, ...; or, with
+or XFS file systems (the root, a separate /boot, /usr, ...; or, with
 include_metadata, block-device cache of the base disk); its file offset maps
 to 4096/blocksize contiguous, allocated blocks; the block starts on an
 8-sector boundary; the page is not all zeros; and its bytes equal the base
@@ -43,10 +43,12 @@ class Placement:
     guest_start: int          # start_sect the guest reports for its block device
     runs: tuple[Run, ...]
     mountpoint: str = "/"
+    fstype: str = "ext4"
 
     @classmethod
-    def partition(cls, uuid: str, start: int, mountpoint: str = "/") -> "Placement":
-        return cls(uuid, start, ((0, WHOLE, start),), mountpoint)
+    def partition(cls, uuid: str, start: int, mountpoint: str = "/", fstype: str = "ext4"
+                  ) -> "Placement":
+        return cls(uuid, start, ((0, WHOLE, start),), mountpoint, fstype)
 
     @property
     def key(self) -> FsKey:
@@ -77,12 +79,14 @@ class Geometry:
 def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
                      ) -> tuple[int | None, str]:
     """Sector of a file page per the base image's block map, or (None, reason)."""
-    if rec.fstype != "ext4":
+    if rec.fstype not in ("ext4", "xfs"):
         return None, "unsupported-fs"
     fs = geo.find(rec)
     if fs is None:
         if any(f.uuid == norm_uuid(rec.fs_uuid) for f in geo.filesystems):
             return None, "other-disk"
+        return None, "other-fs"
+    if rec.fstype != fs.fstype:
         return None, "other-fs"
     if extents is None:
         return None, "unmapped"
