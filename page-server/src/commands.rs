@@ -188,3 +188,40 @@ fn human_status(v: &serde_json::Value) -> String {
     }
     o
 }
+
+#[cfg(test)]
+mod tests {
+    use super::human_status;
+    use serde_json::json;
+
+    #[test]
+    fn human_status_says_what_an_operator_looks_for() {
+        let v = json!({
+            "version": "0.1.0", "pid": 42, "host": "h1", "uptime_seconds": 12.4,
+            "degraded": true, "degraded_reason": "no series",
+            "memory": {"rss_bytes": 3 << 20, "loaded_bytes": 2 << 20}, "clients": 1,
+            "redis": {"url": "redis://x:***@r/", "connected": false, "last_error": "refused"},
+            "images": [{
+                "name": "deb", "state": "serving", "message": "generation 2: 512 blocks (2.0 MiB)",
+                "path": "/img/deb.qcow2", "socket": "/run/pageshare/deb.sock", "list_source": "file /l.pcsl",
+                "generation": 2, "blocks": 512, "bytes": 2 << 20, "table_bytes": 8192, "list_digest": "sha256:ab",
+                "clients": 1, "clients_waiting_to_switch": 0, "live_generations": [2],
+                "client_stats": {"lookups": 5, "hits": 4, "merged": 3, "merge_errors": 0, "fallbacks": 1},
+                "last_error": "",
+            }],
+        });
+        let text = human_status(&v);
+        for want in [
+            "pageshare-server 0.1.0 pid 42 on h1, up 12 s\n",
+            "DEGRADED: no series\n",
+            "memory: RSS 3.0 MiB, 2.0 MiB of verified blocks held; clients: 1\n",
+            "redis: redis://x:***@r/ DISCONNECTED (last error: refused)\n",
+            "image deb: serving - generation 2: 512 blocks (2.0 MiB)\n",
+            "  generation 2: 512 blocks, 2.0 MiB, table 8192 bytes, sha256:ab\n",
+            "lookups 5 hits 4 merged 3 merge errors 0 fallbacks 1\n",
+        ] {
+            assert!(text.contains(want), "{want:?} not in:\n{text}");
+        }
+        assert!(!text.contains("last error: \n"), "an empty last error is not shown:\n{text}");
+    }
+}

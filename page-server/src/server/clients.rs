@@ -172,12 +172,7 @@ impl Server {
                     Some(gen) => self.send_table(id, &gen),
                     None => {
                         let img = &self.images[i];
-                        let reason = match img.state {
-                            "starting" | "loading" => NT_LOADING,
-                            "no-list" => NT_NO_LIST,
-                            "refused" => NT_REFUSED,
-                            _ => NT_IMAGE_CHANGED,
-                        };
+                        let reason = img.state.no_table_reason();
                         let why = img.message.clone();
                         self.send_no_table(id, reason, &why);
                     }

@@ -58,7 +58,7 @@ impl Server {
             .iter()
             .map(|i| match &i.current {
                 Some(g) => format!("{}: gen {} {} blocks", i.cfg.name, g.number, g.blocks.len()),
-                None => format!("{}: {}", i.cfg.name, i.state),
+                None => format!("{}: {}", i.cfg.name, i.state.as_str()),
             })
             .collect();
         parts.join("; ")
@@ -111,7 +111,7 @@ impl Server {
                         (None, Some(k)) => format!("redis key {k}"),
                         (None, None) => "redis (key known once the image identity is)".into(),
                     },
-                    "state": img.state,
+                    "state": img.state.as_str(),
                     "message": img.message,
                     "loading": img.loading,
                     "identity": img.identity.map(|id| json!({

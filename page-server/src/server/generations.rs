@@ -1,7 +1,7 @@
 //! Loads and generations: asking the loader for a list, taking its result,
 //! publishing a new generation to the clients, withdrawing a table.
 
-use super::Server;
+use super::{ImageStatus, Server};
 use crate::arena::{Arena, MergeMode};
 use crate::identity::FileStamp;
 use crate::loader::{cached_list_path, FailKind, Job, ListSource, LoadError, LoadOk, Loaded};
@@ -50,7 +50,7 @@ impl Server {
         self.latest[idx].store(img.seq, Ordering::SeqCst);
         img.loading = true;
         if img.current.is_none() {
-            img.state = "loading";
+            img.state = ImageStatus::Loading;
         }
         img.message = format!("loading {} ({why})", source.describe());
         img.last_source = Some(source.clone());
@@ -136,7 +136,7 @@ impl Server {
             None => String::new(),
         };
         if kind == FailKind::NoList {
-            img.state = if img.current.is_some() { "serving" } else { "no-list" };
+            img.state = if img.current.is_some() { ImageStatus::Serving } else { ImageStatus::NoList };
             img.message = msg.clone();
             crate::log::info(&format!("image {}: {msg}{keep}", img.cfg.name));
             self.broadcast_no_table_if_empty(idx, NT_NO_LIST, &msg);
@@ -150,7 +150,7 @@ impl Server {
             // no longer be what QEMU reads.  Stop publishing it.
             self.withdraw(idx, NT_IMAGE_CHANGED, &msg);
             let img = &mut self.images[idx];
-            img.state = "error";
+            img.state = ImageStatus::Error;
             img.message = format!("{msg} (retrying in {} s)", IMAGE_RETRY.as_secs());
             // The image may come back (a transient lock, a copy in
             // progress): try again later, inotify may be quicker.
@@ -160,7 +160,7 @@ impl Server {
         } else {
             let img = &mut self.images[idx];
             if img.current.is_none() {
-                img.state = "refused";
+                img.state = ImageStatus::Refused;
                 img.message = msg.clone();
                 self.broadcast_no_table_if_empty(idx, NT_REFUSED, &msg);
             } else {
@@ -238,7 +238,7 @@ impl Server {
         img.next_generation += 1;
         img.arena = Some(ok.arena.clone());
         img.current = Some(gen.clone());
-        img.state = "serving";
+        img.state = ImageStatus::Serving;
         img.loads_ok += 1;
         img.message = format!("generation {number}: {} blocks ({mib:.1} MiB)", gen.blocks.len());
         img.last_load = json!({
@@ -271,7 +271,7 @@ impl Server {
             "image {}: withdrawing generation {}: {why}",
             img.cfg.name, gen.number
         ));
-        img.state = "withdrawn";
+        img.state = ImageStatus::Withdrawn;
         img.message = why.to_string();
         drop(gen);
         self.broadcast_no_table_if_empty(idx, reason, why);

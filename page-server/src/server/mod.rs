@@ -35,6 +35,7 @@ use crate::metrics::MetricsError;
 use crate::identity::{FileStamp, Identity};
 use crate::loader::{Job, ListSource, Loaded};
 use crate::notify::Notifier;
+use crate::proto::{NT_IMAGE_CHANGED, NT_LOADING, NT_NO_LIST, NT_REFUSED};
 use crate::redis_watch::{self, RedisList, RedisStatus};
 use clients::{Client, ClientCounters};
 use generations::Generation;
@@ -107,6 +108,46 @@ enum Event {
     Redis(RedisList),
 }
 
+/// Where an image is, as `status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ImageStatus {
+    Starting,
+    Loading,
+    Serving,
+    /// No list exists yet (a Redis image before Redis has one).
+    NoList,
+    /// The list was refused and there is no earlier one.
+    Refused,
+    /// The image cannot be read; retried.
+    Error,
+    /// The image changed: the table was withdrawn.
+    Withdrawn,
+}
+
+impl ImageStatus {
+    fn as_str(self) -> &'static str {
+        match self {
+            ImageStatus::Starting => "starting",
+            ImageStatus::Loading => "loading",
+            ImageStatus::Serving => "serving",
+            ImageStatus::NoList => "no-list",
+            ImageStatus::Refused => "refused",
+            ImageStatus::Error => "error",
+            ImageStatus::Withdrawn => "withdrawn",
+        }
+    }
+
+    /// What NO_TABLE tells a client that connects while there is no table.
+    fn no_table_reason(self) -> u32 {
+        match self {
+            ImageStatus::Starting | ImageStatus::Loading => NT_LOADING,
+            ImageStatus::NoList => NT_NO_LIST,
+            ImageStatus::Refused => NT_REFUSED,
+            ImageStatus::Serving | ImageStatus::Error | ImageStatus::Withdrawn => NT_IMAGE_CHANGED,
+        }
+    }
+}
+
 /// One image the server serves: its socket, the generation it publishes and
 /// what the loads so far said.
 struct ImageState {
@@ -114,7 +155,7 @@ struct ImageState {
     listener: UnixListener,
     current: Option<Rc<Generation>>,
     next_generation: u64,
-    state: &'static str,
+    state: ImageStatus,
     message: String,
     identity: Option<Identity>,
     /// Stamp of the image file the last load verified (None: re-check).
@@ -144,7 +185,7 @@ impl ImageState {
             listener,
             current: None,
             next_generation: 1,
-            state: "starting",
+            state: ImageStatus::Starting,
             message: String::new(),
             identity: None,
             image_stamp: None,
