@@ -315,3 +315,21 @@ def test_version_1_database_is_migrated_to_file_per_file_system(tmp_path: Path) 
     assert db.execute("PRAGMA user_version").fetchone() == (resultsdb.SCHEMA_VERSION,)
     db.close()
     resultsdb.connect(path).close()           # connecting again changes nothing
+
+
+def test_space_for_file_system_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # XFS (and LVs of several segments) are read from a copy: the work
+    # directory must hold the image's data once more.
+    from collections import namedtuple
+
+    from pageshare import analyze
+    image = tmp_path / "golden.qcow2"
+    image.write_bytes(b"\0" * 4096)
+    opts = analyze.Options(image=image, ram_mib=256, workdir_parent=tmp_path / "work")
+    need = 2 * 256 * 2**20 + 4096
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(analyze.shutil, "disk_usage",
+                        lambda _: usage(0, 0, int(need * 1.1) + 1024))
+    analyze.check_space(opts)
+    with pytest.raises(UserError, match="copies of its XFS file systems"):
+        analyze.check_space(opts, fs_copies=True)

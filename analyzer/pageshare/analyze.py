@@ -139,15 +139,19 @@ def preflight(opts: Options) -> None:
     check_space(opts)
 
 
-def check_space(opts: Options) -> None:
-    """The work directory holds a raw copy of the base and two RAM-sized dumps."""
+def check_space(opts: Options, fs_copies: bool = False) -> None:
+    """The work directory holds a raw copy of the base and two RAM-sized dumps, and
+    with fs_copies the copies of file systems that xfs_db or debugfs read apart
+    (XFS, LVs of several segments): at most the image's data again."""
     opts.workdir_parent.mkdir(parents=True, exist_ok=True)
-    need = 2 * opts.ram_mib * 2**20 + (opts.image.stat().st_size if opts.image.exists() else 0)
+    size = opts.image.stat().st_size if opts.image.exists() else 0
+    need = 2 * opts.ram_mib * 2**20 + size * (2 if fs_copies else 1)
     free = shutil.disk_usage(opts.workdir_parent).free
     if free < need * 1.1:
         raise UserError(f"not enough space in {opts.workdir_parent}: {free / 2**30:.1f} GiB free, "
-                        f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy and "
-                        "two memory dumps",
+                        f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy"
+                        + (", copies of its XFS file systems" if fs_copies else "")
+                        + " and two memory dumps",
                         "free space there, or point PAGESHARE_WORKDIR at a larger file system")
 
 
@@ -169,6 +173,8 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     for sk in info.skipped:
         progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
                      f"mapped, its files cannot be listed: {sk.reason}")
+    if any(f.fstype == "xfs" or len(f.runs) > 1 for f in info.filesystems):
+        check_space(opts, fs_copies=True)
     if any(f.fstype == "xfs" for f in info.filesystems) and not shutil.which("xfs_db"):
         raise UserError("xfs_db not found; the image has XFS file systems to map",
                         "run scripts/install-deps.sh (apt: xfsprogs)")
@@ -186,12 +192,21 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     db = connect(opts.db)
     analysis_id = 0
     try:
+        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs,
+                                       f.mountpoint, f.fstype) for f in info.filesystems),
+                       vsize)
         with progress.phase("base-image", "reading the base image (raw copy, content hash)"):
             raw = workdir / "base.raw"
             subprocess.run(["qemu-img", "convert", "-O", "raw", str(opts.image), str(raw)],
                            check=True)
             read_at, _ = sectorlist.raw_file_reader(raw)
             content = sectorlist.image_content_sha256(read_at, vsize)
+            # Where debugfs/xfs_db read each file system; xfs_db reads none at
+            # an offset of a disk, so XFS gets a copy (as an LV of several
+            # segments does).
+            sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
+                                        copy=fs.fstype == "xfs")
+                       for i, fs in enumerate(geo.filesystems)}
         image_id = _store_image(db, opts.image, fmt, vsize, content, insp)
         cur = db.execute(
             "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
@@ -206,13 +221,6 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         _store_filesystems(db, analysis_id, insp)
         db.commit()
 
-        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs,
-                                       f.mountpoint, f.fstype) for f in info.filesystems),
-                       vsize)
-        # xfs_db reads no file system at an offset of a disk: XFS gets a copy.
-        sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
-                                    copy=fs.fstype == "xfs")
-                   for i, fs in enumerate(geo.filesystems)}
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
         results: list[RunResult] = []
         ksm_series: list[dict[str, Any]] = []
