@@ -1,15 +1,15 @@
 """Which file systems of a golden image the analysis can map back to disk sectors.
 
-The guest's page cache names a page by (file system UUID, partition start,
-inode, index); a list entry names a 4 KiB block of the virtual disk.  For a
-file system to be mapped, its block map must be readable offline (ext4
-extents through debugfs, XFS extents through xfs_db), its bytes must sit at known places of the disk
-(a partition, the whole disk, or the extents of a linear LVM logical volume,
-lvm.py) and its blocks must be able to land on 4 KiB boundaries of the
-virtual disk.  Every file system the image mounts from
-/etc/fstab is looked at; the root must be mappable (without it nothing of
-/usr is), any other one that is not is skipped with the reason, and the
-analysis goes on with the rest.
+The guest's page cache names a page by (file system UUID, start sector of
+its block device, inode, index); a list entry names a 4 KiB block of the
+virtual disk.  For a file system to be mapped, its block map must be
+readable offline (ext4 extents through debugfs, XFS extents through
+xfs_db), its bytes must sit at known places of the disk (a partition, the
+whole disk, or the extents of a linear LVM logical volume, lvm.py), and its
+blocks must be able to land on 4 KiB boundaries of the virtual disk.  Every
+file system the image mounts from /etc/fstab is looked at; the root must be
+mappable (without it nothing of /usr is), any other one that is not is
+skipped with the reason, and the analysis goes on with the rest.
 """
 
 import re
@@ -23,8 +23,6 @@ from . import lvm
 from .errors import UserError
 
 PAGE_SECTORS = 8            # a 4 KiB page in 512-byte sectors
-MAPPED_FSTYPES = ("ext4", "xfs")
-
 
 # (file system sector, sectors, disk sector): a run of the file system's bytes
 # on the virtual disk.  One run for a partition; one per LV segment.
@@ -59,9 +57,7 @@ class SkippedFs:
 
 
 _DISK_PART = re.compile(r"/dev/sda(\d*)")
-
-
-_LV = re.compile(r"/dev/([^/]+)/([^/]+)")
+_LV = re.compile(r"/dev/([^/]+)/([^/]+)")          # libguestfs names LVs /dev/VG/LV
 
 
 def partition_number(device: str) -> int | None:
@@ -135,7 +131,7 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
                     "images' root) and XFS; convert or rebuild the image with such a root")
 
 
-def _ext_facts(g: Any, dev: str) -> tuple[str, int, str]:
+def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
     """(type, block size, features) of a device's file system."""
     try:
         fstype = g.vfs_type(dev)
@@ -169,7 +165,7 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
     skipped: list[SkippedFs] = []
     for mp in sorted(mountpoints, key=lambda m: (m != "/", m)):
         dev = mountpoints[mp]
-        fstype, block_size, features = _ext_facts(g, dev)
+        fstype, block_size, features = _fs_facts(g, dev)
         partno = partition_number(dev)
         lv = _LV.fullmatch(dev) if partno is None else None
         if lv and lv.group(1) not in ("mapper", "md", "disk"):
