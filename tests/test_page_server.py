@@ -519,8 +519,13 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     for opt in ("ProtectSystem=strict", "PrivateTmp=yes", "NoNewPrivileges=yes",
                 "ProtectHome=yes", "RuntimeDirectory=pageshare", "CacheDirectory="):
         assert opt in unit
+    # The package installs the binary here (packaging/debs.py), and nothing
+    # else does; tests/test_server_package_guest.py verifies the installed unit.
+    assert "ExecStart=/usr/bin/pageshare-server run " in unit
+    assert "ConditionPathExists=/etc/pageshare/server.toml" in unit
     # systemd-analyze checks that ExecStart exists: point it at the build.
-    local = unit.replace("/usr/local/bin/pageshare-server", str(server_binary()))
+    local = unit.replace("/usr/bin/pageshare-server", str(server_binary()))
+    assert "/usr/bin/pageshare-server" not in local
     good = tmp_path / "pageshare-server.service"
     good.write_text(local)
     p = subprocess.run(["systemd-analyze", "verify", str(good)], capture_output=True, text=True)

@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Build pageshare's Debian packages, cached by a hash of their inputs.
+
+    packaging/debs.py                    # every package; prints each .deb's path
+    packaging/debs.py pageshare-server   # just that one
+    packaging/debs.py --json pageshare-server
+    packaging/debs.py --force --check pageshare-server   # rebuild, run cargo test too
+
+Packages (``--list``):
+
+- ``pageshare-server``: ``/usr/bin/pageshare-server``, its systemd unit
+  (``page-server/pageshare-server.service``, enabled on install but with
+  ``ConditionPathExists=/etc/pageshare/server.toml``, so nothing runs until
+  the operator writes the configuration), the example configuration as the
+  conffile ``/etc/pageshare/server.example.toml``, a manual page and the
+  README and protocol in ``/usr/share/doc/pageshare-server``.  The service
+  runs as root with the capability bounding set the unit names
+  (``CAP_DAC_READ_SEARCH``): no system user is created.
+
+How a package is built: its source tree is assembled in a scratch
+directory from the checkout (``--source``, default the checkout this
+script is in) plus ``packaging/<package>/debian/``, and built with
+``dpkg-buildpackage -b`` (debhelper compat 13); then ``lintian`` must report
+no error and no warning (justified exceptions live in the package's
+``debian/*.lintian-overrides``), and the .deb's contents are checked (the
+unit's ExecStart binary, the conffile).  The result is stored in
+``${PAGESHARE_CACHE:-~/.cache/pageshare}/packages/<package>/<key>/`` with the
+build and lintian logs, where key hashes every input file, this script and
+the versions of the tools (rustc, cargo, dpkg-dev, debhelper, lintian).  A
+warm run finds ``<key>/stamp`` and prints the cached path.  Nothing is
+written to the checkout.
+
+Rust comes from the cargo on PATH or ``~/.cargo/bin`` (Debian 12's cargo is
+too old for the crates in Cargo.lock); its target directory is kept in the
+cache, so a rebuild after a source change compiles only what changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare")) / "packages"
+# Bump when the way packages are built changes in a way the inputs do not show.
+BUILDER_VERSION = 1
+TOOLS = ["dpkg-dev", "debhelper", "lintian"]
+
+
+class BuildError(Exception):
+    """A package could not be built; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    # Files and directories of the checkout that go into the source tree
+    # (relative to the checkout), and where they go in it.
+    sources: dict[str, str]
+    # Extra checks of the built .deb (paths relative to the package root).
+    must_contain: tuple[str, ...]
+    conffiles: tuple[str, ...]
+    needs_cargo: bool
+    # Called with the assembled source tree before dpkg-buildpackage.
+    prepare: Callable[[Path], None] | None = None
+
+    def source_of(self, dest: str) -> str:
+        """The checkout path that becomes ``dest`` in the source tree."""
+        return next(r for r, d in self.sources.items() if d == dest)
+
+
+def _server_prepare(tree: Path) -> None:
+    # One unit file, in page-server/: dh_installsystemd installs and enables
+    # debian/<package>.service.
+    shutil.copy2(tree / "pageshare-server.service", tree / "debian" / "pageshare-server.service")
+
+
+PACKAGES: dict[str, Package] = {
+    "pageshare-server": Package(
+        name="pageshare-server",
+        sources={
+            "page-server/Cargo.toml": "Cargo.toml",
+            "page-server/Cargo.lock": "Cargo.lock",
+            "page-server/src": "src",
+            "page-server/README.md": "README.md",
+            "page-server/PROTOCOL.md": "PROTOCOL.md",
+            "page-server/server.example.toml": "server.example.toml",
+            "page-server/pageshare-server.service": "pageshare-server.service",
+            "packaging/pageshare-server/debian": "debian",
+        },
+        must_contain=(
+            "usr/bin/pageshare-server",
+            "lib/systemd/system/pageshare-server.service",
+            "etc/pageshare/server.example.toml",
+            "usr/share/man/man8/pageshare-server.8.gz",
+            "usr/share/doc/pageshare-server/README.md",
+            "usr/share/doc/pageshare-server/copyright",
+        ),
+        conffiles=("/etc/pageshare/server.example.toml",),
+        needs_cargo=True,
+        prepare=_server_prepare,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def log(msg: str) -> None:
+    print(f"[debs] {msg}", file=sys.stderr, flush=True)
+
+
+def cargo() -> str | None:
+    found = shutil.which("cargo")
+    if found:
+        return found
+    home = Path.home() / ".cargo" / "bin" / "cargo"
+    return str(home) if home.exists() else None
+
+
+def _out(cmd: list[str]) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unavailable: {e}"
+    return (p.stdout or p.stderr).strip()
+
+
+def tool_versions(pkg: Package) -> dict[str, str]:
+    v = {t: _out(["dpkg-query", "-W", "-f=${Version}", t]) for t in TOOLS}
+    if pkg.needs_cargo:
+        c = cargo() or "cargo"
+        v["cargo"] = _out([c, "--version"])
+        v["rustc"] = _out([str(Path(c).with_name("rustc")), "--version"])
+    return v
+
+
+def _files(root: Path, rel: str) -> Iterator[Path]:
+    p = root / rel
+    if p.is_dir():
+        for f in sorted(p.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                yield f
+    elif p.is_file():
+        yield p
+    else:
+        raise BuildError(f"{p}: missing (is --source a pageshare checkout?)")
+
+
+def inputs_key(pkg: Package, source: Path) -> tuple[str, dict[str, object]]:
+    files: dict[str, str] = {}
+    for rel in pkg.sources:
+        for f in _files(source, rel):
+            st = f.stat()
+            files[str(f.relative_to(source))] = (
+                f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{st.st_mode & 0o111:o}")
+    inputs: dict[str, object] = {
+        "builder_version": BUILDER_VERSION,
+        "package": pkg.name,
+        "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "files": files,
+        "tools": tool_versions(pkg),
+    }
+    blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16], inputs
+
+
+def changelog_version(debian: Path) -> str:
+    first = (debian / "changelog").read_text().splitlines()[0]
+    m = re.match(r"^\S+ \(([^)]+)\)", first)
+    if not m:
+        raise BuildError(f"{debian}/changelog: no version in its first line")
+    return m.group(1)
+
+
+def cargo_version(toml: Path) -> str:
+    m = re.search(r'^version\s*=\s*"([^"]+)"', toml.read_text(), re.M)
+    if not m:
+        raise BuildError(f"{toml}: no version")
+    return m.group(1)
+
+
+def preflight(pkg: Package) -> None:
+    missing = [t for t in ("dpkg-buildpackage", "dh", "lintian", "dpkg-deb")
+               if shutil.which(t) is None]
+    if missing:
+        raise BuildError(f"missing tools: {' '.join(missing)}; install the Debian packages "
+                         "dpkg-dev, debhelper and lintian (scripts/install-deps.sh does)")
+    if pkg.needs_cargo and cargo() is None:
+        raise BuildError("cargo not found; install Rust >= 1.80 with rustup "
+                         "(Debian 12's cargo is too old), then rerun")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- checks of the result
+
+
+def deb_paths(deb: Path) -> set[str]:
+    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
+                       check=True)
+    t = subprocess.run(["tar", "-t"], input=p.stdout, capture_output=True, check=True)
+    return {line.decode().removeprefix("./").rstrip("/") for line in t.stdout.splitlines()}
+
+
+def deb_member(deb: Path, member: str) -> str:
+    """A file of the package's data, as text."""
+    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
+                       check=True)
+    t = subprocess.run(["tar", "-xO", f"./{member}"], input=p.stdout, capture_output=True,
+                       check=True)
+    return t.stdout.decode()
+
+
+def deb_control_file(deb: Path, name: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run(["dpkg-deb", "-e", str(deb), d], check=True)
+        f = Path(d) / name
+        return f.read_text() if f.exists() else ""
+
+
+def check_deb(pkg: Package, deb: Path) -> None:
+    paths = deb_paths(deb)
+    missing = [m for m in pkg.must_contain if m not in paths]
+    if missing:
+        raise BuildError(f"{deb.name} lacks {', '.join(missing)}")
+    conffiles = set(deb_control_file(deb, "conffiles").split())
+    if not set(pkg.conffiles) <= conffiles:
+        raise BuildError(f"{deb.name}: conffiles are {sorted(conffiles)}, "
+                         f"expected {list(pkg.conffiles)}")
+    for unit in (p for p in paths if p.endswith(".service") and "/systemd/system/" in p):
+        text = deb_member(deb, unit)
+        for m in re.finditer(r"^Exec\w+=[-@:+!]*(\S+)", text, re.M):
+            if m.group(1).lstrip("/") not in paths:
+                raise BuildError(f"{deb.name}: {unit} runs {m.group(1)}, which the package "
+                                 "does not install")
+
+
+# --------------------------------------------------------------------------- build
+
+
+def assemble(pkg: Package, source: Path, tree: Path) -> None:
+    tree.mkdir(parents=True)
+    for rel, dest in pkg.sources.items():
+        src = source / rel
+        if src.is_dir():
+            shutil.copytree(src, tree / dest, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, tree / dest)
+    if pkg.prepare:
+        pkg.prepare(tree)
+
+
+def build(pkg: Package, source: Path, *, force: bool = False, check: bool = False) -> Path:
+    """The package's cache directory (with the .deb), built if needed."""
+    preflight(pkg)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        key, inputs = inputs_key(pkg, source)
+        out = CACHE / pkg.name / key
+        if (out / "stamp").exists() and not force:
+            return out
+        debian = source / pkg.source_of("debian")
+        version = changelog_version(debian)
+        if pkg.needs_cargo:
+            toml = source / pkg.source_of("Cargo.toml")
+            if cargo_version(toml) != version.split("-")[0]:
+                raise BuildError(f"{toml} says version {cargo_version(toml)}, "
+                                 f"{debian}/changelog {version}: add a changelog entry")
+        start = time.monotonic()
+        work = Path(tempfile.mkdtemp(prefix=f".work-{pkg.name}-", dir=CACHE))
+        try:
+            tree = work / f"{pkg.name}-{version.split('-')[0]}"
+            assemble(pkg, source, tree)
+            env = dict(os.environ, DEB_BUILD_OPTIONS="" if check else "nocheck")
+            if pkg.needs_cargo:
+                c = cargo()
+                assert c is not None
+                env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
+                env["CARGO_TARGET_DIR"] = str(CACHE / "cargo-target")
+            build_log = work / "build.log"
+            log(f"{pkg.name} {version}: dpkg-buildpackage in {tree} (log: {build_log})")
+            with open(build_log, "wb") as lf:
+                p = subprocess.run(["nice", "-n", "10", "dpkg-buildpackage", "-b", "-us", "-uc"],
+                                   cwd=tree, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+            if p.returncode != 0:
+                raise BuildError(f"dpkg-buildpackage failed ({p.returncode}):\n"
+                                 f"{_tail(build_log)}")
+            changes = sorted(work.glob(f"{pkg.name}_*.changes"))
+            debs = sorted(work.glob(f"{pkg.name}_*.deb"))
+            if len(changes) != 1 or len(debs) != 1:
+                raise BuildError(f"expected one .changes and one .deb in {work}, found "
+                                 f"{[c.name for c in changes + debs]}")
+            lint = subprocess.run(["lintian", "--fail-on", "error,warning", "--info",
+                                   str(changes[0])], capture_output=True, text=True)
+            (work / "lintian.txt").write_text(lint.stdout + lint.stderr)
+            if lint.returncode != 0:
+                raise BuildError(f"lintian found problems in {pkg.name}:\n"
+                                 f"{lint.stdout}{lint.stderr}")
+            check_deb(pkg, debs[0])
+            staged = work / "result"
+            staged.mkdir()
+            for f in [*work.glob(f"{pkg.name}*_*.*deb"), *work.glob(f"{pkg.name}_*.buildinfo"),
+                      *changes, build_log, work / "lintian.txt"]:
+                shutil.move(str(f), staged / f.name)
+            manifest = {"package": pkg.name, "version": version, "key": key,
+                        "deb": debs[0].name, "build_seconds": round(time.monotonic() - start, 1),
+                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "inputs": inputs}
+            (staged / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            (staged / "stamp").write_text(key + "\n")
+            if out.exists():
+                shutil.rmtree(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staged.rename(out)
+            log(f"{pkg.name}: {out / debs[0].name} ({manifest['build_seconds']} s)")
+            return out
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def deb_of(out: Path) -> Path:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return out / str(manifest["deb"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Build pageshare's Debian packages (cached by their inputs under "
+                    "$PAGESHARE_CACHE/packages) and print each .deb's path.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Packages: " + ", ".join(PACKAGES))
+    ap.add_argument("packages", nargs="*", metavar="PACKAGE",
+                    help="packages to build (default: all)")
+    ap.add_argument("--source", type=Path, default=REPO,
+                    help="the pageshare checkout to build from (default: %(default)s)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument("--check", action="store_true",
+                    help="run the package's own tests while building (cargo test)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--list", action="store_true", help="list the packages and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(PACKAGES))
+        return 0
+    names = args.packages or list(PACKAGES)
+    unknown = [n for n in names if n not in PACKAGES]
+    if unknown:
+        ap.error(f"unknown package(s) {', '.join(unknown)}; choose from {', '.join(PACKAGES)}")
+    results: dict[str, str] = {}
+    try:
+        for n in names:
+            results[n] = str(deb_of(build(PACKAGES[n], args.source.resolve(), force=args.force,
+                                          check=args.check)))
+    except BuildError as e:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e), "built": results}))
+        else:
+            print(f"debs: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"ok": True, "built": results}))
+    else:
+        print("\n".join(results.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
