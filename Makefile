@@ -5,7 +5,7 @@
 PY := .venv/bin/python
 export PAGESHARE_CACHE ?= $(HOME)/.cache/pageshare
 
-.PHONY: deps demo test lint unit kernel-test clean
+.PHONY: deps demo test lint unit kernel-test packages clean
 
 deps:
 	@scripts/install-deps.sh
@@ -15,7 +15,7 @@ demo: deps
 	.venv/bin/analyze-image $$($(PY) -m pageshare.golden --variant demo)
 
 lint: deps
-	.venv/bin/ruff check analyzer tests bench kernel-syscall qemu-patches page-server
+	.venv/bin/ruff check analyzer tests bench kernel-syscall qemu-patches page-server packaging
 	.venv/bin/mypy
 	$(MAKE) -s -C crash-ext clean all
 
@@ -29,6 +29,11 @@ test: deps lint
 # through tests/test_kernel_syscall.py.
 kernel-test: deps
 	kernel-syscall/run-tests.sh --config debug
+
+# Debian packages, cached by their inputs in $(PAGESHARE_CACHE)/packages
+# (packaging/debs.py prints each .deb's path).
+packages: deps
+	$(PY) packaging/debs.py
 
 clean:
 	$(MAKE) -s -C crash-ext clean

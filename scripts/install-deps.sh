@@ -25,6 +25,8 @@ APT_PACKAGES=(
 	flex bison bc libelf-dev libssl-dev libnuma-dev cpio xz-utils rsync
 	# the fuzz target of the filter's table parser (libFuzzer, ASan, UBSan)
 	clang libclang-rt-dev
+	# Debian packages (packaging/debs.py)
+	dpkg-dev debhelper lintian
 )
 
 if [ "$(id -u)" != 0 ]; then
