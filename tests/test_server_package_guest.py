@@ -22,8 +22,9 @@ hardening the server runs with only CAP_DAC_READ_SEARCH, no new privileges,
 a seccomp filter and its own mount namespace, and still loads, serves and
 answers on the metrics endpoint; a server stopped with SIGSTOP is killed
 by the watchdog (WatchdogSec=30s) and restarted, a SIGKILLed one is
-restarted, and each new server serves again; the journal says all of this;
-purging the package removes it and leaves the operator's configuration.
+restarted, and each new server serves again; an upgrade (a reinstall)
+restarts it and keeps the operator's configuration; the journal says all of
+this; purging removes the package and keeps the operator's configuration.
 The guest kernel lacks merge_pages, so the server runs in degraded mode.
 """
 
@@ -291,8 +292,11 @@ def test_server_package_under_systemd(tmp_path: Path) -> None:
     assert n1 != n2
     (payload / "client.pl").write_text(PERL_CLIENT)
     disk = tmp_path / "payload.ext4"
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk),
-                    "96M"], check=True)
+    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
+    with open(disk, "wb") as fh:
+        fh.truncate((size * 5 // 4 + (16 << 20)) // 4096 * 4096)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk)],
+                   check=True)
 
     # The guest.
     insp = inspect_image(img.path, "qcow2", int(img.manifest["virtual_size"]))
@@ -442,6 +446,18 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, times: dict[str, float],
     assert int(show["NRestarts"]) == 2, show
     lap("sigkill")
 
+    # --- an upgrade (the same version again) restarts the running server
+    # and leaves the operator's configuration alone.
+    conf = g.ok("sha256sum /etc/pageshare/server.toml")
+    out = g.ok(f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
+               f"--reinstall ./{deb}", timeout=300)
+    assert "Setting up pageshare-server" in out, out
+    pid4 = wait_until("the restart after the upgrade", lambda: new_pid(g, pid3), 60, 1)
+    st = serving(g, 1, n2)
+    assert st["pid_table"] == pid4, st
+    assert g.ok("sha256sum /etc/pageshare/server.toml") == conf
+    lap("upgrade")
+
     # --- the journal says what happened: systemd's messages in this order,
     # and each server process's own.
     entries = [json.loads(line) for line in
@@ -464,16 +480,18 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, times: dict[str, float],
         r"Failed with result 'signal'",
         r"Scheduled restart job, restart counter is at 2\.",
         STARTED,
+        r"^Stopping (pageshare-server.service - )?pageshare page server",   # the upgrade
+        STARTED,
     ])
     own = {pid: [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "pageshare-server"
-                 and int(e.get("_PID", 0)) == pid] for pid in (pid1, pid2, pid3)}
+                 and int(e.get("_PID", 0)) == pid] for pid in (pid1, pid2, pid3, pid4)}
     loading = rf"^image test: loading file {LISTS}/current/test.pcsl"
     for pid, lines in [
             (pid1, [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n1} ",
                     rf"{loading} \(reload requested\)",
                     rf"^image test: published generation 2: {n2} "]),
-            (pid2, [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n2} "]),
-            (pid3, [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n2} "])]:
+            *((pid, [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n2} "])
+              for pid in (pid2, pid3, pid4))]:
         text = "\n".join(str(e["MESSAGE"]) for e in own[pid])
         assert_in_order(text, lines)
         assert re.search("^listening: control /run/pageshare/control.sock, 1 image socket",
