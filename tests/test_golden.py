@@ -121,6 +121,13 @@ def test_xfs_variant_is_small_packages_with_an_xfs_root() -> None:
     assert "FSTYPE=xfs" in golden._root_fstype_hook("xfs")
 
 
+def test_small1k_variant_is_small_with_1k_blocks() -> None:
+    spec, small = golden._spec("small1k"), golden._spec("small")
+    assert (spec.fs_block, small.fs_block) == (1024, 4096)
+    assert spec.packages == small.packages and spec.layout == small.layout
+    assert golden.geometry("small1k") == golden.geometry("small")
+
+
 def test_gpt_geometry_matches_debian_cloud_layout() -> None:
     g = golden.geometry("demo")
     assert g.layout == "gpt"
@@ -439,6 +446,17 @@ def test_xfs_root_partition(tmp_path: Path) -> None:
     # The tree came through whole: /tmp keeps its sticky bit, the kernel is in /boot.
     assert "core.mode = 041777" in xfs_db("path /tmp", "print core.mode")  # dir, 1777
     assert "current inode number" in xfs_db(f"path /boot/vmlinuz-{m['kernel_version']}", "inode")
+
+
+@pytest.mark.vm
+def test_small1k_root_has_1k_blocks(tmp_path: Path) -> None:
+    image = _image("small1k")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    stats = _debugfs(str(raw), "stats")
+    assert "Block size:               1024" in stats
+    assert f"Filesystem UUID:          {image.manifest['fs_uuid']}" in stats
+    assert _exists(str(raw), f"/boot/vmlinuz-{image.manifest['kernel_version']}")
 
 
 @pytest.mark.vm

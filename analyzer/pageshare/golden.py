@@ -187,6 +187,21 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
+    # small with 1 KiB ext4 blocks (issue 11): a page is four blocks, listed
+    # only where they are contiguous and the first is 4 KiB-aligned on the disk.
+    "small1k": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": list(_BOOT_PACKAGES),
+        "layout": "whole-disk",
+        "fs_block": 1024,
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "5b8e2f1a-c734-4d96-a0e5-7f3c9d1b6a28",
+        "disk_guid": None,
+        "partition_guids": {},
+        "hostname": HOSTNAME,
+    },
     # small's packages (plus xfsprogs, for fsck.xfs in the initrd) on the
     # trixie/demo GPT layout with an XFS root (issue 11).
     "xfs": {
@@ -240,6 +255,7 @@ class _Spec:
     hostname: str
     boot_fs_uuid: str | None = None  # a separate /boot file system (gpt-bootsplit)
     root_fstype: str = "ext4"
+    fs_block: int = FS_BLOCK          # the root ext4's block size
 
 
 @dataclass(frozen=True)
@@ -287,6 +303,9 @@ def _spec(variant: str) -> _Spec:
     boot_fs_uuid = d.get("boot_fs_uuid")
     if boot_fs_uuid is not None and not isinstance(boot_fs_uuid, str):
         raise TypeError("variant field 'boot_fs_uuid' must be str or None")
+    fs_block = d.get("fs_block", FS_BLOCK)
+    if fs_block not in (1024, 2048, 4096):
+        raise TypeError("variant field 'fs_block' must be 1024, 2048 or 4096")
     root_fstype = d.get("root_fstype", "ext4")
     if root_fstype not in ("ext4", "xfs"):
         raise TypeError("variant field 'root_fstype' must be ext4 or xfs")
@@ -303,6 +322,7 @@ def _spec(variant: str) -> _Spec:
         hostname=_field(d, "hostname", str),
         boot_fs_uuid=boot_fs_uuid,
         root_fstype=str(root_fstype),
+        fs_block=int(fs_block),
     )
 
 
@@ -611,14 +631,14 @@ def _split_boot(rootdir: Path, bootdir: Path) -> None:
 
 
 def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str,
-               label: str = FS_LABEL) -> None:
+               label: str = FS_LABEL, block: int = FS_BLOCK) -> None:
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
     # Zeroing inode tables and journal now is free on a sparse file, and it
     # spares every clone the ext4lazyinit writes after its first mount.
     extended = f"hash_seed={fs_uuid},lazy_itable_init=0,lazy_journal_init=0"
     _run(
-        ["mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-L", label, "-U", fs_uuid,
+        ["mkfs.ext4", "-q", "-F", "-b", str(block), "-L", label, "-U", fs_uuid,
          "-E", extended, "-d", str(rootdir), str(fs_image)]
     )  # fmt: skip
 
@@ -860,7 +880,7 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
         tree.unlink()
     else:
         with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
-            _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid)
+            _make_ext4(rootdir, fs_image, geom.fs_bytes, spec.fs_uuid, block=spec.fs_block)
     _remove_tree(rootdir, log)  # frees ~1 GB before the next copies
     out = work / "out"
     out.mkdir()
