@@ -24,7 +24,8 @@ what it does:
      dumps guest memory and classifies those frames with crash + pagescan, or with
      drgn for guest kernels the installed crash cannot open (6.11+: Debian 13)
   6. maps clean page-cache pages to base-image sectors via the block map of
-     each ext4 file system and byte-verifies every block against the image
+     each ext4 (debugfs) or XFS (xfs_db) file system and byte-verifies every
+     block against the image
   7. writes the sector list (lists/, format in lists/README.md) and the results DB
 Host KSM settings are saved first and restored on every exit path (also Ctrl-C);
 guests, overlays and dumps are removed.  Needs root.
@@ -43,7 +44,8 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
                     "their page caches, and write them as a verified sector list.",
         epilog=ANALYZE_EPILOG)
     p.add_argument("image", type=Path, help="golden image (qcow2 or raw), Debian 12/13 on ext4 "
-                   "partitions (a separate /boot, /usr, ... included)")
+                   "or XFS, on partitions or linear LVM volumes (a separate /boot, /usr, ... "
+                   "included)")
     p.add_argument("--runs", type=int, default=1,
                    help="boot the pair N times; one run is a noisy sample (default 1)")
     p.add_argument("--min-runs", type=int, default=None,
