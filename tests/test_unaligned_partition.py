@@ -4,9 +4,8 @@ is 4 KiB-aligned on the virtual disk (issue 11).
 Before, such an image went through the whole analysis (boots, KSM, dumps)
 and every file page came out "unaligned": an empty list and no word why.
 Now the inspection refuses a root there, saying what and how to realign;
-another file system there is skipped with the reason and the rest is mapped
-(tests/test_boot_layouts.py checks that part without booting anything).
-The image is built here with sfdisk and mke2fs and never boots.
+another file system there is skipped with the reason and the rest is
+mapped.  The images are built here with sfdisk and mke2fs and never boot.
 """
 
 import subprocess
@@ -26,22 +25,34 @@ DEBIAN_TREE = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/L
                "boot/vmlinuz-6.1.0-56-amd64": "not really a kernel\n"}
 
 
-def mbr_image(tmp: Path, start_sector: int) -> Path:
-    """A raw disk with one MBR partition at start_sector holding a Debian-looking ext4 root."""
+def mbr_image(tmp: Path, start_sector: int, srv_sector: int = 0) -> Path:
+    """A raw disk with one MBR partition at start_sector holding a Debian-looking ext4
+    root, and with srv_sector a second one there, mounted on /srv by the root's fstab."""
     tree = tmp / "tree"
-    for rel, content in DEBIAN_TREE.items():
+    files = dict(DEBIAN_TREE)
+    if srv_sector:
+        files["etc/fstab"] += "/dev/sda2 /srv ext4 defaults 0 2\n"
+        files["srv/.keep"] = ""
+    for rel, content in files.items():
         p = tree / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(content)
     fs = tmp / "root.ext4"
-    subprocess.run(["truncate", "-s", "48M", str(fs)], check=True)
+    subprocess.run(["truncate", "-s", "24M", str(fs)], check=True)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", "-d", str(tree), str(fs)], check=True)
     disk = tmp / f"mbr{start_sector}.raw"
     subprocess.run(["truncate", "-s", "64M", str(disk)], check=True)
-    subprocess.run(["sfdisk", "-q", "--no-reread", str(disk)],
-                   input=f"start={start_sector}, type=83\n", text=True, check=True)
-    subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={start_sector}",
-                    "conv=notrunc,sparse", "status=none"], check=True)
+    table = f"start={start_sector}, size={24 << 11}, type=83\n"
+    if srv_sector:
+        table += f"start={srv_sector}, size={24 << 11}, type=83\n"
+    subprocess.run(["sfdisk", "-q", "--no-reread", str(disk)], input=table, text=True,
+                   check=True)
+    for at in (start_sector, srv_sector):
+        if at:
+            subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={at}",
+                            "conv=notrunc,sparse", "status=none"], check=True)
+            # The second copy needs a UUID of its own, as a real /srv would have.
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", str(fs)], check=True)
     fs.unlink()
     return disk
 
@@ -72,3 +83,16 @@ def test_the_same_root_at_sector_2048_is_inspected(tmp_path: Path,
     info = inspect_image(img, fmt, vsize).info
     assert (info.root_start_sector, info.kernel_version) == (2048, "6.1.0-56-amd64")
     assert [f.mountpoint for f in info.filesystems] == ["/"] and info.skipped == ()
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_other_file_system_at_an_odd_sector_is_skipped_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only /srv is unaligned: the root is analysed, /srv is skipped and says why.
+    monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
+    img = mbr_image(tmp_path, 2048, srv_sector=51263)
+    fmt, vsize = probe_format(img)
+    info = inspect_image(img, fmt, vsize).info
+    assert [(f.mountpoint, f.start_sector) for f in info.filesystems] == [("/", 2048)]
+    assert [(s.mountpoint, s.device) for s in info.skipped] == [("/srv", "/dev/sda2")]
+    assert "starts at sector 51263, which is not a multiple of 8" in info.skipped[0].reason
