@@ -3,6 +3,7 @@ which kernel and initrd a boot loader picks, which file systems are mapped or
 skipped and why, and the results database's file table keyed by file system.
 """
 
+import shutil
 import sqlite3
 import struct
 from pathlib import Path
@@ -328,7 +329,7 @@ def test_space_for_file_system_copies(tmp_path: Path, monkeypatch: pytest.Monkey
     opts = analyze.Options(image=image, ram_mib=256, workdir_parent=tmp_path / "work")
     need = 2 * 256 * 2**20 + 4096
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(analyze.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda _: usage(0, 0, int(need * 1.1) + 1024))
     analyze.check_space(opts)
     with pytest.raises(UserError, match="copies of its XFS file systems"):
