@@ -1,0 +1,267 @@
+"""btrfs block maps read with btrfs-progs' dump-tree (issue 11): parsing, and real
+file systems made here.
+
+The file systems are made by mkfs.btrfs --rootdir (no mounting).  Its
+btrfs-progs (6.2, Debian 12) has no --compress, so compressed extents are
+written by the kernel of the libguestfs appliance (a mount with
+compress-force), which also writes a file into a second data chunk whose
+device offset differs from its logical address.  Every mapped block's bytes
+on disk are checked against the file's bytes at that offset.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from pageshare import btrfsmap
+from pageshare.btrfsmap import BtrfsUnsupported, Chunk
+from pageshare.ext4map import Extent, fs_image
+
+CHUNKS = """\
+chunk tree
+leaf 22036480 items 4 free space 15781 generation 6 owner CHUNK_TREE
+\titem 0 key (DEV_ITEMS DEV_ITEM 1) itemoff 16185 itemsize 98
+\t\tdevid 1 total_bytes 209715200 bytes_used 92274688
+\titem 1 key (FIRST_CHUNK_TREE CHUNK_ITEM 13631488) itemoff 16105 itemsize 80
+\t\tlength 8388608 owner 2 stripe_len 65536 type DATA|single
+\t\tio_align 65536 io_width 65536 sector_size 4096
+\t\tnum_stripes 1 sub_stripes 1
+\t\t\tstripe 0 devid 1 offset 13631488
+\t\t\tdev_uuid a29ca65d-dee7-4a65-958c-08ddcd0d3b0b
+\titem 2 key (FIRST_CHUNK_TREE CHUNK_ITEM 30408704) itemoff 15881 itemsize 112
+\t\tlength 33554432 owner 2 stripe_len 65536 type METADATA|DUP
+\t\tnum_stripes 2 sub_stripes 1
+\t\t\tstripe 0 devid 1 offset 38797312
+\t\t\tdev_uuid a29ca65d-dee7-4a65-958c-08ddcd0d3b0b
+\t\t\tstripe 1 devid 1 offset 72351744
+\t\t\tdev_uuid a29ca65d-dee7-4a65-958c-08ddcd0d3b0b
+\titem 3 key (FIRST_CHUNK_TREE CHUNK_ITEM 298844160) itemoff 15801 itemsize 80
+\t\tlength 209715200 owner 2 stripe_len 65536 type DATA|single
+\t\tnum_stripes 1 sub_stripes 1
+\t\t\tstripe 0 devid 1 offset 105906176
+\t\t\tdev_uuid a29ca65d-dee7-4a65-958c-08ddcd0d3b0b
+"""
+
+FS = """\
+fs tree key (FS_TREE ROOT_ITEM 0)
+leaf 30457856 items 12 free space 15000 generation 8 owner FS_TREE
+\titem 0 key (256 INODE_REF 256) itemoff 16111 itemsize 12
+\t\tindex 0 namelen 2 name: ..
+\titem 1 key (257 INODE_REF 256) itemoff 16000 itemsize 13
+\t\tindex 2 namelen 3 name: usr
+\titem 2 key (258 INODE_REF 257) itemoff 15900 itemsize 14
+\t\tindex 2 namelen 8 name: two word
+\titem 3 key (258 EXTENT_DATA 0) itemoff 15370 itemsize 53
+\t\tgeneration 7 type 1 (regular)
+\t\textent data disk byte 14680064 nr 303104
+\t\textent data offset 0 nr 303104 ram 303104
+\t\textent compression 0 (none)
+\titem 4 key (258 EXTENT_DATA 303104) itemoff 15300 itemsize 53
+\t\tgeneration 7 type 1 (regular)
+\t\textent data disk byte 0 nr 0
+\t\textent data offset 0 nr 8192 ram 8192
+\t\textent compression 0 (none)
+\titem 5 key (258 EXTENT_DATA 311296) itemoff 15200 itemsize 53
+\t\tgeneration 8 type 1 (regular)
+\t\textent data disk byte 298844160 nr 1048576
+\t\textent data offset 65536 nr 16384 ram 1048576
+\t\textent compression 0 (none)
+leaf 30474240 items 8 free space 15000 generation 8 owner FS_TREE
+\titem 0 key (258 EXTENT_DATA 327680) itemoff 15100 itemsize 53
+\t\tgeneration 8 type 2 (prealloc)
+\t\textent data disk byte 299892736 nr 4096
+\t\textent data offset 0 nr 4096 ram 4096
+\t\textent compression 0 (none)
+\titem 1 key (259 INODE_REF 256) itemoff 15050 itemsize 15
+\t\tindex 3 namelen 5 name: small
+\titem 2 key (259 EXTENT_DATA 0) itemoff 15000 itemsize 27
+\t\tgeneration 7 type 0 (inline)
+\t\tinline extent data size 6 ram_bytes 6 compression 0 (none)
+\titem 3 key (260 EXTENT_DATA 0) itemoff 14900 itemsize 53
+\t\tgeneration 8 type 1 (regular)
+\t\textent data disk byte 15286272 nr 12288
+\t\textent data offset 0 nr 131072 ram 131072
+\t\textent compression 1 (zlib)
+\titem 4 key (261 EXTENT_DATA 0) itemoff 14800 itemsize 53
+\t\tgeneration 8 type 1 (regular)
+\t\textent data disk byte 13631488 nr 4096
+\t\textent data offset 0 nr 4096 ram 4096
+\t\textent compression 0 (none)
+\titem 5 key (EXTENT_CSUM EXTENT_CSUM 13631488) itemoff 14700 itemsize 4
+\t\trange start 13631488 end 13635584 length 4096
+"""
+
+
+def test_parse_chunks_stripe_zero_by_logical_address() -> None:
+    chunks = btrfsmap.parse_chunks(CHUNKS)
+    assert chunks == [Chunk(13631488, 8388608, "single", "DATA", 13631488, 1),
+                      Chunk(30408704, 33554432, "DUP", "METADATA", 38797312, 1),
+                      Chunk(298844160, 209715200, "single", "DATA", 105906176, 1)]
+    btrfsmap.check_profiles(chunks)
+    assert btrfsmap.to_physical(chunks, 298844160 + 4096, 8192) == 105906176 + 4096
+    with pytest.raises(RuntimeError, match="in no chunk"):
+        btrfsmap.to_physical(chunks, 13631488 + 8388608 - 4096, 8192)   # runs past its chunk
+    with pytest.raises(RuntimeError, match="in no chunk"):
+        btrfsmap.to_physical(chunks, 4096, 4096)
+
+
+def test_parse_extents_skips_and_counts_what_disk_blocks_cannot_serve() -> None:
+    chunks = btrfsmap.parse_chunks(CHUNKS)
+    ext, skipped = btrfsmap.parse_file_extents(FS, chunks, 4096, {258, 259, 260, 262})
+    # 258: a regular extent in the identity-mapped chunk, a hole (disk byte
+    # 0), a part (offset 64 KiB, 16 KiB) of an extent in the chunk whose
+    # device offset differs, and a prealloc extent (zeros) left out.
+    assert ext[258] == [Extent(0, 14680064 // 4096, 74),
+                        Extent(311296 // 4096, (105906176 + 65536) // 4096, 4)]
+    assert ext[259] == [] and ext[260] == [] and ext[262] == []
+    assert 261 not in ext                       # not asked for
+    assert (skipped.inline_extents, skipped.inline_bytes) == (1, 6)
+    assert (skipped.compressed_extents, skipped.compressed_bytes) == (1, 131072)
+    assert skipped.inodes == {259, 260}
+    everything, _ = btrfsmap.parse_file_extents(FS, chunks, 4096)
+    assert everything[261] == [Extent(0, 13631488 // 4096, 1)]
+
+
+def test_parse_paths_walks_inode_refs() -> None:
+    assert btrfsmap.parse_paths(FS, [258, 259, 257, 999]) == {
+        258: "/usr/two word", 259: "/small", 257: "/usr"}
+
+
+def test_unaligned_or_unknown_extents_are_errors() -> None:
+    chunks = btrfsmap.parse_chunks(CHUNKS)
+    bad = FS.replace("extent data offset 65536 nr 16384", "extent data offset 512 nr 16384")
+    with pytest.raises(RuntimeError, match="not 4096-byte aligned"):
+        btrfsmap.parse_file_extents(bad, chunks, 4096, {258})
+    garbled = FS.replace("extent compression 1 (zlib)", "something new")
+    with pytest.raises(RuntimeError, match="inode 260 at 0 not understood"):
+        btrfsmap.parse_file_extents(garbled, chunks, 4096, {260})
+
+
+def test_raid_profiles_and_several_devices_are_refused() -> None:
+    raid = CHUNKS.replace("type DATA|single\n\t\tio_align", "type DATA|RAID1\n\t\tio_align")
+    with pytest.raises(BtrfsUnsupported, match=r"RAID1 profile.*one device"):
+        btrfsmap.check_profiles(btrfsmap.parse_chunks(raid))
+    with pytest.raises(BtrfsUnsupported, match="over 2 devices"):
+        btrfsmap.check_single_device({"num_devices": "2"})
+    btrfsmap.check_single_device({"num_devices": "1"})
+
+
+def test_a_real_raid1_btrfs_is_refused(tmp_path: Path) -> None:
+    devs = [tmp_path / "a.img", tmp_path / "b.img"]
+    for d in devs:
+        with open(d, "wb") as f:
+            f.truncate(200 << 20)
+    subprocess.run(["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
+                   check=True, capture_output=True)
+    with pytest.raises(BtrfsUnsupported, match="over 2 devices"):
+        btrfsmap.read_extents(devs[0], [256])
+
+
+def _tree(tmp: Path) -> dict[str, bytes]:
+    files = {"big": os.urandom(300_000), "sub/deep": os.urandom(70_000),
+             "small": b"inline\n", "empty": b""}
+    for rel, data in files.items():
+        (tmp / "root" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / "root" / rel).write_bytes(data)
+    return files
+
+
+def _inodes(image: Path) -> dict[str, int]:
+    """path -> inode of the top-level subvolume, from its INODE_REFs."""
+    out = subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", "5", str(image)],
+                         capture_output=True, text=True, check=True).stdout
+    candidates = sorted({int(line.split("(")[1].split()[0]) for line in out.splitlines()
+                         if " INODE_REF " in line})
+    return {p.lstrip("/"): i for i, p in btrfsmap.parse_paths(out, candidates).items()}
+
+
+def _check_bytes(image: Path, ext: list[Extent], data: bytes, base: int = 0) -> int:
+    """Every mapped block's bytes on disk equal the file's bytes at its offset."""
+    blocks = 0
+    with open(image, "rb") as f:
+        for e in ext:
+            for k in range(e.length):
+                f.seek(base + (e.physical + k) * 4096)
+                want = data[(e.logical + k) * 4096:(e.logical + k + 1) * 4096]
+                assert f.read(len(want)) == want, f"block {e.logical + k}"
+                blocks += 1
+    return blocks
+
+
+def test_real_btrfs_made_by_mkfs(tmp_path: Path) -> None:
+    files = _tree(tmp_path)
+    img = tmp_path / "btrfs.img"
+    with open(img, "wb") as f:
+        f.truncate(200 << 20)
+    subprocess.run(["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)], check=True,
+                   capture_output=True)
+    inos = _inodes(img)
+    assert set(files) <= set(inos)
+    ext, skipped = btrfsmap.read_extents(img, [inos[p] for p in files])
+    assert _check_bytes(img, ext[inos["big"]], files["big"]) == 74
+    assert _check_bytes(img, ext[inos["sub/deep"]], files["sub/deep"]) == 18
+    assert ext[inos["small"]] == [] and ext[inos["empty"]] == []
+    assert skipped.inodes == {inos["small"]} and skipped.inline_bytes == len(files["small"])
+    assert skipped.compressed_extents == 0
+    assert btrfsmap.read_paths(img, [inos["sub/deep"], inos["big"]]) == {
+        inos["sub/deep"]: "/sub/deep", inos["big"]: "/big"}
+    # The same through a copy of a partition, as the analysis would give dump-tree.
+    disk = tmp_path / "disk.raw"
+    with open(disk, "wb") as f:
+        f.truncate(300 << 20)
+    subprocess.run(["dd", f"if={img}", f"of={disk}", "bs=1M", "seek=1", "conv=notrunc,sparse",
+                    "status=none"], check=True)
+    copy, offset = fs_image(disk, ((0, (200 << 20) // 512, 2048),), tmp_path / "fs.img",
+                            copy=True)
+    assert offset == 0
+    assert btrfsmap.read_extents(copy, [inos["big"]])[0] == {inos["big"]: ext[inos["big"]]}
+    # Blocks count from the file system's start: on the disk they are 1 MiB further.
+    assert _check_bytes(disk, ext[inos["big"]], files["big"], base=1 << 20) == 74
+
+
+@pytest.mark.vm
+def test_compressed_extents_and_a_second_data_chunk(tmp_path: Path) -> None:
+    """Written by the appliance's kernel: compressed extents are counted and not
+    mapped; a file in a later data chunk maps through the chunk tree."""
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    files = _tree(tmp_path)
+    img = tmp_path / "btrfs.img"
+    with open(img, "wb") as f:
+        f.truncate(300 << 20)
+    subprocess.run(["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)], check=True,
+                   capture_output=True)
+    later = os.urandom(24 << 20)               # more than mkfs' first 8 MiB data chunk
+    text = b"".join(b"line %d of a file that compresses well\n" % i for i in range(20000))
+    (tmp_path / "later").write_bytes(later)
+    (tmp_path / "text").write_bytes(text)
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(img), format="raw", readonly=0)
+        g.launch()
+        g.mount("/dev/sda", "/")
+        g.upload(str(tmp_path / "later"), "/later")
+        g.umount_all()
+        g.mount_options("compress-force=zlib", "/dev/sda", "/")
+        g.upload(str(tmp_path / "text"), "/text")
+        g.umount_all()
+        g.shutdown()
+    finally:
+        g.close()
+    inos = _inodes(img)
+    ext, skipped = btrfsmap.read_extents(img, [inos["later"], inos["text"], inos["big"]])
+    assert ext[inos["text"]] == []
+    assert skipped.compressed_extents >= 2
+    assert skipped.compressed_bytes == -(-len(text) // 4096) * 4096    # whole sectors
+    assert skipped.inodes == {inos["text"]}
+    assert _check_bytes(img, ext[inos["later"]], later) == len(later) // 4096
+    assert _check_bytes(img, ext[inos["big"]], files["big"]) == 74
+    out = subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", "chunk", str(img)],
+                         capture_output=True, text=True, check=True).stdout
+    moved = [c for c in btrfsmap.parse_chunks(out) if c.kind == "DATA"
+             and c.logical != c.physical]
+    assert moved, "no data chunk whose device offset differs from its logical address"
+    assert any(moved[0].physical <= e.physical * 4096 < moved[0].physical + moved[0].length
+               for e in ext[inos["later"]])
