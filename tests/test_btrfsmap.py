@@ -10,13 +10,19 @@ on disk are checked against the file's bytes at that offset.
 """
 
 import os
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
-from pageshare import btrfsmap
+from conftest import run_analyze
+from pageshare import btrfsmap, fslayout
 from pageshare.btrfsmap import BtrfsUnsupported, Chunk
+from pageshare.errors import UserError
 from pageshare.ext4map import Extent, fs_image
+from pageshare.image_inspect import inspect_image, probe_format
+from test_bad_input import assert_clean_failure
+from test_unaligned_partition import DEBIAN_TREE
 
 CHUNKS = """\
 chunk tree
@@ -265,3 +271,108 @@ def test_compressed_extents_and_a_second_data_chunk(tmp_path: Path) -> None:
     assert moved, "no data chunk whose device offset differs from its logical address"
     assert any(moved[0].physical <= e.physical * 4096 < moved[0].physical + moved[0].length
                for e in ext[inos["later"]])
+
+
+# --- what the analysis does with a btrfs today ----------------------------------------
+
+def _btrfs_super(devices: int) -> bytes:
+    sb = bytearray(4096)
+    sb[0x40:0x48] = b"_BHRfS_M"
+    struct.pack_into("<QQI", sb, 0x88 - 8, 0, devices, 4096)   # root_dir, num_devices, sectorsize
+    return bytes(sb)
+
+
+class BtrfsDisk:
+    """libguestfs' answers about a disk with a btrfs on partition 1 (and on 2)."""
+
+    def __init__(self, devices: int) -> None:
+        self.devices = devices
+
+    def part_list(self, dev: str) -> list[dict[str, int]]:
+        return [{"part_num": n, "part_start": s * 512, "part_size": 2048 * 512}
+                for n, s in ((1, 2048), (2, 4096))]
+
+    def vfs_type(self, dev: str) -> str:
+        return "btrfs"
+
+    def vfs_uuid(self, dev: str) -> str:
+        return "d61e0c15-e3ef-45fb-9dec-31107edbfefa"
+
+    def pread_device(self, dev: str, size: int, offset: int) -> bytes:
+        assert (size, offset) == (4096, 65536)
+        return _btrfs_super(self.devices)
+
+
+@pytest.mark.parametrize("devices,why", [
+    (1, "btrfs cannot be mapped yet: its file extents can be read offline, but the analysis "
+        "does not yet match"),
+    (3, "btrfs over 3 devices (a multi-device or RAID pool)"),
+])
+def test_btrfs_is_skipped_and_a_btrfs_root_refused_with_the_reason(devices: int,
+                                                                   why: str) -> None:
+    mapped, skipped = fslayout.survey(BtrfsDisk(devices), {"/": "/dev/sda1",
+                                                           "/srv": "/dev/sda2"}, 1 << 20)
+    assert mapped == []
+    assert [(s.mountpoint, s.fstype) for s in skipped] == [("/", "btrfs"), ("/srv", "btrfs")]
+    assert all(why in s.reason for s in skipped)
+    with pytest.raises(UserError) as e:
+        fslayout.root_must_map(Path("g.qcow2"), skipped[0])
+    assert "g.qcow2: root file system is btrfs on /dev/sda1, which cannot be analyzed" \
+        in e.value.message
+    assert why.removeprefix("btrfs ") in e.value.message
+    assert "ext4 or XFS root" in e.value.hint
+
+
+def _btrfs_disk(tmp: Path, files: dict[str, str], root_fs: str) -> Path:
+    """A raw disk with GPT partitions of 128 MiB (mkfs.btrfs makes no smaller file system)
+    at 1 MiB (the root, root_fs) and at 129 MiB (a btrfs)."""
+    tree = tmp / "tree"
+    for rel, content in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(content)
+    disk = tmp / "disk.raw"
+    with open(disk, "wb") as f:
+        f.truncate(300 << 20)
+    subprocess.run(["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)], text=True,
+                   input="start=2048, size=262144\nstart=264192, size=262144\n", check=True)
+    for at, size, fstype, src in ((2048, 128, root_fs, tree), (264192, 128, "btrfs", None)):
+        fs = tmp / f"fs-{at}.img"
+        with open(fs, "wb") as f:
+            f.truncate(size << 20)
+        args = (["mkfs.ext4", "-q", "-F", "-b", "4096"] + (["-d", str(src)] if src else [])
+                if fstype == "ext4" else ["mkfs.btrfs", "-q"] + (["-r", str(src)] if src else []))
+        subprocess.run([*args, str(fs)], check=True, capture_output=True)
+        assert fs.stat().st_size == size << 20, "mkfs grew the file system past its partition"
+        subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={at}",
+                        "conv=notrunc,sparse", "status=none"], check=True)
+        fs.unlink()
+    return disk
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_image_with_a_btrfs_root_is_refused_before_any_guest_boots(tmp_path: Path) -> None:
+    files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / btrfs defaults 0 0\n"})
+    img = _btrfs_disk(tmp_path, files, "btrfs")
+    r = run_analyze(tmp_path, str(img))
+    assert_clean_failure(r, "disk.raw: root file system is btrfs on /dev/sda1, which cannot "
+                            "be analyzed: cannot be mapped yet")
+    assert "ext4 or XFS root" in r.stderr
+    assert "booting guests" not in r.stderr
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("host_guard")
+def test_a_btrfs_srv_is_skipped_with_the_reason_and_the_root_mapped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
+    files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n"
+                                              "/dev/sda2 /srv btrfs defaults 0 0\n",
+                                 "srv/.keep": ""})
+    img = _btrfs_disk(tmp_path, files, "ext4")
+    fmt, vsize = probe_format(img)
+    info = inspect_image(img, fmt, vsize).info
+    assert [(f.mountpoint, f.start_sector) for f in info.filesystems] == [("/", 2048)]
+    assert [(s.mountpoint, s.device, s.fstype) for s in info.skipped] == [
+        ("/srv", "/dev/sda2", "btrfs")]
+    assert "btrfs cannot be mapped yet" in info.skipped[0].reason

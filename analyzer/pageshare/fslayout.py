@@ -73,6 +73,8 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
     if partition is None:
         return ("it is not on a partition of the disk or the whole disk (LVM, RAID, an "
                 "encrypted volume or a second disk), which the mapping does not translate")
+    if fstype == "btrfs":
+        return btrfs_reason(features)
     if fstype not in ("ext2", "ext3", "ext4", "xfs"):
         return (f"{fstype or 'an unknown file system'} cannot be mapped (ext4 and XFS "
                 "can)")
@@ -85,6 +87,19 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
     if block_size < 512:
         return f"its {fstype} superblock gives no block size"
     return alignment_reason(start_sector, block_size, "the partition starts")
+
+
+def btrfs_reason(features: str) -> str:
+    """Why a btrfs is not mapped: its block map can be read (btrfsmap.py), but
+    nothing yet matches the guest's page-cache pages to it."""
+    devices = next((int(f[8:]) for f in features.split() if f.startswith("devices=")), 1)
+    if devices > 1:
+        return (f"btrfs over {devices} devices (a multi-device or RAID pool): its extents "
+                "may be on another device, and only a btrfs of one device could be mapped")
+    return ("btrfs cannot be mapped yet: its file extents can be read offline, but the "
+            "analysis does not yet match the guests' page-cache pages to them (btrfs inode "
+            "numbers are per subvolume), and no golden image with a btrfs root has been "
+            "booted and analyzed")
 
 
 def alignment_reason(start_sector: int, block_size: int, what: str) -> str:
@@ -125,6 +140,13 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
         raise UserError(f"{image}: root file system is on {root.device} (LVM, RAID or a second "
                         "disk); not supported", "use an image with the root file system on a "
                         "partition or on the whole disk")
+    if root.fstype == "btrfs":
+        raise UserError(f"{image}: root file system is btrfs on {root.device}, which cannot be "
+                        f"analyzed: {root.reason.removeprefix('btrfs ')}", "analyze an image "
+                        "with an ext4 or XFS root instead: rebuild the golden image with one "
+                        "(e.g. copy its files into a new ext4 or XFS file system and update "
+                        "/etc/fstab, the initramfs and the boot loader); btrfs file systems "
+                        "other than the root are skipped and the rest is mapped")
     raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4 "
                     f"and XFS are supported ({root.reason})", "mapping page-cache pages back "
                     "to disk sectors is implemented for ext4 with extents (the Debian cloud "
@@ -142,6 +164,13 @@ def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
         tune = g.tune2fs_l(dev)
         block_size = int(tune.get("Block size", "4096"))
         features = tune.get("Filesystem features", "")
+    elif fstype == "btrfs":
+        # The superblock at 64 KiB: magic, num_devices, sectorsize.
+        sb = g.pread_device(dev, 4096, 65536)
+        if sb[0x40:0x48] == b"_BHRfS_M":
+            devices, = struct.unpack_from("<Q", sb, 0x88)
+            block_size, = struct.unpack_from("<I", sb, 0x90)
+            features = f"devices={devices}"
     elif fstype == "xfs":
         # From the superblock itself: libguestfs' xfs_info needs its optional
         # xfs feature (Debian's libguestfs-xfs), which the appliance may lack.
