@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "analyzer"))
 
-from pageshare import golden, sectorlist  # noqa: E402
+from pageshare import cache, golden, sectorlist  # noqa: E402
 
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 PAGE = 4096
@@ -591,8 +591,7 @@ def main() -> int:
     try:
         root = kt.cache_root()
         image = args.image or golden.build_image("small").path
-        pcsl = args.list or ensure_list(image, Path(os.environ.get(
-            "PAGESHARE_CACHE", Path.home() / ".cache/pageshare")))
+        pcsl = args.list or ensure_list(image, cache.cache_root())
         hashes, nlisted = listed_hashes(image, pcsl)
         log(f"{nlisted} listed blocks in {pcsl}")
         patches = kt.series_files()

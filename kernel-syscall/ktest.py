@@ -56,14 +56,16 @@ GUEST = HERE / "tests"
 LIBDIR = HERE / "lib"
 UAPI = HERE / "include"
 REPO = HERE.parent
+# The analyzer's standard-library-only helpers: the cache root and the Debian
+# mirror and private apt configuration, shared with the analyzer and build.py.
+sys.path.insert(0, str(REPO / "analyzer"))
+from pageshare import cache, debian  # noqa: E402
 
 SRC_PACKAGE = "linux-source-6.12"
 SRC_TARBALL = Path("/usr/src/linux-source-6.12.tar.xz")
 # Bump when the way a kernel is configured or built changes, so that cached
 # images built the old way are not reused.
 BUILD_RECIPE = "3"
-MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
 
 # Author of the series (and of its cover letter).
 AUTHOR = ("Pageshare Developers", "dev@pageshare.example")
@@ -115,10 +117,7 @@ def log(msg: str) -> None:
 
 
 def cache_root() -> Path:
-    base = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache/pageshare"))
-    root = base / "kernel"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    return cache.cache_dir("kernel")
 
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
@@ -163,35 +162,16 @@ def jobs() -> str:
 # 1. source
 # --------------------------------------------------------------------------
 
-class PrivateApt:
+class PrivateApt(debian.PrivateApt):
     """apt-get with its own sources and state under the cache (bookworm + trixie)."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        for sub in ("lists/partial", "archives/partial", "etc"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
-        lines = []
-        for suite in ("bookworm", "trixie"):
-            lines.append(f"deb {MIRROR} {suite} main")
-            lines.append(f"deb {MIRROR} {suite}-updates main")
-            lines.append(f"deb {SECURITY} {suite}-security main")
-        (root / "etc/sources.list").write_text("\n".join(lines) + "\n")
-
-    def opts(self) -> list[str]:
-        r = self.root
-        return ["-o", f"Dir::Etc::SourceList={r}/etc/sources.list",
-                "-o", "Dir::Etc::SourceParts=/nonexistent",
-                "-o", f"Dir::State::Lists={r}/lists",
-                "-o", f"Dir::Cache={r}",
-                "-o", f"Dir::Cache::archives={r}/archives",
-                "-o", "Dir::State::status=/dev/null",
-                "-o", "Debug::NoLocking=1",
-                "-o", "APT::Get::List-Cleanup=0"]
+        super().__init__(root, debian.sources(("bookworm", "trixie")))
 
     def download(self, package: str, dest: Path) -> Path:
-        run(["apt-get", *self.opts(), "update", "-qq"], capture=True)
+        run(self.command("apt-get", "update", "-qq"), capture=True)
         dest.mkdir(parents=True, exist_ok=True)
-        run(["apt-get", *self.opts(), "download", package], cwd=dest, capture=True)
+        run(self.command("apt-get", "download", package), cwd=dest, capture=True)
         debs = sorted(dest.glob(f"{package}_*.deb"))
         if not debs:
             raise KtestError(f"apt-get download {package} produced no .deb in {dest}")
@@ -696,8 +676,7 @@ def build_page_server() -> Path:
     if cargo is None:
         raise KtestError(f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
                          "test needs pageshare-server")
-    base = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache/pageshare"))
-    target = base / "cargo-target"
+    target = cache.cache_root() / "cargo-target"
     env = {**os.environ, "CARGO_TARGET_DIR": str(target),
            "PATH": f"{Path(cargo).parent}:{os.environ.get('PATH', '')}"}
     log("pageshare-server: cargo build --release")
@@ -722,7 +701,6 @@ def shared_libs(binary: Path) -> list[Path]:
 def write_pcsl(image: bytes, blocks: list[int], name: str) -> str:
     """A pcsl v1 list (lists/README.md) of the given 4 KiB blocks of image,
     written by the analyzer's own serialiser (standard library only too)."""
-    sys.path.insert(0, str(REPO / "analyzer"))
     from pageshare import sectorlist
 
     sl = sectorlist.SectorList(

@@ -54,7 +54,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare")) / "packages"
+# The analyzer's standard-library-only cache root (PAGESHARE_CACHE).
+sys.path.insert(0, str(REPO / "analyzer"))
+from pageshare import cache  # noqa: E402
+
+CACHE = cache.cache_root() / "packages"
 # Bump when the way packages are built changes in a way the inputs do not show.
 BUILDER_VERSION = 1
 TOOLS = ["dpkg-dev", "debhelper", "lintian"]

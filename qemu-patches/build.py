@@ -44,9 +44,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare")) / "qemu"
-MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
+# The analyzer's standard-library-only helpers: the cache root and the Debian
+# mirror and private apt configuration, shared with the analyzer and ktest.py.
+sys.path.insert(0, str(HERE.parent / "analyzer"))
+from pageshare import cache, debian  # noqa: E402
+
+CACHE = cache.cache_root() / "qemu"
 # The series was written and checked against this upstream release; Debian
 # revisions of it (security updates) are taken as they come.
 UPSTREAM = "10.0"
@@ -96,38 +99,19 @@ def nice() -> list[str]:
 # --------------------------------------------------------------------------- apt
 
 
-class PrivateApt:
+class PrivateApt(debian.PrivateApt):
     """apt-get with its own sources (deb-src only), lists and archives."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        for sub in ("lists/partial", "archives/partial", "etc"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
-        src = "".join(f"deb-src {MIRROR} {s} main\n" for s in ("trixie", "trixie-updates"))
-        src += f"deb-src {SECURITY} trixie-security main\n"
-        f = root / "etc/sources.list"
-        if not f.exists() or f.read_text() != src:
-            f.write_text(src)
-
-    def opts(self) -> list[str]:
-        r = self.root
-        return ["-o", f"Dir::Etc::SourceList={r}/etc/sources.list",
-                "-o", "Dir::Etc::SourceParts=/nonexistent",
-                "-o", f"Dir::State::Lists={r}/lists",
-                "-o", f"Dir::Cache={r}",
-                "-o", f"Dir::Cache::archives={r}/archives",
-                "-o", "Dir::State::status=/dev/null",
-                "-o", "Debug::NoLocking=1",
-                "-o", "APT::Sandbox::User=root",
-                "-o", "APT::Get::List-Cleanup=0"]
+        super().__init__(root, debian.sources(["trixie"], kind="deb-src"), sandbox_root=True)
 
     def update(self) -> None:
         log("apt-get update (private deb-src configuration for trixie)")
-        run(["apt-get", *self.opts(), "update", "-qq"])
+        run(self.command("apt-get", "update", "-qq"))
         (self.root / "updated").write_text(str(time.time()))
 
     def versions(self) -> list[str]:
-        p = subprocess.run(["apt-cache", *self.opts(), "showsrc", "qemu"],
+        p = subprocess.run(self.command("apt-cache", "showsrc", "qemu"),
                            capture_output=True, text=True)
         out = []
         pkg = None
@@ -140,7 +124,7 @@ class PrivateApt:
 
     def source(self, version: str, dest: Path) -> Path:
         dest.mkdir(parents=True, exist_ok=True)
-        run(["apt-get", *self.opts(), "source", "--download-only", "-qq", f"qemu={version}"],
+        run(self.command("apt-get", "source", "--download-only", "-qq", f"qemu={version}"),
             cwd=dest, stdout=subprocess.DEVNULL)
         dscs = list(dest.glob("qemu_*.dsc"))
         if len(dscs) != 1:

@@ -9,7 +9,6 @@ The build-id is checked against the guest's VMCOREINFO before use: a
 vmlinux of a different build gives plausible-looking garbage.
 """
 
-import os
 import re
 import shutil
 import subprocess
@@ -17,17 +16,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from . import debian
 from .cache import cache_dir
 from .errors import UserError
 
-DEBIAN_SUITES = {
-    # suite: components lines; security lives on its own host path
-    "bookworm": ["bookworm", "bookworm-updates"],
-    "trixie": ["trixie", "trixie-updates"],
-}
-MIRROR = os.environ.get("PAGESHARE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+DEBIAN_SUITES = ("bookworm", "trixie")
 LogFn = Callable[[str], None]
-SECURITY = os.environ.get("PAGESHARE_DEBIAN_SECURITY", "http://deb.debian.org/debian-security")
 
 
 def build_id(vmlinux: Path) -> str:
@@ -47,35 +41,18 @@ class AptCache:
     """apt-get with its own sources, lists and archives under the cache dir."""
 
     def __init__(self) -> None:
-        self.root = cache_dir("apt")
-        for sub in ("lists/partial", "archives/partial", "etc"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        lines = []
-        for suites in DEBIAN_SUITES.values():
-            lines += [f"deb {MIRROR} {s} main" for s in suites]
-            lines.append(f"deb {SECURITY} {suites[0]}-security main")
-        (self.root / "etc/sources.list").write_text("\n".join(lines) + "\n")
-
-    def _opts(self) -> list[str]:
-        r = self.root
-        return ["-o", f"Dir::Etc::SourceList={r}/etc/sources.list",
-                "-o", "Dir::Etc::SourceParts=/nonexistent",
-                "-o", f"Dir::State::Lists={r}/lists",
-                "-o", f"Dir::Cache={r}",
-                "-o", f"Dir::Cache::archives={r}/archives",
-                "-o", "Dir::State::status=/dev/null",
-                "-o", "Debug::NoLocking=1",
-                "-o", "APT::Get::List-Cleanup=0"]
+        self.apt = debian.PrivateApt(cache_dir("apt"), debian.sources(DEBIAN_SUITES))
+        self.root = self.apt.root
 
     def update(self) -> None:
-        p = subprocess.run(["apt-get", *self._opts(), "update", "-qq"],
+        p = subprocess.run(self.apt.command("apt-get", "update", "-qq"),
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise UserError(f"apt-get update for debug symbols failed: {p.stderr.strip()[-300:]}",
                             "check access to the Debian mirror, or pass --vmlinux")
 
     def download(self, package: str, dest: Path) -> Path:
-        p = subprocess.run(["apt-get", *self._opts(), "download", package], cwd=dest,
+        p = subprocess.run(self.apt.command("apt-get", "download", package), cwd=dest,
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise LookupError(p.stderr.strip()[-300:])

@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pageshare import lvm
+from pageshare import debian, lvm
 from pageshare.cache import cache_dir, inputs_key
 from pageshare.errors import UserError
 
@@ -81,18 +81,8 @@ QCOW2_CLUSTER_SIZE = 65536
 HOSTNAME = "pageshare-golden"
 FS_LABEL = "root"
 
-_MIRROR = "http://deb.debian.org/debian"
-_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
-_SOURCES = [
-    f"deb {_MIRROR} bookworm main",
-    f"deb {_MIRROR} bookworm-updates main",
-    f"deb {_SECURITY_MIRROR} bookworm-security main",
-]
-_TRIXIE_SOURCES = [
-    f"deb {_MIRROR} trixie main",
-    f"deb {_MIRROR} trixie-updates main",
-    f"deb {_SECURITY_MIRROR} trixie-security main",
-]
+_SOURCES = debian.sources(["bookworm"])
+_TRIXIE_SOURCES = debian.sources(["trixie"])
 _BOOT_PACKAGES = ["linux-image-cloud-amd64", "systemd-sysv", "udev", "kmod", "initramfs-tools"]
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -518,7 +508,7 @@ def _mmdebstrap(spec: _Spec, rootdir: Path, work: Path, log: Log) -> None:
         _check_free_space(work)
         raise UserError(
             f"mmdebstrap failed with exit code {rc}",
-            f"see the output above; check that {_MIRROR} is reachable",
+            f"see the output above; check that {debian.MIRROR} is reachable",
         )
 
 
