@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+from contextlib import suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,31 @@ def inspect_image(path: Path, fmt: str, virtual_size: int, tcg: bool = True) -> 
     return Inspection(info, d / "vmlinuz", initrd if info.initrd_path else None)
 
 
+def _refuse_encrypted(path: Path, g: Any) -> None:
+    """No root was found and some volume is encrypted: the root is presumably inside.
+
+    list_filesystems leaves encrypted volumes out; their type is crypto_LUKS
+    (crypto_BITLK, ...) for vfs_type."""
+    fss: dict[str, str] = {}
+    for dev in [*g.list_devices(), *g.list_partitions(), *g.lvs()]:
+        with suppress(RuntimeError):
+            fss[dev] = g.vfs_type(dev)
+    encrypted = sorted(d for d, t in fss.items() if t.startswith("crypto_"))
+    if not encrypted:
+        return
+    kinds = sorted({fss[d].removeprefix("crypto_") for d in encrypted})
+    raise UserError(
+        f"{path}: no Linux root file system found outside encrypted volumes: "
+        f"{', '.join(encrypted)} {'is' if len(encrypted) == 1 else 'are'} encrypted "
+        f"({', '.join(kinds)}), and the root is presumably inside; analyze-image cannot map "
+        "an encrypted file system",
+        "the guests' page caches hold decrypted bytes, which equal no block of the encrypted "
+        "disk, so no page of an encrypted file system can be served from the golden image "
+        "(and the analysis reads the image offline, without keys); analyze a golden image "
+        "whose root file system is not encrypted (encrypt what must be at the storage layer, "
+        "or only data file systems, which are then skipped)")
+
+
 def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
                           outdir: Path) -> ImageInfo:
     try:
@@ -281,6 +307,7 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
         roots = g.inspect_os()
         if not roots:
             fss = g.list_filesystems()
+            _refuse_encrypted(path, g)
             raise UserError(f"{path}: no Linux installation found (file systems: "
                             f"{', '.join(f'{d}={t}' for d, t in fss.items()) or 'none'})",
                             "analyze-image needs a bootable Linux golden image; if this one "
