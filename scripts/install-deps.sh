@@ -14,6 +14,9 @@ APT_PACKAGES=(
 	e2fsprogs gdisk fdisk zstd
 	# mapping XFS file systems (xfs_db) and testing it (mkfs.xfs)
 	xfsprogs
+	# mapping btrfs (dump-tree) and testing it (mkfs.btrfs); LUKS headers for
+	# the encrypted-image tests (cryptsetup luksFormat on a plain file)
+	btrfs-progs cryptsetup-bin
 	# introspection: crash ships its defs.h for extensions
 	crash binutils gcc make
 	# Python
