@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
-from .errors import UserError
+from .errors import UserError, print_error
 
 ANALYZE_EPILOG = """\
 what it does:
@@ -129,9 +129,7 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         progress = Progress(quiet=args.quiet)
         summary = analyze(opts, progress)
     except UserError as e:
-        print(f"analyze-image: error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"analyze-image: hint: {e.hint}", file=sys.stderr)
+        print_error(e.message, e.hint, prog="analyze-image")
         if args.json:
             _json_error(e.kind, e.message, e.hint, e.exit_code)
         return e.exit_code

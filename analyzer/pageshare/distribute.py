@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import redis
 
 from pageshare import sectorlist
-from pageshare.errors import UserError
+from pageshare.errors import UserError, print_error
 
 log = logging.getLogger(__name__)
 log.addHandler(logging.NullHandler())
@@ -374,12 +374,10 @@ def cli_main(argv: list[str], prog: str = "pageshare list") -> int:
             print(json.dumps(hosts, indent=2) if args.json else _fmt_fleet(hosts))
         return 0
     except sectorlist.ListFormatError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except UserError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
+        print_error(e.message, e.hint)
         return 2
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""

@@ -4,8 +4,11 @@ Every failure the operator can act on is a UserError: one line saying what is
 wrong and one saying what to do.  The CLI prints both and exits non-zero; it
 never prints a traceback for these.  `kind` names the class of problem for
 scripts (`analyze-image --json` prints it in its error object): "user-error"
-unless a more precise kind applies, e.g. "image-damaged".
+unless a more precise kind applies, e.g. "image-damaged".  print_error is
+the one way the commands write an error and its hint on stderr.
 """
+
+import sys
 
 
 class UserError(Exception):
@@ -21,3 +24,13 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+def print_error(message: str, hint: str = "", prog: str = "") -> None:
+    """An error and its hint on stderr: "error: ..." and "  hint: ...", or,
+    for a command that names itself (prog), "prog: error: ..." and
+    "prog: hint: ...", so each line can be told apart in a mixed log."""
+    lead = f"{prog}: " if prog else ""
+    print(f"{lead}error: {message}", file=sys.stderr)
+    if hint:
+        print(f"{lead}hint: {hint}" if prog else f"  hint: {hint}", file=sys.stderr)

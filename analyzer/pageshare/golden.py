@@ -47,7 +47,7 @@ from typing import Any
 
 from pageshare import debian, lvm
 from pageshare.cache import cache_dir, inputs_key
-from pageshare.errors import UserError
+from pageshare.errors import UserError, print_error
 
 BUILDER_VERSION = 2
 
@@ -955,9 +955,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(image.path, flush=True)
     except UserError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"  hint: {e.hint}", file=sys.stderr)
+        print_error(e.message, e.hint)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted; temporary files were removed", file=sys.stderr)

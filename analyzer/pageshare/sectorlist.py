@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pageshare.errors import UserError
+from pageshare.errors import UserError, print_error
 
 FORMAT_VERSION = 1
 BLOCK_SIZE = 4096
@@ -937,8 +937,11 @@ def cli_main(argv: list[str]) -> int:
     try:
         result: int = args.func(args)
         return result
-    except (ListFormatError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ListFormatError as e:
+        print_error(str(e))
+        return 2
+    except UserError as e:
+        print_error(e.message, e.hint)
         return 2
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
