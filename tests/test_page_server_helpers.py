@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from pageshare import sectorlist
+from pageshare.cache import cache_root
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE_SERVER = REPO / "page-server"
@@ -29,7 +30,7 @@ import pageshare_client as psc  # noqa: E402
 
 __all__ = ["psc"]
 
-CACHE = Path(os.environ.get("PAGESHARE_CACHE", Path.home() / ".cache" / "pageshare"))
+CACHE = cache_root()
 TARGET = CACHE / "cargo-target"
 
 
