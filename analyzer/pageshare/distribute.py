@@ -32,12 +32,12 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import redis
 
 from pageshare import sectorlist
-from pageshare.errors import UserError, print_error
+from pageshare.errors import RaisingArgumentParser, UsageError, UserError, print_error
 
 log = logging.getLogger(__name__)
 log.addHandler(logging.NullHandler())
@@ -257,15 +257,6 @@ def list_images(store: Store, now: float | None = None) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- CLI
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", metavar="URL",
                    default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
@@ -275,7 +266,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Distribute sector lists to page servers via Redis.")
+    parser = RaisingArgumentParser(
+        prog=prog, description="Distribute sector lists to page servers via Redis.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pub = sub.add_parser("publish", help="validate a list and make it the current list of its "
                          "image; page servers serving that image load it")
@@ -348,8 +340,8 @@ def cli_main(argv: list[str], prog: str = "pageshare list") -> int:
     parser = _build_parser(prog)
     try:
         args = parser.parse_args(argv)
-    except _UsageError as e:
-        print(f"error: {e} (see '{prog} --help')", file=sys.stderr)
+    except UsageError as e:
+        print_error(f"{e} (see '{prog} --help')")
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0

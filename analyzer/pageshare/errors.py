@@ -8,7 +8,9 @@ unless a more precise kind applies, e.g. "image-damaged".  print_error is
 the one way the commands write an error and its hint on stderr.
 """
 
+import argparse
 import sys
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -34,3 +36,16 @@ def print_error(message: str, hint: str = "", prog: str = "") -> None:
     print(f"{lead}error: {message}", file=sys.stderr)
     if hint:
         print(f"{lead}hint: {hint}" if prog else f"  hint: {hint}", file=sys.stderr)
+
+
+class UsageError(Exception):
+    """A command line that does not parse (raised by RaisingArgumentParser)."""
+
+
+class RaisingArgumentParser(argparse.ArgumentParser):
+    """argparse would print its own message and sys.exit(2); a command that
+    reports every error the same way (print_error) and returns its code
+    catches UsageError instead.  Subparsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)

@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from pageshare.errors import UserError, print_error
+from pageshare.errors import RaisingArgumentParser, UsageError, UserError, print_error
 
 FORMAT_VERSION = 1
 BLOCK_SIZE = 4096
@@ -705,17 +705,6 @@ def format_human(sl: SectorList, limit: int | None = 50) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse would print its own message and sys.exit(2); cli_main() reports
-    # errors uniformly as "error: ..." and returns the code instead.
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
 _DESCRIPTION = """\
 Inspect and check pcsl v1 sector lists.
 
@@ -729,7 +718,7 @@ units, sorted.  The full format is described in lists/README.md.
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = RaisingArgumentParser(
         prog="pageshare list",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -929,8 +918,8 @@ def cli_main(argv: list[str]) -> int:
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as e:
-        print(f"error: {e} (see 'pageshare list --help')", file=sys.stderr)
+    except UsageError as e:
+        print_error(f"{e} (see 'pageshare list --help')")
         return 2
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
