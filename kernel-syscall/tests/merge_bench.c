@@ -17,6 +17,8 @@
  * - merge_pages, batch B: B pages per call (dst anon, sources already KSM),
  *   time per page; at least 1000 pages and 200 calls per batch size.
  * - merge_page of a source page that is already mapped 150-199 times.
+ * - taking 64 pages away: munmap() of anon or of merged pages, and a write
+ *   (CoW) to merged pages, per page.
  *
  * The server is a child process on another CPU; ksmd runs with
  * pages_to_scan=0 (merge_page needs it running, but it scans nothing).
@@ -303,6 +305,48 @@ int main(void)
 		rows[nrows++] = summarize("merge_page, dst anon, source mapped 150+ times",
 					  us, SAMPLES);
 		munmap(dst, (SHARERS + SAMPLES) * PS);
+	}
+
+	/*
+	 * Taking merged pages away: munmap() of 64 pages (anon, or just
+	 * merged) and a write to each of 64 just-merged pages (CoW), per
+	 * page.  Since patch 7 the unmap of a merged page counts for the
+	 * prune work, which runs later in a kworker (not timed here).
+	 */
+	{
+		enum { BATCH = 64, CALLS = 200 };
+		static const char * const names[] = {
+			"munmap, anon pages, per page",
+			"munmap, merged pages, per page",
+			"write (CoW) to merged pages, per page",
+		};
+		struct merge_page_vec vec[BATCH];
+
+		for (int kind = 0; kind < 3; kind++) {
+			for (int c = 0; c < CALLS; c++) {
+				dst = client_area(BATCH, 1);
+				if (!dst)
+					die("mmap");
+				for (int k = 0; kind && k < BATCH; k++) {
+					vec[k].src = (uintptr_t)(srv + ((size_t)(c * BATCH + k) % npages) * PS);
+					vec[k].dst = (uintptr_t)(dst + k * PS);
+				}
+				if (kind && merge_pages_fd(pidfd, vec, BATCH, 0) != BATCH)
+					die("merge_pages (unmap rows)");
+				t0 = now_ns();
+				if (kind < 2) {
+					munmap(dst, BATCH * PS);
+				} else {
+					for (int k = 0; k < BATCH; k++)
+						dst[k * PS] ^= 1;
+				}
+				t1 = now_ns();
+				us[c] = (t1 - t0) / 1000.0 / BATCH;
+				if (kind == 2)
+					munmap(dst, BATCH * PS);
+			}
+			rows[nrows++] = summarize(names[kind], us, CALLS);
+		}
 	}
 
 	/* Print the table. */
