@@ -79,3 +79,20 @@ def run_analyze(tmp: Path, *args: str, env: dict[str, str] | None = None,
     p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout,
                        cwd=tmp)
     return Analysis(p.returncode, p.stdout, p.stderr, workdir, lists, db)
+
+
+def analyze_cleanly(tmp: Path, image: Path, *args: str) -> tuple[Analysis, Path]:
+    """`analyze-image --json --settle 10 ARGS IMAGE`, which must succeed and
+    leave the host as found (KSM settings, no QEMU, no work files); returns
+    the analysis and IMAGE converted to raw in TMP, for byte checks."""
+    with host_lock():
+        before_ksm = ksm_settings()
+    result = run_analyze(tmp, "--json", "--settle", "10", *args, str(image))
+    assert result.rc == 0, result.stderr
+    with host_lock():
+        assert ksm_settings() == before_ksm
+    assert qemu_pids(str(tmp)) == set()
+    assert list(result.workdir.iterdir()) == []
+    raw = tmp / "base.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
+    return result, raw

@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Analysis, ksm_settings, qemu_pids, run_analyze
+from conftest import REPO, Analysis, analyze_cleanly
 from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
-from pageshare.ksm import host_lock
 
 pytestmark = pytest.mark.vm
 
@@ -34,16 +33,7 @@ ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6"
 def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path]]:
     image = golden.build_image("bootsplit").path
     tmp = tmp_path_factory.mktemp("e2e-bootsplit")
-    with host_lock():
-        before_ksm = ksm_settings()
-    result = run_analyze(tmp, "--json", "--settle", "10", "--workload", WORKLOAD, str(image))
-    assert result.rc == 0, result.stderr
-    with host_lock():
-        assert ksm_settings() == before_ksm
-    assert qemu_pids(str(tmp)) == set()
-    assert list(result.workdir.iterdir()) == []
-    raw = tmp / "base.raw"
-    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
+    result, raw = analyze_cleanly(tmp, image, "--workload", WORKLOAD)
     yield result, raw
     raw.unlink()
 

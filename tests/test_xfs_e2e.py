@@ -15,10 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Analysis, ksm_settings, qemu_pids, run_analyze
+from conftest import REPO, Analysis, analyze_cleanly
 from pageshare import golden, sectorlist, xfsmap
 from pageshare.ext4map import fs_image
-from pageshare.ksm import host_lock
 
 pytestmark = pytest.mark.vm
 
@@ -30,16 +29,7 @@ ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6"
 def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path, Path]]:
     image = golden.build_image("xfs").path
     tmp = tmp_path_factory.mktemp("e2e-xfs")
-    with host_lock():
-        before_ksm = ksm_settings()
-    result = run_analyze(tmp, "--json", "--settle", "10", "--workload", WORKLOAD, str(image))
-    assert result.rc == 0, result.stderr
-    with host_lock():
-        assert ksm_settings() == before_ksm
-    assert qemu_pids(str(tmp)) == set()
-    assert list(result.workdir.iterdir()) == []
-    raw = tmp / "base.raw"
-    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
+    result, raw = analyze_cleanly(tmp, image, "--workload", WORKLOAD)
     geo = golden.geometry("xfs")
     root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
                               geo.root_start_sector),), tmp / "root.xfs", copy=True)
