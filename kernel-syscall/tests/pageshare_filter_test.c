@@ -1056,14 +1056,16 @@ static void gpas(uint64_t *out, unsigned int n, uint64_t base, uint64_t stride)
 /* ------------------------------------------------------ a booted guest */
 
 /*
- * A guest kernel (Debian's, from the payload) boots under TCG inside this
- * VM from a qcow2 overlay of base.raw through the filter in merge mode,
- * virtio-blk, and reads the listed blocks into its page cache (the init
- * script is ktest.py's GUEST_INIT).  From outside: the guest pages that
- * hold listed blocks are the server's physical pages, with the image's
- * bytes; the guest's own checksum of what it read is the image's; the
- * server is SIGKILLed and restarted between two phases of reading and the
- * guest goes on (and merges again); a guest write gets its own page.
+ * A small guest kernel (the 6.12 source with config/guest.config, built by
+ * ktest.py and packed into the payload as guest/vmlinuz; not Debian's)
+ * boots under TCG inside this VM from a qcow2 overlay of base.raw through
+ * the filter in merge mode, virtio-blk, and reads the listed blocks into
+ * its page cache (the init script is ktest.py's GUEST_INIT).  From
+ * outside: the guest pages that hold listed blocks are the server's
+ * physical pages, with the image's bytes; the guest's own checksum of what
+ * it read is the image's; the server is SIGKILLed and restarted between
+ * two phases of reading and the guest goes on (and merges again); a guest
+ * write gets its own page.
  */
 
 struct pfn_at {
