@@ -225,6 +225,7 @@ def test_wrong_socket_same_size(images: Images, tmp_path: Path, vms: list[Vm],
     err = vm.stderr()
     assert "not using its table" in err and "another file" in err, err
     assert err.count("not using its table") == 1, err      # one warning, not one per read
+    assert "Point 'server' at the socket" in err, err       # and what to do about it
 
 
 def test_images_swapped_on_restart(images: Images, tmp_path: Path, vms: list[Vm],
@@ -471,13 +472,16 @@ def test_overlay_opened_without_backing_is_refused(images: Images, tmp_path: Pat
 
 def assert_read_from_disk(vm: Vm, want: dict[int, int], why: str) -> None:
     """Every block of ``want`` right, none of them merged, all counted as
-    unproven, and one warning that says why."""
+    unproven, and one warning that says why and what would work (no other
+    server could prove such a base, so not "point 'server' elsewhere")."""
     assert vm.wrong_blocks(want) == []
     st = vm.stats()
     assert st["connected"] and st["generation"] == 1, st
     assert st["merged"] == 0 and st["fallback-unproven"] >= len(want), st
     err = vm.stderr()
     assert err.count("not using its table") == 1 and why in err, err
+    assert "Only a raw or qcow2 base that is a regular local file" in err, err
+    assert "Point 'server'" not in err, err
 
 
 @pytest.fixture
