@@ -30,6 +30,9 @@ APT_PACKAGES=(
 	clang libclang-rt-dev
 	# Debian packages (packaging/debs.py)
 	dpkg-dev debhelper lintian
+	# libvirt, for `pageshare attach --libvirt` and libvirt-watch and their
+	# test (which runs a libvirtd of its own, in a mount namespace)
+	libvirt-daemon-system libvirt-clients python3-libvirt
 )
 
 if [ "$(id -u)" != 0 ]; then

@@ -12,10 +12,8 @@ guest polls with O_DIRECT reads.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,19 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pageshare import golden, sectorlist
+from guest_phases import hashes, list_files, phase, signal_guest, wait_for
+from pageshare import golden
 from pageshare.image_inspect import inspect_image
 from pageshare.qmp import QMP
 from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
-from test_page_server_helpers import (
-    ImageSpec,
-    Server,
-    content_sha256,
-    make_list,
-    raw_copy,
-)
-from test_qemu_filter_guest import file_blocks, file_sha256, regular_files
+from test_page_server_helpers import ImageSpec, Server, raw_copy
+from test_qemu_filter_guest import file_blocks
 from test_qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
@@ -54,36 +47,15 @@ def pageshare(*args: str) -> tuple[int, dict[str, Any]]:
     return p.returncode, data
 
 
-def hashes(text: str, phase: str) -> dict[str, str]:
-    """sha256sum lines the guest printed between "<phase>-begin" and "<phase>-end"."""
-    m = re.search(rf"^{phase}-begin\s*$(.*?)^{phase}-end\s*$", text, re.M | re.S)
-    assert m, f"no {phase} in the serial log:\n{text[-3000:]}"
-    return {f: h for h, f in re.findall(r"^([0-9a-f]{64})  (\S+)\s*$", m.group(1), re.M)}
-
-
 @pytest.mark.vm
 def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
     q = qemu_build()
     image = golden.build_image("small").path
     raw = raw_copy(image, tmp_path / "small.raw")
     insp = inspect_image(image, "qcow2", raw.stat().st_size)
-    files = regular_files(raw)
-    assert len(files) >= 6, files
-    want = {f: file_sha256(raw, f, tmp_path) for f in files}
-
-    # The list: every non-zero block of the chosen files.
-    blocks: dict[int, str] = {}
-    zero = bytes(4096)
-    with open(raw, "rb") as r:
-        for f in files:
-            for b in file_blocks(raw, f):
-                r.seek(b * 4096)
-                chunk = r.read(4096)
-                if chunk != zero:
-                    blocks[b * 8] = hashlib.sha256(chunk).hexdigest()
     lst = tmp_path / "small.pcsl"
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, content_sha256(raw), image.name),
-              blocks, lst)
+    listed = list_files(image, raw, lst, tmp_path)
+    files, want, blocks = listed.files, listed.want, listed.blocks
 
     server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
     server.start()
@@ -97,13 +69,9 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
         signal_disk.write_bytes(bytes(1 << 20))
 
         markers = Markers.new()
-        wait_for_go = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
-                       '| head -c 3)" = "{}" ]; do sleep 0.5; done')
-        phase = "; ".join(["echo 3 > /proc/sys/vm/drop_caches", "echo {0}-begin",
-                           *(f"sha256sum {f}" for f in files), "echo {0}-end"])
-        command = "; ".join([phase.format("before"), wait_for_go.format("GO1"),
-                             phase.format("attached"), wait_for_go.format("GO2"),
-                             phase.format("detached")])
+        command = "; ".join([phase(files, "before"), wait_for("GO1"),
+                             phase(files, "attached"), wait_for("GO2"),
+                             phase(files, "detached")])
         wl = tmp_path / "workload.sh"
         wl.write_text(script(Workload(command), markers))
         accel, _ = choose_accel("auto", insp.kernel)
@@ -153,10 +121,7 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
             return text
 
         def go(word: bytes) -> None:
-            with open(signal_disk, "r+b") as f:
-                f.write(word)
-                f.flush()
-                os.fsync(f.fileno())
+            signal_guest(signal_disk, word)
 
         text = serial_until("before-end")
         assert hashes(text, "before") == want

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from .hostcheck import DEFAULT_CONTROL, _qmp_socket, server_status
-from .qmp import QMP, QMPError
+from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
+from .qmp import QMP, Monitor, QMPError
 
 # Options of an overlay that QEMU reports, kept when blockdev-reopen is used
 # (it resets every option it is not given to its default).
@@ -123,7 +124,7 @@ def backend_label(device: str, qdev: str) -> str:
     return device or (m.group(1) if m else qdev)
 
 
-def read_graph(qmp: QMP) -> Graph:
+def read_graph(qmp: Monitor) -> Graph:
     infos = qmp.command("query-named-block-nodes", None, flat=True)
     nodes = {i["node-name"]: Node(i["node-name"], i["drv"], i.get("file", ""), i)
              for i in infos if i.get("node-name")}
@@ -202,7 +203,7 @@ def select(chains: list[Chain], drives: list[str]) -> list[Chain]:
 # --------------------------------------------------------------------------- QEMU
 
 
-def has_driver(qmp: QMP) -> bool:
+def has_driver(qmp: Monitor) -> bool:
     """Is "pageshare" a block driver this QEMU knows (its QMP schema)?"""
     for e in qmp.command("query-qmp-schema"):
         if isinstance(e, dict) and "pageshare" in (e.get("values") or []):
@@ -247,7 +248,7 @@ def reopen_options(g: Graph, overlay: str, backing: str,
     return opts
 
 
-def set_backing(qmp: QMP, g: Graph, overlay: str, backing: str,
+def set_backing(qmp: Monitor, g: Graph, overlay: str, backing: str,
                 defined: dict[str, dict[str, Any]]) -> str:
     """Re-point ``overlay``'s backing child; returns the method used.
 
@@ -268,7 +269,7 @@ def set_backing(qmp: QMP, g: Graph, overlay: str, backing: str,
     return "qemu-io-reopen"
 
 
-def filter_stats(qmp: QMP, node: str) -> dict[str, Any] | None:
+def filter_stats(qmp: Monitor, node: str) -> dict[str, Any] | None:
     for s in qmp.command("query-blockstats", None, **{"query-nodes": True}):
         if s.get("node-name") == node:
             ds = s.get("driver-specific")
@@ -277,7 +278,7 @@ def filter_stats(qmp: QMP, node: str) -> dict[str, Any] | None:
     return None
 
 
-def backend_reads(qmp: QMP, g: Graph, overlay: str) -> dict[str, Any] | None:
+def backend_reads(qmp: Monitor, g: Graph, overlay: str) -> dict[str, Any] | None:
     """Reads accounted on the BlockBackend(s) above ``overlay`` (the guest's
     device): what the guest read before attach, overlay and base together."""
     names = {overlay, *g.ancestors(overlay)}
@@ -364,7 +365,7 @@ def match_image(images: list[Served], base_file: str) -> Served | None:
 
 @dataclass
 class Options:
-    qmp: Path
+    qmp: Path | None                  # a QMP socket, or None with ``libvirt``
     drives: list[str]
     control: Path
     socket: Path | None = None
@@ -372,6 +373,12 @@ class Options:
     reconnect_delay: int | None = None
     x_any_buffer: bool = False
     timeout: float = 30.0
+    libvirt: str | None = None        # a libvirt domain, reached through libvirtd
+    uri: str = DEFAULT_URI
+
+    @property
+    def target(self) -> str:
+        return f"libvirt:{self.libvirt}" if self.libvirt else str(self.qmp)
 
 
 def _describe(g: Graph, ch: Chain) -> dict[str, Any]:
@@ -384,7 +391,26 @@ def _describe(g: Graph, ch: Chain) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def connect(path: Path, timeout: float) -> Iterator[QMP]:
+def connect(opts: Options) -> Iterator[Monitor]:
+    if opts.libvirt:
+        try:
+            lq = LibvirtQMP(opts.uri, opts.libvirt)
+        except LibvirtUnavailable as e:
+            raise AttachError("qmp-unreachable", str(e),
+                              "is libvirtd running (--connect names its URI), and is the "
+                              "domain started? (`virsh -c URI list`)") from None
+        try:
+            yield lq
+        finally:
+            lq.close()
+        return
+    assert opts.qmp is not None
+    with connect_socket(opts.qmp, opts.timeout) as q:
+        yield q
+
+
+@contextlib.contextmanager
+def connect_socket(path: Path, timeout: float) -> Iterator[QMP]:
     if not path.exists():
         raise AttachError("qmp-unreachable", f"no QMP socket at {path}",
                           "give the socket of the VM's -qmp unix:PATH,server (or "
@@ -405,8 +431,8 @@ def connect(path: Path, timeout: float) -> Iterator[QMP]:
 
 
 def attach(opts: Options) -> dict[str, Any]:
-    result: dict[str, Any] = {"action": "attach", "qmp": str(opts.qmp), "drives": []}
-    with connect(opts.qmp, opts.timeout) as q:
+    result: dict[str, Any] = {"action": "attach", "qmp": opts.target, "drives": []}
+    with connect(opts) as q:
         if not has_driver(q):
             raise AttachError(
                 "no-driver", "this QEMU has no pageshare block driver; nothing changed",
@@ -462,7 +488,7 @@ def attach(opts: Options) -> dict[str, Any]:
     return result
 
 
-def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
+def _attach_one(q: Monitor, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
                 images: list[Served], defined: dict[str, dict[str, Any]],
                 group: list[Chain], pid: int | None) -> None:
     if ch.filter is not None:
@@ -552,8 +578,8 @@ def _attach_one(q: QMP, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
 
 
 def detach(opts: Options) -> dict[str, Any]:
-    result: dict[str, Any] = {"action": "detach", "qmp": str(opts.qmp), "drives": []}
-    with connect(opts.qmp, opts.timeout) as q:
+    result: dict[str, Any] = {"action": "detach", "qmp": opts.target, "drives": []}
+    with connect(opts) as q:
         g = read_graph(q)
         chains = select(find_chains(g), opts.drives)
         pid = q.peer_pid()
@@ -602,8 +628,8 @@ def detach(opts: Options) -> dict[str, Any]:
 
 
 def status(opts: Options) -> dict[str, Any]:
-    result: dict[str, Any] = {"action": "status", "qmp": str(opts.qmp), "drives": []}
-    with connect(opts.qmp, opts.timeout) as q:
+    result: dict[str, Any] = {"action": "status", "qmp": opts.target, "drives": []}
+    with connect(opts) as q:
         g = read_graph(q)
         for ch in select(find_chains(g), opts.drives):
             d = _describe(g, ch)
@@ -714,6 +740,9 @@ examples:
   pageshare attach 12345                 # a QEMU pid: its -qmp socket
   pageshare attach /run/vm1.qmp --status # which drives have the filter, its counters
   pageshare detach /run/vm1.qmp          # before migrating to a host without pageshare
+  pageshare attach --libvirt vm1         # a libvirt domain (libvirtd holds its QMP)
+VMs that libvirt starts get the filter at every start, with nobody typing
+this, from `pageshare libvirt-watch` (its systemd unit).
 """
 
 DETACH_EPILOG = """\
@@ -741,8 +770,13 @@ def build_parser(action: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=desc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=ATTACH_EPILOG if action == "attach" else DETACH_EPILOG)
-    p.add_argument("qmp", metavar="QMP",
+    p.add_argument("qmp", metavar="QMP", nargs="?",
                    help="the QEMU's QMP unix socket, or the pid of a QEMU started with one")
+    p.add_argument("--libvirt", metavar="DOMAIN",
+                   help="instead of QMP: a running libvirt domain, reached through libvirtd "
+                        "(which holds the QEMU's QMP socket)")
+    p.add_argument("--connect", metavar="URI", default=DEFAULT_URI,
+                   help=f"libvirt's URI with --libvirt (default {DEFAULT_URI})")
     p.add_argument("--drive", action="append", default=[], metavar="NAME",
                    help="only this drive: a -drive id, a device (qdev) id, or a node name of "
                         "its overlay or base (repeatable; default: all)")
@@ -797,11 +831,23 @@ def main(action: str, argv: list[str]) -> int:
                 "kind": "usage", "message": f"bad arguments: {' '.join(argv)}",
                 "hint": f"see pageshare {action} --help"}}, indent=1))
         return int(e.code or 0)
+    target = f"libvirt:{args.libvirt}" if args.libvirt else args.qmp
+    if (args.qmp is None) == (args.libvirt is None):
+        msg = "give either QMP (a socket or a QEMU pid) or --libvirt DOMAIN"
+        if want_json:
+            print(json.dumps({"ok": False, "exit_code": 2, "action": action, "error": {
+                "kind": "usage", "message": msg, "hint": f"see pageshare {action} --help"}},
+                indent=1))
+        else:
+            p.print_usage(sys.stderr)
+            print(f"pageshare {action}: error: {msg}", file=sys.stderr)
+        return 2
     try:
-        opts = Options(resolve_qmp(args.qmp), list(args.drive),
+        opts = Options(resolve_qmp(args.qmp) if args.qmp else None, list(args.drive),
                        getattr(args, "control", DEFAULT_CONTROL), getattr(args, "socket", None),
                        getattr(args, "mode", None), getattr(args, "reconnect_delay", None),
-                       getattr(args, "x_any_buffer", False), args.timeout)
+                       getattr(args, "x_any_buffer", False), args.timeout,
+                       args.libvirt, args.connect)
         if action == "detach":
             result = detach(opts)
         elif args.status:
@@ -809,10 +855,10 @@ def main(action: str, argv: list[str]) -> int:
         else:
             result = attach(opts)
     except AttachError as e:
-        result = {"action": action, "qmp": args.qmp, "drives": [], "ok": False,
+        result = {"action": action, "qmp": target, "drives": [], "ok": False,
                   "error": e.to_json()}
     except QMPError as e:
-        result = {"action": action, "qmp": args.qmp, "drives": [], "ok": False,
+        result = {"action": action, "qmp": target, "drives": [], "ok": False,
                   "error": {"kind": "qemu-refused", "message": f"QMP: {e}",
                             "hint": "nothing was changed; the message is QEMU's own"}}
     rc = 0 if result["ok"] else 1

@@ -176,6 +176,8 @@ commands:
   host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
   attach QMP [--json]   put the pageshare filter into a running QEMU's disks (over QMP)
   detach QMP [--json]   take it out again (e.g. before migrating to a host without pageshare)
+  attach --libvirt DOMAIN    the same for a libvirt domain (through libvirtd)
+  libvirt-watch         attach to every libvirt domain as it starts (a daemon)
 
 Run `pageshare COMMAND --help` for details.
 """
@@ -212,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("attach", "detach"):
         from . import attach
         return attach.main(cmd, rest)
+    if cmd == "libvirt-watch":
+        from . import libvirt_watch
+        return libvirt_watch.main(rest)
     print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -10,11 +10,24 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 class QMPError(RuntimeError):
     """QEMU answered a command with an error, or the connection broke."""
+
+
+class Monitor(Protocol):
+    """What `pageshare attach` needs of a QMP connection: QMP over a socket
+    (QMP below) or through libvirt (libvirt_qmp.LibvirtQMP)."""
+
+    def command(self, name: str, timeout: float | None = None, **args: Any) -> Any: ...
+
+    def hmp(self, line: str) -> str: ...
+
+    def peer_pid(self) -> int | None: ...
+
+    def close(self) -> None: ...
 
 
 class QMP:

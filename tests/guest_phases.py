@@ -1,0 +1,76 @@
+"""A booted golden-image guest that hashes files on cue, for tests that
+change its disks' graph while it runs (attach, detach, libvirt).
+
+The list serves every non-zero block of some regular files of the image;
+the guest hashes those files in named phases, each after dropping its page
+cache, and between phases waits until the host writes a word into the
+first sector of a small second disk (vdb), which it polls with O_DIRECT
+reads.  Every hash must equal the image's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pageshare import sectorlist
+from test_page_server_helpers import content_sha256, make_list
+from test_qemu_filter_guest import file_blocks, file_sha256, regular_files
+
+WAIT_FOR = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
+            '| head -c {n})" = "{word}" ]; do sleep 0.5; done')
+
+
+@dataclass
+class ListedFiles:
+    files: list[str]
+    want: dict[str, str]            # path -> sha256 in the image
+    blocks: dict[int, str]          # listed sector -> sha256 of its 4 KiB
+
+
+def list_files(image: Path, raw: Path, lst: Path, tmp: Path) -> ListedFiles:
+    """Write LST, a list of every non-zero block of the image's chosen files."""
+    files = regular_files(raw)
+    assert len(files) >= 6, files
+    want = {f: file_sha256(raw, f, tmp) for f in files}
+    blocks: dict[int, str] = {}
+    zero = bytes(4096)
+    with open(raw, "rb") as r:
+        for f in files:
+            for b in file_blocks(raw, f):
+                r.seek(b * 4096)
+                chunk = r.read(4096)
+                if chunk != zero:
+                    blocks[b * 8] = hashlib.sha256(chunk).hexdigest()
+    make_list(sectorlist.ImageIdentity(raw.stat().st_size, content_sha256(raw), image.name),
+              blocks, lst)
+    return ListedFiles(files, want, blocks)
+
+
+def phase(files: list[str], name: str) -> str:
+    """Shell: drop caches, then hash FILES between "<name>-begin/-end"."""
+    return "; ".join(["echo 3 > /proc/sys/vm/drop_caches", f"echo {name}-begin",
+                      *(f"sha256sum {f}" for f in files), f"echo {name}-end"])
+
+
+def wait_for(word: str) -> str:
+    """Shell: wait until vdb's first bytes are WORD."""
+    return WAIT_FOR.format(n=len(word), word=word)
+
+
+def signal_guest(disk: Path, word: bytes) -> None:
+    """Write WORD (or zeros over it) at the start of the signal disk."""
+    with open(disk, "r+b") as f:
+        f.write(word)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def hashes(text: str, name: str) -> dict[str, str]:
+    """sha256sum lines the guest printed between "<name>-begin" and "<name>-end"."""
+    m = re.search(rf"^{name}-begin\s*$(.*?)^{name}-end\s*$", text, re.M | re.S)
+    assert m, f"no {name} in the serial log:\n{text[-3000:]}"
+    return {f: h for h, f in re.findall(r"^([0-9a-f]{64})  (\S+)\s*$", m.group(1), re.M)}

@@ -1,0 +1,101 @@
+"""Debian's libvirtd, run for a test without touching the host's libvirt.
+
+libvirtd runs in a mount namespace of its own (unshare -m) in which
+/etc/libvirt, /run/libvirt, /var/lib/libvirt, /var/log/libvirt and
+/var/cache/libvirt are directories of the test, so the host's configuration,
+state and any libvirtd of its own stay as they are.  The test and virsh
+reach it through its socket (``uri``).  QEMU runs as root with no security
+driver and no cgroups: this host has no systemd to delegate cgroups, and
+the filter reads the page server's memory (see docs/ARCHITECTURE.md for
+what a non-root QEMU would need).  Every domain is destroyed and libvirtd
+stopped when the test ends, on every exit path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+DIRS = {"etc": "/etc/libvirt", "run": "/run/libvirt", "lib": "/var/lib/libvirt",
+        "log": "/var/log/libvirt", "cache": "/var/cache/libvirt"}
+
+QEMU_CONF = """\
+# QEMU as root: the pageshare filter reads the page server's memory
+user = "root"
+group = "root"
+security_driver = "none"
+# no systemd here to hand out cgroups
+cgroup_controllers = [ ]
+# no virtlogd either: QEMU's output goes straight to /var/log/libvirt/qemu
+stdio_handler = "file"
+"""
+
+LIBVIRTD_CONF = """\
+unix_sock_rw_perms = "0700"
+auth_unix_rw = "none"
+auth_unix_ro = "none"
+"""
+
+
+class PrivateLibvirtd:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sock = root / "run" / "libvirt-sock"
+        self.uri = f"qemu:///system?socket={self.sock}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = root / "libvirtd.log"
+
+    def start(self, timeout: float = 60.0) -> None:
+        for d in DIRS:
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        (self.root / "etc" / "qemu.conf").write_text(QEMU_CONF)
+        (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        binds = "; ".join(f"mkdir -p {dst} && mount --bind {self.root / src} {dst}"
+                          for src, dst in DIRS.items())
+        script = (f"set -e; mount --make-rprivate /; {binds}; exec /usr/sbin/libvirtd "
+                  f"--config /etc/libvirt/libvirtd.conf --pid-file /run/libvirt/libvirtd.pid")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while self.virsh("version", check=False).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("libvirtd did not start:\n"
+                                   + self.log.read_text(errors="replace")[-3000:])
+            time.sleep(0.5)
+
+    def virsh(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run(["virsh", "-q", "-c", self.uri, *args], capture_output=True,
+                           text=True, timeout=120)
+        if check and p.returncode != 0:
+            raise AssertionError(f"virsh {' '.join(args)}: {p.stderr.strip()}")
+        return p
+
+    def domain_log(self, name: str) -> str:
+        p = self.root / "log" / "qemu" / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        uuids: list[str] = []
+        if self.proc.poll() is None:
+            names = self.virsh("list", "--all", "--name", check=False).stdout.split()
+            for n in names:
+                uuids.append(self.virsh("domuuid", n, check=False).stdout.strip())
+                self.virsh("destroy", n, check=False)
+                self.virsh("undefine", n, "--nvram", check=False)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # libvirtd leaves domains running when it exits: make sure none is
+        for u in filter(None, uuids):
+            subprocess.run(["pkill", "-KILL", "-f", "--", f"-uuid {u}"], check=False)
+        self.proc = None

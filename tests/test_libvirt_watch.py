@@ -1,0 +1,228 @@
+"""VMs that libvirt starts get the filter at every start, with nobody typing
+a command (issue 12): Debian's libvirtd (in a mount namespace of its own,
+see libvirt_host.py), a domain XML as an operator writes it (a qcow2
+overlay of the small golden image, the patched QEMU as <emulator>), `virsh
+start`, and `pageshare libvirt-watch` listening to libvirt's events.
+
+Checked from outside: the watcher attaches the filter when the domain
+starts, through libvirt (libvirtd holds the QMP socket), and reports how
+much the guest read before; the guest then hashes listed files, each equal
+to the image's, with the filter copying listed blocks into its RAM (copy
+mode: this host's kernel has no merge_pages); a domain whose base the
+server does not serve is left running, with a line that says why; a second
+start is attached again; a restarted watcher finds the running domains
+already attached; SIGTERM ends the watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+import pytest
+from guest_phases import hashes, list_files, phase, signal_guest, wait_for
+from libvirt_host import PrivateLibvirtd
+from pageshare import golden
+from pageshare.image_inspect import inspect_image
+from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from test_page_server_helpers import ImageSpec, Server, raw_copy
+from test_qemu_helpers import qemu_build
+
+pytestmark = pytest.mark.vm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def disk(path: Path, fmt: str, dev: str) -> str:
+    return (f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+            f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>")
+
+
+def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
+               boot: dict[str, str] | None = None, fwcfg: Path | None = None) -> str:
+    """A domain an operator would define: TCG (type qemu), q35, virtio disks."""
+    os_boot = ""
+    if boot:
+        os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
+    sysinfo = (f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' "
+               f"file='{escape(str(fwcfg))}'/></sysinfo>" if fwcfg else "")
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>1024</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='q35'>hvm</type>{os_boot}</os>
+  {sysinfo}
+  <features><acpi/><apic/></features>
+  <cpu mode='custom' match='exact'><model fallback='allow'>qemu64</model></cpu>
+  <on_poweroff>destroy</on_poweroff>
+  <devices>
+    <emulator>{escape(emulator)}</emulator>
+    {''.join(disks)}
+    <serial type='file'><source path='{escape(str(serial))}'/><target port='0'/></serial>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"""
+
+
+class WatchLog:
+    """The watcher's --json lines, one attach each."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()
+                if line.startswith("{")]
+
+    def wait(self, domain: str, event: str, after: int = 0, timeout: float = 120
+             ) -> tuple[int, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recs = self.records()
+            for i, r in enumerate(recs[after:], after):
+                if r["domain"] == domain and r["event"] == event:
+                    return i + 1, r
+            time.sleep(0.5)
+        raise AssertionError(f"no {event} attach for {domain}: {self.records()}")
+
+
+def start_watcher(uri: str, control: Path, out: Path, err: Path) -> subprocess.Popen[bytes]:
+    """The watcher, once it listens to libvirt's events."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
+    seen = err.read_text().count("watching") if err.exists() else 0
+    with open(out, "ab") as o, open(err, "ab") as e:
+        w = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "libvirt-watch",
+                              "--connect", uri, "--control", str(control), "--mode", "copy",
+                              "--json"], stdout=o, stderr=e, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while err.read_text().count("watching") == seen:
+        assert w.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.2)
+    return w
+
+
+def filter_stats(lv: PrivateLibvirtd, domain: str, node: str) -> dict[str, Any]:
+    out = lv.virsh("qemu-monitor-command", domain, json.dumps(
+        {"execute": "query-blockstats", "arguments": {"query-nodes": True}})).stdout
+    for s in json.loads(out)["return"]:
+        if s.get("node-name") == node:
+            st: dict[str, Any] = s["driver-specific"]
+            return st
+    raise AssertionError(f"no node {node} in {out[:2000]}")
+
+
+def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
+    q = qemu_build()
+    image = golden.build_image("small").path
+    raw = raw_copy(image, tmp_path / "small.raw")
+    insp = inspect_image(image, "qcow2", raw.stat().st_size)
+    lst = tmp_path / "small.pcsl"
+    listed = list_files(image, raw, lst, tmp_path)
+
+    # the guest: boot, wait for GO, hash the listed files, power off
+    markers = Markers.new()
+    wl = tmp_path / "workload.sh"
+    wl.write_text(script(Workload("; ".join([wait_for("GO"), phase(listed.files, "attached"),
+                                             "sleep 2"])), markers))
+    ovl, go = tmp_path / "ovl.qcow2", tmp_path / "go.raw"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2",
+                    str(ovl)], check=True)
+    go.write_bytes(bytes(1 << 20))
+    serial = tmp_path / "serial.log"
+    boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
+    if insp.initrd:
+        boot["initrd"] = str(insp.initrd)
+    guest = domain_xml("ps-guest", q.qemu_system, [disk(ovl, "qcow2", "vda"),
+                                                   disk(go, "raw", "vdb")],
+                       serial, boot, wl)
+    # a VM over a base nobody serves: it never boots anything (no OS on it)
+    other_base, other_ovl = tmp_path / "other.raw", tmp_path / "other.qcow2"
+    other_base.write_bytes(os.urandom(1 << 20) * 16)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(other_base), "-F",
+                    "raw", str(other_ovl)], check=True)
+    other = domain_xml("ps-other", q.qemu_system, [disk(other_ovl, "qcow2", "vda")],
+                       tmp_path / "other-serial.log")
+
+    server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
+    lv = PrivateLibvirtd(tmp_path / "libvirt")
+    watchers: list[subprocess.Popen[bytes]] = []
+    out, err = tmp_path / "watch.jsonl", tmp_path / "watch.err"
+    log = WatchLog(out)
+    server.start()
+    try:
+        server.wait_generation("small", 1)
+        lv.start()
+        for name, xml in (("ps-guest", guest), ("ps-other", other)):
+            (tmp_path / f"{name}.xml").write_text(xml)
+            lv.virsh("define", str(tmp_path / f"{name}.xml"))
+        watchers.append(start_watcher(lv.uri, server.control, out, err))
+
+        def boot_and_check(after: int) -> int:
+            serial.unlink(missing_ok=True)
+            signal_guest(go, bytes(8))
+            lv.virsh("start", "ps-guest")
+            after, r = log.wait("ps-guest", "started", after)
+            assert r["ok"], r
+            (d,) = r["drives"]                 # vdb's raw image has no base
+            assert d["result"] == "attached" and d["method"] == "blockdev-reopen", d
+            assert d["overlay"].startswith("libvirt-"), d      # libvirt's own node names
+            assert d["reads_before"]["rd_operations"] >= 0, d
+            # the filter sits in the running domain, seen through libvirt
+            assert filter_stats(lv, "ps-guest", d["filter"])["connected"]
+            signal_guest(go, b"GO")
+            deadline = time.monotonic() + 600
+            text = ""
+            while "attached-end" not in text:
+                assert time.monotonic() < deadline, text[-3000:] + lv.domain_log("ps-guest")
+                assert "Kernel panic" not in text, text[-3000:]
+                time.sleep(1)
+                text = serial.read_text(errors="replace") if serial.exists() else ""
+            assert hashes(text, "attached") == listed.want
+            st = filter_stats(lv, "ps-guest", d["filter"])
+            print(f"reads before attach: {d['reads_before']}; filter: {st}")
+            assert st["merged"] > len(listed.blocks) // 2, st      # copied into guest RAM
+            assert st["fallback-unproven"] == 0 and not st["base-changed"], st
+            return after
+
+        after = boot_and_check(0)
+
+        lv.virsh("start", "ps-other")
+        _, r = log.wait("ps-other", "started")
+        assert not r["ok"] and r["drives"][0]["result"] == "skipped", r
+        assert r["drives"][0]["error"]["kind"] == "not-served", r
+        assert lv.virsh("domstate", "ps-other").stdout.strip() == "running"
+
+        # every start, not only the first
+        lv.virsh("destroy", "ps-guest")
+        after = boot_and_check(after)
+
+        # a restarted watcher finds the running domains: attached, or not served
+        watchers[0].send_signal(signal.SIGTERM)
+        assert watchers[0].wait(30) == 0, err.read_text()
+        n = len(log.records())
+        watchers.append(start_watcher(lv.uri, server.control, out, err))
+        _, r = log.wait("ps-guest", "running", n)
+        assert r["ok"] and r["drives"][0]["result"] == "already-attached", r
+        _, r = log.wait("ps-other", "running", n)
+        assert r["drives"][0]["result"] == "skipped", r
+        assert lv.virsh("domstate", "ps-other").stdout.strip() == "running"
+        watchers[1].send_signal(signal.SIGTERM)
+        assert watchers[1].wait(30) == 0, err.read_text()
+        assert "Traceback" not in err.read_text(), err.read_text()
+    finally:
+        for w in watchers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        lv.stop()
+        server.stop(signal.SIGKILL)
