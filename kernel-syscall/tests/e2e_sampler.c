@@ -8,6 +8,10 @@
  *
  *   e2e_sampler --hash FILE   prints page_hash() of each 4 KiB page of FILE
  *                             (the benchmark's test compares it with Python's)
+ *   e2e_sampler --hmp QMP_SOCKET COMMAND
+ *                             runs a monitor command (human-monitor-command)
+ *                             and prints its output: the driver's look at a
+ *                             guest that does not boot ("info registers")
  *
  * Runs until SIGTERM.  Every line it prints starts with E2E-H (the host)
  * or E2E-G (one guest):
@@ -15,7 +19,7 @@
  *   E2E-H cfg t memavail_kb ksmd_cpu_ms server_cpu_ms server_rss_kb
  *         server_pss_kb pages_shared pages_sharing ksm_zero_pages
  *         merge_page_merged full_scans distinct_listed distinct_zero
- *         distinct_other sample_ms
+ *         distinct_other sample_ms thp_collapse_alloc thp_split_page
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server
@@ -38,6 +42,9 @@
  * "zero" (all such pages, shared or not) over from the last full sample.
  * on_server counts the listed, shared guest pages whose PFN is one the
  * page server maps: the server's own physical page, as merge_pages makes.
+ * thp_collapse_alloc and thp_split_page are the host's /proc/vmstat
+ * counters: khugepaged collapsing a range of guest RAM copies the KSM pages
+ * in it, which unshares them.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -291,6 +298,21 @@ static long ksm_stat(const char *name)
 	return v;
 }
 
+static long vmstat(const char *name)
+{
+	char line[256];
+	size_t n = strlen(name);
+	FILE *f = fopen("/proc/vmstat", "r");
+	long v = -1;
+
+	while (f && fgets(line, sizeof(line), f))
+		if (!strncmp(line, name, n) && line[n] == ' ')
+			v = strtol(line + n + 1, NULL, 10);
+	if (f)
+		fclose(f);
+	return v;
+}
+
 static long memavailable_kb(void)
 {
 	char line[256];
@@ -422,6 +444,38 @@ static long num(const char *obj, const char *key)
 	snprintf(pat, sizeof(pat), "\"%s\": ", key);
 	p = strstr(obj, pat);
 	return p ? strtol(p + strlen(pat), NULL, 10) : -1;
+}
+
+/*
+ * A monitor command's output, as --hmp prints it: the "return" string with
+ * its JSON escapes undone (enough for "info registers").
+ */
+static int hmp(const char *sock, const char *cmdline)
+{
+	static char cmd[1024];
+	struct guest g = { .qmp_path = sock };
+	const char *r, *p;
+
+	qmp_connect(&g);
+	snprintf(cmd, sizeof(cmd), "{\"execute\": \"human-monitor-command\", "
+		 "\"arguments\": {\"command-line\": \"%s\"}}\n", cmdline);
+	r = qmp(&g, cmd);
+	if (!r || !(p = strstr(r, "\"return\": \"")))
+		die("no answer to %s", cmdline);
+	for (p += strlen("\"return\": \""); *p && *p != '"'; p++) {
+		if (*p != '\\') {
+			putchar(*p);
+			continue;
+		}
+		p++;
+		if (*p == 'n')
+			putchar('\n');
+		else if (*p && *p != 'r')
+			putchar(*p);
+		if (!*p)
+			break;
+	}
+	return 0;
 }
 
 /* The pageshare node's counters, or -1s without a filter. */
@@ -636,6 +690,8 @@ int main(int argc, char **argv)
 		fclose(f);
 		return 0;
 	}
+	if (argc == 4 && !strcmp(argv[1], "--hmp"))
+		return hmp(argv[2], argv[3]);
 	if (argc < 7 || argc - 6 > MAX_GUESTS) {
 		fprintf(stderr, "usage: e2e_sampler CONFIG HASHFILE INTERVAL_MS SERVER_PID "
 			"GUEST_MIB PID:QMP|PID:- ...\n");
@@ -688,12 +744,13 @@ int main(int argc, char **argv)
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-		       "%ld %" PRIu64 "\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
+		       "%ld %" PRIu64 " %ld %ld\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
 		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
 		       ksm_stat("pages_shared"), ksm_stat("pages_sharing"),
 		       ksm_stat("ksm_zero_pages"), ksm_stat("merge_page_merged"),
 		       ksm_stat("full_scans"), popcount_map(seen[C_LISTED]),
-		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0);
+		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
+		       vmstat("thp_collapse_alloc"), vmstat("thp_split_page"));
 		if ((long)(t1 - t0) < interval)
 			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
 	}
