@@ -6,18 +6,24 @@ One command:
 
     sudo .venv/bin/python bench/e2e_vs_ksm.py [--guests 3] [--observe 180]
 
-It builds (all cached) the patched 6.12 kernel (plain config), the small
-guest kernel of config/guest-bench.config, the patched QEMU and
+It checks first what it can on this machine (root, the tools, a series
+with merge_pages and a host config with KSM, host KSM if analyze-image must
+run), then builds (all cached) the patched 6.12 kernel (plain config), the
+small guest kernel of config/guest-bench.config, the patched QEMU and
 pageshare-server, takes the golden image (default: the "small" variant) and
-the list analyze-image made for it (run once and cached), and boots the
-patched kernel under TCG as a pageshare host with all of it in its
-initramfs.  In that host bench/e2e/driver.sh runs the same N guests and
-workload in each configuration (none, ksm, ksm-advisor, pageshare,
-ksm-fpr; see driver.sh) while kernel-syscall/tests/e2e_sampler.c records,
-every second, from outside the guests: each QEMU's PSS and RSS, which guest
+a list analyze-image made for it (run once and cached; by default with the
+guests' own workload as analyze-image's --workload, --list-from boot for
+its plain boot), and boots the patched kernel under TCG as a pageshare host,
+KSM in merge mode, with all of it in its initramfs.  In that host
+bench/e2e/driver.sh runs the same N guests and workload in each
+configuration (none, ksm, ksm-advisor, pageshare, ksm-fpr,
+pageshare-faults; see driver.sh) while kernel-syscall/tests/e2e_sampler.c
+records, every second, from outside the guests: each QEMU's PSS and RSS, which guest
 pages hold listed blocks, zeros or other data and which of them are shared
 (KSM pages, by pagemap and kpageflags), ksmd's and the server's CPU, the
-filter's merge counters and time, MemAvailable.
+filter's merge counters and time, MemAvailable, the host's THP collapses.
+The driver refuses a host without the series or with KSM off, saves KSM's
+settings and restores them on every way out.
 
 Results go to --out (default bench/results/e2e-<date>/) as CSV:
 samples_host.csv, samples_guest.csv, events.csv, guests.csv, plus
@@ -73,7 +79,12 @@ GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "pres
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
-               "distinct_other", "sample_ms"]
+               "distinct_other", "sample_ms", "thp_collapse_alloc", "thp_split_page"]
+# The guests' workload as analyze-image runs it in its Debian guests
+# (--list-from workload): the same grep over the same directories.
+LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
+KSM = Path("/sys/kernel/mm/ksm")
+TOOLS = ("qemu-img", "qemu-system-x86_64", "gcc", "strip", "cpio", "gzip", "make", "cargo")
 
 
 class BenchError(Exception):
@@ -103,25 +114,47 @@ def page_hash(block: bytes) -> int:
     return h
 
 
-def ensure_list(image: Path, cache: Path) -> Path:
-    """The list analyze-image makes for image, made once per image file."""
+def list_workload(grep_dirs: str) -> str:
+    """analyze-image's --workload for --list-from workload: the guests' grep,
+    on the image's own paths (the guests mount it on /mnt)."""
+    dirs = " ".join(d.removeprefix("/mnt") for d in grep_dirs.split())
+    return LIST_WORKLOAD.format(dirs=dirs)
+
+
+def list_dir(image: Path, cache: Path, workload: str | None) -> Path:
+    """Where the list for image (and workload) is cached."""
     st = image.stat()
-    key = hashlib.sha256(f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    d = cache / "bench-lists" / key.hexdigest()[:16]
-    found = sorted(d.glob("*.pcsl"))
+    ident = f"{image.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if workload is not None:
+        ident += f"\nworkload={workload}"
+    return cache / "bench-lists" / hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def cached_list(image: Path, cache: Path, workload: str | None) -> Path | None:
+    found = sorted(list_dir(image, cache, workload).glob("*.pcsl"))
+    return found[-1] if found else None
+
+
+def ensure_list(image: Path, cache: Path, workload: str | None = None) -> Path:
+    """The list analyze-image makes for image (with workload as its
+    --workload, or its plain boot), made once per image file and workload."""
+    found = cached_list(image, cache, workload)
     if found:
-        log(f"list: cached {found[-1]}")
-        return found[-1]
+        log(f"list: cached {found}")
+        return found
+    d = list_dir(image, cache, workload)
     d.mkdir(parents=True, exist_ok=True)
     log(f"list: analyze-image {image} (once per image; several minutes under TCG)")
     cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--runs", "1",
            "--lists-dir", str(d), "--db", str(d / "results.sqlite"), str(image)]
+    if workload is not None:
+        cmd[4:4] = ["--workload", workload]
     p = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")))
-    found = sorted(d.glob("*.pcsl"))
-    if p.returncode != 0 or not found:
+    made = sorted(d.glob("*.pcsl"))
+    if p.returncode != 0 or not made:
         raise BenchError(f"analyze-image failed on {image} (exit {p.returncode}); "
                          "run it by hand to see why: " + shlex.join(cmd))
-    return found[-1]
+    return made[-1]
 
 
 def listed_hashes(image: Path, pcsl: Path) -> tuple[bytes, int]:
@@ -179,11 +212,46 @@ class Settings:
     grep_dirs: str
     sum_dirs: str
     work_timeout: int
+    # (defaults: what runs recorded before these existed did)
+    boot_timeout: int = 0       # a guest not booted by then: its configuration runs again
+    stale_mib: int = 0          # stale memory each guest frees after its reads
+
+
+def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
+    """What can be checked on this machine before any build: the tools, a
+    series that carries merge_pages, a pageshare host config with KSM, and
+    this host's KSM when analyze-image has to make the list.  The pageshare
+    host itself is checked again by driver.sh, in it, before anything runs."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        raise BenchError(f"missing tools: {', '.join(missing)}; install them "
+                         "(scripts/install-deps.sh) and run again")
+    patches = sorted((REPO / "kernel-syscall/patches").glob("*.patch"))
+    if not any("merge_page_merged" in p.read_text(errors="replace") for p in patches):
+        raise BenchError("kernel-syscall/patches/ has no merge_pages series (no patch adds "
+                         "/sys/kernel/mm/ksm/merge_page_merged): the pageshare host would "
+                         "lack the series; restore the series and run again")
+    frags = [REPO / "kernel-syscall/config" / f for f in ("base.config", "plain.config")]
+    opts: dict[str, str] = {}
+    for f in frags:
+        for line in f.read_text().splitlines():
+            key, eq, val = line.strip().partition("=")
+            if eq and key.startswith("CONFIG_"):
+                opts[key] = val
+    if opts.get("CONFIG_KSM") != "y":
+        raise BenchError("the pageshare host's config (kernel-syscall/config/base.config + "
+                         "plain.config) does not set CONFIG_KSM=y: pageshare needs KSM")
+    if need_host_ksm and not (ksm / "run").exists():
+        raise BenchError(f"this host has no KSM ({ksm} missing), and analyze-image needs it "
+                         "to make the list (it finds what guests share with host KSM): run "
+                         "on a host with CONFIG_KSM, or pass --list with a list made "
+                         "elsewhere for the same image")
 
 
 def guest_initramfs(busybox: Path, st: Settings, out: Path) -> None:
     init = ((REPO / "bench/e2e/guest-init.sh").read_text()
-            .replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs))
+            .replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs)
+            .replace("__STALE_MIB__", str(st.stale_mib)))
     with tempfile.TemporaryDirectory(prefix="e2e-guest-") as td:
         top = Path(td)
         for d in ("bin", "dev", "proc", "sys", "mnt"):
@@ -239,6 +307,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
         (pd / "e2e.env").write_text(
             f"GUESTS={st.guests}\nGUEST_MIB={st.guest_mib}\nOBSERVE={st.observe}\n"
             f"INTERVAL_MS={st.interval_ms}\nWORK_TIMEOUT={st.work_timeout}\n"
+            f"BOOT_TIMEOUT={st.boot_timeout}\n"
             f"CONFIGS='{' '.join(st.configs)}'\n")
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
@@ -250,9 +319,11 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
     rows: dict[str, list[list[str]]] = defaultdict(list)
     for line in lines:
         line = line.strip()
-        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR "):
+        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR ", "E2E-GLOG "):
             if line.startswith(kind):
-                if kind == "E2E-EV ":
+                if kind == "E2E-GLOG ":
+                    rows["glog"].append([*line.split(" ", 3), ""][1:4])
+                elif kind == "E2E-EV ":
                     parts = line.split(" ", 4)
                     rows["ev"].append(parts[1:] + [""] * (5 - len(parts)))
                 elif kind == "E2E-GUEST ":
@@ -260,7 +331,10 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
                 elif kind == "E2E-ERROR ":
                     rows["error"].append([line[len(kind):]])
                 else:
-                    rows[kind.strip()].append(line.split()[1:])
+                    r = line.split()[1:]
+                    if kind == "E2E-H " and len(r) < len(HOST_FIELDS):
+                        r += ["-1"] * (len(HOST_FIELDS) - len(r))   # a sampler from before
+                    rows[kind.strip()].append(r)
     return rows
 
 
@@ -311,12 +385,28 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
 
     out: dict[str, Any] = {"configs": {}, "bytes_identical": len(sums) == 1,
                            "checksums": sorted(sums), "listed_blocks": nlisted}
+    # guests that did not boot (the driver ran their configuration again)
+    hangs = [{"cfg": cfg, "t_ms": int(t), "detail": rest}
+             for cfg, t, name, rest, *_ in rows["ev"] if name == "boot-hung"]
+    if hangs:
+        out["boot_hangs"] = hangs
     for cfg in st.configs:
         if cfg not in events or "work-done" not in events[cfg] or not host[cfg]:
             out["configs"][cfg] = {"error": "did not finish"}
             continue
+        # the configuration's last start: an earlier one whose guest did
+        # not boot is not counted
         t_begin = events[cfg]["begin"][0]
         t_work = events[cfg]["work-done"][0]
+        host[cfg] = [h for h in host[cfg] if h["t_ms"] >= t_begin]
+        for gid in guest[cfg]:
+            guest[cfg][gid] = [s for s in guest[cfg][gid] if s["t_ms"] >= t_begin]
+        stamps[cfg] = defaultdict(dict, {
+            gid: {m: t for m, t in by_mark.items() if t >= t_begin}
+            for gid, by_mark in stamps[cfg].items()})
+        if not host[cfg]:
+            out["configs"][cfg] = {"error": "did not finish"}
+            continue
         # samples up to the end event (the driver stops the guests after it),
         # and only while every guest's QEMU was there to be read
         t_end = events[cfg].get("end", (1 << 62, ""))[0]
@@ -377,12 +467,18 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             if "BOOTED" in st_g:
                 boots.append((st_g["BOOTED"] - t_begin) / 1000)
         ksm_saved_gib = h_end["pages_sharing"] * PAGE / 2**30
+        # stale memory each guest freed (GUEST-FREED mib memfree_before
+        # memfree_full memfree_after page_reporting_order)
+        freed = [m["FREED"] for m in marks[cfg].values() if len(m.get("FREED", [])) == 5]
+        thp = [h["thp_collapse_alloc"] for h in hs if h["thp_collapse_alloc"] >= 0]
         c: dict[str, Any] = {
             "work_s": (t_work - t_begin) / 1000,
             "observed_s": (last_t - t_work) / 1000,
             "pss_mib_end": (sum(s["pss_kb"] for s in end) + h_end["server_pss_kb"]) / 1024,
             "rss_mib_end": (sum(s["rss_kb"] for s in end) + h_end["server_rss_kb"]) / 1024,
             "pss_mib_work_done": sum(s["pss_kb"] for s in work) / 1024,
+            # guest RAM the host holds (present pages of the guests' RAM)
+            "resident_mib_end": sum(s["present"] for s in end) * PAGE / MIB,
             "server_pss_mib": h_end["server_pss_kb"] / 1024,
             "memavail_mib_end": h_end["memavail_kb"] / 1024,
             "listed_pages_held": listed_end,
@@ -413,6 +509,15 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "bins_s_mean": sum(bins) / len(bins) if bins else None,
             "boot_s_mean": sum(boots) / len(boots) if boots else None,
             "sample_ms_mean": sum(h["sample_ms"] for h in hs) / len(hs),
+            # khugepaged collapsing guest RAM in the pageshare host: a
+            # collapse copies the KSM pages of the range (unshares them)
+            "thp_collapses": thp[-1] - thp[0] if thp else None,
+            "stale_freed_mib": (sum(int(f[0]) for f in freed) / len(freed)
+                                if freed else None),
+            # MemFree regained by the delete, MiB (mean over guests)
+            "stale_memfree_back_mib": (sum(int(f[3]) - int(f[2]) for f in freed)
+                                       / len(freed) / 1024 if freed else None),
+            "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
         out["configs"][cfg] = c
     return out
@@ -474,6 +579,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("guests' QEMU PSS + server PSS at the end, MiB", "pss_mib_end", ".0f"),
         ("guests' QEMU RSS + server RSS at the end, MiB", "rss_mib_end", ".0f"),
         ("MemAvailable at the end, MiB", "memavail_mib_end", ".0f"),
+        ("guest RAM the host holds (present pages) at the end, MiB", "resident_mib_end", ".0f"),
         ("saved: listed page cache, MiB", ("saved_mib", "listed"), ".1f"),
         ("saved: zero pages, MiB", ("saved_mib", "zero"), ".1f"),
         ("saved: everything else, MiB", ("saved_mib", "other"), ".1f"),
@@ -498,6 +604,8 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
         ("workload, s (start to all done)", "work_s", ".0f"),
+        ("stale memory freed by each guest after its reads, MiB", "stale_freed_mib", ".0f"),
+        ("THP collapses of guest RAM in the pageshare host", "thp_collapses", "d"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
     ]
     cfgs = list(summary["configs"])
@@ -513,29 +621,55 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             if "error" in d:
                 vals.append(d["error"])
                 continue
-            v = d[key[0]][key[1]] if isinstance(key, tuple) else d[key]
+            v = d[key[0]][key[1]] if isinstance(key, tuple) else d.get(key)
             vals.append(fmt(v, spec))
         out.append(f"| {label} | " + " | ".join(vals) + " |")
     return "\n".join(out) + "\n"
 
 
+def symbolize(rips: list[int], system_map: Path) -> list[str]:
+    """Kernel addresses as symbol+offset, from the kernel's System.map."""
+    syms: list[tuple[int, str]] = []
+    for line in system_map.read_text().splitlines():
+        addr, kind, name = [*line.split(), "", "", ""][:3]
+        if kind.lower() in ("t", "w"):
+            syms.append((int(addr, 16), name))
+    syms.sort()
+    out = []
+    for rip in rips:
+        below = [(a, n) for a, n in syms if a <= rip]
+        out.append(f"{below[-1][1]}+{rip - below[-1][0]:#x}" if below else f"{rip:#x}")
+    return out
+
+
 def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdline: str,
-                  facts: str) -> dict[str, Any]:
-    """The CSVs, summary.json and summary.md of a run, from its serial log."""
+                  facts: str, system_map: Path | None = None,
+                  known_symbols: dict[tuple[str, int], list[str]] | None = None
+                  ) -> dict[str, Any]:
+    """The CSVs, summary.json and summary.md of a run, from its serial log.
+    A guest that did not boot gets its RIPs named from the guest kernel's
+    system_map (or known_symbols, a recorded run's)."""
     rows = parse(lines)
-    if rows["error"]:
-        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
-                         + f" (serial log: {out / 'serial.log.gz'})")
     write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
     write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
     write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])
     summary = summarize(rows, st, nlisted)
+    for h in summary.get("boot_hangs", []):
+        rips = [int(x, 16) for x in h["detail"].partition("RIP")[2].split()
+                if all(c in "0123456789abcdef" for c in x)]
+        if system_map is not None and system_map.exists():
+            h["symbols"] = symbolize(rips, system_map)
+        elif known_symbols and (h["cfg"], h["t_ms"]) in known_symbols:
+            h["symbols"] = known_symbols[(h["cfg"], h["t_ms"])]
     summary.update(command=cmdline, facts=facts, settings=st.__dict__)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     md = markdown(summary, cmdline, facts)
     (out / "summary.md").write_text(md)
     print(md)
+    if rows["error"]:
+        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
+                         + f" (serial log: {out / 'serial.log.gz'})")
     return summary
 
 
@@ -549,8 +683,10 @@ def reparse(run: Path) -> int:
         (run / "serial.log").unlink()
     lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
         errors="replace").splitlines()
+    known = {(h["cfg"], h["t_ms"]): h["symbols"] for h in old.get("boot_hangs", [])
+             if "symbols" in h}
     write_results(run, lines, Settings(**old["settings"]), old["listed_blocks"],
-                  old["command"], old["facts"])
+                  old["command"], old["facts"], known_symbols=known)
     return 0
 
 
@@ -558,7 +694,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--image", type=Path, help="golden image (default: the small variant)")
-    ap.add_argument("--list", type=Path, help="its list (default: analyze-image's, cached)")
+    ap.add_argument("--list", type=Path,
+                    help="its list (default: analyze-image's, see --list-from; cached)")
+    ap.add_argument("--list-from", choices=("workload", "boot"), default="workload",
+                    help="without --list: analyze-image with the guests' own grep as its "
+                         "--workload (default), or its plain boot of the image")
     ap.add_argument("--guests", type=int, default=3)
     ap.add_argument("--guest-mib", type=int, default=384)
     ap.add_argument("--host-mib", type=int, default=6144,
@@ -571,6 +711,12 @@ def main() -> int:
     ap.add_argument("--grep-dirs", default=GREP_DIRS)
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
+    ap.add_argument("--boot-timeout", type=int, default=900,
+                    help="a guest that has not mounted its root after this many seconds "
+                         "is shown (log, RIP) and its configuration run again, once")
+    ap.add_argument("--stale-mib", type=int, default=64,
+                    help="MiB of stale memory each guest frees after its reads (what "
+                         "free page reporting hands back)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--reparse", type=Path, metavar="RUN_DIR",
                     help="only recompute a recorded run's CSVs and summaries from its "
@@ -584,14 +730,24 @@ def main() -> int:
         ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}")
     if os.geteuid() != 0:
         ap.error("run as root (analyze-image drives host KSM)")
+    for given in (args.image, args.list):
+        if given is not None and not given.is_file():
+            ap.error(f"{given}: no such file")
     st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
-                  configs, args.grep_dirs, args.sum_dirs, args.work_timeout)
+                  configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
+                  args.boot_timeout, args.stale_mib)
+    workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
+    # refuse early: before the golden image, the kernels and QEMU are built
+    host_preflight(KSM, args.list is None and args.image is not None
+                   and cached_list(args.image, cache.cache_root(), workload) is None)
     kt = load_ktest()
     try:
         root = kt.cache_root()
         image = args.image or golden.build_image("small").path
-        pcsl = args.list or ensure_list(image, cache.cache_root())
+        host_preflight(KSM, args.list is None
+                       and cached_list(image, cache.cache_root(), workload) is None)
+        pcsl = args.list or ensure_list(image, cache.cache_root(), workload)
         hashes, nlisted = listed_hashes(image, pcsl)
         log(f"{nlisted} listed blocks in {pcsl}")
         patches = kt.series_files()
@@ -606,8 +762,11 @@ def main() -> int:
             payload = Path(td) / "payload.cpio.gz"
             build_payload(kt, image, pcsl, hashes, st, busybox, gk, payload)
             initramfs = Path(td) / "initramfs.cpio.gz"
+            # KSM in merge mode from boot on, as on a pageshare host (the
+            # driver refuses a host with KSM off)
             test = kt.GuestTest("e2e", ["/bin/sh", "/pageshare/driver.sh"],
-                                st.work_timeout * len(configs) + 600)
+                                (st.work_timeout + st.boot_timeout) * len(configs) + 600,
+                                pre="echo 1 > /sys/kernel/mm/ksm/run")
             empty = Path(td) / "tests"
             empty.mkdir()
             kt.build_initramfs(busybox, empty, [test], initramfs, payload)
@@ -628,8 +787,12 @@ def main() -> int:
     facts = (f"host: {os.cpu_count()} cores, {platform.release()}; pageshare host: patched "
              f"6.12 plain under TCG, -m {st.host_mib}M -smp 2; {st.guests} guests of "
              f"{st.guest_mib} MiB nested under TCG; image {image.name} "
-             f"({image.parent.name}); VM time {vm_s / 60:.0f} min")
-    summary = write_results(out, lines, st, nlisted, cmdline, facts)
+             f"({image.parent.name}); list {pcsl.name}, {nlisted} blocks, "
+             + (f"given with --list ({pcsl})" if args.list else
+                f"analyze-image --workload {shlex.quote(workload)}" if workload else
+                "analyze-image of the image's boot")
+             + f"; VM time {vm_s / 60:.0f} min")
+    summary = write_results(out, lines, st, nlisted, cmdline, facts, gk.parent / "System.map")
     if not any(x.startswith("E2E-EV all") and " finished" in x for x in lines):
         log(f"the run did not finish; see {out / 'serial.log.gz'}")
         return 1

@@ -4,8 +4,13 @@ checked without its 40-minute nested run.
 - e2e_sampler.c (the in-VM sampler) and the benchmark hash guest pages and
   listed blocks the same way, or no page would ever be classed as listed;
 - bench/e2e/driver.sh refuses, with a message that says what to do, to run
-  on a kernel without the merge_pages series (this host's kernel is one);
-- the summary's arithmetic on a sample stream whose answers are known;
+  on a kernel without KSM, without the merge_pages series or with KSM off
+  (on this host's kernel and on fake sysfs directories);
+- the benchmark refuses on this machine before it builds anything: no host
+  KSM when analyze-image has to make the list, a series without
+  merge_pages, a host config without KSM;
+- the summary's arithmetic on a sample stream whose answers are known,
+  also when a configuration ran again after a guest did not boot;
 - the sample stream of a real run (bench/results/) parses and summarizes.
 """
 
@@ -57,20 +62,116 @@ def test_sampler_usage_error(sampler: Path) -> None:
     assert "usage: e2e_sampler" in p.stderr
 
 
+def preflight(ksm: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if ksm is not None:
+        env["E2E_KSM_SYSFS"] = str(ksm)
+    return subprocess.run(["sh", str(REPO / "bench/e2e/driver.sh"), "--preflight"],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
 def test_driver_preflight_on_this_kernel() -> None:
     """On a kernel without the series (this host's) the benchmark refuses
-    with what to do; on a patched one it passes and leaves KSM's run as it was."""
+    with what to do; on a patched one with KSM on it passes.  Either way
+    KSM's run is left as it was."""
     before = (KSM / "run").read_text() if (KSM / "run").exists() else None
-    p = subprocess.run(["sh", str(REPO / "bench/e2e/driver.sh"), "--preflight"],
-                       capture_output=True, text=True, timeout=60)
+    p = preflight()
     after = (KSM / "run").read_text() if (KSM / "run").exists() else None
     assert before == after
-    if not (KSM / "merge_page_merged").exists():
+    if not KSM.exists():
+        assert p.returncode == 1 and "E2E-ERROR this kernel has no KSM" in p.stdout
+    elif not (KSM / "merge_page_merged").exists():
         assert p.returncode == 1, p.stdout
         assert "E2E-ERROR this kernel lacks the merge_pages series" in p.stdout
         assert "boot the patched kernel" in p.stdout
+    elif before != "1\n":
+        assert p.returncode == 1 and "E2E-ERROR KSM is off on this host" in p.stdout
     else:
         assert p.returncode == 0 and "E2E-PREFLIGHT ok" in p.stdout, p.stdout
+
+
+def fake_ksm(tmp_path: Path, run: str, series: bool = True) -> Path:
+    k = tmp_path / "ksm"
+    k.mkdir()
+    (k / "run").write_text(run + "\n")
+    if series:
+        (k / "merge_page_merged").write_text("0\n")
+    return k
+
+
+def test_driver_refuses_a_kernel_without_ksm(tmp_path: Path) -> None:
+    p = preflight(tmp_path / "no-ksm")
+    assert p.returncode == 1
+    assert p.stdout.startswith("E2E-ERROR this kernel has no KSM")
+    assert "CONFIG_KSM and the merge_pages series" in p.stdout
+
+
+def test_driver_refuses_a_kernel_without_the_series(tmp_path: Path) -> None:
+    p = preflight(fake_ksm(tmp_path, "1", series=False))
+    assert p.returncode == 1
+    assert p.stdout.startswith("E2E-ERROR this kernel lacks the merge_pages series")
+    assert "merge_page_merged missing" in p.stdout
+
+
+@pytest.mark.parametrize("run", ["0", "2"])
+def test_driver_refuses_ksm_off(tmp_path: Path, run: str) -> None:
+    """A host whose KSM is not in merge mode is refused, not switched on
+    behind the operator's back, and is left as it was."""
+    k = fake_ksm(tmp_path, run)
+    p = preflight(k)
+    assert p.returncode == 1
+    assert p.stdout.startswith(f"E2E-ERROR KSM is off on this host ({k}/run is {run}, not 1)")
+    assert f"echo 1 > {k}/run" in p.stdout
+    assert (k / "run").read_text() == run + "\n"
+
+
+def test_driver_preflight_passes_a_pageshare_host(tmp_path: Path) -> None:
+    p = preflight(fake_ksm(tmp_path, "1"))
+    assert p.returncode == 0 and p.stdout == "E2E-PREFLIGHT ok\n", p.stdout + p.stderr
+
+
+def test_benchmark_refuses_before_building(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """No host KSM and no list: refused with what to do, before the golden
+    image, kernels or QEMU are built (build_image is never called)."""
+    image = tmp_path / "golden.qcow2"
+    image.write_bytes(b"x")
+
+    def no_build(*_: object) -> None:
+        raise AssertionError("built something before refusing")
+
+    monkeypatch.setattr(e2e, "KSM", tmp_path / "no-ksm")
+    monkeypatch.setattr(e2e.golden, "build_image", no_build)
+    monkeypatch.setattr(e2e, "load_ktest", no_build)
+    monkeypatch.setattr(e2e.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(e2e.cache, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image)])
+    with pytest.raises(e2e.BenchError, match=r"this host has no KSM .* pass --list"):
+        e2e.main()
+    # with a list given, host KSM is not needed: the refusal is gone (the
+    # next step, which would build, is reached)
+    monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image),
+                                      "--list", str(image)])
+    with pytest.raises(AssertionError, match="built something"):
+        e2e.main()
+
+
+def test_benchmark_refuses_a_series_without_merge_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = tmp_path / "repo"
+    (repo / "kernel-syscall/patches").mkdir(parents=True)
+    shutil.copytree(REPO / "kernel-syscall/config", repo / "kernel-syscall/config")
+    (repo / "kernel-syscall/patches/0001-something-else.patch").write_text("diff\n")
+    monkeypatch.setattr(e2e, "REPO", repo)
+    with pytest.raises(e2e.BenchError, match="has no merge_pages series"):
+        e2e.host_preflight(KSM, False)
+    # the series back, KSM taken out of the host config
+    for p in (REPO / "kernel-syscall/patches").glob("*.patch"):
+        shutil.copy2(p, repo / "kernel-syscall/patches")
+    base = repo / "kernel-syscall/config/base.config"
+    base.write_text(base.read_text().replace("CONFIG_KSM=y", "# CONFIG_KSM is not set"))
+    with pytest.raises(e2e.BenchError, match="does not set CONFIG_KSM=y"):
+        e2e.host_preflight(KSM, False)
 
 
 def _g(cfg: str, t: int, guest: int, listed: int, shared: int, *, merged: int = -1,
@@ -163,6 +264,62 @@ def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
     assert not s["bytes_identical"]
     assert s["configs"]["none"] == {"error": "did not finish"}
     assert "NO" in e2e.markdown(s, "x", "y")
+
+
+def test_summary_takes_the_last_start_of_a_configuration() -> None:
+    """A configuration whose guest did not boot ran again: its samples and
+    marks before the last "begin" are not counted, the hang is recorded;
+    the stale memory the guests freed and the host's THP collapses are."""
+    def h(t: int, sharing: int, thp: int) -> str:
+        return _h("ksm", t, 0, sharing, 0, 0, 0) + f" {thp} 0"
+
+    lines = [
+        "E2E-EV ksm 1000 begin filter=0",
+        _g("ksm", 1500, 1, 999, 999), h(1500, 999, 5),
+        "E2E-EV ksm 1600 mark 1 BOOTED",
+        "E2E-EV ksm 2000 boot-hung 2 not booted after 900 s; RIP ffffffff81000010 ffffffff81000020",
+        "E2E-GLOG ksm 2 [    0.000000] Linux version 6.12",
+        "E2E-EV ksm 2100 retry a guest did not boot",
+        "E2E-EV ksm 3000 begin filter=0",
+        _g("ksm", 3500, 1, 100, 0), _g("ksm", 3500, 2, 100, 0), h(3500, 0, 7),
+        "E2E-EV ksm 3600 mark 1 BOOTED", "E2E-EV ksm 3700 mark 2 BOOTED",
+        "E2E-EV ksm 4000 work-done",
+        _g("ksm", 5000, 1, 100, 100), _g("ksm", 5000, 2, 100, 100), h(5000, 100, 9),
+        "E2E-GUEST ksm 1 GUEST-SUM abc GUEST-FREED 64 200000 134000 190000 9",
+        "E2E-GUEST ksm 2 GUEST-SUM abc GUEST-FREED 64 200000 134000 192048 9",
+        "E2E-EV ksm 5500 end",
+    ]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm"], "", "", 100, 900, 64)
+    rows = e2e.parse(lines)
+    assert rows["glog"] == [["ksm", "2", "[    0.000000] Linux version 6.12"]]
+    s = e2e.summarize(rows, st, 10)
+    c = s["configs"]["ksm"]
+    assert s["boot_hangs"] == [{"cfg": "ksm", "t_ms": 2000, "detail":
+                                "2 not booted after 900 s; RIP ffffffff81000010 ffffffff81000020"}]
+    assert c["boot_s_mean"] == pytest.approx(0.65)   # (600 + 700) / 2, not the 1st start
+    assert c["listed_pages_held"] == 200
+    assert c["thp_collapses"] == 2
+    assert c["stale_freed_mib"] == 64
+    assert c["stale_memfree_back_mib"] == pytest.approx((56000 + 58048) / 2 / 1024)
+    assert c["page_reporting_order"] == "9"
+    assert c["resident_mib_end"] == pytest.approx(2 * 5000 * 4096 / 2**20)
+    md = e2e.markdown(s, "x", "y")
+    assert "| THP collapses of guest RAM in the pageshare host | 2 |" in md
+
+
+def test_symbolize(tmp_path: Path) -> None:
+    m = tmp_path / "System.map"
+    m.write_text("ffffffff81000000 T _text\nffffffff81000010 t spin\n"
+                 "ffffffff81000018 D data\nffffffff81000040 T next\n")
+    assert e2e.symbolize([0xffffffff81000014, 0xffffffff81000040, 0x10], m) == [
+        "spin+0x4", "next+0x0", "0x10"]
+
+
+def test_list_workload_is_the_guests_grep() -> None:
+    w = e2e.list_workload(e2e.GREP_DIRS)
+    assert w == ("grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND /usr/bin /usr/sbin "
+                 "/usr/lib/x86_64-linux-gnu /usr/lib/systemd /usr/lib/udev; true")
+    assert "PAGESHARE-BENCH-NEVER-FOUND" in (REPO / "bench/e2e/guest-init.sh").read_text()
 
 
 def test_server_cpu_across_a_restart_and_a_lost_server() -> None:

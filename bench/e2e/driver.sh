@@ -16,38 +16,76 @@
 #                a list of half the blocks and ksmd is switched off and on
 #
 # Every line the outer script reads starts with E2E-: E2E-EV (an event),
-# E2E-G/E2E-H (e2e_sampler's samples), E2E-ERROR (a refusal).
+# E2E-G/E2E-H (e2e_sampler's samples), E2E-GUEST (a guest's own marks),
+# E2E-GLOG (a guest's serial log), E2E-ERROR (a refusal or a failure).
+#
+# The host must be a pageshare host: the merge_pages series, and KSM in
+# merge mode (run=1), as pageshare-server needs it; the driver refuses
+# anything else before it starts a thing.  It saves KSM's settings first
+# and puts them back on every way out.
 #
 #   sh driver.sh              run what /pageshare/e2e.env says
 #   sh driver.sh --preflight  only check that this host can run it
 set -u
 P=${PAGESHARE_PAYLOAD:-/pageshare}
 W=/tmp/e2e
-K=/sys/kernel/mm/ksm
+K=${E2E_KSM_SYSFS:-/sys/kernel/mm/ksm}
 LIST=/tmp/pageshare/base.pcsl
 cfg=preflight
+saved_ksm=""
 
 ms() { awk '{ printf "%d", $1 * 1000 }' /proc/uptime; }
 ev() { echo "E2E-EV $cfg $(ms) $*"; }
 fail() {
     echo "E2E-ERROR $*"
+    if [ -n "$saved_ksm" ]; then
+        stop_all
+        restore_ksm
+    fi
     exit 1
 }
 
 preflight() {
-    [ -d $K ] || fail "this kernel has no KSM ($K missing): the benchmark needs" \
-        "a host kernel with CONFIG_KSM and the merge_pages series (kernel-syscall/)"
-    [ -e $K/merge_page_merged ] || fail "this kernel lacks the merge_pages series" \
+    [ -d "$K" ] || fail "this kernel has no KSM ($K missing): the benchmark needs" \
+        "a pageshare host, a kernel with CONFIG_KSM and the merge_pages series" \
+        "(kernel-syscall/)"
+    [ -e "$K/merge_page_merged" ] || fail "this kernel lacks the merge_pages series" \
         "($K/merge_page_merged missing): boot the patched kernel" \
         "(kernel-syscall/ktest.py builds it); pageshare cannot merge here"
-    [ -w $K/run ] || fail "$K/run is not writable: run the benchmark as root"
-    # switch KSM on once to see that it can be, and put back what was there
-    old_run=$(cat $K/run)
-    echo 1 > $K/run 2>/dev/null
-    now_run=$(cat $K/run)
-    echo "$old_run" > $K/run
-    [ "$now_run" = 1 ] || fail "KSM cannot be switched on ($K/run stays $now_run):" \
-        "pageshare needs KSM in merge mode (run=1)"
+    [ -w "$K/run" ] || fail "$K/run is not writable: run the benchmark as root"
+    run=$(cat "$K/run")
+    [ "$run" = 1 ] || fail "KSM is off on this host ($K/run is $run, not 1):" \
+        "pageshare merges guest pages into KSM pages and needs KSM in merge" \
+        "mode; switch it on (echo 1 > $K/run) and start the benchmark again"
+}
+
+# KSM's settings as found, restored on every way out ("knob value" pairs;
+# advisor_mode reads "[none] scan-time": the bracketed one is set).
+KSM_KNOBS="pages_to_scan sleep_millisecs smart_scan use_zero_pages max_page_sharing
+    stable_node_chains_prune_millisecs advisor_mode advisor_target_scan_time
+    advisor_max_cpu advisor_min_pages_to_scan advisor_max_pages_to_scan"
+save_ksm() {
+    saved_ksm="run $(cat "$K/run")"
+    for f in $KSM_KNOBS; do
+        [ -e "$K/$f" ] || continue
+        v=$(sed 's/.*\[\(.*\)\].*/\1/' "$K/$f")
+        saved_ksm="$saved_ksm $f $v"
+    done
+}
+restore_ksm() {
+    [ -n "$saved_ksm" ] || return 0
+    # stop and unmerge first: max_page_sharing cannot change while pages are merged
+    echo 2 > "$K/run"
+    echo 0 > "$K/run"
+    set -- $saved_ksm
+    run=$2
+    shift 2
+    while [ $# -ge 2 ]; do
+        echo "$2" > "$K/$1" 2>/dev/null || echo "E2E-EV $cfg $(ms) ksm-restore-failed $1=$2"
+        shift 2
+    done
+    echo "$run" > "$K/run"
+    saved_ksm=""
 }
 
 if [ "${1:-}" = --preflight ]; then
@@ -57,6 +95,7 @@ if [ "${1:-}" = --preflight ]; then
 fi
 . $P/e2e.env
 preflight
+save_ksm
 
 ksm_defaults() {
     # 6.12's boot defaults; the "none" configuration stops ksmd instead
@@ -70,9 +109,11 @@ ksm_defaults() {
 
 server_pid=0
 sampler_pid=0
+marks_pid=0
 qemu_pids=""
 
 stop_all() {
+    [ "$marks_pid" != 0 ] && kill "$marks_pid" 2>/dev/null
     [ "$sampler_pid" != 0 ] && kill "$sampler_pid" 2>/dev/null
     for p in $qemu_pids; do kill "$p" 2>/dev/null; done
     for p in $qemu_pids; do wait "$p" 2>/dev/null; done
@@ -81,12 +122,13 @@ stop_all() {
         kill "$server_pid" 2>/dev/null
         wait "$server_pid" 2>/dev/null
     fi
-    sampler_pid=0 server_pid=0 qemu_pids=""
+    [ "$marks_pid" != 0 ] && wait "$marks_pid" 2>/dev/null
+    sampler_pid=0 server_pid=0 marks_pid=0 qemu_pids=""
     # unmerge what is left so the next configuration starts from nothing
     echo 2 > $K/run
     echo 0 > $K/run
 }
-trap 'stop_all; exit 1' INT TERM
+trap 'echo "E2E-ERROR the driver was stopped (signal)"; stop_all; restore_ksm; exit 1' INT TERM
 
 wait_file() { # path seconds
     n=0
@@ -124,7 +166,7 @@ start_server() {
 start_guest() { # index filter(0/1) balloon(0/1)
     i=$1 filter=$2 balloon=$3
     ovl=$W/ovl$i.qcow2
-    rm -f $ovl $W/g$i.log $W/qmp$i.sock
+    rm -f $ovl $W/g$i.log $W/qmp$i.sock $W/hmp$i.sock
     $P/bin/qemu-img create -q -f qcow2 -F qcow2 -b $P/base.qcow2 $ovl ||
         fail "qemu-img create $ovl"
     backing=base
@@ -140,32 +182,84 @@ start_guest() { # index filter(0/1) balloon(0/1)
         -blockdev '{"driver":"qcow2","node-name":"ovl","file":"ovl-file","backing":"'$backing'"}' \
         -device virtio-blk-pci,drive=ovl
     [ "$balloon" = 1 ] && set -- "$@" -device virtio-balloon-pci,free-page-reporting=on
+    # The kernel's messages are kept (no "quiet"): a guest that does not
+    # boot says how far it got.  page_reporting_order=9 reports free 2 MiB
+    # blocks, as a distribution kernel with THP does (this small kernel has
+    # no THP, so its default would be 4 MiB); without a balloon it is unused.
+    # A second monitor (hmp$i.sock) is free for the driver's questions while
+    # the sampler holds the first.
     $P/bin/qemu-system-x86_64 -M pc -accel tcg,tb-size=64 -m "${GUEST_MIB}M" -smp 1 \
         -nodefaults -display none -no-reboot -L $P/share/qemu \
         -kernel $P/guest/vmlinuz -initrd $P/guest/initramfs.cpio.gz \
-        -append "console=ttyS0 quiet" -serial file:$W/g$i.log \
-        -qmp unix:$W/qmp$i.sock,server=on,wait=off "$@" > $W/qemu$i.log 2>&1 &
+        -append "console=ttyS0 page_reporting.page_reporting_order=9" \
+        -serial file:$W/g$i.log -qmp unix:$W/qmp$i.sock,server=on,wait=off \
+        -qmp unix:$W/hmp$i.sock,server=on,wait=off "$@" > $W/qemu$i.log 2>&1 &
     qemu_pids="$qemu_pids $!"
 }
 
-# All guests print GUEST-WORK-DONE (or one fails); $1: timeout in seconds.
-# Each guest's markers are stamped here as they appear (to a second): a
-# nested guest's own clock runs slow when the host is loaded.
-wait_guests() {
-    deadline=$(($(ms) / 1000 + $1))
+# Each guest's markers, stamped as they appear (to a second) by a process
+# of their own, whatever the driver is doing meanwhile (the faults
+# configuration's faults take half a minute): a nested guest's own clock
+# runs slow when the host is loaded.
+stamp_marks() {
     seen=" "
     while :; do
-        done_n=0
         for i in $(seq 1 "$GUESTS"); do
-            grep -q GUEST-ERROR $W/g$i.log 2>/dev/null &&
-                { cat $W/g$i.log; fail "guest $i: $(grep GUEST-ERROR $W/g$i.log)"; }
-            for m in BOOTED BINS GREP WORK-DONE; do
+            for m in BOOTED BINS GREP FREED WORK-DONE; do
                 case "$seen" in *" $i:$m "*) continue ;; esac
                 if grep -q "GUEST-$m" $W/g$i.log 2>/dev/null; then
                     seen="$seen$i:$m "
                     ev mark "$i $m"
                 fi
             done
+        done
+        sleep 1
+    done
+}
+
+# A guest's serial log, as E2E-GLOG lines (the outer script keeps them in
+# the run's serial log).
+dump_guest_log() { # index
+    tr -d '\r' < $W/g$1.log 2>/dev/null | head -n 400 | sed "s/^/E2E-GLOG $cfg $1 /"
+}
+
+# Guests that have not printed GUEST-BOOTED BOOT_TIMEOUT s after they were
+# started: each one's serial log and where its CPU is (RIP, sampled five
+# times), and status 0.  Status 1 while there is time, or all booted.
+boot_hung() {
+    [ "$all_booted" = 1 ] && return 1
+    [ "$(cat $W/g*.log 2>/dev/null | grep -c GUEST-BOOTED)" -ge "$GUESTS" ] &&
+        { all_booted=1; return 1; }
+    [ $(($(ms) / 1000)) -lt "$boot_deadline" ] && return 1
+    hung=0
+    for i in $(seq 1 "$GUESTS"); do
+        grep -q GUEST-BOOTED $W/g$i.log 2>/dev/null && continue
+        rips=""
+        for n in 1 2 3 4 5; do
+            rips="$rips $($P/bin/e2e_sampler --hmp $W/hmp$i.sock 'info registers' 2>&1 |
+                sed -n 's/.*RIP=\([0-9a-f]*\).*/\1/p' | head -n 1)"
+            sleep 1
+        done
+        # booted while we looked: late, not hung
+        grep -q GUEST-BOOTED $W/g$i.log 2>/dev/null && continue
+        hung=1
+        ev boot-hung "$i not booted after $BOOT_TIMEOUT s; RIP$rips"
+        dump_guest_log "$i"
+        $P/bin/e2e_sampler --hmp $W/hmp$i.sock 'info registers' 2>&1 |
+            tr -d '\r' | sed "s/^/E2E-GLOG $cfg $i regs: /"
+    done
+    [ "$hung" = 1 ]
+}
+
+# All guests print GUEST-WORK-DONE (or one fails); $1: timeout in seconds.
+# Status 2: a guest did not boot (boot_hung), the configuration may run again.
+wait_guests() {
+    deadline=$(($(ms) / 1000 + $1))
+    while :; do
+        done_n=0
+        for i in $(seq 1 "$GUESTS"); do
+            grep -q GUEST-ERROR $W/g$i.log 2>/dev/null &&
+                { dump_guest_log "$i"; fail "guest $i: $(grep GUEST-ERROR $W/g$i.log)"; }
             grep -q GUEST-WORK-DONE $W/g$i.log 2>/dev/null && done_n=$((done_n + 1))
         done
         [ "$done_n" = "$GUESTS" ] && return 0
@@ -173,6 +267,7 @@ wait_guests() {
             kill -0 "$p" 2>/dev/null || { cat $W/qemu*.log; fail "a guest's QEMU exited"; }
         done
         kill -0 "$sampler_pid" 2>/dev/null || fail "e2e_sampler exited (its message is above)"
+        boot_hung && return 2
         [ $(($(ms) / 1000)) -gt "$deadline" ] && fail "guests not done after $1 s"
         sleep 1
     done
@@ -182,11 +277,9 @@ wait_guests() {
 # a list of half the blocks, ksmd switched off and on again.  The guests'
 # checksums must still be everyone else's.
 inject_faults() {
-    n=0
-    until [ "$(cat $W/g*.log 2>/dev/null | grep -c GUEST-BOOTED)" = "$GUESTS" ]; do
+    until [ "$(cat $W/g*.log 2>/dev/null | grep -c GUEST-BOOTED)" -ge "$GUESTS" ]; do
+        boot_hung && return 2
         sleep 1
-        n=$((n + 1))
-        [ $n -gt "$WORK_TIMEOUT" ] && fail "guests did not boot"
     done
     kill -9 "$server_pid"
     wait "$server_pid" 2>/dev/null
@@ -227,6 +320,8 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     fi
     for i in $(seq 1 "$GUESTS"); do start_guest "$i" "$c_filter" "$c_balloon"; done
     ev guests-started "$qemu_pids"
+    all_booted=0
+    boot_deadline=$(($(ms) / 1000 + BOOT_TIMEOUT))
     set --
     i=0
     for p in $qemu_pids; do
@@ -237,31 +332,54 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     $P/bin/e2e_sampler "$cfg" $P/listed.hashes "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" \
         "$@" &
     sampler_pid=$!
-    [ "$cfg" = pageshare-faults ] && inject_faults
-    wait_guests "$WORK_TIMEOUT"
+    stamp_marks &
+    marks_pid=$!
+    rc=0
+    [ "$cfg" = pageshare-faults ] && { inject_faults || rc=$?; }
+    [ "$rc" = 0 ] && { wait_guests "$WORK_TIMEOUT" || rc=$?; }
+    if [ "$rc" != 0 ]; then
+        stop_all
+        return "$rc"
+    fi
     ev work-done
     for i in $(seq 1 "$GUESTS"); do
-        # the guest's own timestamps: booted, binaries, grep start/end, sum
-        echo "E2E-GUEST $cfg $i $(grep -E '^GUEST-(BOOTED|BINS|GREP|SUM|WORK-DONE)' $W/g$i.log |
+        # the guest's own marks: booted, binaries, grep start/end, sum, the
+        # memory it freed (MiB, MemFree before/after, page_reporting_order)
+        echo "E2E-GUEST $cfg $i $(grep -E '^GUEST-(BOOTED|BINS|GREP|SUM|FREED|WORK-DONE)' $W/g$i.log |
             tr -d '\r' | tr '\n' ' ')"
     done
     [ "$c_filter" = 1 ] && ev server-log "$(tr '\n' '|' < $W/server.log | cut -c1-600)"
     sleep "$OBSERVE"
     ev end
+    for i in $(seq 1 "$GUESTS"); do dump_guest_log "$i"; done
     stop_all
 }
 
+# A configuration, run again from the start once if a guest did not boot
+# (the summary takes the samples from its last "begin" on).
+run_once_more() { # run_config's arguments
+    run_config "$@" && return 0
+    ev retry "a guest did not boot within $BOOT_TIMEOUT s (its log and RIP are above);" \
+        "the configuration runs again from the start"
+    run_config "$@" && return 0
+    fail "configuration $1: a guest did not boot within $BOOT_TIMEOUT s, twice" \
+        "(its serial log and registers are above)"
+}
+
 mkdir -p $W
+ev ksm-saved "$saved_ksm"
 for c in $CONFIGS; do
     case $c in
-    none) run_config none 0 off 0 ;;
-    ksm) run_config ksm 0 default 0 ;;
-    ksm-advisor) run_config ksm-advisor 0 advisor 0 ;;
-    pageshare) run_config pageshare 1 default 0 ;;
-    pageshare-faults) run_config pageshare-faults 1 default 0 ;;
-    ksm-fpr) run_config ksm-fpr 0 default 1 ;;
+    none) run_once_more none 0 off 0 ;;
+    ksm) run_once_more ksm 0 default 0 ;;
+    ksm-advisor) run_once_more ksm-advisor 0 advisor 0 ;;
+    pageshare) run_once_more pageshare 1 default 0 ;;
+    pageshare-faults) run_once_more pageshare-faults 1 default 0 ;;
+    ksm-fpr) run_once_more ksm-fpr 0 default 1 ;;
     *) fail "unknown configuration $c" ;;
     esac
 done
 cfg=all
+restore_ksm
+ev ksm-restored "$(cat $K/run)"
 ev finished

@@ -4,8 +4,9 @@
 # image's root read-only from its virtio-blk disk (a qcow2 overlay of the
 # golden image, through the pageshare filter or not), runs the image's own
 # binaries, then reads its programs and libraries the way `grep -r` does (the talk's
-# file-reading workload), prints a checksum of what it read and idles with
-# its page cache kept, until the driver stops it.
+# file-reading workload), prints a checksum of what it read, frees
+# __STALE_MIB__ MiB of stale memory and idles with its page cache kept,
+# until the driver stops it.
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 up() { cut -d' ' -f1 /proc/uptime; }
@@ -35,5 +36,17 @@ echo "GUEST-GREP $t1 $t2"
 # one tar stream of the same tree is the same bytes only if every file is
 sum=$(tar -cf - __SUM_DIRS__ 2>/dev/null | sha256sum)
 echo "GUEST-SUM ${sum%% *}"
+# Memory freed with stale data in it, the same in every guest: what a
+# booted Debian leaves when it frees its unpacked initramfs, and what free
+# page reporting is for (a reporting guest hands it back to the host, KSM
+# would otherwise merge it).  A file on the initramfs's tmpfs, deleted.
+memfree() { sed -n 's/^MemFree: *\([0-9]*\) kB/\1/p' /proc/meminfo; }
+f0=$(memfree)
+tar -cf - __SUM_DIRS__ 2>/dev/null | head -c $((__STALE_MIB__ * 1048576)) > /stale
+f1=$(memfree)
+rm -f /stale
+sleep 5
+order=$(cat /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null)
+echo "GUEST-FREED __STALE_MIB__ $f0 $f1 $(memfree) ${order:--}"
 echo "GUEST-WORK-DONE $(up)"
 while :; do sleep 3600; done
