@@ -121,6 +121,23 @@ def test_xfs_variant_is_small_packages_with_an_xfs_root() -> None:
     assert "FSTYPE=xfs" in golden._root_fstype_hook("xfs")
 
 
+def test_btrfs_variant_is_small_packages_with_the_root_in_a_btrfs_subvolume(
+        tmp_path: Path) -> None:
+    spec, small = golden._spec("btrfs"), golden._spec("small")
+    assert (spec.root_fstype, spec.root_subvol) == ("btrfs", "@rootfs")
+    assert spec.packages == [*small.packages, "btrfs-progs"]   # btrfs device scan in the initrd
+    assert golden.geometry("btrfs") == golden.geometry("trixie")
+    assert spec.compressed_files and all(f.startswith("/usr/") for f in spec.compressed_files)
+    # The other variants' specs have no btrfs fields (and their cache keys did not move).
+    assert all("root_subvol" not in golden.VARIANTS[v] for v in golden.VARIANTS if v != "btrfs")
+    assert golden._spec("xfs").root_subvol == "" and golden._spec("xfs").compressed_files == ()
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/shadow").write_text("root:*:19000:0:99999:7:::\n")
+    golden._customize(tmp_path, spec)
+    assert (tmp_path / "etc/fstab").read_text() == (
+        f"UUID={spec.fs_uuid}\t/\tbtrfs\tdefaults,subvol=@rootfs\t0\t0\n")
+
+
 def test_small1k_variant_is_small_with_1k_blocks() -> None:
     spec, small = golden._spec("small1k"), golden._spec("small")
     assert (spec.fs_block, small.fs_block) == (1024, 4096)
@@ -446,6 +463,42 @@ def test_xfs_root_partition(tmp_path: Path) -> None:
     # The tree came through whole: /tmp keeps its sticky bit, the kernel is in /boot.
     assert "core.mode = 041777" in xfs_db("path /tmp", "print core.mode")  # dir, 1777
     assert "current inode number" in xfs_db(f"path /boot/vmlinuz-{m['kernel_version']}", "inode")
+
+
+@pytest.mark.vm
+def test_btrfs_root_is_subvolume_rootfs_of_a_one_device_btrfs(tmp_path: Path) -> None:
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+    from pageshare import btrfsmap
+    from pageshare.ext4map import fs_image
+    image = _image("btrfs")
+    m, geo = image.manifest, golden.geometry("btrfs")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    _, parts = _gpt_partitions(raw)
+    assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
+    root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
+                              geo.root_start_sector),), tmp_path / "root.btrfs", copy=True)
+    raw.unlink()
+    sb = btrfsmap.superblock(root)
+    assert (sb["fsid"], sb["num_devices"], sb["sectorsize"]) == (m["fs_uuid"], "1", "4096")
+    _, default, paths = btrfsmap.read_subvolumes(root)
+    assert default == btrfsmap.FS_TREE and sorted(paths.values()) == ["", "@rootfs"]
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(root), format="raw", readonly=1)
+        g.launch()
+        g.mount_ro("btrfsvol:/dev/sda/@rootfs", "/")
+        assert "subvol=@rootfs" in g.cat("/etc/fstab")
+        assert g.is_file(f"/boot/vmlinuz-{m['kernel_version']}")
+        assert g.is_file("/usr/bin/btrfs")
+        assert oct(g.statns("/tmp")["st_mode"]) == "0o41777"   # the tar kept the sticky bit
+        ino = g.statns(golden._spec("btrfs").compressed_files[0])["st_ino"]
+    finally:
+        g.close()
+    tree = next(t for t, p in paths.items() if p == "@rootfs")
+    _, skipped = btrfsmap.read_extents(root, [ino], tree)
+    assert skipped.compressed_extents > 0 and skipped.inodes == {ino}
 
 
 @pytest.mark.vm

@@ -13,7 +13,9 @@ made the same way from the tree's /boot ("gpt-bootsplit"), or into a linear
 LVM logical volume on that partition ("gpt-lvm"; LVM's metadata is written
 in the libguestfs appliance).  An XFS root ("xfs") is made by mkfs.xfs and
 filled from a tar of the tree in the appliance, since mkfs.xfs cannot copy a
-directory with all its attributes.  No bootloader is
+directory with all its attributes; so is a btrfs root ("btrfs"), unpacked
+into a subvolume @rootfs as Debian's installer lays it out (mkfs.btrfs 6.2
+makes no subvolumes).  No bootloader is
 installed because the analyzer boots guests by direct kernel boot with the
 image's own kernel and initrd from /boot.
 
@@ -211,6 +213,33 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
+    # small's packages (plus btrfs-progs, which puts `btrfs device scan` in
+    # the initrd) on the GPT layout with a btrfs root (issue 11), laid out as
+    # Debian's installer does it: the root is subvolume @rootfs of a
+    # single-device btrfs, mounted by /etc/fstab with subvol=@rootfs (the
+    # boot loader adds rootflags=subvol=@rootfs; the analyzer does the same).
+    # Data is stored uncompressed, except the files of "compressed_files",
+    # rewritten through a compress-force mount, so that the analysis meets
+    # compressed extents (which no disk block can serve) in a file guests read.
+    "btrfs": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, "btrfs-progs"],
+        "layout": "gpt",
+        "root_fstype": "btrfs",
+        "root_subvol": "@rootfs",
+        "compressed_files": ["/usr/share/common-licenses/GPL-3"],
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "9c4e2a71-d58b-4f36-a0e9-3b7d1c6f8e25",
+        "disk_guid": "e6b1d3f8-2a49-4c75-9d0e-8f4a7c2b5e13",
+        "partition_guids": {
+            "1": "4a9d7e2c-83f1-4b06-b5c8-d1e6f3a9c720",
+            "14": "b2e8c4f6-1d37-4a95-8c0b-7e3f9d5a1b64",
+            "15": "71f5a3d9-c6e2-4b18-a47d-2c9e8b0f6d35",
+        },
+        "hostname": HOSTNAME,
+    },
 }
 
 # Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
@@ -246,6 +275,8 @@ class _Spec:
     boot_fs_uuid: str | None = None  # a separate /boot file system (gpt-bootsplit)
     root_fstype: str = "ext4"
     fs_block: int = FS_BLOCK          # the root ext4's block size
+    root_subvol: str = ""             # a btrfs root: the subvolume / is mounted from
+    compressed_files: tuple[str, ...] = ()   # a btrfs root: files stored compressed
 
 
 @dataclass(frozen=True)
@@ -297,8 +328,14 @@ def _spec(variant: str) -> _Spec:
     if fs_block not in (1024, 2048, 4096):
         raise TypeError("variant field 'fs_block' must be 1024, 2048 or 4096")
     root_fstype = d.get("root_fstype", "ext4")
-    if root_fstype not in ("ext4", "xfs"):
-        raise TypeError("variant field 'root_fstype' must be ext4 or xfs")
+    if root_fstype not in ("ext4", "xfs", "btrfs"):
+        raise TypeError("variant field 'root_fstype' must be ext4, xfs or btrfs")
+    root_subvol = d.get("root_subvol", "")
+    compressed = d.get("compressed_files", [])
+    if not isinstance(root_subvol, str) or not isinstance(compressed, list):
+        raise TypeError("variant fields 'root_subvol' (str) and 'compressed_files' (list)")
+    if (root_subvol or compressed) and root_fstype != "btrfs":
+        raise TypeError("'root_subvol' and 'compressed_files' need a btrfs root")
     return _Spec(
         suite=_field(d, "suite", str),
         sources=[str(s) for s in _field(d, "sources", list)],
@@ -313,6 +350,8 @@ def _spec(variant: str) -> _Spec:
         boot_fs_uuid=boot_fs_uuid,
         root_fstype=str(root_fstype),
         fs_block=int(fs_block),
+        root_subvol=root_subvol,
+        compressed_files=tuple(str(f) for f in compressed),
     )
 
 
@@ -378,6 +417,8 @@ def _required_tools(spec: _Spec) -> dict[str, str]:
     tools = {"mmdebstrap": "mmdebstrap", "mkfs.ext4": "e2fsprogs", "qemu-img": "qemu-utils"}
     if spec.root_fstype == "xfs":
         tools["mkfs.xfs"] = "xfsprogs"
+    if spec.root_fstype == "btrfs":
+        tools["mkfs.btrfs"] = "btrfs-progs"
     if spec.layout != "whole-disk":
         tools["sgdisk"] = "gdisk"
     return tools
@@ -594,7 +635,12 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     if spec.layout == "gpt-lvm":
         root = f"/dev/mapper/{LVM_VG}-{LVM_LV}"      # as Debian's installer writes it
     options = "rw,discard,errors=remount-ro" if spec.root_fstype == "ext4" else "rw,discard"
-    fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t1\n"
+    passno = 1
+    if spec.root_fstype == "btrfs":
+        # As Debian's installer writes it (btrfs has no boot-time fsck: pass 0).
+        options, passno = "defaults" + (f",subvol={spec.root_subvol}"
+                                        if spec.root_subvol else ""), 0
+    fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t{passno}\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
     _write(rootdir / "etc/fstab", fstab)
@@ -757,6 +803,44 @@ def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
         g.close()
 
 
+def _make_btrfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str, subvol: str,
+                compressed: tuple[str, ...]) -> None:
+    """A single-device btrfs image (the spec's UUID, label root; mkfs' defaults:
+    SINGLE data, DUP metadata, 4 KiB sectors) holding the root tree's tar in
+    subvolume subvol (the top level if ""), written uncompressed by the
+    libguestfs appliance's kernel; then the files of compressed are rewritten
+    in place through a compress-force mount, so their extents are compressed.
+    mkfs.btrfs runs on the host; nothing is mounted on the host."""
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    with fs_image.open("wb") as f:
+        f.truncate(fs_bytes)
+    _run(["mkfs.btrfs", "-q", "-f", "-s", str(FS_BLOCK), "-L", FS_LABEL, "-U", fs_uuid,
+          str(fs_image)])
+    top = f"/{subvol}" if subvol else "/"
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(fs_image), format="raw", readonly=0)
+        g.launch()
+        g.mount("/dev/sda", "/")
+        if subvol:
+            g.btrfs_subvolume_create(top)
+        g.tar_in(str(tree), top, xattrs=True, acls=True)
+        g.umount_all()
+        if compressed:
+            g.mount_options("compress-force=zlib", "/dev/sda", "/")
+            for path in compressed:
+                inside = top.rstrip("/") + path
+                # Rewritten in place (same inode, owner and mode): the new
+                # extents are compressed.  A copy could reflink the old ones.
+                g.write(inside, g.read_file(inside))
+            g.umount_all()
+        g.shutdown()
+    finally:
+        g.close()
+
+
 def _to_qcow2(raw: Path, qcow: Path) -> None:
     # Uncompressed on purpose: the page server reads clusters directly.
     _run(
@@ -831,6 +915,8 @@ def _manifest(
         "root_start_sector": geom.root_start_sector,
         "root_fs_bytes": geom.fs_bytes,
         "fs_uuid": spec.fs_uuid,
+        "root_fstype": spec.root_fstype,
+        "root_subvol": spec.root_subvol,
         "boot_partition": geom.boot_partition,
         "boot_start_sector": geom.boot_start_sector,
         "boot_fs_uuid": spec.boot_fs_uuid,
@@ -858,15 +944,21 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
             _make_ext4(bootdir, boot_image, geom.boot_fs_bytes, spec.boot_fs_uuid, BOOT_LABEL)
         shutil.rmtree(bootdir)
     fs_image = work / "root.ext4"
-    if spec.root_fstype == "xfs":
+    if spec.root_fstype in ("xfs", "btrfs"):
         # No mkfs.xfs can fill a file system from a directory with every
-        # attribute (its protofiles lose sticky bits, hard links, xattrs):
-        # the tree travels as a tar into the libguestfs appliance instead.
-        tree, fs_image = work / "root.tar", work / "root.xfs"
+        # attribute (its protofiles lose sticky bits, hard links, xattrs),
+        # nor can mkfs.btrfs 6.2 put it in a subvolume: the tree travels as
+        # a tar into the libguestfs appliance instead.
+        tree, fs_image = work / "root.tar", work / f"root.{spec.root_fstype}"
         _run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--acls",
               "-C", str(rootdir), "-cf", str(tree), "."])
-        with _step(log, f"mkfs.xfs + unpack in the appliance ({geom.fs_bytes >> 20} MiB)"):
-            _make_xfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid)
+        what = f"mkfs.{spec.root_fstype} + unpack in the appliance ({geom.fs_bytes >> 20} MiB)"
+        with _step(log, what):
+            if spec.root_fstype == "xfs":
+                _make_xfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid)
+            else:
+                _make_btrfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid, spec.root_subvol,
+                            spec.compressed_files)
         tree.unlink()
     else:
         with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):
