@@ -188,7 +188,9 @@ EXT4 = "has_journal ext_attr dir_index filetype extent 64bit flex_bg"
     ("xfs", "", 1, 2048, 4096, ""),
     ("xfs", "", 1, 63, 4096, "not a multiple of 8"),
     ("xfs", "realtime", 1, 2048, 4096, "realtime section"),
-    ("btrfs", "", 1, 2048, 0, "btrfs cannot be mapped"),
+    ("btrfs", "devices=1", 1, 2048, 4096, ""),
+    ("btrfs", "devices=1", 1, 63, 4096, "not a multiple of 8"),
+    ("btrfs", "devices=2", 1, 2048, 4096, "btrfs over 2 devices"),
     ("vfat", "", 15, 8192, 0, "vfat cannot be mapped"),
     ("ext4", EXT4, None, 0, 4096, "LVM, RAID, an encrypted volume or a second disk"),
 ])
@@ -319,7 +321,7 @@ def test_version_1_database_is_migrated_to_file_per_file_system(tmp_path: Path) 
 
 
 def test_space_for_file_system_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # XFS (and LVs of several segments) are read from a copy: the work
+    # XFS and btrfs (and LVs of several segments) are read from a copy: the work
     # directory must hold the image's data once more.
     from collections import namedtuple
 
@@ -332,5 +334,5 @@ def test_space_for_file_system_copies(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda _: usage(0, 0, int(need * 1.1) + 1024))
     analyze.check_space(opts)
-    with pytest.raises(UserError, match="copies of its XFS file systems"):
+    with pytest.raises(UserError, match="copies of its XFS or btrfs file systems"):
         analyze.check_space(opts, fs_copies=True)

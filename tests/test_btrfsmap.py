@@ -12,16 +12,20 @@ on disk are checked against the file's bytes at that offset.
 import os
 import struct
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import run_analyze
-from pageshare import btrfsmap, fslayout
-from pageshare.btrfsmap import BtrfsUnsupported, Chunk
+from pageshare import analyze, bootfiles, btrfsmap, fslayout, workload
+from pageshare.btrfsmap import BtrfsUnsupported, Chunk, Subvolume
+from pageshare.classify import PageRecord
 from pageshare.errors import UserError
 from pageshare.ext4map import Extent, fs_image
 from pageshare.image_inspect import inspect_image, probe_format
+from pageshare.mapping import Candidate, Geometry, Placement, map_page
 from test_bad_input import assert_clean_failure
+from test_boot_layouts import FakeImage
 from test_unaligned_partition import DEBIAN_TREE
 
 CHUNKS = """\
@@ -125,6 +129,8 @@ def test_parse_extents_skips_and_counts_what_disk_blocks_cannot_serve() -> None:
     assert (skipped.inline_extents, skipped.inline_bytes) == (1, 6)
     assert (skipped.compressed_extents, skipped.compressed_bytes) == (1, 131072)
     assert skipped.inodes == {259, 260}
+    # Which of the file's sectors they hold, for the pages' verdicts.
+    assert skipped.ranges == {259: [(0, 1, "inline")], 260: [(0, 32, "compressed")]}
     everything, _ = btrfsmap.parse_file_extents(FS, chunks, 4096)
     assert everything[261] == [Extent(0, 13631488 // 4096, 1)]
 
@@ -273,7 +279,233 @@ def test_compressed_extents_and_a_second_data_chunk(tmp_path: Path) -> None:
                for e in ext[inos["later"]])
 
 
-# --- what the analysis does with a btrfs today ----------------------------------------
+# --- subvolumes --------------------------------------------------------------------
+
+# `dump-tree -t root` of a btrfs made in the appliance (lines of no interest
+# here left out): @rootfs (256) at the top level, the default subvolume;
+# machines (257) in @rootfs's directory /var/lib (inode 258); @snap (258), a
+# snapshot of @rootfs.
+ROOT_TREE = """\
+root tree
+leaf 31014912 items 20 free space 11019 generation 11 owner ROOT_TREE
+\titem 0 key (EXTENT_TREE ROOT_ITEM 0) itemoff 15844 itemsize 439
+\t\tgeneration 11 root_dirid 0 bytenr 31031296 byte_limit 0 bytes_used 16384
+\titem 2 key (FS_TREE INODE_REF 6) itemoff 15388 itemsize 17
+\t\tindex 0 namelen 7 name: default
+\titem 3 key (FS_TREE ROOT_ITEM 0) itemoff 14949 itemsize 439
+\t\tgeneration 9 root_dirid 256 bytenr 30867456 byte_limit 0 bytes_used 16384
+\titem 4 key (FS_TREE ROOT_REF 256) itemoff 14924 itemsize 25
+\t\troot ref key dirid 256 sequence 2 name @rootfs
+\titem 5 key (FS_TREE ROOT_REF 258) itemoff 14901 itemsize 23
+\t\troot ref key dirid 256 sequence 3 name @snap
+\titem 7 key (ROOT_TREE_DIR INODE_REF 6) itemoff 14729 itemsize 12
+\t\tindex 0 namelen 2 name: ..
+\titem 8 key (ROOT_TREE_DIR DIR_ITEM 2378154706) itemoff 14692 itemsize 37
+\t\tlocation key (256 ROOT_ITEM 0) type DIR
+\t\ttransid 0 data_len 0 name_len 7
+\t\tname: default
+\titem 10 key (UUID_TREE ROOT_ITEM 0) itemoff 13814 itemsize 439
+\t\tgeneration 9 root_dirid 0 bytenr 30883840 byte_limit 0 bytes_used 16384
+\titem 12 key (256 ROOT_ITEM 0) itemoff 12936 itemsize 439
+\t\tgeneration 9 root_dirid 256 bytenr 30769152 byte_limit 0 bytes_used 16384
+\titem 13 key (256 ROOT_BACKREF 5) itemoff 12911 itemsize 25
+\t\troot backref key dirid 256 sequence 2 name @rootfs
+\titem 14 key (256 ROOT_REF 257) itemoff 12885 itemsize 26
+\t\troot ref key dirid 258 sequence 2 name machines
+\titem 15 key (257 ROOT_ITEM 0) itemoff 12446 itemsize 439
+\t\tgeneration 10 root_dirid 256 bytenr 30982144 byte_limit 0 bytes_used 16384
+\titem 16 key (257 ROOT_BACKREF 256) itemoff 12420 itemsize 26
+\t\troot backref key dirid 258 sequence 2 name machines
+\titem 17 key (258 ROOT_ITEM 9) itemoff 11981 itemsize 439
+\t\tgeneration 9 root_dirid 256 bytenr 30834688 byte_limit 0 bytes_used 16384
+\titem 18 key (258 ROOT_BACKREF 5) itemoff 11958 itemsize 23
+\t\troot backref key dirid 256 sequence 3 name @snap
+\titem 19 key (DATA_RELOC_TREE ROOT_ITEM 0) itemoff 11519 itemsize 439
+\t\tgeneration 5 root_dirid 256 bytenr 30523392 byte_limit 0 bytes_used 16384
+"""
+
+
+def test_parse_subvolumes_their_places_and_the_default() -> None:
+    subvols, default = btrfsmap.parse_subvolumes(ROOT_TREE)
+    assert subvols == [Subvolume(5), Subvolume(256, 5, 256, "@rootfs"),
+                       Subvolume(257, 256, 258, "machines"), Subvolume(258, 5, 256, "@snap")]
+    assert default == 256
+    without = ROOT_TREE.replace("location key (256 ROOT_ITEM 0)",
+                                "location key (FS_TREE ROOT_ITEM 18446744073709551615)")
+    assert btrfsmap.parse_subvolumes(without)[1] == 5
+    asked: list[tuple[int, int]] = []
+
+    def dir_path(tree: int, dirid: int) -> str | None:
+        asked.append((tree, dirid))
+        return "/var/lib" if (tree, dirid) == (256, 258) else None
+
+    assert btrfsmap.subvolume_paths(subvols, dir_path) == {
+        5: "", 256: "@rootfs", 257: "@rootfs/var/lib/machines", 258: "@snap"}
+    assert asked == [(256, 258)]          # subvolumes in a root directory need no lookup
+    # A subvolume whose directory is not found (being deleted) has no path.
+    assert 257 not in btrfsmap.subvolume_paths(subvols, lambda t, d: None)
+
+
+REC = PageRecord(pfn=1, kind="file", index=2, ino=300, fstype="btrfs",
+                 fs_uuid="d61e0c15-e3ef-45fb-9dec-31107edbfefa", start_sect=0, blkbits=12,
+                 state="U---")
+BTRFS = Placement.partition("d61e0c15e3ef45fb9dec31107edbfefa", 2048, "/", "btrfs")
+GEO = Geometry((Placement(BTRFS.uuid, 0, BTRFS.runs, "/", "btrfs", (("@rootfs", "/"),)),),
+               1 << 30)
+
+
+def test_a_btrfs_page_keeps_the_first_subvolume_whose_block_verifies() -> None:
+    key = (GEO.filesystems[0].key, 300)
+    disk = {2048 + 8 * 100: b"a" * 4096, 2048 + 8 * 200: b"b" * 4096}
+    read = disk.__getitem__
+    same_ino = [Candidate(256, [Extent(0, 98, 4)]), Candidate(258, [Extent(0, 198, 4)])]
+    # Inode 300 of tree 256 has other bytes there; that of 258 has the page's.
+    assert map_page(REC, b"b" * 4096, read, {}, GEO, False, {key: same_ino}) == (
+        2048 + 8 * 200, "stable", 258)
+    assert map_page(REC, b"a" * 4096, read, {}, GEO, False, {key: same_ino}) == (
+        2048 + 8 * 100, "stable", 256)
+    # None verifies: a mismatch says more than a hole, compressed data most.
+    hole = Candidate(257, [Extent(5, 1000, 1)])
+    assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {key: [hole, *same_ino]}) == (
+        2048 + 8 * 100, "mismatch", 256)
+    squeezed = Candidate(259, [], ((0, 32, "compressed"),))
+    assert map_page(REC, b"c" * 4096, read, {}, GEO, False,
+                    {key: [hole, same_ino[0], squeezed]})[1:] == ("compressed", 259)
+    tiny = Candidate(256, [], ((0, 1, "inline"),))
+    assert map_page(replace(REC, index=0), b"c" * 4096, read, {}, GEO, False,
+                    {key: [tiny]}) == (None, "inline", 256)
+    assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {key: [tiny]})[1] == "hole"
+    # No subvolume has the inode; another file system; a page of another btrfs.
+    assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {})[:2] == (None, "unmapped")
+    assert map_page(replace(REC, fstype="ext4"), b"b" * 4096, read, {}, GEO, False,
+                    {key: same_ino})[:2] == (None, "other-fs")
+    assert map_page(replace(REC, fs_uuid="00" * 16), b"b" * 4096, read, {}, GEO,
+                    False, {key: same_ino})[:2] == (None, "other-fs")
+    # btrfs' own metadata is cached as pages of its btree inode (1).
+    assert map_page(replace(REC, ino=1), b"b" * 4096, read, {}, GEO, True, {})[:2] == (
+        None, "metadata")
+    # A dirty page is not listed whichever subvolume it is in.
+    assert map_page(replace(REC, state="UD--"), b"b" * 4096, read, {}, GEO, False,
+                    {key: same_ino})[:2] == (None, "dirty")
+
+
+def test_placements_merge_the_mounts_of_one_btrfs() -> None:
+    def fs(mp: str, uuid: str, subvol: str, fstype: str = "btrfs") -> fslayout.MappedFs:
+        return fslayout.MappedFs(mp, "/dev/sda1", 1, 2048, fstype, uuid, 4096, "devices=1",
+                                 ((0, 1 << 20, 2048),), 0, subvol=subvol)
+
+    a, b = "d61e0c15-e3ef-45fb-9dec-31107edbfefa", "0c7e2f0d-3d4b-4b8e-9a51-5b8c2f3c9d11"
+    placed = analyze.placements((fs("/", a, "@rootfs"), fs("/home", a, "@home"),
+                                 fs("/srv", b, "")))
+    assert [(p.mountpoint, p.subvols) for p in placed] == [
+        ("/", (("@rootfs", "/"), ("@home", "/home"))), ("/srv", (("", "/srv"),))]
+    paths = {5: "", 256: "@rootfs", 257: "@home", 258: "@rootfs/var/lib/machines"}
+    assert analyze.mounted_trees(placed[0], 5, paths) == [(256, "/"), (257, "/home")]
+    # "" is the default subvolume; a subvolume the file system lacks is left out.
+    assert analyze.mounted_trees(placed[1], 256, paths) == [(256, "/srv")]
+    gone = Placement(placed[0].uuid, 0, placed[0].runs, "/", "btrfs", (("@old", "/"),))
+    assert analyze.mounted_trees(gone, 5, paths) == []
+
+
+def test_split_btrfsvol() -> None:
+    assert fslayout.split_btrfsvol("btrfsvol:/dev/sda1/@rootfs") == ("/dev/sda1", "@rootfs")
+    assert fslayout.split_btrfsvol("btrfsvol:/dev/sda2/@/var/lib") == ("/dev/sda2", "@/var/lib")
+    assert fslayout.split_btrfsvol("btrfsvol:/dev/vg0/root/@") == ("/dev/vg0/root", "@")
+    assert fslayout.split_btrfsvol("btrfsvol:/dev/mapper/luks-1/@") == ("/dev/mapper/luks-1",
+                                                                       "@")
+    assert fslayout.split_btrfsvol("/dev/sda1") == ("/dev/sda1", "")
+
+
+def test_a_btrfsvol_on_a_device_the_image_lacks_is_found_by_its_uuid() -> None:
+    class Disk(BtrfsDisk):
+        def list_devices(self) -> list[str]:
+            return ["/dev/sda"]
+
+        def list_partitions(self) -> list[str]:
+            return ["/dev/sda1", "/dev/sda15"]
+
+        def lvs(self) -> list[str]:
+            return []
+
+        def vfs_type(self, dev: str) -> str:
+            return {"/dev/sda": "", "/dev/sda15": "vfat"}.get(dev, "btrfs")
+
+    mps = {"/": "btrfsvol:/dev/sdb1/@rootfs", "/boot/efi": "/dev/sda15"}
+    assert fslayout.canonical_btrfsvols(Disk(1), mps) == {
+        "/": "btrfsvol:/dev/sda1/@rootfs", "/boot/efi": "/dev/sda15"}
+    good = {"/": "btrfsvol:/dev/sda1/@rootfs"}
+    assert fslayout.canonical_btrfsvols(Disk(1), good) == good
+
+
+def test_kernel_in_a_subvolume_through_grub() -> None:
+    # grub.cfg on a btrfs names files from its top level: /@rootfs/boot/...
+    v = "6.1.0-56-cloud-amd64"
+    cfg = (f"menuentry 'Debian GNU/Linux' {{\n\tlinux\t/@rootfs/boot/vmlinuz-{v} "
+           f"root=UUID=x ro rootflags=subvol=@rootfs\n\tinitrd\t/@rootfs/boot/initrd.img-{v}"
+           "\n}\n")
+    g = FakeImage({"/boot/grub/grub.cfg": cfg, f"/boot/vmlinuz-{v}": "",
+                   f"/boot/initrd.img-{v}": "", "/boot/vmlinuz-6.1.0-10-cloud-amd64": ""})
+    assert bootfiles.find_kernel(g, {"@rootfs": "/"}) == (
+        f"/boot/vmlinuz-{v}", f"/boot/initrd.img-{v}", v)
+    # A /boot subvolume of its own, mounted on /boot.
+    assert bootfiles.resolve(g, f"/@boot/vmlinuz-{v}", {"@boot": "/boot", "@rootfs": "/"}) \
+        == f"/boot/vmlinuz-{v}"
+
+
+def test_the_guests_mount_the_root_subvolume() -> None:
+    assert "root=UUID=u rootflags=subvol=@rootfs ro " in workload.kernel_cmdline(
+        "u", "subvol=@rootfs")
+    assert "rootflags" not in workload.kernel_cmdline("u")
+
+
+@pytest.mark.vm
+def test_candidates_and_paths_across_subvolumes_and_a_snapshot(tmp_path: Path) -> None:
+    """A real btrfs with @rootfs (the default), a subvolume nested in its /var/lib
+    and a snapshot of it: each inode number's candidates, and guest paths."""
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    img = tmp_path / "btrfs.img"
+    with open(img, "wb") as f:
+        f.truncate(200 << 20)
+    subprocess.run(["mkfs.btrfs", "-q", str(img)], check=True, capture_output=True)
+    data = {"file": os.urandom(20480), "machine": os.urandom(12288)}
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(img), format="raw", readonly=0)
+        g.launch()
+        g.mount("/dev/sda", "/")
+        g.btrfs_subvolume_create("/@rootfs")
+        g.mkdir_p("/@rootfs/var/lib")
+        g.btrfs_subvolume_create("/@rootfs/var/lib/machines")
+        g.write("/@rootfs/var/lib/machines/data", data["machine"])
+        g.write("/@rootfs/file", data["file"])
+        g.btrfs_subvolume_snapshot("/@rootfs", "/@snap")
+        g.btrfs_subvolume_set_default(256, "/")
+        g.umount_all()
+        g.shutdown()
+    finally:
+        g.close()
+    _, default, paths = btrfsmap.read_subvolumes(img)
+    assert default == 256
+    assert paths == {5: "", 256: "@rootfs", 257: "@rootfs/var/lib/machines", 258: "@snap"}
+    # Mounted as the default subvolume on /: inode 257 is /var in @rootfs (no
+    # data) and /data in machines; 259 is /file in @rootfs and in the snapshot.
+    fs = Placement.partition("x", 0, "/", "btrfs")
+    fs = Placement(fs.uuid, 0, fs.runs, "/", "btrfs", (("", "/"),))
+    cands = analyze._btrfs_candidates(fs, img, [257, 259])
+    assert [c.tree for c in cands[257]] == [257]
+    assert [c.tree for c in cands[259]] == [256, 258]          # the mounted one first
+    assert cands[259][0].extents == cands[259][1].extents     # the snapshot shares them
+    assert _check_bytes(img, cands[259][0].extents, data["file"]) == 5
+    assert _check_bytes(img, cands[257][0].extents, data["machine"]) == 3
+    assert analyze._btrfs_paths(fs, img, {(256, 259), (257, 257), (258, 259)}) == {
+        (256, 259): "/file", (257, 257): "/var/lib/machines/data"}   # @snap is not mounted
+    on_snap = Placement(fs.uuid, 0, fs.runs, "/", "btrfs", (("", "/"), ("@snap", "/snap")))
+    assert analyze._btrfs_paths(on_snap, img, {(258, 259)}) == {(258, 259): "/snap/file"}
+
+
+# --- what the analysis does with a btrfs ------------------------------------------------
 
 def _btrfs_super(devices: int) -> bytes:
     sb = bytearray(4096)
@@ -303,24 +535,29 @@ class BtrfsDisk:
         return _btrfs_super(self.devices)
 
 
-@pytest.mark.parametrize("devices,why", [
-    (1, "btrfs cannot be mapped yet: its file extents can be read offline, but the analysis "
-        "does not yet match"),
-    (3, "btrfs over 3 devices (a multi-device or RAID pool)"),
-])
-def test_btrfs_is_skipped_and_a_btrfs_root_refused_with_the_reason(devices: int,
-                                                                   why: str) -> None:
-    mapped, skipped = fslayout.survey(BtrfsDisk(devices), {"/": "/dev/sda1",
-                                                           "/srv": "/dev/sda2"}, 1 << 20)
+def test_a_single_device_btrfs_is_mapped_from_its_subvolume() -> None:
+    mapped, skipped = fslayout.survey(BtrfsDisk(1), {"/": "btrfsvol:/dev/sda1/@rootfs",
+                                                     "/srv": "/dev/sda2"}, 1 << 20)
+    assert skipped == []
+    assert [(m.mountpoint, m.device, m.subvol, m.start_sector, m.guest_start_sector,
+             m.block_size) for m in mapped] == [("/", "/dev/sda1", "@rootfs", 2048, 0, 4096),
+                                                ("/srv", "/dev/sda2", "", 4096, 0, 4096)]
+    assert fslayout.root_must_map(Path("g.qcow2"), mapped[0]) is mapped[0]
+
+
+def test_a_btrfs_over_several_devices_is_skipped_and_as_root_refused() -> None:
+    mapped, skipped = fslayout.survey(BtrfsDisk(3), {"/": "btrfsvol:/dev/sda1/@",
+                                                     "/srv": "/dev/sda2"}, 1 << 20)
     assert mapped == []
-    assert [(s.mountpoint, s.fstype) for s in skipped] == [("/", "btrfs"), ("/srv", "btrfs")]
-    assert all(why in s.reason for s in skipped)
+    assert [(s.mountpoint, s.device, s.fstype) for s in skipped] == [
+        ("/", "/dev/sda1", "btrfs"), ("/srv", "/dev/sda2", "btrfs")]
+    why = "btrfs over 3 devices (a multi-device or RAID pool)"
+    assert all(why in s.reason and "only a btrfs of one device" in s.reason for s in skipped)
     with pytest.raises(UserError) as e:
         fslayout.root_must_map(Path("g.qcow2"), skipped[0])
-    assert "g.qcow2: root file system is btrfs on /dev/sda1, which cannot be analyzed" \
-        in e.value.message
-    assert why.removeprefix("btrfs ") in e.value.message
-    assert "ext4 or XFS root" in e.value.hint
+    assert "g.qcow2: root file system is btrfs on /dev/sda1, which cannot be analyzed: over 3 " \
+        "devices (a multi-device or RAID pool)" in e.value.message
+    assert "root btrfs lives on one device" in e.value.hint
 
 
 def _btrfs_disk(tmp: Path, files: dict[str, str], root_fs: str) -> Path:
@@ -349,21 +586,62 @@ def _btrfs_disk(tmp: Path, files: dict[str, str], root_fs: str) -> Path:
     return disk
 
 
+def _raid1_disk(tmp: Path, files: dict[str, str]) -> Path:
+    """A raw disk whose two GPT partitions of 128 MiB are the two devices of one
+    btrfs with RAID1 data and metadata, holding files.  mkfs.btrfs --rootdir
+    takes one device only: the appliance unpacks a tar of them."""
+    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
+
+    tree = tmp / "tree"
+    for rel, content in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(content)
+    subprocess.run(["tar", "-C", str(tree), "-cf", str(tmp / "tree.tar"), "."], check=True)
+    disk = tmp / "disk.raw"
+    with open(disk, "wb") as f:
+        f.truncate(300 << 20)
+    subprocess.run(["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)], text=True,
+                   input="start=2048, size=262144\nstart=264192, size=262144\n", check=True)
+    devs = [tmp / "a.img", tmp / "b.img"]
+    for d in devs:
+        with open(d, "wb") as f:
+            f.truncate(128 << 20)
+    subprocess.run(["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
+                   check=True, capture_output=True)
+    for at, d in zip((2048, 264192), devs, strict=True):
+        subprocess.run(["dd", f"if={d}", f"of={disk}", "bs=512", f"seek={at}",
+                        "conv=notrunc,sparse", "status=none"], check=True)
+        d.unlink()
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(disk), format="raw", readonly=0)
+        g.launch()
+        g.mount("/dev/sda1", "/")
+        g.tar_in(str(tmp / "tree.tar"), "/")
+        g.umount_all()
+        g.shutdown()
+    finally:
+        g.close()
+    return disk
+
+
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
-def test_image_with_a_btrfs_root_is_refused_before_any_guest_boots(tmp_path: Path) -> None:
+def test_image_with_a_raid1_btrfs_root_is_refused_before_any_guest_boots(
+        tmp_path: Path) -> None:
     files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / btrfs defaults 0 0\n"})
-    img = _btrfs_disk(tmp_path, files, "btrfs")
+    img = _raid1_disk(tmp_path, files)
     r = run_analyze(tmp_path, str(img))
     assert_clean_failure(r, "disk.raw: root file system is btrfs on /dev/sda1, which cannot "
-                            "be analyzed: cannot be mapped yet")
-    assert "ext4 or XFS root" in r.stderr
+                            "be analyzed: over 2 devices (a multi-device or RAID pool)")
+    assert "root btrfs lives on one device" in r.stderr
     assert "booting guests" not in r.stderr
 
 
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
-def test_a_btrfs_srv_is_skipped_with_the_reason_and_the_root_mapped(
+def test_a_btrfs_srv_is_mapped_next_to_the_ext4_root(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
     files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n"
@@ -372,7 +650,7 @@ def test_a_btrfs_srv_is_skipped_with_the_reason_and_the_root_mapped(
     img = _btrfs_disk(tmp_path, files, "ext4")
     fmt, vsize = probe_format(img)
     info = inspect_image(img, fmt, vsize).info
-    assert [(f.mountpoint, f.start_sector) for f in info.filesystems] == [("/", 2048)]
-    assert [(s.mountpoint, s.device, s.fstype) for s in info.skipped] == [
-        ("/srv", "/dev/sda2", "btrfs")]
-    assert "btrfs cannot be mapped yet" in info.skipped[0].reason
+    assert [(f.mountpoint, f.fstype, f.start_sector, f.guest_start_sector)
+            for f in info.filesystems] == [("/", "ext4", 2048, 2048),
+                                           ("/srv", "btrfs", 264192, 0)]
+    assert info.skipped == ()

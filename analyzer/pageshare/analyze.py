@@ -18,21 +18,32 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, drgn_backend, sectorlist, xfsmap
+from . import __version__, btrfsmap, drgn_backend, sectorlist, xfsmap
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
 from .dump import ElfDump, parse_vmcoreinfo
 from .errors import UserError
 from .ext4map import Extent, fs_image, read_extents, read_paths
+from .fslayout import MappedFs
 from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
 from .image_inspect import Inspection, inspect_image, probe_format
 from .ksm import KSM, Sample, ksm_session
-from .mapping import STABLE, FsKey, Geometry, Placement, norm_uuid, page_sector, verify
+from .mapping import (
+    COMPRESSED,
+    INLINE,
+    STABLE,
+    Candidate,
+    FsKey,
+    Geometry,
+    Placement,
+    map_page,
+    norm_uuid,
+)
 from .progress import Progress
 from .resultsdb import connect
 from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
@@ -77,6 +88,7 @@ class PageFact:
     index: int
     kind: str
     fs: Placement | None = None       # the file system of a file page
+    tree: int = 0                     # btrfs: the subvolume whose extents verified
 
 
 @dataclass
@@ -87,6 +99,9 @@ class RunResult:
     listed_candidates: dict[str, set[int]]          # vm -> gpfns that verified (for coverage)
     gpfn_sector: dict[str, dict[int, int]]
     introspector: tuple[str, str] = ("", "")        # backend used, and why
+    # Merged page-cache frames (both VMs) of btrfs data no disk block holds as
+    # the page reads, by verdict (inline, compressed).
+    unservable: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -107,6 +122,9 @@ class Summary:
     ksm: list[dict[str, Any]]
     introspector: str = ""
     introspector_reason: str = ""
+    # KSM-merged page-cache pages (both VMs, all runs) of btrfs inline or
+    # compressed extents: cached file data the list cannot cover.
+    unservable_pages: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -141,8 +159,8 @@ def preflight(opts: Options) -> None:
 
 def check_space(opts: Options, fs_copies: bool = False) -> None:
     """The work directory holds a raw copy of the base and two RAM-sized dumps, and
-    with fs_copies the copies of file systems that xfs_db or debugfs read apart
-    (XFS, LVs of several segments): at most the image's data again."""
+    with fs_copies the copies of file systems that xfs_db, btrfs or debugfs read
+    apart (XFS, btrfs, LVs of several segments): at most the image's data again."""
     opts.workdir_parent.mkdir(parents=True, exist_ok=True)
     size = opts.image.stat().st_size if opts.image.exists() else 0
     need = 2 * opts.ram_mib * 2**20 + size * (2 if fs_copies else 1)
@@ -150,7 +168,7 @@ def check_space(opts: Options, fs_copies: bool = False) -> None:
     if free < need * 1.1:
         raise UserError(f"not enough space in {opts.workdir_parent}: {free / 2**30:.1f} GiB free, "
                         f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy"
-                        + (", copies of its XFS file systems" if fs_copies else "")
+                        + (", copies of its XFS or btrfs file systems" if fs_copies else "")
                         + " and two memory dumps",
                         "free space there, or point PAGESHARE_WORKDIR at a larger file system")
 
@@ -173,11 +191,14 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     for sk in info.skipped:
         progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
                      f"mapped, its files cannot be listed: {sk.reason}")
-    if any(f.fstype == "xfs" or len(f.runs) > 1 for f in info.filesystems):
+    if any(f.fstype in ("xfs", "btrfs") or len(f.runs) > 1 for f in info.filesystems):
         check_space(opts, fs_copies=True)
     if any(f.fstype == "xfs" for f in info.filesystems) and not shutil.which("xfs_db"):
         raise UserError("xfs_db not found; the image has XFS file systems to map",
                         "run scripts/install-deps.sh (apt: xfsprogs)")
+    if any(f.fstype == "btrfs" for f in info.filesystems) and not shutil.which("btrfs"):
+        raise UserError("btrfs (btrfs-progs) not found; the image has btrfs file systems to "
+                        "map", "run scripts/install-deps.sh (apt: btrfs-progs)")
     if any("inline_data" in f.features or "encrypt" in f.features for f in info.filesystems):
         progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
 
@@ -192,20 +213,18 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     db = connect(opts.db)
     analysis_id = 0
     try:
-        geo = Geometry(tuple(Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs,
-                                       f.mountpoint, f.fstype) for f in info.filesystems),
-                       vsize)
+        geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw copy, content hash)"):
             raw = workdir / "base.raw"
             subprocess.run(["qemu-img", "convert", "-O", "raw", str(opts.image), str(raw)],
                            check=True)
             read_at, _ = sectorlist.raw_file_reader(raw)
             content = sectorlist.image_content_sha256(read_at, vsize)
-            # Where debugfs/xfs_db read each file system; xfs_db reads none at
-            # an offset of a disk, so XFS gets a copy (as an LV of several
-            # segments does).
+            # Where debugfs/xfs_db/btrfs read each file system; xfs_db and
+            # btrfs read none at an offset of a disk, so XFS and btrfs get a
+            # copy (as an LV of several segments does).
             sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
-                                        copy=fs.fstype == "xfs")
+                                        copy=fs.fstype in ("xfs", "btrfs"))
                        for i, fs in enumerate(geo.filesystems)}
         image_id = _store_image(db, opts.image, fmt, vsize, content, insp)
         cur = db.execute(
@@ -221,7 +240,9 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         _store_filesystems(db, analysis_id, insp)
         db.commit()
 
-        boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(info.root_uuid))
+        root = info.filesystems[0]
+        boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(
+            info.root_uuid, f"subvol={root.subvol}" if root.subvol else ""))
         results: list[RunResult] = []
         ksm_series: list[dict[str, Any]] = []
         with ksm_session(KSM(), progress.say) as ksm:
@@ -240,6 +261,10 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         db.commit()
         summary.phases = dict(progress.phases)
         summary.introspector, summary.introspector_reason = results[-1].introspector
+        unservable: Counter[str] = Counter()
+        for r in results:
+            unservable.update(r.unservable)
+        summary.unservable_pages = dict(unservable)
         return summary
     except BaseException as e:
         if analysis_id:
@@ -530,9 +555,14 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
     read_at, _ = sectorlist.raw_file_reader(raw)
     # One debugfs per mapped file system, for the inodes the guests cached there.
     extents: dict[tuple[FsKey, int], list[Extent]] = {}
+    candidates: dict[tuple[FsKey, int], list[Candidate]] = {}
     for fs in geo.filesystems:
         inodes = sorted({r.ino for v in recs.values() for r in v.values()
                          if r.kind == "file" and geo.find(r) == fs})
+        if fs.fstype == "btrfs":
+            for ino, cands in _btrfs_candidates(fs, sources[fs.key][0], inodes).items():
+                candidates[fs.key, ino] = cands
+            continue
         for ino, exts in _read_extents(fs, sources[fs.key], inodes).items():
             extents[fs.key, ino] = exts
     stable: dict[str, dict[int, PageFact]] = {}
@@ -540,6 +570,7 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
     gpfn_sector: dict[str, dict[int, int]] = {}
     listed_candidates: dict[str, set[int]] = {}
     merged_nonzero: dict[str, int] = {}
+    unservable: Counter[str] = Counter()
     for vm in VMS:
         stable[vm], cats[vm], gpfn_sector[vm], listed_candidates[vm] = {}, Counter(), {}, set()
         rows: list[tuple[Any, ...]] = []
@@ -552,20 +583,22 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                 data = contents[vm].get(gpfn)
                 rec = recs[vm].get(gpfn)
                 is_zero = data is not None and not any(data)
-                verdict, sector = "", None
+                verdict, sector, tree = "", None, 0
                 if is_zero:
                     verdict = "zero"
                 elif rec is not None and rec.page_cache:
-                    sector, verdict = page_sector(rec, extents, geo, include_metadata)
-                    if sector is not None:
-                        verdict = verify(sector, data, lambda s: read_at(s * 512, PAGE))
+                    sector, verdict, tree = map_page(
+                        rec, data, lambda s: read_at(s * 512, PAGE), extents, geo,
+                        include_metadata, candidates)
+                if verdict in (INLINE, COMPRESSED):
+                    unservable[verdict] += 1
                 ok = verdict == STABLE and merge == "cross"
                 if verdict == STABLE and merge != "cross":
                     verdict = "intra-only"
                 home = geo.find(rec) if rec is not None and rec.kind == "file" else None
                 if ok and rec is not None and sector is not None:
                     stable[vm][sector] = PageFact(sector, rec.ino if rec.kind == "file" else 0,
-                                                  rec.index, rec.kind, home)
+                                                  rec.index, rec.kind, home, tree)
                     gpfn_sector[vm][gpfn] = sector
                     listed_candidates[vm].add(gpfn)
                 cat = category_of(rec, is_zero, ok)
@@ -576,7 +609,8 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                              norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None))
         merged_nonzero[vm] = sum(n for c, n in cats[vm].items() if c != "zero")
         db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-    return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector)
+    return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector,
+                     unservable=unservable)
 
 
 def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: Inspection,
@@ -656,17 +690,88 @@ def _read_extents(fs: Placement, source: tuple[Path, int], inodes: list[int]
     return read_extents(image, offset, inodes)
 
 
+def placements(filesystems: tuple[MappedFs, ...]) -> tuple[Placement, ...]:
+    """The mapped file systems as the mapping sees them, root first.  A btrfs
+    whose subvolumes fstab mounts in several places (@rootfs on /, @home on
+    /home) is one file system, one Placement listing each mount."""
+    out: dict[FsKey, Placement] = {}
+    for f in filesystems:
+        p = Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs, f.mountpoint, f.fstype,
+                      ((f.subvol, f.mountpoint),) if f.fstype == "btrfs" else ())
+        if p.key in out and p.fstype == "btrfs":
+            out[p.key] = replace(out[p.key], subvols=out[p.key].subvols + p.subvols)
+        else:
+            out.setdefault(p.key, p)
+    return tuple(out.values())
+
+
+def mounted_trees(fs: Placement, default: int, paths: dict[int, str]) -> list[tuple[int, str]]:
+    """(tree, mountpoint) of each mount of a btrfs, as fs.subvols lists them:
+    a subvolume named by its path from the top level, or "" for the default."""
+    tree_of = {p: t for t, p in paths.items()}
+    return [(default if not sv else tree_of[sv.strip("/")], mp) for sv, mp in fs.subvols
+            if not sv or sv.strip("/") in tree_of]
+
+
+def _btrfs_candidates(fs: Placement, image: Path, inodes: list[int]
+                      ) -> dict[int, list[Candidate]]:
+    """Per inode number, its block map in every subvolume tree that has it
+    (with data or inline/compressed extents), the mounted subvolumes first."""
+    if not inodes:
+        return {}
+    subvols, default, paths = btrfsmap.read_subvolumes(image)
+    order = list(dict.fromkeys([t for t, _ in mounted_trees(fs, default, paths)]
+                               + [s.tree for s in subvols]))
+    per_tree = btrfsmap.read_subvolume_extents(image, inodes, order)
+    out: dict[int, list[Candidate]] = {}
+    for tree in order:
+        exts, skipped = per_tree[tree]
+        for ino in inodes:
+            if exts.get(ino) or skipped.ranges.get(ino):
+                out.setdefault(ino, []).append(
+                    Candidate(tree, exts.get(ino, []), tuple(skipped.ranges.get(ino, []))))
+    return out
+
+
+def _btrfs_paths(fs: Placement, image: Path, inodes: set[tuple[int, int]]
+                 ) -> dict[tuple[int, int], str]:
+    """Guest paths of btrfs (tree, inode)s: the path in its subvolume, under where
+    that subvolume (or one holding it) is mounted; none if it is mounted nowhere."""
+    _, default, paths = btrfsmap.read_subvolumes(image)
+    mounts = sorted(((paths[t], mp) for t, mp in mounted_trees(fs, default, paths)),
+                    key=lambda m: -len(m[0]))
+    out: dict[tuple[int, int], str] = {}
+    for tree in sorted({t for t, _ in inodes}):
+        found = btrfsmap.read_paths(image, sorted(i for t, i in inodes if t == tree), tree)
+        for ino, p in found.items():
+            top = "/".join(x for x in (paths.get(tree), p.strip("/")) if x)
+            for sv, mp in mounts:
+                if tree in paths and (not sv or top == sv or top.startswith(sv + "/")):
+                    out[tree, ino] = mp.rstrip("/") + "/" + top[len(sv):].lstrip("/")
+                    break
+    return out
+
+
 def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
                   ) -> dict[tuple[Placement, int], str | None]:
     """The guest path of every listed file, by (file system, inode): one debugfs
     per file system, its paths under its mount point (/boot/vmlinuz-...)."""
     by_fs: dict[Placement, set[int]] = {}
+    trees: dict[Placement, set[tuple[int, int]]] = {}
     for f in facts:
         if f.fs is not None and f.ino:
             by_fs.setdefault(f.fs, set()).add(f.ino)
+            trees.setdefault(f.fs, set()).add((f.tree, f.ino))
     out: dict[tuple[Placement, int], str | None] = {}
     for fs, inos in by_fs.items():
         image, offset = sources[fs.key]
+        if fs.fstype == "btrfs":
+            # An inode number listed from two subvolumes gets the first path found.
+            for (_, ino), path in sorted(_btrfs_paths(fs, image, trees[fs]).items()):
+                out.setdefault((fs, ino), path)
+            for ino in inos:
+                out.setdefault((fs, ino), None)
+            continue
         found = (xfsmap.read_paths(image, sorted(inos)) if fs.fstype == "xfs"
                  else read_paths(image, offset, sorted(inos)))
         for ino in inos:
@@ -694,6 +799,9 @@ def format_summary(s: Summary) -> str:
                  "anon": "anonymous", "kernel": "kernel/other", "zero": "zero pages"}[cat]
         lines.append(f"    {label:<18} {n * PAGE / 2**20:9.1f} MiB  {100 * n / total:5.1f} %")
     lines.append(f"  list covers {100 * s.coverage:.1f} % of merged non-zero memory")
+    if s.unservable_pages:
+        lines.append("  btrfs page cache no disk block holds as read (not listable): " + ", ".join(
+            f"{n * PAGE / 2**20:.1f} MiB {k}" for k, n in sorted(s.unservable_pages.items())))
     if s.top_files:
         lines.append("  top files by listed MiB:")
         lines += [f"    {mib:7.2f} MiB  {p}" for p, mib in s.top_files[:10]]

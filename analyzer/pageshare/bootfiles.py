@@ -9,7 +9,9 @@ order a booting machine would decide:
 2. the /vmlinuz symlink Debian's kernel packages maintain;
 3. the newest /boot/vmlinuz-<version>.
 Paths in a boot loader's configuration are relative to the file system it
-reads them from: "/vmlinuz-6.1.0" on a separate /boot is /boot/vmlinuz-6.1.0.
+reads them from: "/vmlinuz-6.1.0" on a separate /boot is /boot/vmlinuz-6.1.0,
+and on a btrfs they start at its top level, so a root in subvolume @rootfs
+has its kernel at "/@rootfs/boot/vmlinuz-6.1.0".
 The initrd goes by the entry's own initrd line, else by the naming
 conventions: initrd.img-V (Debian), initramfs-V.img (RHEL, Arch), initrd-V
 (SUSE).
@@ -120,16 +122,20 @@ def bls_entry(text: str) -> BootEntry | None:
     return BootEntry(kernel, initrd) if kernel else None
 
 
-def resolve(g: Any, path: str) -> str:
+def resolve(g: Any, path: str, subvols: dict[str, str] | None = None) -> str:
     """A boot loader path as a path in the mounted image, "" if no such file.
 
     GRUB may prefix a device ("(hd0,gpt2)/vmlinuz", "($root)/..."); the file
-    is on /boot when /boot is its own partition, on / otherwise.
+    is on /boot when /boot is its own partition, on / otherwise, or in a
+    btrfs subvolume mounted somewhere (subvols: subvolume path -> mountpoint).
     """
     path = re.sub(r"^\([^)]*\)", "", path)
     if not path.startswith("/"):
         path = "/" + path
-    for candidate in (path, "/boot" + path):
+    inside = [mp.rstrip("/") + path[len(sv) + 1:]
+              for sv, mp in sorted((subvols or {}).items(), key=lambda i: -len(i[0]))
+              if path.startswith(f"/{sv}/")]
+    for candidate in (*inside, path, "/boot" + path):
         if g.is_file(candidate, followsymlinks=True):
             return candidate
     return ""
@@ -151,14 +157,15 @@ def initrd_for(g: Any, version: str) -> str:
     return ""
 
 
-def _from_entry(g: Any, e: BootEntry) -> tuple[str, str, str] | None:
+def _from_entry(g: Any, e: BootEntry, subvols: dict[str, str] | None = None
+                ) -> tuple[str, str, str] | None:
     """The entry's files, None when its kernel is not found or has no version in its
     name (then the image's other conventions decide)."""
-    kernel = resolve(g, e.kernel)
+    kernel = resolve(g, e.kernel, subvols)
     version = kernel_version_of(kernel)
     if not kernel or not version:
         return None
-    initrd = resolve(g, e.initrd) if e.initrd else ""
+    initrd = resolve(g, e.initrd, subvols) if e.initrd else ""
     return kernel, initrd or (initrd_for(g, version) if version else ""), version
 
 
@@ -181,10 +188,11 @@ def _boot_loader_entry(g: Any) -> BootEntry | None:
     return None
 
 
-def find_kernel(g: Any) -> tuple[str, str, str]:
-    """(kernel path, initrd path or "", version) in the mounted image."""
+def find_kernel(g: Any, subvols: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """(kernel path, initrd path or "", version) in the mounted image; subvols:
+    the btrfs subvolumes its /etc/fstab mounts (subvolume path -> mountpoint)."""
     entry = _boot_loader_entry(g)
-    files = _from_entry(g, entry) if entry else None
+    files = _from_entry(g, entry, subvols) if entry else None
     if files:
         return files
     for link in ("/vmlinuz", "/boot/vmlinuz"):

@@ -24,11 +24,20 @@ are read:
 Blocks are btrfs sectors (sectorsize, 4 KiB on x86), numbered from the
 start of the file system's device, so physical blocks mean the same as
 ext4map's: block * block_size bytes from where the file system starts.
+
+Inode numbers are per subvolume: every subvolume (and snapshot) is a file
+system tree of its own, and inode 257 of one is not inode 257 of another.
+The root tree (`dump-tree -t root`) lists them: a ROOT_ITEM per tree (5, the
+top level, and 256 and up), a ROOT_BACKREF naming where each one sits in
+its parent (parse_subvolumes), and the "default" directory item naming the
+subvolume a mount without subvol= gets.  read_subvolume_extents reads an
+inode's extents in each tree; which of them the guest's page belongs to is
+decided by comparing bytes (mapping.map_page).
 """
 
 import re
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +57,13 @@ _COMPRESSION = re.compile(r"^\s*extent compression (\d+)", re.M)
 _INLINE = re.compile(r"^\s*inline extent data size (\d+) ram_bytes (\d+) compression (\d+)", re.M)
 _NAME = re.compile(r"^\s*index \d+ namelen \d+ name: (.*)$")
 _SUPER = re.compile(r"^(\w+)\s+(\S+)")
+_ANY_KEY = re.compile(r"^\s*item \d+ key \((\S+) (\S+) (\d+)\)")
+_BACKREF = re.compile(r"^\s*root backref key dirid (\d+) sequence \d+ name (.*)$")
+_LOCATION = re.compile(r"^\s*location key \((\S+) ROOT_ITEM")
+_DIR_NAME = re.compile(r"^\s*name: (.*)$")
+# Tree ids of subvolumes: 5, then 256 up to the reserved ids at the top of
+# the u64 range, which dump-tree prints by name (DATA_RELOC_TREE, ...).
+_LAST_SUBVOLUME = (1 << 64) - 256
 
 # Profiles whose chunks keep a whole copy of the data in stripe 0.
 _ONE_COPY_PROFILES = {"single", "DUP"}
@@ -75,6 +91,9 @@ class Unservable:
     inline_extents: int = 0
     inline_bytes: int = 0
     inodes: set[int] = field(default_factory=set)
+    # Per inode, the file's sectors they hold: (first sector, sectors, "inline"
+    # or "compressed"), so that a page there gets that verdict, not "hole".
+    ranges: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
 
 
 def _dump(args: list[str]) -> str:
@@ -192,9 +211,12 @@ def parse_file_extents(output: str, chunks: list[Chunk], sectorsize: int,
         t = _TYPE.search("\n".join(body[:1]))
         m = _INLINE.search(text)
         if m or (t and t.group(2) == "inline"):
+            size = int(m.group(2)) if m else 0
             skipped.inline_extents += 1
-            skipped.inline_bytes += int(m.group(2)) if m else 0
+            skipped.inline_bytes += size
             skipped.inodes.add(ino)
+            skipped.ranges.setdefault(ino, []).append(
+                (file_offset // sectorsize, max(1, -(-size // sectorsize)), "inline"))
             continue
         disk, used, comp = (_DISK.search(text), _OFFSET.search(text),
                             _COMPRESSION.search(text))
@@ -205,6 +227,8 @@ def parse_file_extents(output: str, chunks: list[Chunk], sectorsize: int,
             skipped.compressed_extents += 1
             skipped.compressed_bytes += int(used.group(2))
             skipped.inodes.add(ino)
+            skipped.ranges.setdefault(ino, []).append(
+                (file_offset // sectorsize, -(-int(used.group(2)) // sectorsize), "compressed"))
             continue
         disk_byte = int(disk.group(1))
         if t.group(2) != "regular" or disk_byte == 0:       # prealloc, or a hole
@@ -272,3 +296,113 @@ def read_paths(image: Path, inodes: list[int], tree: int = FS_TREE) -> dict[int,
     if not inodes:
         return {}
     return parse_paths(_fs_tree(image, tree), inodes)
+
+
+@dataclass(frozen=True)
+class Subvolume:
+    """A file system tree: the top level (5), a subvolume or a snapshot."""
+    tree: int
+    parent: int = 0           # the tree holding its directory entry; 0 for the top level
+    dirid: int = 0            # the directory (inode of parent) it sits in
+    name: str = ""
+
+
+def _tree_id(text: str) -> int | None:
+    if text == "FS_TREE":
+        return FS_TREE
+    if text.isdigit() and (int(text) == FS_TREE or FIRST_INODE <= int(text) < _LAST_SUBVOLUME):
+        return int(text)
+    return None
+
+
+def parse_subvolumes(output: str) -> tuple[list[Subvolume], int]:
+    """The file system trees of `dump-tree -t root` output (by tree id, the top
+    level first) and the default subvolume's tree (what a mount without
+    subvol= or subvolid= mounts; 5 unless `btrfs subvolume set-default`)."""
+    trees: set[int] = set()
+    where: dict[int, tuple[int, int, str]] = {}
+    default = FS_TREE
+    key: tuple[str, str, int] | None = None
+    location: int | None = None
+    for line in output.splitlines():
+        m = _ANY_KEY.match(line)
+        if m:
+            key, location = (m.group(1), m.group(2), int(m.group(3))), None
+            tree = _tree_id(m.group(1))
+            if m.group(2) == "ROOT_ITEM" and tree is not None:
+                trees.add(tree)
+            continue
+        if key is None or not line.startswith("\t"):
+            key = None
+            continue
+        if key[1] == "ROOT_BACKREF":
+            b = _BACKREF.match(line)
+            child, parent = _tree_id(key[0]), _tree_id(str(key[2]))
+            if b and child is not None and parent is not None:
+                where[child] = (parent, int(b.group(1)), b.group(2))
+        elif key[0] == "ROOT_TREE_DIR" and key[1] == "DIR_ITEM":
+            loc = _LOCATION.match(line)
+            if loc:
+                location = _tree_id(loc.group(1))
+            name = _DIR_NAME.match(line)
+            if name and name.group(1) == "default" and location is not None:
+                default = location
+    subvols = [Subvolume(t, *where.get(t, (0, 0, ""))) for t in sorted(trees)]
+    return subvols, default
+
+
+def subvolume_paths(subvols: list[Subvolume], dir_path: Callable[[int, int], str | None]
+                    ) -> dict[int, str]:
+    """Each tree's path from the top level, without a leading "/" ("" for the
+    top level; "@rootfs"; "@rootfs/var/lib/machines").  dir_path(tree, dirid)
+    is a directory's path in a tree ("/var/lib"), None if unknown; a tree
+    whose place is unknown (a deleted subvolume not yet cleaned) is left out."""
+    by_tree = {s.tree: s for s in subvols}
+    paths: dict[int, str] = {}
+
+    def path(tree: int, seen: frozenset[int]) -> str | None:
+        if tree in paths:
+            return paths[tree]
+        s = by_tree.get(tree)
+        found = ""
+        if tree != FS_TREE:
+            if s is None or not s.parent or tree in seen:
+                return None
+            parent = path(s.parent, seen | {tree})
+            where = "" if s.dirid == FIRST_INODE else dir_path(s.parent, s.dirid)
+            if parent is None or where is None:
+                return None
+            found = "/".join(p for p in (parent, where.strip("/"), s.name) if p)
+        paths[tree] = found
+        return found
+
+    for s in subvols:
+        path(s.tree, frozenset())
+    return paths
+
+
+def read_subvolumes(image: Path) -> tuple[list[Subvolume], int, dict[int, str]]:
+    """The file system's trees, its default subvolume, and each tree's path."""
+    subvols, default = parse_subvolumes(_dump(["btrfs", "inspect-internal", "dump-tree", "-t",
+                                               "root", str(image)]))
+    dumps: dict[int, str] = {}
+
+    def dir_path(tree: int, dirid: int) -> str | None:
+        if tree not in dumps:
+            dumps[tree] = _fs_tree(image, tree)
+        return parse_paths(dumps[tree], [dirid]).get(dirid)
+
+    return subvols, default, subvolume_paths(subvols, dir_path)
+
+
+def read_subvolume_extents(image: Path, inodes: list[int], trees: list[int]
+                           ) -> dict[int, tuple[dict[int, list[Extent]], Unservable]]:
+    """read_extents of the same inode numbers in each of the given trees (one
+    dump-tree each), the chunk tree read once.  Raises BtrfsUnsupported for
+    several devices or a RAID profile."""
+    if not inodes:
+        return {}
+    chunks, sectorsize = _checked_chunks(image)
+    wanted = set(inodes)
+    return {t: parse_file_extents(_fs_tree(image, t), chunks, sectorsize, wanted)
+            for t in trees}

@@ -4,12 +4,17 @@ The guest's page cache names a page by (file system UUID, start sector of
 its block device, inode, index); a list entry names a 4 KiB block of the
 virtual disk.  For a file system to be mapped, its block map must be
 readable offline (ext4 extents through debugfs, XFS extents through
-xfs_db), its bytes must sit at known places of the disk (a partition, the
-whole disk, or the extents of a linear LVM logical volume, lvm.py), and its
+xfs_db, btrfs extents through btrfs inspect-internal), its bytes must sit at
+known places of the disk (a partition, the whole disk, or the extents of a
+linear LVM logical volume, lvm.py; a btrfs on one device only), and its
 blocks must be able to land on 4 KiB boundaries of the virtual disk.  Every
 file system the image mounts from /etc/fstab is looked at; the root must be
 mappable (without it nothing of /usr is), any other one that is not is
 skipped with the reason, and the analysis goes on with the rest.
+
+A btrfs mounted from a subvolume (fstab's subvol=, as Debian's installer
+puts the root in @rootfs) is named by libguestfs "btrfsvol:/dev/sda1/@rootfs";
+it is surveyed as the device, with the subvolume kept in MappedFs.subvol.
 """
 
 import re
@@ -45,6 +50,9 @@ class MappedFs:
     # device: the partition's start, 0 for a device-mapper volume.
     guest_start_sector: int = 0
     lv: str = ""              # "vg/lv" for a logical volume
+    # btrfs: the subvolume mounted there (fstab's subvol=, path from the top
+    # level), "" for the file system's default subvolume.
+    subvol: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,15 @@ class SkippedFs:
 
 _DISK_PART = re.compile(r"/dev/sda(\d*)")
 _LV = re.compile(r"/dev/([^/]+)/([^/]+)")          # libguestfs names LVs /dev/VG/LV
+# libguestfs' name of a btrfs subvolume: btrfsvol:<device>/<subvolume path>.
+_BTRFSVOL = re.compile(r"btrfsvol:(/dev/(?:[sv]d[a-z]+\d*|md\d+|mapper/[^/]+|[^/]+/[^/]+))"
+                       r"/(.*)")
+
+
+def split_btrfsvol(mountable: str) -> tuple[str, str]:
+    """(device, btrfs subvolume) of a libguestfs mountable; subvolume "" for a device."""
+    m = _BTRFSVOL.fullmatch(mountable)
+    return (m.group(1), m.group(2).strip("/")) if m else (mountable, "")
 
 
 def partition_number(device: str) -> int | None:
@@ -67,21 +84,52 @@ def partition_number(device: str) -> int | None:
     return int(m.group(1) or 0) if m else None
 
 
+def canonical_btrfsvols(g: Any, mountpoints: dict[str, str]) -> dict[str, str]:
+    """mountpoints with each btrfsvol's device named as the image's own devices are.
+
+    Once (of many inspections, with a second appliance booting beside it)
+    libguestfs named the root "btrfsvol:/dev/sdb1/@rootfs" on a one-disk
+    image: its appliance's disk order, it seems, leaking into a subvolume's
+    name where device names are otherwise translated.  Such a device is
+    found again by the file system's UUID among the image's devices."""
+    known: list[str] = []
+    with suppress(RuntimeError):
+        known = [*g.list_partitions(), *g.lvs(), *g.list_devices()]
+    out = dict(mountpoints)
+    for mp, mountable in mountpoints.items():
+        dev, subvol = split_btrfsvol(mountable)
+        if not subvol or not known or dev in known:
+            continue
+        with suppress(RuntimeError):
+            uuid = g.vfs_uuid(mountable)
+            same = [d for d in known if _vfs(g, d) == ("btrfs", uuid)]
+            if same:
+                out[mp] = f"btrfsvol:{same[0]}/{subvol}"
+    return out
+
+
+def _vfs(g: Any, dev: str) -> tuple[str, str]:
+    try:
+        return g.vfs_type(dev), g.vfs_uuid(dev)
+    except RuntimeError:
+        return "", ""
+
+
 def unmappable_reason(fstype: str, features: str, partition: int | None, start_sector: int,
                       block_size: int) -> str:
     """Why a file system's pages cannot be listed, "" when they can."""
     if partition is None:
         return ("it is not on a partition of the disk or the whole disk (LVM, RAID, an "
                 "encrypted volume or a second disk), which the mapping does not translate")
-    if fstype == "btrfs":
+    if fstype == "btrfs" and btrfs_reason(features):
         return btrfs_reason(features)
-    if fstype not in ("ext2", "ext3", "ext4", "xfs"):
-        return (f"{fstype or 'an unknown file system'} cannot be mapped (ext4 and XFS "
-                "can)")
+    if fstype not in ("ext2", "ext3", "ext4", "xfs", "btrfs"):
+        return (f"{fstype or 'an unknown file system'} cannot be mapped (ext4, XFS and "
+                "single-device btrfs can)")
     if fstype == "xfs" and "realtime" in features.split():
         return ("XFS with a realtime section: its realtime files' blocks are on another "
                 "device, which the mapping does not follow")
-    if fstype != "xfs" and "extent" not in features.split():
+    if fstype not in ("xfs", "btrfs") and "extent" not in features.split():
         return (f"{fstype} without the extent feature: its files use indirect block maps, "
                 "which the mapping does not read (ext4 with extents and XFS can be mapped)")
     if block_size < 512:
@@ -90,16 +138,16 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
 
 
 def btrfs_reason(features: str) -> str:
-    """Why a btrfs is not mapped: its block map can be read (btrfsmap.py), but
-    nothing yet matches the guest's page-cache pages to it."""
+    """Why a btrfs is not mapped, "" when it can be: its block map is read
+    offline (btrfsmap.py) for a btrfs of one device, whose chunks (SINGLE or
+    DUP) keep whole copies on it; a RAID profile inside one device is found
+    only when its chunk tree is read, and refused then."""
     devices = next((int(f[8:]) for f in features.split() if f.startswith("devices=")), 1)
     if devices > 1:
         return (f"btrfs over {devices} devices (a multi-device or RAID pool): its extents "
-                "may be on another device, and only a btrfs of one device could be mapped")
-    return ("btrfs cannot be mapped yet: its file extents can be read offline, but the "
-            "analysis does not yet match the guests' page-cache pages to them (btrfs inode "
-            "numbers are per subvolume), and no golden image with a btrfs root has been "
-            "booted and analyzed")
+                "may be on another device, and only a btrfs of one device (SINGLE or DUP "
+                "profiles) is mapped")
+    return ""
 
 
 def alignment_reason(start_sector: int, block_size: int, what: str) -> str:
@@ -143,14 +191,16 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
     if root.fstype == "btrfs":
         raise UserError(f"{image}: root file system is btrfs on {root.device}, which cannot be "
                         f"analyzed: {root.reason.removeprefix('btrfs ')}", "analyze an image "
-                        "with an ext4 or XFS root instead: rebuild the golden image with one "
-                        "(e.g. copy its files into a new ext4 or XFS file system and update "
-                        "/etc/fstab, the initramfs and the boot loader); btrfs file systems "
-                        "other than the root are skipped and the rest is mapped")
-    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4 "
-                    f"and XFS are supported ({root.reason})", "mapping page-cache pages back "
-                    "to disk sectors is implemented for ext4 with extents (the Debian cloud "
-                    "images' root) and XFS; convert or rebuild the image with such a root")
+                        "whose root btrfs lives on one device (convert the pool with `btrfs "
+                        "balance start -dconvert=single -mconvert=dup` and `btrfs device "
+                        "remove` down to one device), or with an ext4 or XFS root; btrfs file "
+                        "systems over several devices other than the root are skipped and the "
+                        "rest is mapped")
+    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4, "
+                    f"XFS and btrfs are supported ({root.reason})", "mapping page-cache pages "
+                    "back to disk sectors is implemented for ext4 with extents (the Debian "
+                    "cloud images' root), XFS and single-device btrfs; convert or rebuild the "
+                    "image with such a root")
 
 
 def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
@@ -193,7 +243,7 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
     mapped: list[MappedFs] = []
     skipped: list[SkippedFs] = []
     for mp in sorted(mountpoints, key=lambda m: (m != "/", m)):
-        dev = mountpoints[mp]
+        dev, subvol = split_btrfsvol(mountpoints[mp])
         fstype, block_size, features = _fs_facts(g, dev)
         partno = partition_number(dev)
         lv = _LV.fullmatch(dev) if partno is None else None
@@ -205,7 +255,7 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
             if fs is None:
                 skipped.append(SkippedFs(mp, dev, fstype, why))
             else:
-                mapped.append(replace(fs, uuid=g.vfs_uuid(dev)))
+                mapped.append(replace(fs, uuid=g.vfs_uuid(dev), subvol=subvol))
             continue
         start, size = parts.get(partno, (0, 0)) if partno else (0, disk_sectors)
         why = unmappable_reason(fstype, features, partno, start, block_size)
@@ -213,8 +263,12 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
             skipped.append(SkippedFs(mp, dev, fstype, why))
         else:
             assert partno is not None
+            # The guest's page cache names a btrfs page's device by nothing
+            # (btrfs leaves its super_block's s_bdev unset: it may span several
+            # devices), so start_sect reads 0 there, as for an LV.
+            guest_start = 0 if fstype == "btrfs" else start
             mapped.append(MappedFs(mp, dev, partno, start, fstype, g.vfs_uuid(dev), block_size,
-                                   features, ((0, size, start),), start))
+                                   features, ((0, size, start),), guest_start, subvol=subvol))
     return mapped, skipped
 
 

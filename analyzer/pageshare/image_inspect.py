@@ -6,9 +6,11 @@ by the image file's content (see _content_key), since the appliance boot
 takes tens of seconds under TCG.  Before that, a damaged file (a truncated
 qcow2 or raw disk) is refused as damaged, not as "no Linux found".
 The analyzer supports what it can map back to disk sectors exactly: a Linux
-root on ext4, on a partition or on the whole disk, plus every other ext4 file
-system its /etc/fstab mounts from a partition (fslayout.py); the kernel and
-initrd are found with all of them mounted (bootfiles.py).
+root on ext4, XFS or a single-device btrfs (also in a subvolume), on a
+partition, the whole disk or a linear LV, plus every other such file system
+its /etc/fstab mounts (fslayout.py); the kernel and initrd are found with all
+of them mounted, btrfs subvolumes where fstab's subvol= puts them
+(libguestfs mounts "btrfsvol:" mountables; bootfiles.py).
 """
 
 import hashlib
@@ -27,10 +29,19 @@ from typing import Any
 from .bootfiles import find_kernel
 from .cache import cache_dir, inputs_key
 from .errors import UserError
-from .fslayout import MappedFs, SkippedFs, mount_all, root_must_map, survey
+from .fslayout import (
+    MappedFs,
+    SkippedFs,
+    canonical_btrfsvols,
+    mount_all,
+    root_must_map,
+    split_btrfsvol,
+    survey,
+)
 
 # 3: every file system of /etc/fstab (filesystems, skipped), kernels on a separate /boot.
-INSPECT_VERSION = 4      # 4: LVM linear logical volumes (runs, guest_start_sector, lv)
+# 4: LVM linear logical volumes (runs, guest_start_sector, lv)
+INSPECT_VERSION = 5      # 5: single-device btrfs mapped (subvol), no longer skipped
 
 
 @dataclass(frozen=True)
@@ -320,12 +331,14 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
                             "analyze-image analyses Linux guests only")
         # libguestfs resolves /etc/fstab's UUID=/LABEL= to devices; an fstab
         # without a root line still gives the root.
-        mountpoints = {**g.inspect_get_mountpoints(root), "/": root}
+        mountpoints = canonical_btrfsvols(g, {**g.inspect_get_mountpoints(root), "/": root})
         mapped, skipped = survey(g, mountpoints, virtual_size // 512)
         every: list[MappedFs | SkippedFs] = [*mapped, *skipped]
         rootfs = root_must_map(path, next(f for f in every if f.mountpoint == "/"))
         mount_all(g, mountpoints)
-        kernel, initrd, version = find_kernel(g)
+        subvols = {sv: mp for mp, sv in ((mp, split_btrfsvol(m)[1])
+                                         for mp, m in mountpoints.items()) if sv}
+        kernel, initrd, version = find_kernel(g, subvols)
         g.download(kernel, str(outdir / "vmlinuz"))
         if initrd:
             g.download(initrd, str(outdir / "initrd.img"))
@@ -333,7 +346,7 @@ def _inspect_with_guestfs(path: Path, fmt: str, virtual_size: int, tcg: bool,
             path=str(path.resolve()), format=fmt, virtual_size=virtual_size,
             distro=g.inspect_get_distro(root), product=g.inspect_get_product_name(root),
             major=g.inspect_get_major_version(root), minor=g.inspect_get_minor_version(root),
-            root_device=root, root_partition=rootfs.partition,
+            root_device=mountpoints["/"], root_partition=rootfs.partition,
             root_start_sector=rootfs.start_sector, root_fstype=rootfs.fstype,
             root_uuid=rootfs.uuid, block_size=rootfs.block_size, fs_features=rootfs.features,
             kernel_version=version, kernel_path=kernel, initrd_path=initrd,

@@ -1,15 +1,20 @@
 """From a classified guest page to a verified base-image block.
 
 A page is listed only when all of this holds (see docs/ARCHITECTURE.md):
-clean page cache of a regular file on one of the base image's mapped ext4
-or XFS file systems (the root, a separate /boot, /usr, ...; or, with
+clean page cache of a regular file on one of the base image's mapped ext4,
+XFS or btrfs file systems (the root, a separate /boot, /usr, ...; or, with
 include_metadata, block-device cache of the base disk); its file offset maps
 to 4096/blocksize contiguous, allocated blocks; the block starts on an
 8-sector boundary; the page is not all zeros; and its bytes equal the base
 image at that sector.  The verdict names the first rule that failed.
+
+A btrfs inode number names a file only within one subvolume, and the
+guest's page record names no subvolume, so a btrfs page has one candidate
+block map per subvolume tree holding that inode number (map_page): each is
+tried in turn and the first whose block's bytes equal the page is kept.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .classify import PageRecord
@@ -20,6 +25,12 @@ ZERO_PAGE = bytes(PAGE)
 SECTORS_PER_PAGE = PAGE // 512
 
 STABLE = "stable"
+# btrfs keeps its metadata (tree blocks, by logical address) in the page cache
+# of an internal inode of this number: metadata, as the block device's is.
+BTRFS_BTREE_INODE = 1
+# btrfs file data no disk block holds as the page's bytes (btrfsmap.Unservable).
+INLINE = "inline"
+COMPRESSED = "compressed"
 
 
 def norm_uuid(u: str) -> str:
@@ -44,6 +55,9 @@ class Placement:
     runs: tuple[Run, ...]
     mountpoint: str = "/"
     fstype: str = "ext4"
+    # btrfs: (subvolume, mountpoint) of each mount of it, "" meaning the
+    # default subvolume: one file system, wherever fstab mounts its subvolumes.
+    subvols: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def partition(cls, uuid: str, start: int, mountpoint: str = "/", fstype: str = "ext4"
@@ -76,10 +90,23 @@ class Geometry:
                     None)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One subvolume's block map of a btrfs inode number."""
+    tree: int                                   # the subvolume's tree id
+    extents: list[Extent]
+    # (first block, blocks, INLINE or COMPRESSED): file data not on disk as it reads.
+    unservable: tuple[tuple[int, int, str], ...] = ()
+
+    def unservable_at(self, block: int) -> str:
+        return next((why for first, n, why in self.unservable if first <= block < first + n),
+                    "")
+
+
 def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
                      ) -> tuple[int | None, str]:
     """Sector of a file page per the base image's block map, or (None, reason)."""
-    if rec.fstype not in ("ext4", "xfs"):
+    if rec.fstype not in ("ext4", "xfs", "btrfs"):
         return None, "unsupported-fs"
     fs = geo.find(rec)
     if fs is None:
@@ -88,6 +115,8 @@ def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometr
         return None, "other-fs"
     if rec.fstype != fs.fstype:
         return None, "other-fs"
+    if rec.fstype == "btrfs" and rec.ino == BTRFS_BTREE_INODE:
+        return None, "metadata"
     if extents is None:
         return None, "unmapped"
     if rec.blkbits < 9 or rec.blkbits > 12:
@@ -111,8 +140,7 @@ def page_sector(rec: PageRecord, extents: dict[tuple[FsKey, int], list[Extent]],
                 geo: Geometry, include_metadata: bool) -> tuple[int | None, str]:
     """extents: by (file system, inode), as read from the base image."""
     if rec.kind == "file":
-        sector, why = file_page_sector(
-            rec, extents.get(((norm_uuid(rec.fs_uuid), rec.start_sect), rec.ino)), geo)
+        sector, why = file_page_sector(rec, extents.get(file_key(rec)), geo)
     elif rec.kind == "bdev":
         if rec.disk != geo.disk:
             return None, "other-disk"
@@ -121,6 +149,16 @@ def page_sector(rec: PageRecord, extents: dict[tuple[FsKey, int], list[Extent]],
         sector, why = rec.start_sect + rec.index * SECTORS_PER_PAGE, ""
     else:
         return None, "not-page-cache"
+    return _servable(rec, sector, why, geo)
+
+
+def file_key(rec: PageRecord) -> tuple[FsKey, int]:
+    """The (file system, inode) a file page's extents are filed under."""
+    return (norm_uuid(rec.fs_uuid), rec.start_sect), rec.ino
+
+
+def _servable(rec: PageRecord, sector: int | None, why: str, geo: Geometry
+              ) -> tuple[int | None, str]:
     if sector is None:
         return None, why
     if not rec.clean:
@@ -140,3 +178,41 @@ def verify(sector: int, guest_bytes: bytes | None, read_base: Callable[[int], by
     if read_base(sector) != guest_bytes:
         return "mismatch"
     return STABLE
+
+
+# Which failed candidate's verdict a btrfs page gets: data that exists but no
+# block can serve says most, a byte mismatch next, no data at all least.
+_FAILURE_RANK = {INLINE: 0, COMPRESSED: 0, "hole": 3, "unmapped": 4}
+
+
+def map_page(rec: PageRecord, data: bytes | None, read_base: Callable[[int], bytes],
+             extents: dict[tuple[FsKey, int], list[Extent]], geo: Geometry,
+             include_metadata: bool,
+             candidates: Mapping[tuple[FsKey, int], Sequence[Candidate]] | None = None
+             ) -> tuple[int | None, str, int]:
+    """(sector or None, verdict, btrfs tree or 0) of a page-cache page: page_sector,
+    then verify.  A btrfs file page has a Candidate per subvolume holding its
+    inode number, tried in order; the first whose block verifies is kept.
+    That is sound whichever subvolume the block belongs to: a list entry only
+    claims that the block's bytes equal the page every guest read, and
+    snapshots share their extents anyway.  When none verifies, the verdict
+    is the most telling candidate's (inline or compressed data first)."""
+    options = candidates.get(file_key(rec)) if candidates and rec.kind == "file" else None
+    if not options:
+        sector, why = page_sector(rec, extents, geo, include_metadata)
+        return sector, why if sector is None else verify(sector, data, read_base), 0
+    failed: list[tuple[int, int, int | None, str, int]] = []
+    for n, c in enumerate(options):
+        sector, why = file_page_sector(rec, c.extents, geo)
+        if why == "hole":
+            bits = rec.blkbits if 9 <= rec.blkbits <= 12 else 12
+            why = c.unservable_at(rec.index * (PAGE >> bits)) or why
+        sector, why = _servable(rec, sector, why, geo)
+        if sector is not None:
+            why = verify(sector, data, read_base)
+            if why == STABLE:
+                return sector, why, c.tree
+        failed.append((_FAILURE_RANK.get(why, 1 if sector is not None else 2), n, sector, why,
+                       c.tree))
+    _, _, sector, why, tree = min(failed)
+    return sector, why, tree

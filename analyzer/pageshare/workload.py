@@ -61,10 +61,14 @@ def script(workload: Workload, markers: Markers) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_cmdline(root_uuid: str) -> str:
+def kernel_cmdline(root_uuid: str, rootflags: str = "") -> str:
+    """rootflags: the root's mount options the initrd needs, as a boot loader
+    passes them: subvol=@rootfs for a btrfs root in a subvolume (GRUB's
+    10_linux adds rootflags=subvol=... from the root's mount)."""
     run = f"/usr/bin/systemd-run --no-block --unit=pageshare-workload /bin/sh {FW_CFG_PATH}"
     return " ".join([
-        f"root=UUID={root_uuid}", "ro", "console=ttyS0", "modules_load=qemu_fw_cfg",
+        f"root=UUID={root_uuid}", *([f"rootflags={rootflags}"] if rootflags else []), "ro",
+        "console=ttyS0", "modules_load=qemu_fw_cfg",
         # Keep the guest quiet and deterministic: no kernel messages racing
         # with markers, and no reboot when the workload service ends.
         "loglevel=4", f"systemd.run=\"{run}\"",
