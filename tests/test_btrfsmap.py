@@ -654,3 +654,39 @@ def test_a_btrfs_srv_is_mapped_next_to_the_ext4_root(
             for f in info.filesystems] == [("/", "ext4", 2048, 2048),
                                            ("/srv", "btrfs", 264192, 0)]
     assert info.skipped == ()
+
+
+def test_a_raid_profile_found_in_the_chunk_tree_refuses_the_root_and_skips_the_rest(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pageshare.image_inspect import ImageInfo, Inspection
+    from pageshare.progress import Progress
+
+    def fs(mp: str, uuid: str) -> fslayout.MappedFs:
+        return fslayout.MappedFs(mp, "/dev/sda1", 1, 2048, "btrfs", uuid, 4096, "devices=1",
+                                 ((0, 1 << 20, 2048),), 0)
+
+    a, b = "d61e0c15-e3ef-45fb-9dec-31107edbfefa", "0c7e2f0d-3d4b-4b8e-9a51-5b8c2f3c9d11"
+    info = ImageInfo("g", "raw", 1 << 30, "debian", "12", 12, 0, "/dev/sda1", 1, 2048, "btrfs",
+                     a, 4096, "", "6.1", "/boot/vmlinuz", "", (fs("/", a), fs("/srv", b)))
+    insp = Inspection(info, tmp_path / "vmlinuz", None)
+    geo = Geometry(analyze.placements(info.filesystems), 1 << 30)
+    sources = {p.key: (tmp_path / p.uuid, 0) for p in geo.filesystems}
+
+    def check(image: Path) -> None:
+        if image.name == b.replace("-", ""):
+            raise BtrfsUnsupported("btrfs DATA chunk at 1 has the RAID0 profile")
+
+    monkeypatch.setattr(btrfsmap, "check_chunks", check)
+    said: list[str] = []
+    progress = Progress(quiet=True)
+    monkeypatch.setattr(progress, "say", said.append)
+    insp2, geo2 = analyze._check_btrfs_chunks(Path("g"), insp, geo, sources, progress)
+    assert [f.mountpoint for f in insp2.info.filesystems] == ["/"]
+    assert [(s.mountpoint, s.reason) for s in insp2.info.skipped] == [
+        ("/srv", "btrfs DATA chunk at 1 has the RAID0 profile")]
+    assert [p.mountpoint for p in geo2.filesystems] == ["/"]
+    assert said and "/srv (btrfs) is not mapped" in said[0]
+    monkeypatch.setattr(btrfsmap, "check_chunks", lambda image: check(Path(b.replace("-", ""))))
+    with pytest.raises(UserError, match="root file system is btrfs, which cannot be analyzed: "
+                                        "btrfs DATA chunk at 1 has the RAID0 profile"):
+        analyze._check_btrfs_chunks(Path("g"), insp, geo, sources, progress)

@@ -29,7 +29,7 @@ from .debugsyms import check_vmlinux, find_vmlinux
 from .dump import ElfDump, parse_vmcoreinfo
 from .errors import UserError
 from .ext4map import Extent, fs_image, read_extents, read_paths
-from .fslayout import MappedFs
+from .fslayout import MappedFs, SkippedFs
 from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
 from .image_inspect import Inspection, inspect_image, probe_format
 from .ksm import KSM, Sample, ksm_session
@@ -226,6 +226,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
             sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
                                         copy=fs.fstype in ("xfs", "btrfs"))
                        for i, fs in enumerate(geo.filesystems)}
+            insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
         image_id = _store_image(db, opts.image, fmt, vsize, content, insp)
         cur = db.execute(
             "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
@@ -703,6 +704,41 @@ def placements(filesystems: tuple[MappedFs, ...]) -> tuple[Placement, ...]:
         else:
             out.setdefault(p.key, p)
     return tuple(out.values())
+
+
+def _check_btrfs_chunks(image: Path, insp: Inspection, geo: Geometry,
+                        sources: dict[FsKey, tuple[Path, int]], progress: Progress
+                        ) -> tuple[Inspection, Geometry]:
+    """A btrfs's chunk tree is first read here, before any guest boots: one whose
+    data is striped or mirrored (a RAID profile, found only there) refuses the
+    image as its root, and is skipped like any unmappable file system otherwise."""
+    drop: dict[FsKey, str] = {}
+    for fs in geo.filesystems:
+        if fs.fstype != "btrfs":
+            continue
+        try:
+            btrfsmap.check_chunks(sources[fs.key][0])
+        except btrfsmap.BtrfsUnsupported as e:
+            if fs.mountpoint == "/":
+                raise UserError(f"{image}: root file system is btrfs, which cannot be "
+                                f"analyzed: {e}", "analyze an image whose root btrfs keeps its "
+                                "data and metadata in SINGLE or DUP chunks (btrfs balance start "
+                                "-dconvert=single -mconvert=dup), or with an ext4 or XFS "
+                                "root") from None
+            drop[fs.key] = str(e)
+            progress.say(f"note: {fs.mountpoint} (btrfs) is not mapped, its files cannot be "
+                         f"listed: {e}")
+    if not drop:
+        return insp, geo
+    info = insp.info
+    keep = tuple(f for f in info.filesystems
+                 if (norm_uuid(f.uuid), f.guest_start_sector) not in drop)
+    gone = tuple(SkippedFs(f.mountpoint, f.device, f.fstype,
+                           drop[norm_uuid(f.uuid), f.guest_start_sector])
+                 for f in info.filesystems if f not in keep)
+    insp = replace(insp, info=replace(info, filesystems=keep, skipped=info.skipped + gone))
+    return insp, Geometry(tuple(f for f in geo.filesystems if f.key not in drop),
+                          geo.virtual_size, geo.disk)
 
 
 def mounted_trees(fs: Placement, default: int, paths: dict[int, str]) -> list[tuple[int, str]]:

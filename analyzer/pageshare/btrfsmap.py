@@ -255,6 +255,11 @@ def _checked_chunks(image: Path) -> tuple[list[Chunk], int]:
     return chunks, int(sb["sectorsize"])
 
 
+def check_chunks(image: Path) -> None:
+    """Raises BtrfsUnsupported for several devices or a RAID profile."""
+    _checked_chunks(image)
+
+
 def _fs_tree(image: Path, tree: int) -> str:
     return _dump(["btrfs", "inspect-internal", "dump-tree", "-t", str(tree), str(image)])
 
