@@ -65,6 +65,11 @@ fn control_path(socket: &ControlSocket) -> Result<PathBuf, ConfigError> {
 pub fn check_config(file: &Path) -> Result<i32, ConfigError> {
     let c = config::Config::load(file)?;
     println!("{}: ok, {} image(s)", file.display(), c.images.len());
+    // Not a configuration error: the host may install one before starting.
+    match c.qemu_storage_daemon() {
+        Ok(qsd) => println!("images are read with {}", qsd.display()),
+        Err(e) => eprintln!("warning: {e}"),
+    }
     Ok(0)
 }
 

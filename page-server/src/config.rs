@@ -2,8 +2,13 @@
 //! page-server/pageshare-server.example.toml.
 
 use serde::Deserialize;
+use std::ffi::OsStr;
 use std::fmt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+
+/// Where the pageshare-qemu package installs the patched QEMU's binaries.
+pub const PAGESHARE_QEMU_BIN: &str = "/usr/lib/pageshare-qemu/bin";
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,8 +31,10 @@ pub struct Config {
     /// Name under which this host reports to Redis (default: hostname).
     #[serde(default)]
     pub host_name: Option<String>,
-    #[serde(default = "default_qsd")]
-    pub qemu_storage_daemon: PathBuf,
+    /// The qemu-storage-daemon that reads images; default: the first on
+    /// PATH, else pageshare-qemu's (`Config::qemu_storage_daemon`).
+    #[serde(default)]
+    pub qemu_storage_daemon: Option<PathBuf>,
     #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
@@ -121,9 +128,6 @@ fn default_socket_mode() -> String {
 }
 fn default_cache_dir() -> PathBuf {
     "/var/cache/pageshare-server".into()
-}
-fn default_qsd() -> PathBuf {
-    "/usr/bin/qemu-storage-daemon".into()
 }
 fn d_max_list_bytes() -> u64 {
     256 << 20
@@ -231,7 +235,62 @@ impl fmt::Display for Problem {
 
 impl std::error::Error for Problem {}
 
+/// No qemu-storage-daemon was configured and none was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NoQemuStorageDaemon {
+    /// The PATH that was searched.
+    pub path_var: String,
+}
+
+impl fmt::Display for NoQemuStorageDaemon {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "no qemu-storage-daemon on PATH ({}) or in {PAGESHARE_QEMU_BIN}: install qemu-utils \
+             (Debian 13), qemu-system-common (Debian 12) or pageshare-qemu, or set \
+             qemu_storage_daemon in the configuration",
+            self.path_var
+        )
+    }
+}
+
+impl std::error::Error for NoQemuStorageDaemon {}
+
+/// A regular file with an execute bit.
+fn executable(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The first executable `qemu-storage-daemon` in the directories of
+/// `path_var` (a PATH value), else in `fallback_dirs`.  Debian's (in
+/// qemu-utils on Debian 13, qemu-system-common on Debian 12; any version
+/// from 7.2 reads what the server needs) comes first: the patched QEMU of
+/// the pageshare-qemu package is used when it is the only one.
+pub fn find_qemu_storage_daemon(path_var: Option<&OsStr>, fallback_dirs: &[&Path]) -> Option<PathBuf> {
+    let on_path = path_var.map(|v| std::env::split_paths(v).collect::<Vec<_>>()).unwrap_or_default();
+    on_path
+        .iter()
+        .filter(|d| d.is_absolute())
+        .map(PathBuf::as_path)
+        .chain(fallback_dirs.iter().copied())
+        .map(|d| d.join("qemu-storage-daemon"))
+        .find(|p| executable(p))
+}
+
 impl Config {
+    /// The qemu-storage-daemon to read images with: the configured one
+    /// (used as given, even if it does not exist, so that the error names
+    /// it), else the first on PATH, else pageshare-qemu's.
+    pub fn qemu_storage_daemon(&self) -> Result<PathBuf, NoQemuStorageDaemon> {
+        if let Some(p) = &self.qemu_storage_daemon {
+            return Ok(p.clone());
+        }
+        let path_var = std::env::var_os("PATH");
+        find_qemu_storage_daemon(path_var.as_deref(), &[Path::new(PAGESHARE_QEMU_BIN)]).ok_or_else(|| {
+            NoQemuStorageDaemon { path_var: path_var.unwrap_or_default().to_string_lossy().into_owned() }
+        })
+    }
+
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
         Config::parse(path, &text)
@@ -312,6 +371,57 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.starts_with("/etc/ps.toml: "), "names the file: {msg}");
         msg
+    }
+
+    /// A scratch directory with fake binaries: `(name, mode)`.
+    fn bin_dir(name: &str, files: &[(&str, u32)]) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pageshare-config-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        for (f, mode) in files {
+            let p = d.join(f);
+            std::fs::write(&p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn qemu_storage_daemon_from_path_then_pageshare_qemu() {
+        const QSD: &str = "qemu-storage-daemon";
+        let debian = bin_dir("debian", &[(QSD, 0o755)]);
+        let ours = bin_dir("ours", &[(QSD, 0o755)]);
+        let other = bin_dir("other", &[("qemu-img", 0o755)]);
+        let not_exec = bin_dir("not-exec", &[(QSD, 0o644)]);
+        let find = |path: Option<&std::ffi::OsString>| find_qemu_storage_daemon(path.map(|p| p.as_os_str()), &[ours.as_path()]);
+        let path = |dirs: &[&Path]| Some(std::env::join_paths(dirs).unwrap());
+        // Debian's on PATH is used even when pageshare-qemu is installed.
+        assert_eq!(find(path(&[&other, &debian]).as_ref()), Some(debian.join(QSD)));
+        // Not on PATH (or PATH unset): pageshare-qemu's.
+        assert_eq!(find(path(&[&other]).as_ref()), Some(ours.join(QSD)));
+        assert_eq!(find(None), Some(ours.join(QSD)));
+        // A file without an execute bit, a directory, a relative PATH entry: skipped.
+        std::fs::create_dir_all(other.join("sub").join(QSD)).unwrap();
+        assert_eq!(find(path(&[&not_exec, &other.join("sub"), Path::new("rel")]).as_ref()), Some(ours.join(QSD)));
+        // Neither: None, and the message says what to install.
+        assert_eq!(find_qemu_storage_daemon(path(&[&other]).as_deref(), &[not_exec.as_path()]), None);
+        let msg = NoQemuStorageDaemon { path_var: "/usr/bin:/bin".into() }.to_string();
+        assert!(msg.contains("(/usr/bin:/bin)") && msg.contains(PAGESHARE_QEMU_BIN) && msg.contains("pageshare-qemu"), "{msg}");
+        for d in [debian, ours, other, not_exec] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_configured_qemu_storage_daemon_is_used_as_given() {
+        let c = parse(&format!("qemu_storage_daemon = \"/opt/q/qsd\"\n{IMAGE}")).unwrap();
+        assert_eq!(c.qemu_storage_daemon(), Ok(PathBuf::from("/opt/q/qsd")));
+        // Unset: looked up (PATH here is the test's; the result must be executable).
+        let c = parse(IMAGE).unwrap();
+        assert!(c.qemu_storage_daemon.is_none());
+        if let Ok(p) = c.qemu_storage_daemon() {
+            assert!(p.ends_with("qemu-storage-daemon") && executable(&p), "{}", p.display());
+        }
     }
 
     #[test]

@@ -202,8 +202,9 @@ impl Loader {
         let mut reader: Option<BlockReader> = None;
         let open = |r: &mut Option<BlockReader>| -> Result<(), LoadError> {
             if r.is_none() {
+                let qsd = self.cfg.qemu_storage_daemon().map_err(|e| FailKind::Image.with(e.to_string()))?;
                 *r = Some(
-                    BlockReader::open(&self.cfg.qemu_storage_daemon, &image.file, &img.path, &format)
+                    BlockReader::open(&qsd, &image.file, &img.path, &format)
                         .map_err(|e| FailKind::Image.with(e.to_string()))?,
                 );
             }

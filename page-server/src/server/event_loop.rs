@@ -120,6 +120,10 @@ impl Server {
                 crate::log::warn(&w);
             }
         }
+        match self.cfg.qemu_storage_daemon() {
+            Ok(qsd) => crate::log::info(&format!("images are read with {}", qsd.display())),
+            Err(e) => crate::log::warn(&e.to_string()),
+        }
         for i in 0..self.images.len() {
             let src = self.initial_source(i);
             self.request_load(i, src, "start-up");
