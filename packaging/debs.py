@@ -3,6 +3,7 @@
 
     packaging/debs.py                    # every package; prints each .deb's path
     packaging/debs.py pageshare-server   # just that one
+    packaging/debs.py pageshare-qemu     # the patched QEMU (builds it first if needed)
     packaging/debs.py --json pageshare-server
     packaging/debs.py --force --check pageshare-server   # rebuild, run cargo test too
 
@@ -15,7 +16,30 @@ Packages (``--list``):
   conffile ``/etc/pageshare/server.example.toml``, a manual page and the
   README and protocol in ``/usr/share/doc/pageshare-server``.  The service
   runs as root with the capability bounding set the unit names
-  (``CAP_DAC_READ_SEARCH``): no system user is created.
+  (``CAP_DAC_READ_SEARCH``): no system user is created.  Its
+  qemu-storage-daemon: Debian's (``qemu-utils`` on Debian 13,
+  ``qemu-system-common`` on 12) or ``pageshare-qemu``'s.
+- ``pageshare-qemu``: the patched QEMU of ``qemu-patches/build.py`` (run
+  first; its binaries and its work tree are this package's inputs, outside
+  the checkout) under its own prefix, ``/usr/lib/pageshare-qemu``:
+  ``bin/`` holds qemu-system-x86_64, qemu-img, qemu-io, qemu-nbd and
+  qemu-storage-daemon (stripped; symbols stay in the build cache),
+  ``share/qemu`` (where the relocatable build looks, next to ``bin/``) the
+  x86 option ROMs built from the same QEMU source and links to Debian's
+  SeaBIOS and iPXE (``Depends: seabios, ipxe-qemu``; iPXE's ROMs are in
+  ``/usr/lib/ipxe/qemu`` on Debian 12 and ``/usr/share/qemu`` on 13, so
+  ``share/qemu-firmware``, which QEMU searches too, links the latter), and
+  ``/usr/bin/pageshare-qemu-*`` link to the binaries.  No file of Debian's
+  QEMU packages is replaced, diverted or written, so it installs beside
+  ``qemu-system-x86``/``qemu-utils`` (or without them) and VMs use it only
+  where an operator names it: a libvirt domain's
+  ``<emulator>/usr/lib/pageshare-qemu/bin/qemu-system-x86_64</emulator>``,
+  or a script's command.  Its version is Debian's QEMU version with
+  ``+pageshare<N>`` (``debian/changelog``'s revision: bump it when the
+  series changes), so a rebuild on a newer Debian QEMU upgrades hosts.
+  Built on Debian 12 against its libc, GLib, pixman and zlib, it also
+  installs and runs on Debian 13, whose ``libglib2.0-0t64`` provides
+  ``libglib2.0-0``.
 
 How a package is built: its source tree is assembled in a scratch
 directory from the checkout (``--source``, default the checkout this
@@ -26,7 +50,9 @@ no error and no warning (justified exceptions live in the package's
 unit's ExecStart binary, the conffile).  The result is stored in
 ``${PAGESHARE_CACHE:-~/.cache/pageshare}/packages/<package>/<key>/`` with the
 build and lintian logs, where key hashes every input file, this script and
-the versions of the tools (rustc, cargo, dpkg-dev, debhelper, lintian).  A
+the versions of the tools (rustc, cargo, dpkg-dev, debhelper, lintian) and,
+for a package with inputs outside the checkout (``pageshare-qemu``), those
+files.  A
 warm run finds ``<key>/stamp`` and prints the cached path.  Nothing is
 written to the checkout.
 
@@ -39,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +107,9 @@ class Package:
     needs_cargo: bool
     # Called with the assembled source tree before dpkg-buildpackage.
     prepare: Callable[[Path], None] | None = None
+    # Inputs from outside the checkout, found from it (the checkout's path
+    # -> {path in the source tree: file}); hashed into the key like sources.
+    external: Callable[[Path], dict[str, Path]] | None = None
 
     def source_of(self, dest: str) -> str:
         """The checkout path that becomes ``dest`` in the source tree."""
@@ -90,6 +120,58 @@ def _server_prepare(tree: Path) -> None:
     # One unit file, in page-server/: dh_installsystemd installs and enables
     # debian/<package>.service.
     shutil.copy2(tree / "pageshare-server.service", tree / "debian" / "pageshare-server.service")
+
+
+# pageshare-qemu: the files of qemu-patches/build.py's output it packages,
+# and the x86 option ROMs' sources from the same QEMU tree (debian/rules
+# builds them).
+QEMU_BINARIES = ("qemu-system-x86_64", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon")
+OPTIONROM_SOURCES = ("pc-bios/optionrom", "include/hw/xen/start_info.h",
+                     "include/standard-headers/linux/qemu_fw_cfg.h",
+                     "include/standard-headers/linux/types.h", "scripts/signrom.py")
+
+
+@functools.cache
+def qemu_build(source: Path) -> Path:
+    """The patched QEMU's directory (bin/, info.json) from the checkout's
+    qemu-patches/build.py, which builds it if needed (7-11 min cold)."""
+    script = source / "qemu-patches" / "build.py"
+    log(f"{script} (the patched QEMU; cached)")
+    p = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise BuildError(f"{script} failed ({p.returncode}); its messages are above")
+    return Path(p.stdout.strip().splitlines()[-1])
+
+
+def _qemu_external(source: Path) -> dict[str, Path]:
+    out = qemu_build(source)
+    info = json.loads((out / "info.json").read_text())
+    files = {f"qemu/bin/{b}": out / "bin" / b for b in QEMU_BINARIES}
+    files["qemu/info.json"] = out / "info.json"
+    tree = Path(info["work"]) / "src"
+    for rel in OPTIONROM_SOURCES:
+        p = tree / rel
+        for f in sorted(p.iterdir()) if p.is_dir() else [p]:
+            if not f.is_file():
+                raise BuildError(f"{f}: missing from the QEMU work tree (run "
+                                 "qemu-patches/build.py --worktree to restore it)")
+            files[f"optionrom/{f.relative_to(tree)}"] = f
+    return files
+
+
+def _qemu_prepare(tree: Path) -> None:
+    # The version: debian/changelog says "10.0+pageshareN" (the series is for
+    # QEMU 10.0; N the packaging revision); the built QEMU's exact Debian
+    # version (epoch dropped, "-" made ".") replaces the "10.0".
+    qemu = str(json.loads((tree / "qemu" / "info.json").read_text())["version"])
+    exact = qemu.split(":", 1)[-1].replace("-", ".")
+    changelog = tree / "debian" / "changelog"
+    text = changelog.read_text()
+    m = re.match(r"pageshare-qemu \((10\.0)\+pageshare\d+\)", text)
+    if not m or not exact.startswith(m.group(1) + "."):
+        raise BuildError(f"{changelog}: its first line must say 10.0+pageshare<N>, and the "
+                         f"patched QEMU must be 10.0.x (it is {qemu})")
+    changelog.write_text(text[:m.start(1)] + exact + text[m.end(1):])
 
 
 PACKAGES: dict[str, Package] = {
@@ -116,6 +198,29 @@ PACKAGES: dict[str, Package] = {
         conffiles=("/etc/pageshare/server.example.toml",),
         needs_cargo=True,
         prepare=_server_prepare,
+    ),
+    "pageshare-qemu": Package(
+        name="pageshare-qemu",
+        sources={
+            "qemu-patches/README.md": "README.md",
+            "packaging/pageshare-qemu/debian": "debian",
+        },
+        must_contain=(
+            *(f"usr/lib/pageshare-qemu/bin/{b}" for b in QEMU_BINARIES),
+            *(f"usr/bin/pageshare-{b}" for b in QEMU_BINARIES),
+            *(f"usr/lib/pageshare-qemu/share/qemu/{r}.bin"
+              for r in ("linuxboot", "linuxboot_dma", "multiboot", "multiboot_dma", "kvmvapic",
+                        "pvh", "bios-256k", "vgabios-stdvga")),
+            "usr/lib/pageshare-qemu/share/qemu/efi-virtio.rom",
+            "usr/lib/pageshare-qemu/share/qemu-firmware/efi-virtio.rom",
+            "usr/share/man/man1/pageshare-qemu.1.gz",
+            "usr/share/doc/pageshare-qemu/README.Debian",
+            "usr/share/doc/pageshare-qemu/copyright",
+        ),
+        conffiles=(),
+        needs_cargo=False,
+        prepare=_qemu_prepare,
+        external=_qemu_external,
     ),
 }
 
@@ -171,6 +276,9 @@ def inputs_key(pkg: Package, source: Path) -> tuple[str, dict[str, object]]:
             st = f.stat()
             files[str(f.relative_to(source))] = (
                 f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{st.st_mode & 0o111:o}")
+    for dest, f in (pkg.external(source) if pkg.external else {}).items():
+        files[f"external:{dest}"] = (
+            f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{f.stat().st_mode & 0o111:o}")
     inputs: dict[str, object] = {
         "builder_version": BUILDER_VERSION,
         "package": pkg.name,
@@ -269,6 +377,9 @@ def assemble(pkg: Package, source: Path, tree: Path) -> None:
             shutil.copytree(src, tree / dest, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, tree / dest)
+    for dest, f in (pkg.external(source) if pkg.external else {}).items():
+        (tree / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, tree / dest)
     if pkg.prepare:
         pkg.prepare(tree)
 
@@ -295,6 +406,7 @@ def build(pkg: Package, source: Path, *, force: bool = False, check: bool = Fals
         try:
             tree = work / f"{pkg.name}-{version.split('-')[0]}"
             assemble(pkg, source, tree)
+            version = changelog_version(tree / "debian")   # prepare() may set it
             env = dict(os.environ, DEB_BUILD_OPTIONS="" if check else "nocheck")
             if pkg.needs_cargo:
                 c = cargo()
