@@ -21,7 +21,7 @@ pageshare-faults; see driver.sh) while kernel-syscall/tests/e2e_sampler.c
 records, every second, from outside the guests: each QEMU's PSS and RSS, which guest
 pages hold listed blocks, zeros or other data and which of them are shared
 (KSM pages, by pagemap and kpageflags), ksmd's and the server's CPU, the
-filter's merge counters and time, MemAvailable, the host's THP collapses.
+filter's merge counters and time, MemAvailable, khugepaged's collapses.
 The driver refuses a host without the series or with KSM off, saves KSM's
 settings and restores them on every way out.
 
@@ -79,7 +79,8 @@ GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "pres
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
-               "distinct_other", "sample_ms", "thp_collapse_alloc", "thp_split_page"]
+               "distinct_other", "sample_ms", "khugepaged_collapsed",
+               "khugepaged_full_scans"]
 # The guests' workload as analyze-image runs it in its Debian guests
 # (--list-from workload): the same grep over the same directories.
 LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
@@ -470,7 +471,7 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         # stale memory each guest freed (GUEST-FREED mib memfree_before
         # memfree_full memfree_after page_reporting_order)
         freed = [m["FREED"] for m in marks[cfg].values() if len(m.get("FREED", [])) == 5]
-        thp = [h["thp_collapse_alloc"] for h in hs if h["thp_collapse_alloc"] >= 0]
+        thp = [h["khugepaged_collapsed"] for h in hs if h["khugepaged_collapsed"] >= 0]
         c: dict[str, Any] = {
             "work_s": (t_work - t_begin) / 1000,
             "observed_s": (last_t - t_work) / 1000,
@@ -605,7 +606,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
         ("workload, s (start to all done)", "work_s", ".0f"),
         ("stale memory freed by each guest after its reads, MiB", "stale_freed_mib", ".0f"),
-        ("THP collapses of guest RAM in the pageshare host", "thp_collapses", "d"),
+        ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
     ]
     cfgs = list(summary["configs"])

@@ -304,7 +304,7 @@ def test_summary_takes_the_last_start_of_a_configuration() -> None:
     assert c["page_reporting_order"] == "9"
     assert c["resident_mib_end"] == pytest.approx(2 * 5000 * 4096 / 2**20)
     md = e2e.markdown(s, "x", "y")
-    assert "| THP collapses of guest RAM in the pageshare host | 2 |" in md
+    assert "| huge pages collapsed by khugepaged in the pageshare host | 2 |" in md
 
 
 def test_symbolize(tmp_path: Path) -> None:

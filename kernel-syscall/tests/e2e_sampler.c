@@ -19,7 +19,7 @@
  *   E2E-H cfg t memavail_kb ksmd_cpu_ms server_cpu_ms server_rss_kb
  *         server_pss_kb pages_shared pages_sharing ksm_zero_pages
  *         merge_page_merged full_scans distinct_listed distinct_zero
- *         distinct_other sample_ms thp_collapse_alloc thp_split_page
+ *         distinct_other sample_ms khugepaged_collapsed khugepaged_full_scans
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server
@@ -42,9 +42,10 @@
  * "zero" (all such pages, shared or not) over from the last full sample.
  * on_server counts the listed, shared guest pages whose PFN is one the
  * page server maps: the server's own physical page, as merge_pages makes.
- * thp_collapse_alloc and thp_split_page are the host's /proc/vmstat
- * counters: khugepaged collapsing a range of guest RAM copies the KSM pages
- * in it, which unshares them.
+ * khugepaged_collapsed and khugepaged_full_scans are khugepaged's own
+ * counters (sysfs; the host kernel has no VM event counters): khugepaged
+ * collapsing a 2 MiB range of guest RAM into a huge page copies the KSM
+ * pages in it, which unshares them.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -298,16 +299,16 @@ static long ksm_stat(const char *name)
 	return v;
 }
 
-static long vmstat(const char *name)
+static long khugepaged_stat(const char *name)
 {
-	char line[256];
-	size_t n = strlen(name);
-	FILE *f = fopen("/proc/vmstat", "r");
+	char path[128], buf[64];
+	FILE *f;
 	long v = -1;
 
-	while (f && fgets(line, sizeof(line), f))
-		if (!strncmp(line, name, n) && line[n] == ' ')
-			v = strtol(line + n + 1, NULL, 10);
+	snprintf(path, sizeof(path), "/sys/kernel/mm/transparent_hugepage/khugepaged/%s", name);
+	f = fopen(path, "r");
+	if (f && fgets(buf, sizeof(buf), f))
+		v = strtol(buf, NULL, 10);
 	if (f)
 		fclose(f);
 	return v;
@@ -750,7 +751,7 @@ int main(int argc, char **argv)
 		       ksm_stat("ksm_zero_pages"), ksm_stat("merge_page_merged"),
 		       ksm_stat("full_scans"), popcount_map(seen[C_LISTED]),
 		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
-		       vmstat("thp_collapse_alloc"), vmstat("thp_split_page"));
+		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"));
 		if ((long)(t1 - t0) < interval)
 			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
 	}
