@@ -154,10 +154,14 @@ def has_pageshare_driver(binary: str) -> bool | None:
 
 
 QEMU_NAMES = re.compile(r"^(qemu-system-[\w-]+|qemu-img)$")
+# Where the pageshare-qemu package (packaging/debs.py) installs the patched QEMU.
+PACKAGE_QEMU_BIN = Path("/usr/lib/pageshare-qemu/bin")
 
 
-def qemu_binaries(extra: Iterable[str], use_path: bool = True) -> list[str]:
-    """qemu-system-* and qemu-img on PATH, plus each --qemu (a binary or a bin/ dir)."""
+def qemu_binaries(extra: Iterable[str], use_path: bool = True,
+                  package_bin: Path = PACKAGE_QEMU_BIN) -> list[str]:
+    """qemu-system-* and qemu-img on PATH and in pageshare-qemu's bin/, plus
+    each --qemu (a binary or a bin/ dir)."""
     found: list[str] = []
     seen: set[str] = set()
 
@@ -179,7 +183,7 @@ def qemu_binaries(extra: Iterable[str], use_path: bool = True) -> list[str]:
         else:
             add(p)
     if use_path:
-        for d in os.environ.get("PATH", "").split(os.pathsep):
+        for d in [*os.environ.get("PATH", "").split(os.pathsep), str(package_bin)]:
             if d and Path(d).is_dir():
                 for c in sorted(Path(d).iterdir()):
                     if QEMU_NAMES.match(c.name):
@@ -213,17 +217,21 @@ def check_qemu(extra: list[str], use_path: bool = True) -> Iterator[Finding]:
                     "a -blockdev driver=pageshare line fails with it",
                 fix="start VMs with the patched QEMU (qemu-patches/build.py, its bin/) "
                     + ("such as " + good[0] if good else "")
-                    + ", or install the patched QEMU package in its place",
+                    + f", or install the pageshare-qemu package ({PACKAGE_QEMU_BIN}) and "
+                      "point the VMs at it (libvirt: the domain's <emulator>)",
                 details={"binary": b, "driver": False})
     if not good:
         yield Finding(
             "qemu", "error",
-            "no QEMU with the pageshare block driver" + (" on PATH" if use_path else "")
+            "no QEMU with the pageshare block driver"
+            + (f" on PATH or in {PACKAGE_QEMU_BIN}" if use_path else "")
             + (" or given with --qemu" if extra else ""),
             why="the pageshare filter lives in the patched QEMU only; without it no guest "
                 "uses the page server",
-            fix="build it with qemu-patches/build.py (prints its output dir; binaries in bin/) "
-                "and put that bin/ on PATH, or pass --qemu DIR",
+            fix="install the pageshare-qemu package (packaging/debs.py; it goes to "
+                f"{PACKAGE_QEMU_BIN}, which is checked too), or build it with "
+                "qemu-patches/build.py (prints its output dir; binaries in bin/) and put that "
+                "bin/ on PATH, or pass --qemu DIR",
             details={"checked": binaries})
 
 
@@ -551,7 +559,8 @@ def build_parser(prog: str = "pageshare host check") -> argparse.ArgumentParser:
                    help="also check this QEMU binary, or every qemu-system-*/qemu-img in this "
                         "directory (repeatable)")
     p.add_argument("--no-path", action="store_true",
-                   help="check only the QEMU binaries given with --qemu, not those on PATH")
+                   help="check only the QEMU binaries given with --qemu, not those on PATH "
+                        f"or in {PACKAGE_QEMU_BIN}")
     p.add_argument("--skip", action="append", choices=["kernel", "ksm", "qemu", "server",
                                                        "guests"],
                    help="leave out a check (repeatable)")
