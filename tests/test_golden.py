@@ -138,6 +138,33 @@ def test_btrfs_variant_is_small_packages_with_the_root_in_a_btrfs_subvolume(
         f"UUID={spec.fs_uuid}\t/\tbtrfs\tdefaults,subvol=@rootfs\t0\t0\n")
 
 
+def test_mbr_variant_is_small_packages_on_debian_installers_bios_layout(
+        tmp_path: Path) -> None:
+    spec, small = golden._spec("mbr"), golden._spec("small")
+    assert (spec.packages, spec.mmdebstrap_variant, spec.suite) == (
+        small.packages, small.mmdebstrap_variant, small.suite)
+    g = golden.geometry("mbr")
+    # As fdisk -l shows a fresh BIOS install: root 1 (2048 to a MiB boundary),
+    # extended 2 from two sectors before logical 5 (swap) to the end of the disk.
+    assert (g.layout, g.root_partition, g.root_start_sector, g.root_end_sector) == (
+        "mbr", 1, 2048, 3930111)
+    assert (g.extended_partition, g.extended_start_sector) == (2, 3932158)
+    assert (g.swap_partition, g.swap_start_sector, g.swap_end_sector) == (5, 3932160, 4194303)
+    assert g.fs_bytes == (g.root_end_sector - 2048 + 1) * 512 and g.fs_bytes % 4096 == 0
+    assert spec.disk_guid == "0x5a3c9e17" and spec.partition_guids == {}
+    assert spec.swap_uuid and str(uuid.UUID(spec.swap_uuid)) == spec.swap_uuid
+    # The other variants have no swap (and their cache keys did not move).
+    assert all(golden.geometry(v).swap_partition is None for v in golden.VARIANTS if v != "mbr")
+    assert all("swap_uuid" not in golden.VARIANTS[v] for v in golden.VARIANTS if v != "mbr")
+    assert golden._required_tools(spec).keys() >= {"sfdisk", "mkswap"}
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/shadow").write_text("root:*:19000:0:99999:7:::\n")
+    golden._customize(tmp_path, spec)
+    assert (tmp_path / "etc/fstab").read_text() == (
+        f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
+        f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n")
+
+
 def test_small1k_variant_is_small_with_1k_blocks() -> None:
     spec, small = golden._spec("small1k"), golden._spec("small")
     assert (spec.fs_block, small.fs_block) == (1024, 4096)

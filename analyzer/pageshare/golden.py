@@ -15,7 +15,10 @@ in the libguestfs appliance).  An XFS root ("xfs") is made by mkfs.xfs and
 filled from a tar of the tree in the appliance, since mkfs.xfs cannot copy a
 directory with all its attributes; so is a btrfs root ("btrfs"), unpacked
 into a subvolume @rootfs as Debian's installer lays it out (mkfs.btrfs 6.2
-makes no subvolumes).  No bootloader is
+makes no subvolumes).  The "mbr" layout is Debian's installer's on a BIOS
+machine: an MBR (msdos) label written by sfdisk, the root in primary
+partition 1 at sector 2048 and swap in logical partition 5 inside extended
+partition 2 at the end of the disk.  No bootloader is
 installed because the analyzer boots guests by direct kernel boot with the
 image's own kernel and initrd from /boot.
 
@@ -76,6 +79,17 @@ BOOT_LABEL = "boot"
 # installer makes with "guided - use entire disk and set up LVM", minus swap).
 LVM_VG, LVM_LV = "vg0", "root"
 LVM_ROOT_BYTES = 1536 * 1024 * 1024
+# The "mbr" layout, as Debian's installer partitions a BIOS machine's disk
+# ("guided - use entire disk", fdisk -l of a fresh install): an MBR (msdos)
+# label, the root in primary partition 1 (bootable) from sector 2048 to a
+# MiB boundary, then a gap, extended partition 2 starting two sectors before
+# its one logical partition 5 (its EBR is the extended partition's first
+# sector), which holds swap up to the end of the disk.
+MBR_ROOT_START_SECTOR = 2048
+MBR_ROOT_PARTITION = 1
+MBR_EXTENDED_PARTITION = 2
+MBR_SWAP_PARTITION = 5
+MBR_SWAP_SECTORS = 128 * 1024 * 1024 // 512
 # The backup GPT at the end of the disk: 32 sectors of entries plus the header.
 GPT_BACKUP_SECTORS = 33
 
@@ -240,6 +254,24 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
+    # small's packages on an MBR (msdos) disk laid out as Debian's installer
+    # does on a BIOS machine (issue 11): the root in primary partition 1 at
+    # sector 2048, swap (in /etc/fstab, so guests turn it on) in logical
+    # partition 5 of extended partition 2.  "disk_guid" is the MBR's 32-bit
+    # disk identifier (sfdisk's label-id; PARTUUIDs are made from it).
+    "mbr": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": list(_BOOT_PACKAGES),
+        "layout": "mbr",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "4d739461-dbcd-4c52-b98c-314c84ba43e0",
+        "swap_uuid": "3cd458a9-702c-4792-b5be-2caa5d614ebd",
+        "disk_guid": "0x5a3c9e17",
+        "partition_guids": {},
+        "hostname": HOSTNAME,
+    },
 }
 
 # Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
@@ -277,6 +309,7 @@ class _Spec:
     fs_block: int = FS_BLOCK          # the root ext4's block size
     root_subvol: str = ""             # a btrfs root: the subvolume / is mounted from
     compressed_files: tuple[str, ...] = ()   # a btrfs root: files stored compressed
+    swap_uuid: str | None = None      # a swap partition ("mbr": logical partition 5)
 
 
 @dataclass(frozen=True)
@@ -293,6 +326,13 @@ class Geometry:
     boot_start_sector: int = 0
     boot_end_sector: int = 0  # inclusive
     boot_fs_bytes: int = 0
+    # "mbr": the extended partition's first sector (its EBR) and the swap
+    # partition inside it.
+    extended_partition: int | None = None
+    extended_start_sector: int = 0
+    swap_partition: int | None = None
+    swap_start_sector: int = 0
+    swap_end_sector: int = 0  # inclusive
 
 
 # --- spec and key ---------------------------------------------------------
@@ -336,6 +376,12 @@ def _spec(variant: str) -> _Spec:
         raise TypeError("variant fields 'root_subvol' (str) and 'compressed_files' (list)")
     if (root_subvol or compressed) and root_fstype != "btrfs":
         raise TypeError("'root_subvol' and 'compressed_files' need a btrfs root")
+    swap_uuid = d.get("swap_uuid")
+    if swap_uuid is not None and (not isinstance(swap_uuid, str) or d["layout"] != "mbr"):
+        raise TypeError("variant field 'swap_uuid' must be a str, on the mbr layout")
+    if d["layout"] == "mbr" and not (isinstance(disk_guid, str)
+                                     and re.fullmatch(r"0x[0-9a-f]{8}", disk_guid)):
+        raise TypeError("an mbr variant's 'disk_guid' is its disk identifier, 0x and 8 hex digits")
     return _Spec(
         suite=_field(d, "suite", str),
         sources=[str(s) for s in _field(d, "sources", list)],
@@ -352,6 +398,7 @@ def _spec(variant: str) -> _Spec:
         fs_block=int(fs_block),
         root_subvol=root_subvol,
         compressed_files=tuple(str(f) for f in compressed),
+        swap_uuid=swap_uuid,
     )
 
 
@@ -366,6 +413,8 @@ def geometry(variant: str) -> Geometry:
     size = spec.virtual_size
     if spec.layout == "whole-disk":
         return Geometry(spec.layout, size, None, 0, size // SECTOR - 1, size)
+    if spec.layout == "mbr":
+        return _mbr_geometry(spec)
     if spec.layout not in ("gpt", "gpt-bootsplit", "gpt-lvm"):
         raise ValueError(f"unknown layout {spec.layout!r}")
     last_usable = size // SECTOR - GPT_BACKUP_SECTORS - 1
@@ -386,6 +435,19 @@ def geometry(variant: str) -> Geometry:
                        boot_start_sector=GPT_ROOT_START_SECTOR,
                        boot_end_sector=root_start - 1, boot_fs_bytes=BOOT_SECTORS * SECTOR)
     return geom
+
+
+def _mbr_geometry(spec: _Spec) -> Geometry:
+    total = spec.virtual_size // SECTOR
+    swap_start = total - MBR_SWAP_SECTORS
+    extended_start = swap_start - 2
+    # The root ends on the last MiB boundary before the extended partition.
+    root_end = extended_start // 2048 * 2048 - 1
+    fs_bytes = (root_end - MBR_ROOT_START_SECTOR + 1) * SECTOR // FS_BLOCK * FS_BLOCK
+    return Geometry(spec.layout, spec.virtual_size, MBR_ROOT_PARTITION, MBR_ROOT_START_SECTOR,
+                    root_end, fs_bytes, extended_partition=MBR_EXTENDED_PARTITION,
+                    extended_start_sector=extended_start, swap_partition=MBR_SWAP_PARTITION,
+                    swap_start_sector=swap_start, swap_end_sector=total - 1)
 
 
 def _image_dir(variant: str) -> Path:
@@ -419,7 +481,9 @@ def _required_tools(spec: _Spec) -> dict[str, str]:
         tools["mkfs.xfs"] = "xfsprogs"
     if spec.root_fstype == "btrfs":
         tools["mkfs.btrfs"] = "btrfs-progs"
-    if spec.layout != "whole-disk":
+    if spec.layout == "mbr":
+        tools |= {"sfdisk": "fdisk", "mkswap": "util-linux"}
+    elif spec.layout != "whole-disk":
         tools["sgdisk"] = "gdisk"
     return tools
 
@@ -643,6 +707,8 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t{passno}\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
+    if spec.swap_uuid:
+        fstab += f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n"    # as the installer's
     _write(rootdir / "etc/fstab", fstab)
     # mmdebstrap copies the build host's resolver config in; it is not ours to ship.
     (rootdir / "etc/resolv.conf").unlink(missing_ok=True)
@@ -695,6 +761,30 @@ def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
     _run([*cmd, str(disk)])
 
 
+def _write_mbr(disk: Path, spec: _Spec, geom: Geometry) -> None:
+    """The msdos label of the "mbr" layout, and the swap area in its logical partition."""
+    assert geom.swap_partition is not None and spec.swap_uuid
+    root_sectors = geom.root_end_sector - geom.root_start_sector + 1
+    swap_sectors = geom.swap_end_sector - geom.swap_start_sector + 1
+    extended_sectors = geom.swap_end_sector - geom.extended_start_sector + 1
+    # sfdisk numbers a dos label's entries after an extended one as its logical
+    # partitions (5, 6, ...), and keeps the starts as given.
+    table = (f"label: dos\nlabel-id: {spec.disk_guid}\nunit: sectors\n\n"
+             f"start={geom.root_start_sector}, size={root_sectors}, type=83, bootable\n"
+             f"start={geom.extended_start_sector}, size={extended_sectors}, type=5\n"
+             f"start={geom.swap_start_sector}, size={swap_sectors}, type=82\n")
+    proc = subprocess.run(["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
+                          input=table, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sfdisk failed with exit code {proc.returncode}:\n{proc.stderr}")
+    swap = disk.with_name("swap.img")
+    with swap.open("wb") as f:
+        f.truncate(swap_sectors * SECTOR)
+    _run(["mkswap", "-U", spec.swap_uuid, str(swap)])
+    _copy_sparse(swap, disk, geom.swap_start_sector * SECTOR)
+    swap.unlink()
+
+
 _COPY_CHUNK = 1 << 20
 
 
@@ -730,7 +820,10 @@ def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
     disk = work / "disk.raw"
     with disk.open("wb") as f:
         f.truncate(geom.virtual_size)
-    _write_gpt(disk, spec, geom)
+    if geom.layout == "mbr":
+        _write_mbr(disk, spec, geom)
+    else:
+        _write_gpt(disk, spec, geom)
     fs_start = geom.root_start_sector
     if geom.layout == "gpt-lvm":
         fs_start = _make_lvm(disk, geom)
@@ -920,6 +1013,8 @@ def _manifest(
         "boot_partition": geom.boot_partition,
         "boot_start_sector": geom.boot_start_sector,
         "boot_fs_uuid": spec.boot_fs_uuid,
+        **({"swap_partition": geom.swap_partition, "swap_start_sector": geom.swap_start_sector,
+            "swap_uuid": spec.swap_uuid} if spec.swap_uuid else {}),
         "hostname": spec.hostname,
         "virtual_size": geom.virtual_size,
         "file_size": qcow.stat().st_size,
