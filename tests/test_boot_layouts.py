@@ -239,6 +239,9 @@ class FakeDisk:
     def vfs_uuid(self, dev: str) -> str:
         return self.fs[dev][2]
 
+    def list_md_devices(self) -> list[str]:
+        return []                             # no MD RAID arrays
+
 
 def test_survey_maps_each_ext4_and_skips_the_rest() -> None:
     g = FakeDisk({1: 524288, 2: 262144, 15: 8192, 3: 63},

@@ -15,6 +15,12 @@ skipped with the reason, and the analysis goes on with the rest.
 A btrfs mounted from a subvolume (fstab's subvol=, as Debian's installer
 puts the root in @rootfs) is named by libguestfs "btrfsvol:/dev/sda1/@rootfs";
 it is surveyed as the device, with the subvolume kept in MappedFs.subvol.
+
+A file system on Linux software RAID (an MD array, mdadm), or on LVM whose
+physical volume is one, is not mapped: its blocks are numbered on the array,
+and the mapping does not translate them to the members' sectors.  It is
+skipped, or refused as the root, with the array's level, metadata and
+members (MdArray, read in the appliance, which assembles the arrays).
 """
 
 import re
@@ -64,6 +70,38 @@ class SkippedFs:
     reason: str
 
 
+@dataclass(frozen=True)
+class MdArray:
+    """An MD (Linux software RAID) array of the image, as the appliance assembled it."""
+    device: str               # as libguestfs names it, e.g. /dev/md0
+    level: str                # mdadm's: raid0, raid1, raid5, linear, ...
+    metadata: str             # superblock version: 1.2, 1.1, 1.0, 0.90
+    members: tuple[str, ...]  # the image's devices in the array (spares too)
+    data_offset: int | None   # sectors from each member's start to the array's data
+
+    def describe(self) -> str:
+        members = (" and ".join(self.members) if len(self.members) < 3
+                   else f"{', '.join(self.members[:-1])} and {self.members[-1]}")
+        offset = ("" if self.data_offset is None else
+                  ", data from the start of each member" if self.data_offset == 0 else
+                  f", data {self.data_offset} sectors into each member")
+        return f"{self.level} over {members}, metadata {self.metadata}{offset}"
+
+    def why(self) -> str:
+        """What the level does to a file system's blocks, for the operator."""
+        level = self.level.removeprefix("raid")
+        if level == "1":
+            return ("a mirror keeps a copy of every block in each member, and md reads each "
+                    "block from whichever member it picks")
+        if level == "linear":
+            return "it runs through its members one after the other"
+        parity = " and parity" if level in ("4", "5", "6") else ""
+        copies = ", each in two copies" if level == "10" else ""
+        return f"it stripes consecutive chunks{parity} of its data over the members{copies}"
+
+
+_MD = re.compile(r"/dev/md(\d+|/.+)")
+_MD_SB_MAGIC = b"\xfc\x4e\x2b\xa9"       # 0xa92b4efc, little-endian (md_p.h)
 _DISK_PART = re.compile(r"/dev/sda(\d*)")
 _LV = re.compile(r"/dev/([^/]+)/([^/]+)")          # libguestfs names LVs /dev/VG/LV
 # libguestfs' name of a btrfs subvolume: btrfsvol:<device>/<subvolume path>.
@@ -82,6 +120,81 @@ def partition_number(device: str) -> int | None:
     anything else (LVM, RAID, a second disk, an encrypted mapping)."""
     m = _DISK_PART.fullmatch(device)
     return int(m.group(1) or 0) if m else None
+
+
+def md_arrays(g: Any) -> dict[str, MdArray]:
+    """The image's MD arrays, by every name libguestfs may give one (/dev/mdN,
+    /dev/md/NAME); empty where there are none (or no mdadm in the appliance).
+
+    mdadm names the members as the appliance's kernel does, which need not be
+    the image's names (/dev/sdb2 for the image's /dev/sda2 when the
+    appliance's own disk came first): the members are the image's devices
+    whose blkid UUID is the array's."""
+    out: dict[str, MdArray] = {}
+    try:
+        devices = g.list_md_devices()
+    except RuntimeError:
+        return out
+    if not devices:
+        return out
+    known: list[str] = []
+    with suppress(RuntimeError):
+        known = [*g.list_devices(), *g.list_partitions()]
+    for md in devices:
+        try:
+            detail = g.md_detail(md)
+        except RuntimeError:
+            continue
+        uuid = detail.get("uuid", "").replace(":", "").lower()
+        members = tuple(d for d in known if _md_member(g, d)
+                        and _vfs(g, d)[1].replace("-", "").lower() == uuid)
+        if not members:       # as mdadm names them, in role order
+            roles = sorted((int(v), detail.get(k.removesuffix("_role") + "_dev", ""))
+                           for k, v in detail.items()
+                           if k.startswith("device_") and k.endswith("_role") and v.isdigit())
+            members = tuple(d for _, d in roles if d)
+        metadata = detail.get("metadata", "?")
+        array = MdArray(md, detail.get("level", "?"), metadata, members,
+                        _md_data_offset(g, metadata, members[0] if members else ""))
+        out[md] = array
+        if detail.get("devname"):
+            out[f"/dev/md/{detail['devname']}"] = array
+    return out
+
+
+def _md_data_offset(g: Any, metadata: str, member: str) -> int | None:
+    """Sectors from a member's start to the array's data: 0 for the superblocks at
+    the end (0.90, 1.0), else data_offset in the version-1 superblock (at 0
+    for 1.1, 4 KiB for 1.2); None where unknown."""
+    if metadata in ("0.90", "0.9", "1.0"):
+        return 0
+    at = {"1.1": 0, "1.2": 4096}.get(metadata)
+    if at is None or not member:
+        return None
+    try:
+        sb = g.pread_device(member, 256, at)
+    except RuntimeError:
+        return None
+    if sb[:4] != _MD_SB_MAGIC:
+        return None
+    offset: int = struct.unpack_from("<Q", sb, 128)[0]
+    return offset
+
+
+def md_reason(array: MdArray, what: str) -> str:
+    """Why a file system on array (what: the array's role, e.g. "/dev/md0 is") is not mapped."""
+    return (f"{what} an MD RAID array ({array.describe()}): {array.why()}, and the mapping "
+            "does not translate a file system's blocks on an array to its members' sectors "
+            "on the virtual disk, so none of its pages can be listed; to have it mapped, put "
+            "it on a plain partition or a linear LV in the golden image")
+
+
+MD_HINT = ("RAID inside the one virtual disk of a golden image adds no redundancy (that is "
+           "the host storage's job): rebuild the golden image with its root file system on a "
+           "plain partition or a linear LVM volume, or move the root file system off the array "
+           "(copy its files to a new partition, e.g. with virt-tar-out and virt-make-fs, point "
+           "/etc/fstab at it and rebuild the initrd), then analyze the new image; file systems "
+           "on MD RAID other than the root are skipped and the rest is mapped")
 
 
 def canonical_btrfsvols(g: Any, mountpoints: dict[str, str]) -> dict[str, str]:
@@ -175,6 +288,10 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
     """The root file system holds /usr: an image whose root cannot be mapped is refused."""
     if isinstance(root, MappedFs):
         return root
+    if "an MD RAID array (" in root.reason:
+        raise UserError(f"{image}: root file system ({root.fstype or 'unknown'} on "
+                        f"{root.device}) cannot be analyzed: {root.reason.split('; to have')[0]}",
+                        MD_HINT)
     if "not a multiple of" in root.reason:
         raise UserError(f"{image}: root file system {root.device} cannot be analyzed: "
                         f"{root.reason}", realign_hint(root.device))
@@ -240,6 +357,7 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
         parts = {int(p["part_num"]): (int(p["part_start"]) // 512, int(p["part_size"]) // 512)
                  for p in g.part_list("/dev/sda")}
     vgs: dict[str, lvm.VolumeGroup] | None = None
+    arrays: dict[str, MdArray] | None = None
     mapped: list[MappedFs] = []
     skipped: list[SkippedFs] = []
     for mp in sorted(mountpoints, key=lambda m: (m != "/", m)):
@@ -247,11 +365,26 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
         fstype, block_size, features = _fs_facts(g, dev)
         partno = partition_number(dev)
         lv = _LV.fullmatch(dev) if partno is None else None
+        if _MD.fullmatch(dev):
+            arrays = md_arrays(g) if arrays is None else arrays
+            if dev in arrays:
+                skipped.append(SkippedFs(mp, dev, fstype,
+                                         md_reason(arrays[dev], f"{dev} is")))
+                continue
         if lv and lv.group(1) not in ("mapper", "md", "disk"):
             if vgs is None:
-                vgs = lvm.volume_groups(g, {n: s for n, (s, _) in parts.items()})
+                # A PV inside an MD member (superblock at its end, data from its
+                # start) shows a label there too; its VG is on the array, not here.
+                vgs = lvm.volume_groups(g, {n: s for n, (s, _) in parts.items()
+                                            if not _md_member(g, f"/dev/sda{n}")})
             fs, why = _logical_volume(mp, dev, lv.group(1), lv.group(2), vgs, fstype,
                                       block_size, features)
+            if fs is None and lv.group(1) not in vgs:
+                arrays = md_arrays(g) if arrays is None else arrays
+                on_md = _md_physical_volume(g, lv.group(1), arrays)
+                if on_md:
+                    why = md_reason(on_md, f"volume group {lv.group(1)}'s physical volume "
+                                           f"{on_md.device} is")
             if fs is None:
                 skipped.append(SkippedFs(mp, dev, fstype, why))
             else:
@@ -270,6 +403,31 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
             mapped.append(MappedFs(mp, dev, partno, start, fstype, g.vfs_uuid(dev), block_size,
                                    features, ((0, size, start),), guest_start, subvol=subvol))
     return mapped, skipped
+
+
+def _md_member(g: Any, dev: str) -> bool:
+    try:
+        return bool(g.vfs_type(dev) == "linux_raid_member")
+    except RuntimeError:
+        return False
+
+
+def _md_physical_volume(g: Any, vg_name: str, arrays: dict[str, MdArray]) -> MdArray | None:
+    """The MD array holding a physical volume of volume group vg_name, if any."""
+    for md in dict.fromkeys(arrays.values()):
+
+        def read(at: int, size: int, dev: str = md.device) -> bytes:
+            data: bytes = g.pread_device(dev, size, at)
+            return data
+
+        try:
+            label = lvm.read_label(read)
+            if label is not None and label.metadata \
+                    and lvm.volume_group(label.metadata)[0] == vg_name:
+                return md
+        except (RuntimeError, lvm.LvmError, UnicodeDecodeError):
+            continue
+    return None
 
 
 def _logical_volume(mp: str, dev: str, vg_name: str, lv_name: str,

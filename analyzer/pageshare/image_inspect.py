@@ -41,7 +41,8 @@ from .fslayout import (
 
 # 3: every file system of /etc/fstab (filesystems, skipped), kernels on a separate /boot.
 # 4: LVM linear logical volumes (runs, guest_start_sector, lv)
-INSPECT_VERSION = 5      # 5: single-device btrfs mapped (subvol), no longer skipped
+# 5: single-device btrfs mapped (subvol), no longer skipped
+INSPECT_VERSION = 6      # 6: a file system on MD RAID skipped naming the array, level, members
 
 
 @dataclass(frozen=True)
