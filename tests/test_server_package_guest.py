@@ -33,6 +33,7 @@ The guest kernel lacks merge_pages, so the server runs in degraded mode.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +74,11 @@ assert os.geteuid() == 0, "boots a guest and builds a package: run as root"
 # --------------------------------------------------------------------------- host side
 
 
-def build_deb() -> Path:
-    p = subprocess.run([sys.executable, str(DEBS), "--json", "pageshare-server"],
+def build_deb(package: str = "pageshare-server") -> Path:
+    p = subprocess.run([sys.executable, str(DEBS), "--json", package],
                        capture_output=True, text=True, timeout=3600)
     assert p.returncode == 0, f"packaging/debs.py failed:\n{p.stdout}\n{p.stderr[-4000:]}"
-    deb = Path(json.loads(p.stdout)["built"]["pageshare-server"])
+    deb = Path(json.loads(p.stdout)["built"][package])
     lintian = (deb.parent / "lintian.txt").read_text()
     assert not re.search(r"^[EW]: ", lintian, re.M), lintian
     return deb
@@ -96,16 +98,21 @@ def image_dpkg_status(img: golden.GoldenImage, tmp: Path) -> str:
     return text
 
 
-def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path) -> Path:
+def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path,
+               also: tuple[str, ...] = ()) -> Path:
     """A flat apt repository (debs + Packages) with what the image lacks to
-    install ``deb``, cached by the image and the package's Depends.  apt
+    install ``deb`` (and ``also``: more .debs or Debian packages, resolved
+    together with it), cached by the image and the packages' Depends.  apt
     resolves them on the host the way it will in the guest: ``apt-get
     install --download-only ./the.deb`` against the image's own dpkg status,
     with its suite's archive only (a private apt configuration in the
     cache; the host's is not touched)."""
-    depends = subprocess.run(["dpkg-deb", "-f", str(deb), "Depends", "Pre-Depends"],
-                             check=True, capture_output=True, text=True).stdout
-    key = hashlib.sha256(json.dumps([img.manifest["sha256"], suite, depends]).encode()
+    def depends_of(d: str) -> str:
+        return subprocess.run(["dpkg-deb", "-f", d, "Depends", "Pre-Depends"], check=True,
+                              capture_output=True, text=True).stdout
+    depends = depends_of(str(deb))
+    extra = [depends_of(a) if a.endswith(".deb") else a for a in also]
+    key = hashlib.sha256(json.dumps([img.manifest["sha256"], suite, depends, *extra]).encode()
                          ).hexdigest()
     repo = cache_dir("guest-repos") / f"{img.variant}-{key[:16]}"
     if (repo / "Packages").exists():
@@ -126,7 +133,7 @@ def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path) -> Pat
             subprocess.run(apt.command("apt-get", *guest, "update", "-qq"), check=True,
                            capture_output=True)
         d = subprocess.run(apt.command("apt-get", *guest, "install", "-qq", "--download-only",
-                                       "-y", "--no-install-recommends", str(deb)),
+                                       "-y", "--no-install-recommends", str(deb), *also),
                            capture_output=True, text=True)
         error = d.stdout + d.stderr
         if d.returncode == 0:
@@ -136,7 +143,7 @@ def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path) -> Pat
     (staging / "partial").rmdir()
     (staging / "lock").unlink(missing_ok=True)
     # qemu-storage-daemon: qemu-system-common on Debian 12, qemu-utils on 13.
-    assert any(staging.glob("qemu-*.deb")), list(staging.iterdir())
+    assert also or any(staging.glob("qemu-*.deb")), list(staging.iterdir())
     packages = subprocess.run(["dpkg-scanpackages", "-m", "."], cwd=staging, check=True,
                               capture_output=True, text=True).stdout
     (staging / "Packages").write_text(packages)
@@ -253,6 +260,56 @@ def wait_until(what: str, pred: Any, timeout: float, interval: float = 1.0) -> A
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
 
 
+def payload_disk(payload: Path, disk: Path) -> Path:
+    """An ext4 image of the directory ``payload``, sized by its contents."""
+    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
+    with open(disk, "wb") as fh:
+        fh.truncate((size * 5 // 4 + (16 << 20)) // 4096 * 4096)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk)],
+                   check=True)
+    return disk
+
+
+@contextlib.contextmanager
+def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agent]:
+    """The golden image booted with systemd (TCG here) from a qcow2 overlay,
+    ``disk`` as its read-only second disk (/dev/vdb), and the agent once
+    it answers; the guest is killed on the way out."""
+    insp = inspect_image(img.path, "qcow2", int(img.manifest["virtual_size"]))
+    ovl = tmp_path / "ovl.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.path), "-F",
+                    "qcow2", str(ovl)], check=True)
+    markers = Markers.new()
+    agent_script = tmp_path / "agent.sh"
+    agent_script.write_text(AGENT.format(port=PORT, marker=markers.booted))
+    accel, _ = choose_accel("auto", insp.kernel)
+    serial, agent_sock, qlog = tmp_path / "serial.log", tmp_path / "agent.sock", tmp_path / "q.log"
+    cmd = [QEMU, "-machine", f"q35,accel={accel}", "-m", "1024M", "-smp", "1",
+           "-cpu", "host" if accel == "kvm" else "max,la57=off",
+           "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
+           "-serial", f"file:{serial}",
+           "-drive", f"file={ovl},format=qcow2,if=virtio,discard=unmap",
+           "-drive", f"file={disk},format=raw,if=virtio,readonly=on",
+           "-device", "virtio-serial-pci",
+           "-chardev", f"socket,id=agent,path={agent_sock},server=on,wait=off",
+           "-device", f"virtserialport,chardev=agent,name={PORT}",
+           "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
+           "-fw_cfg", f"name={FW_CFG_NAME},file={agent_script}"]
+    if insp.initrd:
+        cmd += ["-initrd", str(insp.initrd)]
+    with open(qlog, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
+                                preexec_fn=_child_setup, start_new_session=True)
+    try:
+        g = Agent(agent_sock, proc, serial)
+        wait_until("the guest agent", lambda: markers.booted in g.serial_text(), 600)
+        yield g
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 # --------------------------------------------------------------------------- the test
 
 
@@ -291,48 +348,10 @@ def test_server_package_under_systemd(variant: str, tmp_path: Path) -> None:
     n1, n2 = len(lists["v1"].blocks), len(lists["v2"].blocks)
     assert n1 != n2
     (payload / "client.pl").write_text(PERL_CLIENT)
-    disk = tmp_path / "payload.ext4"
-    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    with open(disk, "wb") as fh:
-        fh.truncate((size * 5 // 4 + (16 << 20)) // 4096 * 4096)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk)],
-                   check=True)
-
-    # The guest.
-    insp = inspect_image(img.path, "qcow2", int(img.manifest["virtual_size"]))
-    ovl = tmp_path / "ovl.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.path), "-F",
-                    "qcow2", str(ovl)], check=True)
-    markers = Markers.new()
-    agent_script = tmp_path / "agent.sh"
-    agent_script.write_text(AGENT.format(port=PORT, marker=markers.booted))
-    accel, _ = choose_accel("auto", insp.kernel)
-    serial, agent_sock, qlog = tmp_path / "serial.log", tmp_path / "agent.sock", tmp_path / "q.log"
-    cmd = [QEMU, "-machine", f"q35,accel={accel}", "-m", "1024M", "-smp", "1",
-           "-cpu", "host" if accel == "kvm" else "max,la57=off",
-           "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-           "-serial", f"file:{serial}",
-           "-drive", f"file={ovl},format=qcow2,if=virtio,discard=unmap",
-           "-drive", f"file={disk},format=raw,if=virtio,readonly=on",
-           "-device", "virtio-serial-pci",
-           "-chardev", f"socket,id=agent,path={agent_sock},server=on,wait=off",
-           "-device", f"virtserialport,chardev=agent,name={PORT}",
-           "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
-           "-fw_cfg", f"name={FW_CFG_NAME},file={agent_script}"]
-    if insp.initrd:
-        cmd += ["-initrd", str(insp.initrd)]
-    with open(qlog, "wb") as lf:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                preexec_fn=_child_setup, start_new_session=True)
-    try:
-        g = Agent(agent_sock, proc, serial)
-        wait_until("the guest agent", lambda: markers.booted in g.serial_text(), 600)
+    disk = payload_disk(payload, tmp_path / "payload.ext4")
+    with booted(img, disk, tmp_path) as g:
         lap("boot")
         run_checks(g, deb.name, n1, n2, full, lap)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
     print(f"phases (s): {times}")
 
 
