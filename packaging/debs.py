@@ -9,6 +9,20 @@
 
 Packages (``--list``):
 
+- ``pageshare``: ``analyze-image`` and ``pageshare`` (/usr/bin wrappers of a
+  private application in ``/usr/lib/pageshare``: the analyzer's modules in
+  ``python/``, and drgn, redis and async-timeout from PyPI wheels pinned by
+  hash in ``packaging/pageshare/requirements.txt``, one copy per Python
+  version in ``python3.11/`` and ``python3.13/``, since drgn is compiled and
+  Debian 12's python3-drgn cannot read 6.12 kernels), the crash extension
+  ``pagescan.so`` built at package build time with the crash version it was
+  built for (``datafiles.py`` refuses it under another crash), the results
+  notebook in ``/usr/share/pageshare/notebooks`` (``pageshare report``),
+  manual pages made by help2man from ``--help``, and
+  ``pageshare-libvirt-watch.service``, enabled but run only where libvirtd
+  and python3-libvirt are installed.  The wheels are downloaded before the
+  build (into the source tree's ``vendor/``, pip's cache in the package
+  cache), so dpkg-buildpackage runs offline.
 - ``pageshare-server``: ``/usr/bin/pageshare-server``, its systemd unit
   (``page-server/pageshare-server.service``, enabled on install but with
   ``ConditionPathExists=/etc/pageshare/server.toml``, so nothing runs until
@@ -110,6 +124,8 @@ class Package:
     # Inputs from outside the checkout, found from it (the checkout's path
     # -> {path in the source tree: file}); hashed into the key like sources.
     external: Callable[[Path], dict[str, Path]] | None = None
+    # Debian packages the build uses beyond TOOLS, whose versions go into the key.
+    tools: tuple[str, ...] = ()
 
     def source_of(self, dest: str) -> str:
         """The checkout path that becomes ``dest`` in the source tree."""
@@ -120,6 +136,31 @@ def _server_prepare(tree: Path) -> None:
     # One unit file, in page-server/: dh_installsystemd installs and enables
     # debian/<package>.service.
     shutil.copy2(tree / "pageshare-server.service", tree / "debian" / "pageshare-server.service")
+
+
+# The Python versions the pageshare package vendors its PyPI dependencies
+# for (debian/rules installs one copy each): Debian 12's and Debian 13's.
+VENDOR_PYTHONS = ("3.11", "3.13")
+WHEEL_PLATFORM = "manylinux_2_28_x86_64"
+
+
+def _pageshare_prepare(tree: Path) -> None:
+    shutil.copy2(tree / "pageshare-libvirt-watch.service",
+                 tree / "debian" / "pageshare.pageshare-libvirt-watch.service")
+    # The wheels of vendor/requirements.txt, hash-checked by pip, for each
+    # Python version: the build itself runs offline.
+    wheels = tree / "vendor" / "wheels"
+    env = dict(os.environ, PIP_CACHE_DIR=str(CACHE / "pip"))
+    for version in VENDOR_PYTHONS:
+        p = subprocess.run(
+            ["/usr/bin/python3", "-m", "pip", "download", "--quiet", "--no-deps",
+             "--require-hashes", "-r", str(tree / "vendor" / "requirements.txt"),
+             "--dest", str(wheels), "--only-binary=:all:", "--python-version", version,
+             "--implementation", "cp", "--platform", WHEEL_PLATFORM],
+            capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            raise BuildError(f"downloading the vendored wheels for Python {version} failed "
+                             f"(is PyPI reachable?):\n{p.stdout}{p.stderr}")
 
 
 # pageshare-qemu: the files of qemu-patches/build.py's output it packages,
@@ -175,6 +216,38 @@ def _qemu_prepare(tree: Path) -> None:
 
 
 PACKAGES: dict[str, Package] = {
+    "pageshare": Package(
+        name="pageshare",
+        sources={
+            "analyzer/pageshare": "analyzer/pageshare",
+            "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
+            "crash-ext/pagescan.c": "crash-ext/pagescan.c",
+            "crash-ext/Makefile": "crash-ext/Makefile",
+            "notebooks/analysis.ipynb": "notebooks/analysis.ipynb",
+            "packaging/pageshare/bin/pageshare": "bin/pageshare",
+            "packaging/pageshare/requirements.txt": "vendor/requirements.txt",
+            "README.md": "README.md",
+            "packaging/pageshare/debian": "debian",
+        },
+        must_contain=(
+            "usr/bin/pageshare",
+            "usr/bin/analyze-image",
+            "usr/lib/pageshare/python/pageshare/cli.py",
+            "usr/lib/pageshare/pagescan.so",
+            "usr/lib/pageshare/pagescan.crash-version",
+            *(f"usr/lib/pageshare/python{v}/drgn/__init__.py" for v in VENDOR_PYTHONS),
+            *(f"usr/lib/pageshare/python{v}/redis/__init__.py" for v in VENDOR_PYTHONS),
+            "usr/share/pageshare/notebooks/analysis.ipynb",
+            "lib/systemd/system/pageshare-libvirt-watch.service",
+            "usr/share/man/man1/pageshare.1.gz",
+            "usr/share/man/man1/analyze-image.1.gz",
+            "usr/share/doc/pageshare/copyright",
+        ),
+        conffiles=(),
+        needs_cargo=False,
+        prepare=_pageshare_prepare,
+        tools=("crash", "help2man", "python3-pip", "gcc"),
+    ),
     "pageshare-server": Package(
         name="pageshare-server",
         sources={
@@ -249,7 +322,7 @@ def _out(cmd: list[str]) -> str:
 
 
 def tool_versions(pkg: Package) -> dict[str, str]:
-    v = {t: _out(["dpkg-query", "-W", "-f=${Version}", t]) for t in TOOLS}
+    v = {t: _out(["dpkg-query", "-W", "-f=${Version}", t]) for t in (*TOOLS, *pkg.tools)}
     if pkg.needs_cargo:
         c = cargo() or "cargo"
         v["cargo"] = _out([c, "--version"])
@@ -376,6 +449,7 @@ def assemble(pkg: Package, source: Path, tree: Path) -> None:
         if src.is_dir():
             shutil.copytree(src, tree / dest, ignore=shutil.ignore_patterns("__pycache__"))
         else:
+            (tree / dest).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, tree / dest)
     for dest, f in (pkg.external(source) if pkg.external else {}).items():
         (tree / dest).parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ APT_PACKAGES=(
 	flex bison bc libelf-dev libssl-dev libnuma-dev cpio xz-utils rsync
 	# the fuzz target of the filter's table parser (libFuzzer, ASan, UBSan)
 	clang libclang-rt-dev
-	# Debian packages (packaging/debs.py)
-	dpkg-dev debhelper lintian
+	# Debian packages (packaging/debs.py); the pageshare package's manual
+	# pages (help2man) and vendored wheels (Debian's pip)
+	dpkg-dev debhelper lintian help2man python3-pip
 	# libvirt, for `pageshare attach --libvirt` and libvirt-watch and their
 	# test (which runs a libvirtd of its own, in a mount namespace)
 	libvirt-daemon-system libvirt-clients python3-libvirt

@@ -4,11 +4,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from package_root import Root, install_root, pageshare_deb
 from pageshare import golden
 from pageshare.ksm import KSM, RESTORE_ORDER, host_lock
 
@@ -49,6 +50,23 @@ class Analysis:
     def json(self) -> dict[str, object]:
         data: dict[str, object] = json.loads(self.stdout)
         return data
+
+
+@pytest.fixture(scope="session")
+def pageshare_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Root]]:
+    """A fresh Debian root of a suite with the pageshare package installed by
+    apt (package_root.py), made once per session and suite."""
+    roots: dict[str, Root] = {}
+
+    def get(suite: str) -> Root:
+        if suite not in roots:
+            roots[suite] = install_root(suite, pageshare_deb(),
+                                        tmp_path_factory.mktemp(f"root-{suite}"))
+        return roots[suite]
+
+    yield get
+    for r in roots.values():
+        subprocess.run(["rm", "-rf", "--one-file-system", str(r.path)], check=False)
 
 
 @pytest.fixture

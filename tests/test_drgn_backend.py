@@ -10,6 +10,7 @@ analyze-image does, and classify every frame of the dump:
   disk and partition) and against `choose_introspector`'s rule.
 """
 
+import json
 import mmap
 import shutil
 import sqlite3
@@ -17,11 +18,12 @@ import struct
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from package_root import Root
 from pageshare import crash_backend, drgn_backend, golden
 from pageshare.analyze import choose_introspector
 from pageshare.classify import PageRecord
@@ -248,3 +250,74 @@ def test_drgn_classifies_a_6_12_dump(dump_612: tuple[Path, Path, str], tmp_path:
         print(f"crash on 6.12: {e}")
         crash_ok = False
     assert crash_ok or chosen == "drgn"
+
+
+# --- the same, from the installed Debian package ------------------------------
+
+# Runs with the root's /usr/bin/python3 and the package's modules: classifies
+# PFNS of DUMP with BACKEND and writes the records as JSON lines to OUT.
+PACKAGED_RUN = """\
+import dataclasses, json, sys
+from pathlib import Path
+sys.path[:0] = ["/usr/lib/pageshare/python", "/usr/lib/pageshare/python{py}"]
+from pageshare import {backend}, datafiles
+assert datafiles.checkout() is None, "the package must not use a checkout"
+pfns = [int(x) for x in Path("{work}/pfns").read_text().split()]
+recs = {backend}.classify_pfns(Path("{vmlinux}"), Path("{dump}"), pfns, Path("{work}"))
+with open("{work}/out.jsonl", "w") as f:
+    for pfn, r in sorted(recs.items()):
+        f.write(json.dumps([pfn, dataclasses.asdict(r)]) + "\\n")
+"""
+
+
+def run_packaged(root: Root, backend: str, py: str, vmlinux: Path, dump: Path,
+                 pfns: list[int], work: Path) -> dict[int, PageRecord]:
+    (work / "pfns").write_text("\n".join(map(str, pfns)))
+    (work / "run.py").write_text(PACKAGED_RUN.format(py=py, backend=backend, work=work,
+                                                     vmlinux=vmlinux, dump=dump))
+    p = root.run(f"/usr/bin/python3 {work}/run.py", binds=(work, vmlinux.parent, dump.parent))
+    assert p.returncode == 0, p.stdout + p.stderr
+    out: dict[int, PageRecord] = {}
+    for line in (work / "out.jsonl").read_text().splitlines():
+        pfn, d = json.loads(line)
+        out[pfn] = PageRecord(**d)
+    return out
+
+
+@pytest.mark.vm
+def test_the_packaged_pagescan_classifies_as_the_checkout(
+        dump_61: tuple[Path, Path, str], pageshare_root: Callable[[str], Root],
+        tmp_path: Path) -> None:
+    """The crash extension the package built, run by the installed modules with
+    Debian 12's crash in a fresh root, gives the checkout's records."""
+    vmlinux, dump, _ = dump_61
+    pfns = _all_pfns(dump)[::5]
+    want = crash_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
+    work = tmp_path / "packaged"
+    work.mkdir()
+    got = run_packaged(pageshare_root("bookworm"), "crash_backend", "3.11", vmlinux, dump,
+                       pfns, work)
+    assert got == want
+    assert Counter(r.kind for r in got.values())["file"] > 100
+
+
+@pytest.mark.vm
+def test_the_packaged_drgn_on_debian_13(dump_612: tuple[Path, Path, str],
+                                        pageshare_root: Callable[[str], Root],
+                                        tmp_path: Path) -> None:
+    """Debian 13: the package's drgn for Python 3.13 reads the 6.12 dump as the
+    checkout's does; its crash extension, built for Debian 12's crash, is
+    refused with a message rather than loaded into another crash."""
+    vmlinux, dump, _ = dump_612
+    pfns = _all_pfns(dump)[::5]
+    want = drgn_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
+    work = tmp_path / "packaged"
+    work.mkdir()
+    root = pageshare_root("trixie")
+    got = run_packaged(root, "drgn_backend", "3.13", vmlinux, dump, pfns, work)
+    assert got == want
+    p = root.run("/usr/bin/python3 -c 'import sys; sys.path[:0] = [\"/usr/lib/pageshare/python\"];"
+                 " from pageshare import datafiles; datafiles.pagescan_extension()'")
+    assert p.returncode != 0
+    assert "was built for crash 8.0.2" in p.stderr and "--introspector drgn" in p.stderr, \
+        p.stderr

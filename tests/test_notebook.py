@@ -143,7 +143,11 @@ def _expected_verdicts() -> Counter[str]:
 
 @pytest.fixture(scope="module")
 def results_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("db") / "results.sqlite"
+    return make_results_db(tmp_path_factory.mktemp("db") / "results.sqlite")
+
+
+def make_results_db(path: Path) -> Path:
+    """A results database with two analyses that succeeded and one that failed."""
     db = resultsdb.connect(path)
     cur = db.execute(
         "INSERT INTO image (path, format, virtual_size, content_sha256, distro, product, "

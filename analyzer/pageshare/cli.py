@@ -178,6 +178,7 @@ commands:
   detach QMP [--json]   take it out again (e.g. before migrating to a host without pageshare)
   attach --libvirt DOMAIN    the same for a libvirt domain (through libvirtd)
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
+  report [--analysis ID]     run the results notebook headless on analyze-image's results
 
 Run `pageshare COMMAND --help` for details.
 """
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("attach", "detach"):
         from . import attach
         return attach.main(cmd, rest)
+    if cmd == "report":
+        from . import notebook
+        return notebook.main(rest)
     if cmd == "libvirt-watch":
         from . import libvirt_watch
         return libvirt_watch.main(rest)

@@ -2,42 +2,22 @@
 
 crash is driven in batch mode (-s, commands from a file) and always under a
 hard SIGKILL timeout: some crash commands hang forever on newer kernels and
-ignore SIGTERM (seen with 8.0.2's `mount` on 6.1).  The extension is built
-from crash-ext/ by `make` against the installed crash's defs.h.
+ignore SIGTERM (seen with 8.0.2's `mount` on 6.1).  The extension is the
+installed package's, or built from the checkout's crash-ext/ (datafiles.py).
 """
 
-import shutil
 import subprocess
 from pathlib import Path
 
 from .classify import PageRecord, parse_file
-from .errors import UserError
+from .datafiles import crash_version, pagescan_extension
 
-REPO = Path(__file__).resolve().parents[2]
-EXT_DIR = REPO / "crash-ext"
-
-
-def crash_version() -> str:
-    out = subprocess.run(["crash", "--version"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        if line.startswith("crash "):
-            return line.strip()
-    return "crash (unknown version)"
-
-
-def build_extension() -> Path:
-    if not shutil.which("crash"):
-        raise UserError("the crash utility is not installed", "run scripts/install-deps.sh "
-                        "(apt: crash)")
-    p = subprocess.run(["make", "-s", "-C", str(EXT_DIR)], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"building crash-ext failed:\n{p.stdout}{p.stderr}")
-    return EXT_DIR / "pagescan.so"
+__all__ = ["classify_pfns", "crash_version"]
 
 
 def classify_pfns(vmlinux: Path, dump: Path, pfns: list[int], workdir: Path,
                   timeout: float = 900) -> dict[int, PageRecord]:
-    ext = build_extension()
+    ext = pagescan_extension()
     name = dump.stem
     pfn_file = workdir / f"{name}.pfns"
     out_file = workdir / f"{name}.pagescan.tsv"

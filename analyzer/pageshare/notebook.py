@@ -18,8 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOK = REPO_ROOT / "notebooks" / "analysis.ipynb"
+from .datafiles import checkout, notebook
+
+NOTEBOOK = notebook("analysis.ipynb")
 KERNEL_NAME = "python3"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -40,6 +41,13 @@ def _kernel_env(db: Path, analysis_id: int | None, figures_dir: Path | None) -> 
         env["PAGESHARE_FIGURES"] = str(figures_dir)
     env["MPLBACKEND"] = "Agg"
     return env
+
+
+def _install_hint() -> str:
+    if checkout() is None:          # the Debian package: its Recommends
+        return ("apt install python3-pandas python3-matplotlib python3-nbclient "
+                "python3-nbformat python3-ipykernel")
+    return "pip install 'pageshare[notebooks]'"
 
 
 def _first_error(nb: Any) -> tuple[int, str, str] | None:
@@ -74,12 +82,12 @@ def run_notebook(db: Path, analysis_id: int | None, out_ipynb: Path,
         from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     except ImportError as e:
         raise RuntimeError(f"running the analysis notebook needs {e.name}: "
-                           "pip install 'pageshare[notebooks]'") from e
+                           f"{_install_hint()}") from e
     try:
         import ipykernel  # noqa: F401  (the kernel must run in this interpreter)
     except ImportError as e:
         raise RuntimeError(f"ipykernel is not installed for {sys.executable}: "
-                           "pip install 'pageshare[notebooks]'") from e
+                           f"{_install_hint()}") from e
 
     db = Path(db).expanduser().resolve()
     if not db.is_file():
@@ -143,3 +151,50 @@ def run_notebook(db: Path, analysis_id: int | None, out_ipynb: Path,
         raise RuntimeError(f"analysis notebook {NOTEBOOK.name} on {db}: {failure}\n"
                            f"(partly executed notebook: {out_ipynb})") from cause
     return out_ipynb
+
+
+REPORT_EPILOG = """\
+what it does:
+  executes the results notebook (analysis.ipynb: listed blocks, what the
+  guests' merged memory was, coverage, the KSM curve) headless against the
+  results database analyze-image wrote, and writes the executed notebook
+  (open it in Jupyter, or convert it: jupyter nbconvert --to html FILE);
+  --figures also saves each figure as a PNG.  Needs pandas, matplotlib,
+  nbclient, nbformat and ipykernel (Debian: python3-pandas
+  python3-matplotlib python3-nbclient python3-nbformat python3-ipykernel).
+
+exit status: 0 done, 1 a cell failed or a module is missing (the message
+says which), 2 usage.
+
+examples:
+  pageshare report                                  # newest analysis -> ./pageshare-report.ipynb
+  pageshare report --analysis 3 --figures figs/ --out run3.ipynb
+"""
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from .analyze import default_db
+    from .errors import print_error
+
+    p = argparse.ArgumentParser(
+        prog="pageshare report", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the results notebook headless on analyze-image's results.",
+        epilog=REPORT_EPILOG)
+    p.add_argument("--db", type=Path, default=default_db(),
+                   help="results database (default: %(default)s, or $PAGESHARE_DB)")
+    p.add_argument("--analysis", type=int, metavar="ID",
+                   help="the analysis to show (default: the newest one that succeeded)")
+    p.add_argument("--out", type=Path, default=Path("pageshare-report.ipynb"),
+                   help="the executed notebook (default: %(default)s)")
+    p.add_argument("--figures", type=Path, metavar="DIR", help="also save figures as PNG here")
+    args = p.parse_args(argv)
+    try:
+        out = run_notebook(args.db, args.analysis, args.out, args.figures)
+    except RuntimeError as e:
+        first, _, rest = str(e).partition("\n")
+        print_error(first, rest, prog="pageshare report")
+        return 1
+    print(out)
+    return 0

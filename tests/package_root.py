@@ -1,0 +1,90 @@
+"""A clean Debian root with the pageshare package installed by apt, for tests
+that run the installed package instead of the checkout.
+
+The root is made by mmdebstrap (variant apt: Debian's essential and apt
+packages and nothing else) from the Debian mirror, and the package is
+installed into it with `apt-get install ./pageshare_*.deb`, which resolves
+its dependencies from the archive, as on a fresh host.
+Commands run chrooted, with /proc, /sys and /dev, and the host directories a
+test names mounted at the same paths (a dump, a database), in a mount
+namespace of their own: nothing stays mounted when they end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from pageshare import debian
+from pageshare.cache import cache_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_debs() -> ModuleType:
+    """packaging/debs.py, the project's package builder (not a Python package)."""
+    if "pageshare_debs" in sys.modules:
+        return sys.modules["pageshare_debs"]
+    spec = importlib.util.spec_from_file_location("pageshare_debs", REPO / "packaging" / "debs.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pageshare_debs"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pageshare_deb() -> Path:
+    """The pageshare .deb of this checkout (built, or from the cache)."""
+    debs = load_debs()
+    path: Path = debs.deb_of(debs.build(debs.PACKAGES["pageshare"], REPO))
+    return path
+
+
+class Root:
+    def __init__(self, path: Path, suite: str) -> None:
+        self.path, self.suite = path, suite
+
+    def run(self, command: str, binds: tuple[Path, ...] = (), timeout: float = 600
+            ) -> subprocess.CompletedProcess[str]:
+        """COMMAND (shell) chrooted into the root."""
+        mounts = [f"mount --rbind /{d} {self.path}/{d}" for d in ("proc", "sys", "dev")]
+        for b in binds:
+            mounts.append(f"mkdir -p {self.path}{b} && mount --bind {b} {self.path}{b}")
+        script = "; ".join(["set -e", "mount --make-rprivate /", *mounts,
+                            f"exec chroot {self.path} /bin/sh -c {shlex.quote(command)}"])
+        return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                              text=True, timeout=timeout)
+
+
+# The package's recommendations the tests use.  Not all of them: supermin
+# (libguestfs) recommends a kernel, which a host has and whose initramfs
+# would take minutes to build here.
+RECOMMENDS = ("crash", "python3-libvirt", "python3-pandas", "python3-matplotlib",
+              "python3-nbclient", "python3-nbformat", "python3-ipykernel")
+
+
+def install_root(suite: str, deb: Path, dest: Path) -> Root:
+    """A fresh SUITE root at DEST with DEB installed by apt, with RECOMMENDS.
+    Downloaded packages are kept in the cache and put into the root's
+    archive directory first, so that only what changed is fetched again."""
+    archives = cache_dir("package-roots") / suite
+    archives.mkdir(parents=True, exist_ok=True)
+    cmd = ["mmdebstrap", "--mode=root", "--variant=apt", "--quiet",
+           "--skip=download/empty",
+           "--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/",
+           f"--setup-hook=sync-in {archives} /var/cache/apt/archives/",
+           f"--customize-hook=copy-in {deb} /tmp",
+           f"--customize-hook=chroot \"$1\" env DEBIAN_FRONTEND=noninteractive "
+           f"apt-get install -y -q --no-install-recommends /tmp/{deb.name} "
+           + " ".join(RECOMMENDS),
+           f"--customize-hook=sync-out /var/cache/apt/archives {archives}",
+           suite, str(dest), *debian.sources([suite])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    if p.returncode != 0:
+        raise AssertionError(f"installing {deb.name} into a fresh {suite} root failed:\n"
+                             + (p.stdout + p.stderr)[-4000:])
+    return Root(dest, suite)

@@ -1,0 +1,92 @@
+"""The pageshare Debian package, installed by apt into fresh Debian 12 and 13
+roots and run from there, not from the checkout (issue 12).
+
+packaging/debs.py builds it (cached; lintian clean, its contents checked);
+package_root.py installs it with `apt-get install ./pageshare_*.deb` (and
+the recommended packages the tests use) into a root made by mmdebstrap, so
+every dependency comes from Debian's archive.  The roots do not contain this checkout.  What runs there:
+the CLI and its manual pages, the results notebook (`pageshare report`, with
+the recommended pandas, matplotlib and nbclient), the libvirt binding (an
+attach through libvirt's test driver, which refuses monitor passthrough), the
+host check, and the vendored drgn for the suite's Python.  The crash
+extension built into the package is run on a real dump in
+test_drgn_backend.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from package_root import Root, load_debs, pageshare_deb
+from test_notebook import make_results_db
+
+pytestmark = pytest.mark.vm      # long: builds roots from the Debian archive
+
+SUITES = {"bookworm": "3.11", "trixie": "3.13"}
+
+
+def test_the_package_holds_what_it_should() -> None:
+    debs = load_debs()
+    deb = pageshare_deb()
+    paths = debs.deb_paths(deb)
+    for v in SUITES.values():
+        assert f"usr/lib/pageshare/python{v}/drgn/__init__.py" in paths
+    assert not [p for p in paths if "__pycache__" in p]
+    control = debs.deb_control_file(deb, "control")
+    assert "python3-guestfs" in control and "qemu-system-x86" in control
+    assert "Recommends:" in control and "python3-libvirt" in control
+    unit = debs.deb_member(deb, "lib/systemd/system/pageshare-libvirt-watch.service")
+    assert "ExecStart=/usr/bin/pageshare libvirt-watch" in unit
+    assert (deb.parent / "lintian.txt").exists()
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_installed_by_apt_and_run_from_the_package(
+        suite: str, pageshare_root: Callable[[str], Root], tmp_path: Path) -> None:
+    root = pageshare_root(suite)
+    assert not (root.path / "work").exists()            # no checkout in the root
+
+    p = root.run("pageshare --version && analyze-image --help && pageshare --help")
+    assert p.returncode == 0, p.stderr
+    assert "pageshare 0.1.0" in p.stdout and "what it does" in p.stdout, p.stdout
+    assert (root.path / "usr/share/man/man1/analyze-image.1.gz").exists()
+
+    # the vendored drgn for this suite's Python, from the package
+    vendored = f"/usr/lib/pageshare/python{SUITES[suite]}"
+    p = root.run("/usr/bin/python3 -c 'import sys; sys.path[:0] = [\"/usr/lib/pageshare/python\","
+                 f" \"{vendored}\"]; import drgn, pageshare.drgn_backend; print(drgn.__file__)'")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"{vendored}/drgn/"), p.stdout
+
+    # the results notebook, headless, with the recommended packages
+    work = tmp_path / "work"
+    work.mkdir()
+    db = make_results_db(work / "results.sqlite")
+    p = root.run(f"cd {work} && pageshare report --db {db} --out {work}/report.ipynb "
+                 f"--figures {work}/figures", binds=(work,))
+    assert p.returncode == 0, p.stdout + p.stderr
+    nb = json.loads((work / "report.ipynb").read_text())
+    errors = [o for c in nb["cells"] for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, errors
+    assert sorted(f.suffix for f in (work / "figures").iterdir()) and \
+        all(f.suffix == ".png" for f in (work / "figures").iterdir())
+    sqlite3.connect(db).close()
+
+    # the libvirt binding (Recommends): libvirt's test driver has a running
+    # domain but no QEMU monitor, so attach fails, with a message
+    p = root.run("pageshare attach --libvirt test --connect test:///default --json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert not r["ok"] and r["error"]["kind"] == "qemu-refused", r
+    assert "Traceback" not in p.stderr, p.stderr
+
+    # the host check: no server here, so it exits 2, with JSON that says so
+    p = root.run("pageshare host check --json")
+    assert p.returncode == 2, p.stdout + p.stderr
+    checks = json.loads(p.stdout)
+    assert checks and "Traceback" not in p.stderr, p.stderr
