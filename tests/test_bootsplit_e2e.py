@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Analysis, analyze_cleanly
-from pageshare import golden, sectorlist
+from pageshare import diskimage, golden, sectorlist
 from pageshare.ext4map import file_sectors
 
 pytestmark = pytest.mark.vm
@@ -68,8 +68,8 @@ def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Pat
             # File pages only (no --include-metadata): inside one of the two file systems.
             assert sector in boot or sector in root, f"sector {sector} outside /boot and /"
     assert sl.image.virtual_size == raw.stat().st_size
-    read_at, size = sectorlist.raw_file_reader(raw)
-    assert sl.image.content_sha256 == sectorlist.image_content_sha256(read_at, size)
+    read_at, size = diskimage.raw_file_reader(raw)
+    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
 
 
 def test_boot_files_are_listed_at_the_boot_partition(analysed: tuple[Analysis, Path]) -> None:

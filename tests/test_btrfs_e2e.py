@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Analysis, analyze_cleanly
-from pageshare import btrfsmap, golden, sectorlist
+from pageshare import btrfsmap, diskimage, golden, sectorlist
 from pageshare.ext4map import fs_image
 
 pytestmark = pytest.mark.vm
@@ -130,8 +130,8 @@ def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Pat
             assert any(data), f"zero block listed at sector {sector}"
             assert sector % 8 == 0
             assert geo.root_start_sector <= sector <= geo.root_end_sector
-    read_at, size = sectorlist.raw_file_reader(raw)
-    assert sl.image.content_sha256 == sectorlist.image_content_sha256(read_at, size)
+    read_at, size = diskimage.raw_file_reader(raw)
+    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, Path]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
-from pageshare import golden, sectorlist
+from pageshare import diskimage, golden, sectorlist
 from pageshare.ext4map import file_sectors
 
 pytestmark = pytest.mark.vm
@@ -66,8 +66,8 @@ def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Pat
             assert any(data), f"zero block listed at sector {sector}"
             assert sector % 8 == 0 and sector >= start
     assert sl.image.virtual_size == raw.stat().st_size
-    read_at, size = sectorlist.raw_file_reader(raw)
-    assert sl.image.content_sha256 == sectorlist.image_content_sha256(read_at, size)
+    read_at, size = diskimage.raw_file_reader(raw)
+    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path]) -> None:

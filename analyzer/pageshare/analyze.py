@@ -14,7 +14,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, btrfsmap, drgn_backend, sectorlist, xfsmap
+from . import __version__, btrfsmap, diskimage, drgn_backend, sectorlist, xfsmap
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
@@ -216,10 +215,9 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw copy, content hash)"):
             raw = workdir / "base.raw"
-            subprocess.run(["qemu-img", "convert", "-O", "raw", str(opts.image), str(raw)],
-                           check=True)
-            read_at, _ = sectorlist.raw_file_reader(raw)
-            content = sectorlist.image_content_sha256(read_at, vsize)
+            diskimage.to_raw(opts.image, raw)
+            read_at, _ = diskimage.raw_file_reader(raw)
+            content = diskimage.image_content_sha256(read_at, vsize)
             # Where debugfs/xfs_db/btrfs read each file system; xfs_db and
             # btrfs read none at an offset of a disk, so XFS and btrfs get a
             # copy (as an LV of several segments does).
@@ -553,7 +551,7 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                     recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
                     raw: Path, geo: Geometry, sources: dict[FsKey, tuple[Path, int]],
                     include_metadata: bool) -> RunResult:
-    read_at, _ = sectorlist.raw_file_reader(raw)
+    read_at, _ = diskimage.raw_file_reader(raw)
     # One debugfs per mapped file system, for the inodes the guests cached there.
     extents: dict[tuple[FsKey, int], list[Extent]] = {}
     candidates: dict[tuple[FsKey, int], list[Candidate]] = {}
@@ -629,7 +627,7 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
             both[s] = both.get(s, False) or (s in r.stable["A"] and s in r.stable["B"])
             fact[s] = r.stable["A"].get(s) or r.stable["B"][s]
     keep = sorted(s for s, n in seen.items() if n >= min_runs)
-    read_at, _ = sectorlist.raw_file_reader(raw)
+    read_at, _ = diskimage.raw_file_reader(raw)
     blocks = {s: sectorlist.block_hash(read_at(s * 512, PAGE)) for s in keep}
     info = insp.info
     sl = sectorlist.SectorList(

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest[:1] in (["publish"], ["fetch"], ["ls"]):
             from . import distribute
             return distribute.cli_main(rest)
-        from .sectorlist import cli_main
+        from .listcli import cli_main
         return cli_main(rest)
     if cmd == "fleet":
         from . import distribute

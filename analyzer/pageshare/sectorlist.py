@@ -14,28 +14,21 @@ truncated or meant for another image:
   blocks against the image never preloads stale data even if the header lies.
 
 The authoritative description of the format is lists/README.md; keep the two
-in sync.
+in sync.  Reading images (raw, qcow2, their content hash) is diskimage.py's;
+the `pageshare list` command is listcli.py.
 """
 
-import argparse
 import datetime as _dt
 import hashlib
-import json
 import os
 import re
-import shutil
 import stat
-import subprocess
-import sys
 import tempfile
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from pageshare.errors import RaisingArgumentParser, UsageError, UserError, print_error
 
 FORMAT_VERSION = 1
 BLOCK_SIZE = 4096
@@ -44,7 +37,6 @@ SECTORS_PER_BLOCK = BLOCK_SIZE // SECTOR_SIZE
 HASH_NAME = "sha256"
 MAGIC = f"# pcsl v{FORMAT_VERSION}"
 SEPARATOR = "---"
-QCOW2_MAGIC = b"QFI\xfb"
 
 # Header keys in the order dumps() writes them.
 HEADER_KEYS: tuple[str, ...] = (
@@ -534,7 +526,7 @@ def loads_bytes(data: bytes, name: str = "<bytes>") -> SectorList:
         raise ListFormatError(e.line, e.reason, name) from None
 
 
-# --------------------------------------------------------------------------- images
+# --------------------------------------------------------------------------- lists and images
 
 
 def verify_against_image(sl: SectorList, read_block: Callable[[int], bytes]) -> list[int]:
@@ -550,76 +542,6 @@ def verify_against_image(sl: SectorList, read_block: Callable[[int], bytes]) -> 
         if len(data) != BLOCK_SIZE or block_hash(data) != sl.blocks[sector]:
             bad.append(sector)
     return bad
-
-
-def image_content_sha256(
-    read_at: Callable[[int, int], bytes], virtual_size: int, chunk: int = 4 << 20
-) -> str:
-    """sha256 of the virtual disk content, read as [off, off+len) chunks.
-
-    Hashing what the guest sees (not the file) makes the identity independent
-    of the image format: a qcow2 and its raw conversion hash the same.
-    """
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
-    if virtual_size < 0:
-        raise ValueError(f"virtual_size must not be negative, got {virtual_size}")
-    h = hashlib.sha256()
-    offset = 0
-    while offset < virtual_size:
-        n = min(chunk, virtual_size - offset)
-        data = read_at(offset, n)
-        if len(data) != n:
-            # A silently short read would hash to a plausible but wrong identity.
-            raise ValueError(f"reader returned {len(data)} bytes at offset {offset}, expected {n}")
-        h.update(data)
-        offset += n
-    return h.hexdigest()
-
-
-class _RawFile:
-    """An open raw image; closed explicitly or when garbage collected."""
-
-    def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            # st_size is 0 for block devices; seeking to the end gives their size.
-            self.size = os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else st.st_size
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        if not self._finalizer.alive:
-            # The fd number may already belong to another file.
-            raise ValueError("read from a closed image")
-        if offset < 0 or length < 0:
-            raise ValueError(f"bad read: offset {offset}, length {length}")
-        parts: list[bytes] = []
-        got = 0
-        while got < length:
-            chunk = os.pread(self._fd, length - got, offset + got)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        # Past EOF the virtual disk reads as zeros (as qemu does for raw images).
-        parts.append(bytes(length - got))
-        return b"".join(parts)
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def raw_file_reader(path: Path) -> tuple[Callable[[int, int], bytes], int]:
-    """A ``read_at(offset, length)`` over a raw image file (or block device) and
-    its size.  Reads past EOF are zero-filled.  The file stays open as long as
-    the returned reader is referenced."""
-    f = _RawFile(Path(path))
-    return f.read_at, f.size
 
 
 _IMAGE_EXTENSIONS = (".qcow2", ".raw", ".img")
@@ -700,243 +622,3 @@ def format_human(sl: SectorList, limit: int | None = 50) -> str:
     if len(shown) < len(runs):
         lines.append(f"  ... {len(runs) - len(shown)} more runs (--all shows every run)")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-_DESCRIPTION = """\
-Inspect and check pcsl v1 sector lists.
-
-A sector list names the 4 KiB blocks of one golden (base) image that guests
-keep unchanged in their page caches, so a page server can preload them.  It is
-UTF-8 text: a header of 'key: value' lines (image virtual size, image content
-sha256, count, list-digest = sha256 of the body, ...), a '---' line, then one
-'<sector> <sha256 of the 4 KiB block>' line per block, sectors in 512-byte
-units, sorted.  The full format is described in lists/README.md.
-"""
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = RaisingArgumentParser(
-        prog="pageshare list",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Exit status: 0 success/match, 1 list does not match the image, 2 error.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    show = sub.add_parser(
-        "show",
-        help="summarise a list: image, block count, size, digest, contiguous runs",
-        description="Validate a sector list and summarise it: the image it belongs to, "
-        "the number of blocks and MiB, the list digest and the contiguous runs of blocks "
-        "(first 50 unless --all).  Format: lists/README.md.",
-    )
-    show.add_argument("file", metavar="FILE", help="a .pcsl sector list")
-    show.add_argument("--all", action="store_true", help="list every contiguous run")
-    show.add_argument(
-        "--json",
-        action="store_true",
-        help="print JSON for scripts: header fields, count, bytes and all runs as "
-        "[start_sector, n_blocks] pairs",
-    )
-    show.set_defaults(func=_cmd_show)
-
-    verify = sub.add_parser(
-        "verify",
-        help="check a list against an image (size, content sha256, every block hash)",
-        description="Check that a sector list belongs to an image: the image's virtual "
-        "size and content sha256 must match the list header, and every listed 4 KiB "
-        "block must hash to its listed sha256.  Prints a one-line verdict; exit 0 if "
-        "everything matches, 1 if not, 2 on errors.  qcow2 images are converted to a "
-        "temporary raw file with 'qemu-img convert' first (needs qemu-img and free "
-        "space for the raw image's data).  Format: lists/README.md.",
-    )
-    verify.add_argument("file", metavar="FILE", help="a .pcsl sector list")
-    verify.add_argument(
-        "--image", required=True, metavar="IMG", help="the base image: raw or qcow2"
-    )
-    verify.add_argument(
-        "--no-content-hash",
-        action="store_true",
-        help="skip the image content sha256 (it reads the whole virtual disk); the "
-        "size and every listed block are still checked",
-    )
-    verify.add_argument(
-        "--tmpdir",
-        metavar="DIR",
-        help="where to put the temporary raw conversion of a qcow2 image "
-        "(default: the system temporary directory)",
-    )
-    verify.add_argument("--json", action="store_true", help="print the result as JSON")
-    verify.set_defaults(func=_cmd_verify)
-    return parser
-
-
-def _header_dict(sl: SectorList) -> dict[str, Any]:
-    header: dict[str, Any] = {
-        "image-virtual-size": sl.image.virtual_size,
-        "image-content-sha256": sl.image.content_sha256,
-        "image-name": sl.image.name,
-        "block-size": BLOCK_SIZE,
-        "sector-size": SECTOR_SIZE,
-        "hash": HASH_NAME,
-        "count": len(sl.blocks),
-        "list-digest": sl.digest(),
-        "generator": sl.generator,
-        "created": sl.created,
-        "criteria": sl.criteria,
-        "runs": sl.runs,
-    }
-    header.update(sl.extra)
-    return header
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    sl = read(path)
-    if args.json:
-        runs = extents_runs(sl.sorted_sectors())
-        out = {
-            "file": str(path),
-            "format": f"pcsl v{FORMAT_VERSION}",
-            "header": _header_dict(sl),
-            "count": len(sl.blocks),
-            "bytes": sl.total_bytes(),
-            "run_count": len(runs),
-            "runs": [[start, n] for start, n in runs],
-        }
-        print(json.dumps(out, indent=2))
-    else:
-        print(format_human(sl, limit=None if args.all else 50))
-    return 0
-
-
-@contextmanager
-def _open_image(image: Path, tmpdir: str | None) -> Iterator[tuple[_RawFile, str]]:
-    """The image as a raw reader, converting qcow2 to a temporary raw file."""
-    with open(image, "rb") as f:
-        magic = f.read(len(QCOW2_MAGIC))
-    if magic != QCOW2_MAGIC:
-        raw = _RawFile(image)
-        try:
-            yield raw, "raw"
-        finally:
-            raw.close()
-        return
-    qemu_img = shutil.which("qemu-img")
-    if qemu_img is None:
-        raise UserError(
-            f"{image} is a qcow2 image and qemu-img is not installed",
-            hint="install qemu-utils (Debian/Ubuntu) or qemu-img (Fedora), or convert it "
-            f"yourself: qemu-img convert -O raw {image} IMAGE.raw",
-        )
-    with tempfile.TemporaryDirectory(prefix="pageshare-verify-", dir=tmpdir) as td:
-        raw_path = Path(td) / "image.raw"
-        proc = subprocess.run(
-            [qemu_img, "convert", "-O", "raw", str(image), str(raw_path)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise UserError(
-                f"qemu-img convert of {image} failed: {proc.stderr.strip() or proc.returncode}",
-                hint="check that the image is readable and not locked by a running VM, "
-                "and that --tmpdir has room for the raw data",
-            )
-        raw = _RawFile(raw_path)
-        try:
-            yield raw, "qcow2"
-        finally:
-            # Close before the directory is removed so the space is really freed.
-            raw.close()
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    list_path = Path(args.file)
-    image_path = Path(args.image)
-    sl = read(list_path)
-    with _open_image(image_path, args.tmpdir) as (raw, fmt):
-        size_ok = raw.size == sl.image.virtual_size
-        content: str | None = None
-        if not args.no_content_hash:
-            content = image_content_sha256(raw.read_at, raw.size)
-        bad = verify_against_image(sl, lambda sector: raw.read_at(sector * SECTOR_SIZE, BLOCK_SIZE))
-    content_ok = None if content is None else content == sl.image.content_sha256
-    ok = size_ok and content_ok is not False and not bad
-
-    problems = []
-    if not size_ok:
-        problems.append(f"virtual size {raw.size} != {sl.image.virtual_size} in the list")
-    if content_ok is False:
-        problems.append("content sha256 differs (list is for another image, or it changed)")
-    if bad:
-        first = ", ".join(str(s) for s in bad[:5]) + (", ..." if len(bad) > 5 else "")
-        problems.append(f"{len(bad)} of {len(sl.blocks)} blocks differ (sectors {first})")
-
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "ok": ok,
-                    "list": str(list_path),
-                    "image": str(image_path),
-                    "image_format": fmt,
-                    "virtual_size": {
-                        "list": sl.image.virtual_size,
-                        "image": raw.size,
-                        "ok": size_ok,
-                    },
-                    "content_sha256": {
-                        "list": sl.image.content_sha256,
-                        "image": content,
-                        "ok": content_ok,  # null: not checked (--no-content-hash)
-                    },
-                    "blocks": len(sl.blocks),
-                    "bad_sectors": bad,
-                },
-                indent=2,
-            )
-        )
-    elif ok:
-        checked = "size, every block" + (
-            " and content sha256" if content_ok else "; content sha256 not checked"
-        )
-        print(
-            f"OK: {list_path} matches {image_path} ({fmt}; {len(sl.blocks)} blocks, "
-            f"{sl.total_bytes() / (1 << 20):.2f} MiB; {checked})"
-        )
-    else:
-        print(f"MISMATCH: {list_path} vs {image_path} ({fmt}): " + "; ".join(problems))
-    return 0 if ok else 1
-
-
-def cli_main(argv: list[str]) -> int:
-    """``pageshare list ...``; argv excludes "pageshare list"."""
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except UsageError as e:
-        print_error(f"{e} (see 'pageshare list --help')")
-        return 2
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    try:
-        result: int = args.func(args)
-        return result
-    except ListFormatError as e:
-        print_error(str(e))
-        return 2
-    except UserError as e:
-        print_error(e.message, e.hint)
-        return 2
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main(sys.argv[1:]))
