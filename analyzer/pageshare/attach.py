@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import PageshareError
 from .hostcheck import DEFAULT_CONTROL, _qmp_socket, server_status
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
 from .qmp import QMP, Monitor, QMPError
@@ -59,7 +60,7 @@ STAT_KEYS = ("connected", "generation", "table-entries", "degraded", "requests",
              "connect-failures")
 
 
-class AttachError(Exception):
+class AttachError(PageshareError):
     """A failure an operator can act on: kind (stable, for --json), message, hint."""
 
     def __init__(self, kind: str, message: str, hint: str = "") -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import PageshareError
 from .ext4map import Extent
 
 FS_TREE = 5                   # the top-level subvolume
@@ -69,7 +70,7 @@ _LAST_SUBVOLUME = (1 << 64) - 256
 _ONE_COPY_PROFILES = {"single", "DUP"}
 
 
-class BtrfsUnsupported(ValueError):
+class BtrfsUnsupported(PageshareError, ValueError):
     """A btrfs layout this mapping does not follow (said to the operator)."""
 
 

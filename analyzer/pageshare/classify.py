@@ -8,6 +8,8 @@ records carry only pfn, kind and flags: frames that are not page cache.
 from dataclasses import dataclass
 from pathlib import Path
 
+from pageshare.errors import PageshareError
+
 PAGE_CACHE_KINDS = ("file", "bdev")
 COLUMNS = ("pfn", "kind", "flags", "index", "inode", "ino", "s_dev", "fstype", "fs_uuid",
            "bd_dev", "disk", "start_sect", "i_size", "blkbits", "state")
@@ -15,7 +17,7 @@ KINDS = ("file", "bdev", "shmem", "anon", "ksm", "movable", "slab", "nomapping",
          "nopage", "unreadable")
 
 
-class ClassificationError(ValueError):
+class ClassificationError(PageshareError, ValueError):
     pass
 
 

@@ -1,6 +1,7 @@
 """Errors that reach the operator.
 
-Every failure the operator can act on is a UserError: one line saying what is
+All of them derive from PageshareError (below).  Every failure the operator
+can act on is a UserError: one line saying what is
 wrong and one saying what to do.  The CLI prints both and exits non-zero; it
 never prints a traceback for these.  `kind` names the class of problem for
 scripts (`analyze-image --json` prints it in its error object): "user-error"
@@ -13,7 +14,28 @@ import sys
 from typing import NoReturn
 
 
-class UserError(Exception):
+class PageshareError(Exception):
+    """The base of every error pageshare raises on purpose.
+
+    Each says what is wrong and, where it can, what to do (``hint``); ``kind``
+    names the class of problem for --json output.  Subclasses that reject
+    input or report a failed tool also derive from ValueError or
+    RuntimeError, so callers that catch those built-ins keep working:
+
+    - UserError (and DistributeError): the operator can fix it; the CLIs print
+      it with its hint and exit non-zero;
+    - UsageError: a command line that does not parse;
+    - AttachError: `pageshare attach/detach`, with a stable kind;
+    - QMPError, LibvirtUnavailable: QEMU or libvirt refused or is unreachable;
+    - ListFormatError, LvmError, BtrfsUnsupported, ClassificationError: input
+      (a list, LVM metadata, a btrfs, crash's output) that is not used.
+    """
+
+    kind = "error"
+    hint = ""
+
+
+class UserError(PageshareError):
     """A problem with the input or the host that the operator can fix."""
 
     def __init__(self, message: str, hint: str = "", exit_code: int = 2,
@@ -38,7 +60,7 @@ def print_error(message: str, hint: str = "", prog: str = "") -> None:
         print(f"{lead}hint: {hint}" if prog else f"  hint: {hint}", file=sys.stderr)
 
 
-class UsageError(Exception):
+class UsageError(PageshareError):
     """A command line that does not parse (raised by RaisingArgumentParser)."""
 
 

@@ -20,12 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .errors import PageshareError
 from .qmp import QMPError
 
 DEFAULT_URI = "qemu:///system"
 
 
-class LibvirtUnavailable(RuntimeError):
+class LibvirtUnavailable(PageshareError, RuntimeError):
     """The binding is missing, or libvirtd or the domain cannot be reached."""
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pageshare.errors import PageshareError
+
 SECTOR = 512
 LABEL_ID = b"LABELONE"
 LABEL_TYPE = b"LVM2 001"
@@ -24,7 +26,7 @@ MDA_MAGIC = b" LVM2 x[5A%r0N*>"
 Reader = Callable[[int, int], bytes]      # (byte offset, size) -> bytes of one device
 
 
-class LvmError(ValueError):
+class LvmError(PageshareError, ValueError):
     pass
 
 

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from pageshare.errors import PageshareError
 
-class QMPError(RuntimeError):
+
+class QMPError(PageshareError, RuntimeError):
     """QEMU answered a command with an error, or the connection broke."""
 
 

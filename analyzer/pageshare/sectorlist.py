@@ -29,6 +29,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pageshare.errors import PageshareError
 
 FORMAT_VERSION = 1
 BLOCK_SIZE = 4096
@@ -81,7 +82,7 @@ _VERSION_LINE = re.compile(r"# pcsl v([0-9]+)")
 _BAD_TEXT = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-class ListFormatError(ValueError):
+class ListFormatError(PageshareError, ValueError):
     """A sector list that must not be used; the message names the line.
 
     ``line`` is 1-based; ``reason`` says what is wrong; ``source`` is the file
