@@ -4,13 +4,13 @@ roots and run from there, not from the checkout (issue 12).
 packaging/debs.py builds it (cached; lintian clean, its contents checked);
 package_root.py installs it with `apt-get install ./pageshare_*.deb` (and
 the recommended packages the tests use) into a root made by mmdebstrap, so
-every dependency comes from Debian's archive.  The roots do not contain this checkout.  What runs there:
-the CLI and its manual pages, the results notebook (`pageshare report`, with
-the recommended pandas, matplotlib and nbclient), the libvirt binding (an
-attach through libvirt's test driver, which refuses monitor passthrough), the
-host check, and the vendored drgn for the suite's Python.  The crash
-extension built into the package is run on a real dump in
-test_drgn_backend.py.
+every dependency comes from Debian's archive. The roots do not contain this
+checkout. What runs there: the CLI and its manual pages, the results
+notebook (`pageshare report`, with the recommended pandas, matplotlib and
+nbclient), the libvirt binding (an attach through libvirt's test driver,
+which refuses monitor passthrough), the host check, and the vendored drgn
+for the suite's Python. The crash extension built into the package is run on
+a real dump in test_drgn_backend.py.
 """
 
 from __future__ import annotations
