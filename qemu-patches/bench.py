@@ -95,7 +95,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from pageshare import sectorlist
-    from test_page_server_helpers import ImageSpec, Server, make_list
+    from page_server_helpers import ImageSpec, Server, make_list
 
     out = build.ensure_built()
     qemu_img = str(out / "bin" / "qemu-img")

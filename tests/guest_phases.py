@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from page_server_helpers import content_sha256, make_list
 from pageshare import sectorlist
-from test_page_server_helpers import content_sha256, make_list
 from test_qemu_filter_guest import file_blocks, file_sha256, regular_files
 
 WAIT_FOR = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from page_server_helpers import ImageSpec, Server, make_list, wait_for
 from pageshare import sectorlist
 from pageshare.qmp import QMP
-from test_page_server_helpers import ImageSpec, Server, make_list, wait_for
-from test_qemu_helpers import qemu_build
+from qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 from guest_phases import hashes, list_files, phase, signal_guest, wait_for
+from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
 from pageshare.qmp import QMP
 from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
-from test_page_server_helpers import ImageSpec, Server, raw_copy
+from qemu_helpers import qemu_build
 from test_qemu_filter_guest import file_blocks
-from test_qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 

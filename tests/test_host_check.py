@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pageshare import hostcheck, sectorlist
-from pageshare.ksm import host_lock
-from test_page_server_helpers import (
+from page_server_helpers import (
     ImageSpec,
     Server,
     make_list,
@@ -27,7 +25,9 @@ from test_page_server_helpers import (
     redis_server,
     wait_for,
 )
-from test_qemu_helpers import qemu_build
+from pageshare import hostcheck, sectorlist
+from pageshare.ksm import host_lock
+from qemu_helpers import qemu_build
 
 REPO = Path(__file__).resolve().parents[1]
 KSM_RUN = Path("/sys/kernel/mm/ksm/run")

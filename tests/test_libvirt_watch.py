@@ -29,11 +29,11 @@ from xml.sax.saxutils import escape
 import pytest
 from guest_phases import hashes, list_files, phase, signal_guest, wait_for
 from libvirt_host import PrivateLibvirtd
+from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
 from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
-from test_page_server_helpers import ImageSpec, Server, raw_copy
-from test_qemu_helpers import qemu_build
+from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
 

@@ -21,8 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pageshare import golden, sectorlist
-from test_page_server_helpers import (
+from page_server_helpers import (
     PAGE_SERVER,
     ImageSpec,
     Server,
@@ -36,6 +35,7 @@ from test_page_server_helpers import (
     server_binary,
     wait_for,
 )
+from pageshare import golden, sectorlist
 
 # Root is required (the client reads /proc/PID/mem); fail loudly rather than skip.
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_page_server_helpers import PAGE_SERVER, TARGET, cargo
+from page_server_helpers import PAGE_SERVER, TARGET, cargo
 
 
 def run_cargo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,8 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from page_server_helpers import REPO, server_binary
 from pageshare import sectorlist
-from test_page_server_helpers import REPO, server_binary
 
 
 def rust_verdicts(files: list[Path]) -> dict[str, tuple[bool, int | None]]:

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from pageshare import distribute, sectorlist
-from test_page_server_helpers import (
+from page_server_helpers import (
     REPO,
     ImageSpec,
     Server,
@@ -30,6 +29,7 @@ from test_page_server_helpers import (
     redis_server,
     wait_for,
 )
+from pageshare import distribute, sectorlist
 
 # Root is required (the client reads /proc/PID/mem); fail loudly rather than skip.
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"

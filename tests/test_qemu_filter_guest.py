@@ -27,12 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pageshare import golden, sectorlist
-from pageshare.image_inspect import inspect_image
-from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
-from test_page_server_helpers import (
+from page_server_helpers import (
     ImageSpec,
     Server,
     content_sha256,
@@ -40,7 +35,12 @@ from test_page_server_helpers import (
     nonzero_blocks,
     raw_copy,
 )
-from test_qemu_helpers import qemu_build
+from pageshare import golden, sectorlist
+from pageshare.image_inspect import inspect_image
+from pageshare.qmp import QMP
+from pageshare.vm import _child_setup, choose_accel
+from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 

@@ -28,8 +28,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from pageshare import golden, sectorlist
-from test_page_server_helpers import (
+from page_server_helpers import (
     ImageSpec,
     Server,
     content_sha256,
@@ -38,7 +37,8 @@ from test_page_server_helpers import (
     raw_copy,
     wait_for,
 )
-from test_qemu_helpers import (
+from pageshare import golden, sectorlist
+from qemu_helpers import (
     DiskModel,
     QemuIo,
     dump_range,

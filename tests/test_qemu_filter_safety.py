@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from page_server_helpers import ImageSpec, Server, make_list, psc, wait_for
 from pageshare import sectorlist
 from pageshare.qmp import QMP, QMPError
-from test_page_server_helpers import ImageSpec, Server, make_list, psc, wait_for
-from test_qemu_helpers import QemuBuild, qemu_build
+from qemu_helpers import QemuBuild, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from test_qemu_helpers import REPO, qemu_build
+from qemu_helpers import REPO, qemu_build
 
 
 def test_iotests_pass() -> None:

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden, sectorlist
-from test_page_server_helpers import make_list, nonzero_blocks
 from test_server_package_guest import (
     PERL_CLIENT,
     Agent,

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_qemu_helpers import BUILD_PY, REPO, qemu_build
+from qemu_helpers import BUILD_PY, REPO, qemu_build
 
 FUZZ = REPO / "qemu-patches" / "fuzz"
 FUZZ_SECONDS = 60

@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from page_server_helpers import make_list, nonzero_blocks, raw_copy
 from pageshare import golden, sectorlist
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
 from pageshare.image_inspect import inspect_image
 from pageshare.vm import QEMU, _child_setup, choose_accel
 from pageshare.workload import FW_CFG_NAME, Markers, kernel_cmdline
-from test_page_server_helpers import make_list, nonzero_blocks, raw_copy
 
 REPO = Path(__file__).resolve().parents[1]
 DEBS = REPO / "packaging" / "debs.py"

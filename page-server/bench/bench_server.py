@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "analyzer"))
 
-from pageshare import golden, sectorlist  # noqa: E402
-from test_page_server_helpers import (  # noqa: E402
+from page_server_helpers import (  # noqa: E402
     CACHE,
     ImageSpec,
     Server,
@@ -35,6 +34,7 @@ from test_page_server_helpers import (  # noqa: E402
     rss_bytes,
     server_binary,
 )
+from pageshare import golden, sectorlist  # noqa: E402
 
 
 def anon_bytes(pid: int) -> int:
