@@ -388,7 +388,7 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
                            "checksums": sorted(sums), "listed_blocks": nlisted}
     # guests that did not boot (the driver ran their configuration again)
     hangs = [{"cfg": cfg, "t_ms": int(t), "detail": rest}
-             for cfg, t, name, rest, *_ in rows["ev"] if name == "boot-hung"]
+             for cfg, t, name, rest, *_ in rows["ev"] if name in ("boot-hung", "boot-failed")]
     if hangs:
         out["boot_hangs"] = hangs
     for cfg in st.configs:
@@ -456,8 +456,14 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         server_ms = cpu_since(hs, h_first)
         server_cpu = server_ms / 1000 if server_ms is not None else None
         server_startup_cpu = h_first["server_cpu_ms"] / 1000
-        merged = sum(max(s["merged"], 0) for s in end)
-        merge_s = sum(max(s["merge_ns"], 0) for s in end) / 1e9
+        # the filter's counters as last read: a sample whose QMP query
+        # failed (a busy QEMU) carries -1s
+        def counter(key: str, series: dict[int, list[dict[str, int]]] = series) -> int:
+            return sum(next((s[key] for s in reversed(ss) if s[key] >= 0), 0)
+                       for ss in series.values())
+
+        merged = counter("merged")
+        merge_s = counter("merge_ns") / 1e9
         # wall times, from the driver's stamps (a nested guest's clock is slow)
         greps, bins, boots = [], [], []
         for st_g in stamps[cfg].values():
@@ -505,7 +511,7 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "server_startup_cpu_s": server_startup_cpu,
             "pageshare_cpu_s_per_gib": ((merge_s + server_cpu) / (merged * PAGE / 2**30)
                                         if merged and server_cpu is not None else None),
-            "merge_failed": sum(max(s["merge_failed"], 0) for s in end),
+            "merge_failed": counter("merge_failed"),
             "grep_s_mean": sum(greps) / len(greps) if greps else None,
             "bins_s_mean": sum(bins) / len(bins) if bins else None,
             "boot_s_mean": sum(boots) / len(boots) if boots else None,

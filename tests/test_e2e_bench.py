@@ -322,6 +322,25 @@ def test_list_workload_is_the_guests_grep() -> None:
     assert "PAGESHARE-BENCH-NEVER-FOUND" in (REPO / "bench/e2e/guest-init.sh").read_text()
 
 
+def test_filter_counters_as_last_read() -> None:
+    """A last sample whose QMP query failed (-1s) does not zero a guest's
+    merges: its counters are the last ones read."""
+    lines = [
+        "E2E-EV pageshare 0 begin filter=1",
+        _g("pageshare", 100, 1, 10, 10, merged=10, merge_ns=1000),
+        _g("pageshare", 100, 2, 10, 10, merged=10, merge_ns=1000),
+        _h("pageshare", 100, 0, 0, 0, 0, 0),
+        "E2E-EV pageshare 200 work-done",
+        _g("pageshare", 300, 1, 10, 10, merged=20, merge_ns=3000),
+        _g("pageshare", 300, 2, 10, 10),
+        _h("pageshare", 300, 0, 0, 0, 0, 0),
+    ]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["pageshare"], "", "", 100)
+    c = e2e.summarize(e2e.parse(lines), st, 10)["configs"]["pageshare"]
+    assert c["filter_merged"] == 30
+    assert c["filter_merge_s"] == pytest.approx(4000 / 1e9)
+
+
 def test_server_cpu_across_a_restart_and_a_lost_server() -> None:
     """A counter that drops is a new server process (its CPU counts from 0);
     a sample of -1 (the sampler lost the killed server) makes the server's
