@@ -75,12 +75,12 @@ SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
 GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
                 "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
-                "on_server"]
+                "on_server", "stale", "stale_shared"]
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
                "distinct_other", "sample_ms", "khugepaged_collapsed",
-               "khugepaged_full_scans"]
+               "khugepaged_full_scans", "distinct_stale"]
 # The guests' workload as analyze-image runs it in its Debian guests
 # (--list-from workload): the same grep over the same directories.
 LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
@@ -134,6 +134,18 @@ def list_dir(image: Path, cache: Path, workload: str | None) -> Path:
 def cached_list(image: Path, cache: Path, workload: str | None) -> Path | None:
     found = sorted(list_dir(image, cache, workload).glob("*.pcsl"))
     return found[-1] if found else None
+
+
+def stale_page(i: int) -> bytes:
+    """Page i of the stale memory each guest writes and frees
+    (bench/e2e/guest-init.sh's awk): different from every other page and
+    from every disk block, the same in every guest."""
+    return b"pageshare stale page %4074d\n" % i
+
+
+def stale_hashes(mib: int) -> bytes:
+    """e2e_sampler's hash file of the stale pages ($E2E_STALE_HASHES)."""
+    return b"".join(struct.pack("<Q", page_hash(stale_page(i))) for i in range(mib * 256))
 
 
 def ensure_list(image: Path, cache: Path, workload: str | None = None) -> Path:
@@ -303,6 +315,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
         shutil.copy2(pcsl, pd / "base.pcsl")
         (pd / "base-half.pcsl").write_text(half_list(pcsl))
         (pd / "listed.hashes").write_bytes(hashes)
+        (pd / "stale.hashes").write_bytes(stale_hashes(st.stale_mib))
         (pd / "server.toml").write_text(SERVER_TOML)
         shutil.copy2(REPO / "bench/e2e/driver.sh", pd / "driver.sh")
         (pd / "e2e.env").write_text(
@@ -333,9 +346,9 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
                     rows["error"].append([line[len(kind):]])
                 else:
                     r = line.split()[1:]
-                    if kind == "E2E-H " and len(r) < len(HOST_FIELDS):
-                        r += ["-1"] * (len(HOST_FIELDS) - len(r))   # a sampler from before
-                    rows[kind.strip()].append(r)
+                    # a sampler from before the last columns: -1, unknown
+                    want = len(HOST_FIELDS if kind == "E2E-H " else GUEST_FIELDS)
+                    rows[kind.strip()].append(r + ["-1"] * (want - len(r)))
     return rows
 
 
@@ -375,8 +388,6 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         host[r[0]].append({k: int(v) for k, v in zip(HOST_FIELDS[1:], r[1:], strict=True)})
     guest: dict[str, dict[int, list[dict[str, int]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows["E2E-G"]:
-        if len(r) == len(GUEST_FIELDS) - 1:
-            r.append("-1")      # a sampler from before on_server
         d = {k: int(v) for k, v in zip(GUEST_FIELDS[1:], r[1:], strict=True)}
         guest[r[0]][d["guest"]].append(d)
     marks: dict[str, dict[int, dict[str, list[str]]]] = defaultdict(dict)
@@ -445,6 +456,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "listed": sum(s["listed_shared"] for s in end) - h_end["distinct_listed"],
             "zero": sum(s["zero_shared"] for s in end) - h_end["distinct_zero"],
             "other": sum(s["other_shared"] for s in end) - h_end["distinct_other"],
+            # freed stale memory (0 for a sampler without the class)
+            "stale": max(0, sum(s["stale_shared"] for s in end) - h_end["distinct_stale"]),
         }
         ksmd_cpu = (hs[-1]["ksmd_cpu_ms"] - hs[0]["ksmd_cpu_ms"]) / 1000
         # The server's CPU from its first merge on; before it, the one-time
@@ -486,6 +499,10 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "pss_mib_work_done": sum(s["pss_kb"] for s in work) / 1024,
             # guest RAM the host holds (present pages of the guests' RAM)
             "resident_mib_end": sum(s["present"] for s in end) * PAGE / MIB,
+            # of it, freed stale pages still there (free page reporting
+            # hands back what it reports)
+            "stale_resident_mib_end": (sum(s["stale"] for s in end) * PAGE / MIB
+                                       if end[0]["stale"] >= 0 else None),
             "server_pss_mib": h_end["server_pss_kb"] / 1024,
             "memavail_mib_end": h_end["memavail_kb"] / 1024,
             "listed_pages_held": listed_end,
@@ -589,6 +606,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("guest RAM the host holds (present pages) at the end, MiB", "resident_mib_end", ".0f"),
         ("saved: listed page cache, MiB", ("saved_mib", "listed"), ".1f"),
         ("saved: zero pages, MiB", ("saved_mib", "zero"), ".1f"),
+        ("saved: freed stale memory, MiB", ("saved_mib", "stale"), ".1f"),
         ("saved: everything else, MiB", ("saved_mib", "other"), ".1f"),
         ("listed pages held by guests shared at the end of the reads",
          "listed_shared_frac_work_done", ".0%"),
@@ -612,6 +630,8 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
         ("workload, s (start to all done)", "work_s", ".0f"),
         ("stale memory freed by each guest after its reads, MiB", "stale_freed_mib", ".0f"),
+        ("of it, still held by the host at the end (all guests), MiB",
+         "stale_resident_mib_end", ".1f"),
         ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
     ]

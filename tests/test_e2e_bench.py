@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from pageshare import cache, golden
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -54,6 +55,46 @@ def test_sampler_and_benchmark_hash_pages_alike(sampler: Path, tmp_path: Path) -
     want = [f"{e2e.page_hash(p):016x}" for p in pages]
     assert out == want
     assert len(set(want)) == len(want)
+
+
+def test_stale_pages_are_the_guests(sampler: Path, tmp_path: Path) -> None:
+    """The stale memory guest-init.sh's awk writes is stale_page()'s, page
+    for page, and the sampler hashes it as the benchmark's hash file says;
+    no stale page is zeros or repeats another."""
+    init = (REPO / "bench/e2e/guest-init.sh").read_text()
+    prog = init.split("'BEGIN ", 1)[1].split("' > /stale", 1)[0]
+    f = tmp_path / "stale"
+    awk = ["busybox", "awk"] if shutil.which("busybox") else ["awk"]   # the guests' is busybox's
+    with open(f, "wb") as out:
+        subprocess.run([*awk, "-v", "n=512", "BEGIN " + prog], stdout=out, check=True)
+    data = f.read_bytes()
+    assert data == b"".join(e2e.stale_page(i) for i in range(512))
+    got = subprocess.run([str(sampler), "--hash", str(f)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    want = e2e.stale_hashes(2)
+    assert [int(h, 16) for h in got] == [int.from_bytes(want[i:i + 8], "little")
+                                         for i in range(0, len(want), 8)]
+    assert len(set(got)) == 512
+
+
+def test_summary_stale_class() -> None:
+    """Freed stale pages shared by KSM are saved as their own class, not as
+    "everything else"; those still held are reported."""
+    def g(t: int, guest: int, stale: int, stale_shared: int) -> str:
+        return _g("ksm", t, guest, 10, 10) + f" {stale} {stale_shared}"
+
+    lines = [
+        "E2E-EV ksm 0 begin filter=0",
+        g(100, 1, 500, 0), g(100, 2, 500, 0), _h("ksm", 100, 0, 0, 10, 0, 0) + " 0 0 0",
+        "E2E-EV ksm 200 work-done",
+        g(300, 1, 500, 500), g(300, 2, 500, 500),
+        _h("ksm", 300, 0, 0, 10, 0, 0) + " 0 0 500",
+    ]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm"], "", "", 100, 900, 2)
+    c = e2e.summarize(e2e.parse(lines), st, 10)["configs"]["ksm"]
+    assert c["saved_mib"]["stale"] == pytest.approx(500 * 4096 / 2**20)
+    assert c["saved_mib"]["other"] == 0
+    assert c["stale_resident_mib_end"] == pytest.approx(1000 * 4096 / 2**20)
 
 
 def test_sampler_usage_error(sampler: Path) -> None:
@@ -141,10 +182,10 @@ def test_benchmark_refuses_before_building(tmp_path: Path,
         raise AssertionError("built something before refusing")
 
     monkeypatch.setattr(e2e, "KSM", tmp_path / "no-ksm")
-    monkeypatch.setattr(e2e.golden, "build_image", no_build)
+    monkeypatch.setattr(golden, "build_image", no_build)
     monkeypatch.setattr(e2e, "load_ktest", no_build)
-    monkeypatch.setattr(e2e.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(e2e.cache, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "cache")
     monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image)])
     with pytest.raises(e2e.BenchError, match=r"this host has no KSM .* pass --list"):
         e2e.main()

@@ -350,8 +350,8 @@ run_config() { # name filter ksm(off/default/advisor) balloon
         wait_file $W/qmp$i.sock 120 || fail "guest $i: no QMP socket"
         if [ "$c_filter" = 1 ]; then set -- "$@" "$p:$W/qmp$i.sock"; else set -- "$@" "$p:-"; fi
     done
-    $P/bin/e2e_sampler "$cfg" $P/listed.hashes "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" \
-        "$@" &
+    E2E_STALE_HASHES=$P/stale.hashes $P/bin/e2e_sampler "$cfg" $P/listed.hashes \
+        "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" "$@" &
     sampler_pid=$!
     stamp_marks &
     marks_pid=$!

@@ -20,9 +20,10 @@
  *         server_pss_kb pages_shared pages_sharing ksm_zero_pages
  *         merge_page_merged full_scans distinct_listed distinct_zero
  *         distinct_other sample_ms khugepaged_collapsed khugepaged_full_scans
+ *         distinct_stale
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
- *         merge_ns merge_failed not_listed full on_server
+ *         merge_ns merge_failed not_listed full on_server stale stale_shared
  *
  * t is CLOCK_BOOTTIME in ms, the clock of /proc/uptime, so the driver's
  * shell can stamp its own events on the same axis.
@@ -30,7 +31,9 @@
  * Classes are by content: a guest page is "listed" when its 64-bit hash is
  * one of HASHFILE's (the hashes of the list's blocks, computed by the
  * benchmark from the image), "zero" when it is all zeros or maps the zero
- * page, "other" otherwise.  "Shared" means mapped from a KSM page
+ * page, "stale" when its hash is one of $E2E_STALE_HASHES's (the pages of
+ * the stale memory the guests write and free: free pages that still hold
+ * identical data), "other" otherwise.  "Shared" means mapped from a KSM page
  * (/proc/kpageflags), which is what both ksmd and merge_pages() produce, or
  * the zero page.  Only present pages are read (process_vm_readv on a page
  * that is not present would fault it in).  A KSM page's content cannot
@@ -75,7 +78,7 @@
 #define MAX_GUESTS 16
 #define FULL_EVERY 5
 
-enum cls { C_UNKNOWN, C_LISTED, C_ZERO, C_OTHER };
+enum cls { C_UNKNOWN, C_LISTED, C_ZERO, C_OTHER, C_STALE, NCLS };
 
 struct guest {
 	pid_t pid;
@@ -83,16 +86,19 @@ struct guest {
 	int qmp;		/* -1: no filter, or not connected */
 	uint64_t ram, ram_len;	/* QEMU's mapping of guest RAM */
 	int pagemap;
-	long last_listed, last_zero;	/* of the last full sample */
+	long last_listed, last_zero, last_stale;	/* of the last full sample */
 	char qbuf[1 << 16];
 	size_t qlen;
 };
 
 static volatile sig_atomic_t stop;
-static uint64_t *hashes;
-static size_t nhashes;
+struct hashset {
+	uint64_t *h;
+	size_t n;
+};
+static struct hashset listed_set, stale_set;
 static uint8_t *pfn_class;	/* per PFN: enum cls of a KSM page, cached */
-static uint8_t *seen[4];	/* per PFN bitmaps, per class: distinct shared PFNs */
+static uint8_t *seen[NCLS];	/* per PFN bitmaps, per class: distinct shared PFNs */
 static uint8_t *server_pfns;	/* per PFN bitmap: mapped by the page server */
 static uint64_t *kflags;
 static size_t nkflags, kflags_cap;
@@ -135,16 +141,16 @@ static uint64_t page_hash(const uint64_t *w)
 	return h;
 }
 
-static bool is_listed(uint64_t h)
+static bool in_set(const struct hashset *set, uint64_t h)
 {
-	size_t lo = 0, hi = nhashes;
+	size_t lo = 0, hi = set->n;
 
 	while (lo < hi) {
 		size_t mid = lo + (hi - lo) / 2;
 
-		if (hashes[mid] == h)
+		if (set->h[mid] == h)
 			return true;
-		if (hashes[mid] < h)
+		if (set->h[mid] < h)
 			lo = mid + 1;
 		else
 			hi = mid;
@@ -159,7 +165,7 @@ static int cmp_u64(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-static void load_hashes(const char *path)
+static void load_hashes(struct hashset *set, const char *path)
 {
 	FILE *f = fopen(path, "rb");
 	long sz;
@@ -169,12 +175,12 @@ static void load_hashes(const char *path)
 	fseek(f, 0, SEEK_END);
 	sz = ftell(f);
 	rewind(f);
-	nhashes = (size_t)sz / 8;
-	hashes = malloc(nhashes * 8 + 8);
-	if (!hashes || fread(hashes, 8, nhashes, f) != nhashes)
+	set->n = (size_t)sz / 8;
+	set->h = malloc(set->n * 8 + 8);
+	if (!set->h || fread(set->h, 8, set->n, f) != set->n)
 		die("cannot read %s", path);
 	fclose(f);
-	qsort(hashes, nhashes, 8, cmp_u64);
+	qsort(set->h, set->n, 8, cmp_u64);
 }
 
 /* All of /proc/kpageflags, once per sample (one sequential read). */
@@ -201,10 +207,10 @@ static void read_kpageflags(void)
 	close(fd);
 	if (!pfn_class) {
 		pfn_class = calloc(nkflags + 1, 1);
-		for (int c = 0; c < 4; c++)
+		for (int c = 0; c < NCLS; c++)
 			seen[c] = calloc(nkflags / 8 + 1, 1);
 		server_pfns = calloc(nkflags / 8 + 1, 1);
-		if (!pfn_class || !seen[3] || !server_pfns)
+		if (!pfn_class || !seen[C_OTHER] || !seen[C_STALE] || !server_pfns)
 			die("out of memory for %s", "PFN maps");
 	}
 }
@@ -512,6 +518,7 @@ static void filter_stats(struct guest *g, long out[5])
 
 struct counts {
 	long present, ksm, listed, listed_shared, zero, zero_shared, other_shared;
+	long stale, stale_shared;	/* freed stale memory ($E2E_STALE_HASHES) */
 	long on_server;		/* listed and shared: the server's own page */
 };
 
@@ -570,12 +577,16 @@ static void mark(int c, uint64_t pfn)
 static enum cls classify(const uint64_t *w)
 {
 	bool zero = true;
+	uint64_t h;
 
 	for (size_t i = 0; i < PS / 8 && zero; i++)
 		zero = !w[i];
 	if (zero)
 		return C_ZERO;
-	return is_listed(page_hash(w)) ? C_LISTED : C_OTHER;
+	h = page_hash(w);
+	if (in_set(&listed_set, h))
+		return C_LISTED;
+	return in_set(&stale_set, h) ? C_STALE : C_OTHER;
 }
 
 static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
@@ -587,6 +598,9 @@ static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
 	} else if (k == C_ZERO) {
 		c->zero++;
 		c->zero_shared += shared;
+	} else if (k == C_STALE) {
+		c->stale++;
+		c->stale_shared += shared;
 	} else {
 		c->other_shared += shared;
 	}
@@ -657,9 +671,11 @@ static void scan_guest(struct guest *g, struct counts *c, bool full)
 	if (full) {
 		g->last_listed = c->listed;
 		g->last_zero = c->zero;
+		g->last_stale = c->stale;
 	} else {
 		c->listed = g->last_listed > c->listed ? g->last_listed : c->listed;
 		c->zero = g->last_zero > c->zero ? g->last_zero : c->zero;
+		c->stale = g->last_stale > c->stale ? g->last_stale : c->stale;
 	}
 }
 
@@ -699,7 +715,9 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	cfg = argv[1];
-	load_hashes(argv[2]);
+	load_hashes(&listed_set, argv[2]);
+	if (getenv("E2E_STALE_HASHES") && *getenv("E2E_STALE_HASHES"))
+		load_hashes(&stale_set, getenv("E2E_STALE_HASHES"));
 	interval = atol(argv[3]);
 	server = atoi(argv[4]);
 	guest_mib = atol(argv[5]);
@@ -726,7 +744,7 @@ int main(int argc, char **argv)
 		long srss, spss;
 
 		read_kpageflags();
-		for (int c = 0; c < 4; c++)
+		for (int c = 0; c < NCLS; c++)
 			memset(seen[c], 0, nkflags / 8 + 1);
 		read_server_pfns(server);
 		for (int i = 0; i < ng; i++) {
@@ -737,21 +755,22 @@ int main(int argc, char **argv)
 			rss_pss(g[i].pid, &rss, &pss);
 			filter_stats(&g[i], fs);
 			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-			       "%ld %ld %ld %ld %ld %d %ld\n", cfg, t0, i, cpu_ms(g[i].pid), rss,
-			       pss, c.present, c.ksm, c.listed, c.listed_shared, c.zero,
+			       "%ld %ld %ld %ld %ld %d %ld %ld %ld\n", cfg, t0, i, cpu_ms(g[i].pid),
+			       rss, pss, c.present, c.ksm, c.listed, c.listed_shared, c.zero,
 			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4],
-			       full, c.on_server);
+			       full, c.on_server, c.stale, c.stale_shared);
 		}
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-		       "%ld %" PRIu64 " %ld %ld\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
+		       "%ld %" PRIu64 " %ld %ld %ld\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
 		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
 		       ksm_stat("pages_shared"), ksm_stat("pages_sharing"),
 		       ksm_stat("ksm_zero_pages"), ksm_stat("merge_page_merged"),
 		       ksm_stat("full_scans"), popcount_map(seen[C_LISTED]),
 		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
-		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"));
+		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"),
+		       popcount_map(seen[C_STALE]));
 		if ((long)(t1 - t0) < interval)
 			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
 	}
