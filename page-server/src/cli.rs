@@ -2,7 +2,10 @@
 //!
 //! Hand-parsed, on purpose: six commands with a few options each, and the
 //! usage text below is the whole help.  Options may stand anywhere after
-//! the command; options a command does not take are ignored.
+//! the command.  Anything a command does not take (an unknown or misspelt
+//! option, an option without its value, an operand too many) is refused
+//! with a message: `run --confg x.toml` must not run with the default
+//! configuration.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -54,6 +57,12 @@ pub enum Command {
 pub enum UsageError {
     CheckConfigNeedsFile,
     UnknownCommand(String),
+    /// An option this command does not take (`command`, `option`).
+    UnknownOption(&'static str, String),
+    /// `--config` or `--socket` as the last argument.
+    MissingValue(&'static str, String),
+    /// An operand this command does not take (`command`, `operand`).
+    UnexpectedOperand(&'static str, String),
 }
 
 impl fmt::Display for UsageError {
@@ -61,39 +70,68 @@ impl fmt::Display for UsageError {
         match self {
             UsageError::CheckConfigNeedsFile => write!(f, "check-config needs a FILE"),
             UsageError::UnknownCommand(c) => write!(f, "unknown command {c:?}\n{USAGE}"),
+            UsageError::UnknownOption(cmd, o) => {
+                write!(f, "{cmd} does not take the option {o:?} (pageshare-server --help lists what it takes)")
+            }
+            UsageError::MissingValue(cmd, o) => write!(f, "{cmd}: {o} needs a value"),
+            UsageError::UnexpectedOperand(cmd, a) => {
+                write!(f, "{cmd} does not take {a:?} (pageshare-server --help lists what it takes)")
+            }
         }
     }
 }
 
 impl std::error::Error for UsageError {}
 
-/// The value after the first `name` in `args`, if there is one.
-fn option_value(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+/// What one command's arguments said.
+#[derive(Default)]
+struct Args {
+    config: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    json: bool,
+    operands: Vec<String>,
 }
 
-fn has_flag(args: &[String], name: &str) -> bool {
-    args.iter().any(|a| a == name)
-}
-
-fn config_path(args: &[String]) -> PathBuf {
-    option_value(args, "--config").unwrap_or_else(|| DEFAULT_CONFIG.into()).into()
-}
-
-/// `--socket` wins over `--config`.
-fn control_socket(args: &[String]) -> ControlSocket {
-    match option_value(args, "--socket") {
-        Some(s) => ControlSocket::Path(s.into()),
-        None => ControlSocket::FromConfig(config_path(args)),
+/// Read `args` of command `cmd`, which takes the options in `takes` and at
+/// most `max_operands` operands.
+fn scan(cmd: &'static str, args: &[String], takes: &[&str], max_operands: usize) -> Result<Args, UsageError> {
+    let mut out = Args::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a.starts_with('-') && a.len() > 1 {
+            if !takes.contains(&a.as_str()) {
+                return Err(UsageError::UnknownOption(cmd, a.clone()));
+            }
+            match a.as_str() {
+                "--json" => out.json = true,
+                "--config" | "--socket" => {
+                    let v = it.next().ok_or_else(|| UsageError::MissingValue(cmd, a.clone()))?;
+                    let slot = if a == "--config" { &mut out.config } else { &mut out.socket };
+                    *slot = Some(v.into());
+                }
+                _ => unreachable!("every option in `takes` is handled"),
+            }
+        } else if out.operands.len() < max_operands {
+            out.operands.push(a.clone());
+        } else {
+            return Err(UsageError::UnexpectedOperand(cmd, a.clone()));
+        }
     }
+    Ok(out)
 }
 
-/// The first argument that is neither an option nor an option's value.
-fn first_operand(args: &[String]) -> Option<String> {
-    args.iter()
-        .enumerate()
-        .find(|(i, a)| !a.starts_with("--") && (*i == 0 || !["--socket", "--config"].contains(&args[i - 1].as_str())))
-        .map(|(_, a)| a.clone())
+impl Args {
+    fn config(&self) -> PathBuf {
+        self.config.clone().unwrap_or_else(|| DEFAULT_CONFIG.into())
+    }
+
+    /// `--socket` wins over `--config`.
+    fn control_socket(&self) -> ControlSocket {
+        match &self.socket {
+            Some(s) => ControlSocket::Path(s.clone()),
+            None => ControlSocket::FromConfig(self.config()),
+        }
+    }
 }
 
 /// Parse the arguments after the program name.
@@ -103,14 +141,23 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
     Ok(match cmd.as_str() {
         "-h" | "--help" | "help" => Command::Help,
         "--version" => Command::Version,
-        "run" => Command::Run { config: config_path(rest) },
-        "check-config" => Command::CheckConfig { file: rest.first().ok_or(UsageError::CheckConfigNeedsFile)?.into() },
-        "status" => Command::Status { socket: control_socket(rest), json: has_flag(rest, "--json") },
-        "reload" => Command::Reload { socket: control_socket(rest), image: first_operand(rest).unwrap_or_default() },
-        "check-list" => Command::CheckList {
-            files: rest.iter().filter(|a| *a != "--json").cloned().collect(),
-            json: has_flag(rest, "--json"),
-        },
+        "run" => Command::Run { config: scan("run", rest, &["--config"], 0)?.config() },
+        "check-config" => {
+            let a = scan("check-config", rest, &[], 1)?;
+            Command::CheckConfig { file: a.operands.first().ok_or(UsageError::CheckConfigNeedsFile)?.into() }
+        }
+        "status" => {
+            let a = scan("status", rest, &["--config", "--socket", "--json"], 0)?;
+            Command::Status { socket: a.control_socket(), json: a.json }
+        }
+        "reload" => {
+            let a = scan("reload", rest, &["--config", "--socket"], 1)?;
+            Command::Reload { socket: a.control_socket(), image: a.operands.first().cloned().unwrap_or_default() }
+        }
+        "check-list" => {
+            let a = scan("check-list", rest, &["--json"], usize::MAX)?;
+            Command::CheckList { files: a.operands, json: a.json }
+        }
         other => return Err(UsageError::UnknownCommand(other.to_string())),
     })
 }
@@ -140,8 +187,26 @@ mod tests {
     fn run_takes_a_config_or_the_default() {
         assert_eq!(p(&["run"]), Ok(Command::Run { config: DEFAULT_CONFIG.into() }));
         assert_eq!(p(&["run", "--config", "/x.toml"]), Ok(Command::Run { config: "/x.toml".into() }));
-        // --config without its value: the default.
-        assert_eq!(p(&["run", "--config"]), Ok(Command::Run { config: DEFAULT_CONFIG.into() }));
+    }
+
+    #[test]
+    fn what_a_command_does_not_take_is_refused() {
+        // A misspelt option must not run the daemon with the default config.
+        assert_eq!(p(&["run", "--confg", "x.toml"]), Err(UsageError::UnknownOption("run", "--confg".into())));
+        assert_eq!(p(&["run", "--config"]), Err(UsageError::MissingValue("run", "--config".into())));
+        assert_eq!(p(&["run", "x.toml"]), Err(UsageError::UnexpectedOperand("run", "x.toml".into())));
+        assert_eq!(p(&["status", "--socket"]), Err(UsageError::MissingValue("status", "--socket".into())));
+        assert_eq!(p(&["status", "-j"]), Err(UsageError::UnknownOption("status", "-j".into())));
+        assert_eq!(p(&["reload", "a", "b"]), Err(UsageError::UnexpectedOperand("reload", "b".into())));
+        assert_eq!(p(&["reload", "--json"]), Err(UsageError::UnknownOption("reload", "--json".into())));
+        assert_eq!(
+            p(&["check-config", "a.toml", "b.toml"]),
+            Err(UsageError::UnexpectedOperand("check-config", "b.toml".into()))
+        );
+        assert_eq!(p(&["check-list", "--all"]), Err(UsageError::UnknownOption("check-list", "--all".into())));
+        let text = p(&["run", "--confg", "x"]).unwrap_err().to_string();
+        assert!(text.contains("run does not take the option \"--confg\""), "{text}");
+        assert_eq!(p(&["run", "--config"]).unwrap_err().to_string(), "run: --config needs a value");
     }
 
     #[test]
