@@ -94,8 +94,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["shm", "qcow2"], help="one base only")
     a = ap.parse_args()
 
-    from pageshare import sectorlist
     from page_server_helpers import ImageSpec, Server, make_list
+    from pageshare import sectorlist
 
     out = build.ensure_built()
     qemu_img = str(out / "bin" / "qemu-img")
