@@ -15,6 +15,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -565,3 +566,30 @@ def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
     out = subprocess.run([str(exe), str(s.sock("img")), "1000", str(raw)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "not the file the server verified" in out.stderr
+
+
+def test_c_table_reader_refuses_malformed_tables(tmp_path: Path) -> None:
+    """pageshare_table.h judges every table the QEMU filter's fuzz seeds
+    hold as the filter does, and its lookups are bounded: a header that
+    claims fewer entries than its buckets hold (every bucket taken) made
+    pst_lookup() spin forever; check_table's alarm() kills that."""
+    seeds = tmp_path / "seeds"
+    subprocess.run([sys.executable, str(PAGE_SERVER.parent / "qemu-patches" / "fuzz" /
+                                        "make_seeds.py"), str(seeds)], check=True)
+    exe = tmp_path / "check_table"
+    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
+                    str(PAGE_SERVER / "client" / "check_table.c")], check=True)
+    paths = sorted(seeds.glob("seed-*.bin"))
+    out = subprocess.run([str(exe), *map(str, paths)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    verdicts = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert {Path(k).stem.removeprefix("seed-"): v for k, v in verdicts.items()} == {
+        "bad-addr": "malformed table: an entry outside the image or arena",
+        "dense": "accepted",
+        "empty": "accepted",
+        "full": "malformed table: entry count does not match the buckets",
+        "lie": "malformed table: entry count does not match the buckets",
+        "one": "accepted",
+        "random": "accepted",
+    }, out.stdout

@@ -141,8 +141,44 @@ struct pst_table {
 	const struct pst_header *h;
 	const struct pst_bucket *b;
 	uint64_t mask;
+	uint64_t max_probe;            /* longest distance of an entry from its home */
 	unsigned int shift;            /* 64 - bucket_bits */
 };
+
+/* pst_open()'s walk over every bucket; fills t->max_probe. */
+static inline int pst_check_buckets(struct pst_table *t, char *err, size_t errlen)
+{
+	const struct pst_header *h = t->h;
+	const uint64_t image_blocks = h->image_virtual_size / 4096;
+	uint64_t found = 0, max_probe = 0;
+
+	if (h->arena_base % 4096 || h->arena_len / 4096 < image_blocks ||
+	    h->arena_base > UINT64_MAX - h->arena_len) {
+		snprintf(err, errlen, "malformed table: bad arena");
+		return -1;
+	}
+	for (uint64_t i = 0; i < h->bucket_count; i++) {
+		const uint64_t key = t->b[i].key;
+		uint64_t home;
+
+		if (!key)
+			continue;
+		if (key - 1 >= image_blocks || t->b[i].addr != h->arena_base + (key - 1) * 4096) {
+			snprintf(err, errlen, "malformed table: an entry outside the image or arena");
+			return -1;
+		}
+		home = (key * PST_HASH_MULT) >> t->shift;
+		if (((i - home) & t->mask) > max_probe)
+			max_probe = (i - home) & t->mask;
+		found++;
+	}
+	if (found != h->entry_count) {
+		snprintf(err, errlen, "malformed table: entry count does not match the buckets");
+		return -1;
+	}
+	t->max_probe = max_probe;
+	return 0;
+}
 
 /**
  * pst_open - validate and map a table memfd.
@@ -152,7 +188,13 @@ struct pst_table {
  * @errlen: size of @err
  *
  * Checks the seals (a table that could shrink would SIGBUS a reader), the
- * size, magic, version and geometry.  The caller should also compare
+ * size, magic, version and geometry, and then every bucket once, as QEMU's
+ * filter does (block/pageshare-table.c): each key a block of the image,
+ * each address the one the layout gives it (arena_base + 4096 * block), and
+ * exactly entry_count of them.  The table comes from another process, so it
+ * is input: a header that claims fewer entries than the buckets hold (every
+ * bucket taken) would otherwise make pst_lookup() spin forever.  The
+ * longest probe found bounds every lookup.  The caller should also compare
  * image_virtual_size (and the content sha256 if known) with its base image.
  *
  * Return: 0, or -1 with @err set.
@@ -197,6 +239,11 @@ static inline int pst_open(struct pst_table *t, int memfd, char *err, size_t err
 	t->b = (const struct pst_bucket *)((const char *)map + PST_HEADER_SIZE);
 	t->mask = h->bucket_count - 1;
 	t->shift = 64 - h->bucket_bits;
+	if (pst_check_buckets(t, err, errlen) < 0) {
+		munmap(map, (size_t)st.st_size);
+		memset(t, 0, sizeof(*t));
+		return -1;
+	}
 	return 0;
 }
 
@@ -206,14 +253,16 @@ static inline int pst_open(struct pst_table *t, int memfd, char *err, size_t err
  * @block: byte offset in the virtual disk >> 12 (sector / 8)
  *
  * Return: the address to pass as merge_page_vec.src, or 0 if not listed.
- * Terminates because the load factor is at most 0.5.
+ * Reads at most max_probe + 1 buckets, whatever the table holds.
  */
 static inline uint64_t pst_lookup(const struct pst_table *t, uint64_t block)
 {
 	const uint64_t key = block + 1;
 	uint64_t i = (key * PST_HASH_MULT) >> t->shift;
 
-	for (;;) {
+	if (key == 0)                  /* 0 marks an empty bucket, never a block */
+		return 0;
+	for (uint64_t n = 0; n <= t->max_probe; n++) {
 		const struct pst_bucket *b = &t->b[i];
 
 		if (b->key == key)
@@ -222,6 +271,7 @@ static inline uint64_t pst_lookup(const struct pst_table *t, uint64_t block)
 			return 0;
 		i = (i + 1) & t->mask;
 	}
+	return 0;
 }
 
 static inline void pst_close(struct pst_table *t)
