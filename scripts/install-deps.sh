@@ -34,6 +34,8 @@ APT_PACKAGES=(
 	# libvirt, for `pageshare attach --libvirt` and libvirt-watch and their
 	# test (which runs a libvirtd of its own, in a mount namespace)
 	libvirt-daemon-system libvirt-clients python3-libvirt
+	# a FUSE file system for the test that an image on one is refused
+	bindfs
 )
 
 if [ "$(id -u)" != 0 ]; then

@@ -207,6 +207,41 @@ def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_pa
 # --------------------------------------------------------------------------- bad input
 
 
+def test_image_on_fuse_is_refused_and_the_others_served(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    """An image on a FUSE file system (bindfs here; NFS, SMB, Ceph and the
+    like are refused the same way) can change without this host's kernel
+    moving its ctime, so no stamp of it proves anything: the server refuses
+    to serve it, says why and what to do, and serves its other images."""
+    raw, qcow, sha = synthetic
+    below, mnt = tmp_path / "below", tmp_path / "fuse"
+    below.mkdir()
+    mnt.mkdir()
+    shutil.copy(qcow, below / "img.qcow2")
+    subprocess.run(["bindfs", "--no-allow-other", str(below), str(mnt)], check=True)
+    try:
+        assert subprocess.run(["stat", "-f", "-c", "%t", str(mnt)], capture_output=True,
+                              text=True).stdout.strip() == "65735546"  # FUSE_SUPER_MAGIC
+        on_fuse = tmp_path / "fuse.pcsl"
+        local = tmp_path / "local.pcsl"
+        synthetic_list(raw, sha, on_fuse)
+        synthetic_list(raw, sha, local)
+        s = start(server_factory, tmp_path / "srv", [ImageSpec("fuse", mnt / "img.qcow2", on_fuse),
+                                                     ImageSpec("local", qcow, local)])
+        s.wait_generation("local", 1, 60)
+        wait_for(lambda: s.image("fuse")["state"] == "error", 60, "the FUSE image's refusal")
+        err = s.image("fuse")["last_error"]
+        assert "is on FUSE" in err and "copy it to a local file system" in err, err
+        m = psc.PageshareClient(s.sock("fuse")).recv()
+        assert isinstance(m, psc.NoTableMsg), m
+        assert isinstance(psc.PageshareClient(s.sock("local")).recv(), psc.TableMsg)
+        assert s.alive()
+    finally:
+        for s in server_factory:
+            s.stop()
+        subprocess.run(["fusermount", "-u", str(mnt)], check=True)
+
+
 def test_bad_lists_are_refused_and_the_old_generation_kept(
         synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
     raw, qcow, sha = synthetic

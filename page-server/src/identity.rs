@@ -17,6 +17,15 @@
 //! index entries, a stamp is therefore usable only if its ctime is at least
 //! [`RACY_NS`] older than the wall-clock time at which it was taken; until
 //! then [`open_stable`] waits and takes it again.
+//!
+//! All of that holds only where every write to the file goes through this
+//! host's kernel, which updates the ctime and raises inotify events for it.
+//! On a network, cluster or FUSE file system another host (or a user-space
+//! daemon) can change the bytes behind the server's back, and fstat() may
+//! answer from attributes cached before the change.  So a stamp is taken
+//! only on the local file systems of [`LOCAL_FILE_SYSTEMS`]; an image file
+//! anywhere else is refused ([`ImageError::NotLocal`]), and its VMs read
+//! from their disks.
 
 use crate::blockreader::{BlockReader, ReadError};
 use serde::{Deserialize, Serialize};
@@ -59,6 +68,57 @@ pub const RACY_NS: i64 = 2_000_000_000;
 /// Waits for a racy stamp before open_stable() gives up (the file keeps
 /// changing); the load fails and is retried later.
 const MAX_RACY_WAITS: u32 = 5;
+/// File systems (statfs f_type) on which every change of a file is made by
+/// this host's kernel, so that it moves the ctime and inotify sees it.
+pub const LOCAL_FILE_SYSTEMS: &[(i64, &str)] = &[
+    (0xEF53, "ext2/3/4"),
+    (0x5846_5342, "XFS"),
+    (0x9123_683E, "btrfs"),
+    (0x0102_1994, "tmpfs"),
+    (0x8584_58F6, "ramfs"),
+    (0xF2F5_2010, "f2fs"),
+    (0x2FC1_2FC1, "ZFS"),
+    (0xCA45_1A4E, "bcachefs"),
+];
+
+/// Names for the f_type of file systems an image is refused on.
+const OTHER_FILE_SYSTEMS: &[(i64, &str)] = &[
+    (0x6969, "NFS"),
+    (0xFF53_4D42, "CIFS/SMB"),
+    (0xFE53_4D42, "SMB2"),
+    (0x6573_5546, "FUSE"),
+    (0x00C3_6400, "Ceph"),
+    (0x0116_1970, "GFS2"),
+    (0x7461_636F, "OCFS2"),
+    (0x0102_1997, "9p"),
+    (0x794C_7630, "overlayfs"),
+    (0x6A65_6A65, "virtiofs"),
+];
+
+/// Whether a file on a file system of statfs type `f_type` can be proved
+/// unchanged by its stamp: Ok, or Err with the file system's name.
+pub fn check_local_fs(f_type: i64) -> Result<(), String> {
+    if LOCAL_FILE_SYSTEMS.iter().any(|(m, _)| *m == f_type) {
+        return Ok(());
+    }
+    Err(OTHER_FILE_SYSTEMS
+        .iter()
+        .find(|(m, _)| *m == f_type)
+        .map(|(_, name)| (*name).to_string())
+        .unwrap_or_else(|| format!("a file system of type {f_type:#x}")))
+}
+
+fn fs_type(f: &File) -> io::Result<i64> {
+    // SAFETY: fstatfs fills a plain struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and pointer.
+    if unsafe { libc::fstatfs(f.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type is i64 on x86_64, not everywhere
+    Ok(st.f_type as i64)
+}
+
 /// A ctime further in the future than this is a clock problem, not a race.
 const FUTURE_SLACK_NS: i64 = 1_000_000_000;
 
@@ -78,6 +138,8 @@ pub enum ImageError {
     Unsettled { path: PathBuf, opened: FileStamp, named: FileStamp },
     FutureCtime { path: PathBuf, seconds: f64 },
     KeepsChanging { path: PathBuf, waits: u32 },
+    /// On a file system whose changes this host's kernel may not see.
+    NotLocal { path: PathBuf, fs: String },
     Cancelled,
     Read(ReadError),
     HashThread(&'static str),
@@ -114,6 +176,17 @@ impl fmt::Display for ImageError {
                 "image {} keeps changing (changed again {waits} times while waiting for it to settle)",
                 path.display()
             ),
+            ImageError::NotLocal { path, fs } => {
+                let local: Vec<&str> = LOCAL_FILE_SYSTEMS.iter().map(|(_, n)| *n).collect();
+                write!(
+                    f,
+                    "image {} is on {fs}, where it can change without this host's kernel moving its ctime or \
+                     telling inotify, so the server cannot prove that VMs read the bytes it verified; \
+                     copy it to a local file system ({}) and serve the copy",
+                    path.display(),
+                    local.join(", ")
+                )
+            }
             ImageError::Cancelled => write!(f, "cancelled"),
             ImageError::Read(e) => e.fmt(f),
             ImageError::HashThread(what) => write!(f, "hash thread {what}"),
@@ -266,6 +339,10 @@ fn open_matching(path: &Path) -> Result<(File, FileStamp), ImageError> {
         let fd = FileStamp::of_file(&file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
         let p = FileStamp::of_path(path)?;
         if fd == p {
+            if file.metadata().map(|m| m.file_type().is_file()).unwrap_or(false) {
+                let t = fs_type(&file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
+                check_local_fs(t).map_err(|fs| ImageError::NotLocal { path: path.into(), fs })?;
+            }
             return Ok((file, fd));
         }
         attempt += 1;
@@ -437,6 +514,21 @@ mod tests {
     }
 
     const S: i64 = 1_000_000_000;
+
+    #[test]
+    fn only_local_file_systems_are_proven() {
+        assert!(check_local_fs(0xEF53).is_ok());
+        assert!(check_local_fs(0x0102_1994).is_ok());
+        assert_eq!(check_local_fs(0x6969).unwrap_err(), "NFS");
+        assert_eq!(check_local_fs(0x6573_5546).unwrap_err(), "FUSE");
+        assert_eq!(check_local_fs(0x1234).unwrap_err(), "a file system of type 0x1234");
+        // the test's own temporary directory is local, and open_stable() takes it
+        let d = tmpdir("local-fs");
+        let p = d.join("img");
+        std::fs::write(&p, b"x").unwrap();
+        let f = File::open(&p).unwrap();
+        assert!(check_local_fs(fs_type(&f).unwrap()).is_ok(), "{:#x}", fs_type(&f).unwrap());
+    }
 
     #[test]
     fn racy_rule_with_explicit_times() {
