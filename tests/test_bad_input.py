@@ -143,7 +143,7 @@ def test_unsupported_root_filesystem(tmp_path: Path) -> None:
             "etc/debian_version": "12.0\n", "etc/fstab": "/dev/sda / ext2 defaults 0 1\n",
             "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n"}
     img = mkfs_image(tmp_path, "ext2", tree)
-    assert_clean_failure(run_analyze(tmp_path, str(img)), "only ext4 and XFS are supported")
+    assert_clean_failure(run_analyze(tmp_path, str(img)), "only ext4, XFS and btrfs are supported")
 
 
 @pytest.mark.usefixtures("host_guard")
