@@ -207,6 +207,29 @@ def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_pa
 # --------------------------------------------------------------------------- bad input
 
 
+def test_missing_image_is_named_and_the_others_served(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    """An [[image]] whose path does not exist (a typo, a volume not
+    mounted yet) is an error of that image alone: the server starts, serves
+    its other images, says which path and why, tells that image's clients
+    there is no table (their reads go to disk), and retries it."""
+    raw, qcow, sha = synthetic
+    missing = tmp_path / "not-there" / "golden.qcow2"
+    lst, other = tmp_path / "l.pcsl", tmp_path / "o.pcsl"
+    synthetic_list(raw, sha, lst)
+    synthetic_list(raw, sha, other)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("missing", missing, lst),
+                                                 ImageSpec("good", qcow, other)])
+    s.wait_generation("good", 1, 60)
+    wait_for(lambda: s.image("missing")["state"] == "error", 60, "the missing image's error")
+    st = s.image("missing")
+    assert str(missing) in st["last_error"] and "No such file" in st["last_error"], st
+    assert "retrying in" in st["message"], st
+    assert isinstance(psc.PageshareClient(s.sock("missing")).recv(), psc.NoTableMsg)
+    assert isinstance(psc.PageshareClient(s.sock("good")).recv(), psc.TableMsg)
+    assert s.alive()
+
+
 def test_image_on_fuse_is_refused_and_the_others_served(
         synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
     """An image on a FUSE file system (bindfs here; NFS, SMB, Ceph and the
