@@ -23,7 +23,7 @@ unit: deps
 	$(PY) -m pytest -q -m "not vm"
 
 test: deps lint
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 # The kernel series' VM tests alone (issue 3); `make test` runs them too,
 # through tests/test_kernel_syscall.py.
