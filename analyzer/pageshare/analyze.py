@@ -9,7 +9,6 @@ base-image sectors, verifying every byte.  Blocks seen in at least
 """
 
 import datetime as dt
-import json
 import os
 import platform
 import re
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, btrfsmap, diskimage, drgn_backend, sectorlist, xfsmap
+from . import __version__, btrfsmap, diskimage, drgn_backend, resultsdb, sectorlist, xfsmap
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
@@ -44,7 +43,7 @@ from .mapping import (
     norm_uuid,
 )
 from .progress import Progress
-from .resultsdb import connect
+from .resultsdb import GuestPage, ListedBlock, connect
 from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
 from .workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script
 
@@ -225,18 +224,16 @@ def analyze(opts: Options, progress: Progress) -> Summary:
                                         copy=fs.fstype in ("xfs", "btrfs"))
                        for i, fs in enumerate(geo.filesystems)}
             insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
-        image_id = _store_image(db, opts.image, fmt, vsize, content, insp)
-        cur = db.execute(
-            "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
-            "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
-            "workload, settle_s, introspector) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (image_id, _now(), "running", __version__, platform.release(), qemu_version(),
-             installed_crash(), accel, accel_reason, opts.ram_mib, opts.runs,
-             opts.effective_min_runs(), opts.workload.describe(), opts.settle,
-             # The request until a run has seen the guest kernel; then the backend used.
-             opts.introspector))
-        analysis_id = int(cur.lastrowid or 0)
-        _store_filesystems(db, analysis_id, insp)
+        image_id = resultsdb.record_image(db, opts.image, fmt, vsize, content, insp.info)
+        analysis_id = resultsdb.start_analysis(
+            db, image_id, started_at=_now(), tool_version=__version__,
+            host_kernel=platform.release(), qemu_version=qemu_version(),
+            crash_version=installed_crash(), accel=accel, accel_reason=accel_reason,
+            ram_mib=opts.ram_mib, runs=opts.runs, min_runs=opts.effective_min_runs(),
+            workload=opts.workload.describe(), settle_s=opts.settle,
+            # The request until a run has seen the guest kernel; then the backend used.
+            introspector=opts.introspector)
+        resultsdb.record_filesystems(db, analysis_id, insp.info.filesystems, insp.info.skipped)
         db.commit()
 
         root = info.filesystems[0]
@@ -253,10 +250,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
             summary = _finish(opts, progress, db, analysis_id, insp, content, raw, sources,
                               results,
                               accel, accel_reason, ksm_series)
-        db.execute("UPDATE analysis SET status='ok', finished_at=? WHERE id=?",
-                   (_now(), analysis_id))
-        db.executemany("INSERT OR REPLACE INTO phase VALUES (?,?,?)",
-                       [(analysis_id, k, v) for k, v in progress.phases.items()])
+        resultsdb.finish_analysis(db, analysis_id, _now(), progress.phases)
         db.commit()
         summary.phases = dict(progress.phases)
         summary.introspector, summary.introspector_reason = results[-1].introspector
@@ -267,37 +261,12 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         return summary
     except BaseException as e:
         if analysis_id:
-            db.execute("UPDATE analysis SET status='failed', finished_at=?, error=? WHERE id=?",
-                       (_now(), f"{type(e).__name__}: {e}"[:2000], analysis_id))
+            resultsdb.fail_analysis(db, analysis_id, _now(), f"{type(e).__name__}: {e}")
             db.commit()
         raise
     finally:
         db.close()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _store_image(db: Any, path: Path, fmt: str, vsize: int, content: str,
-                 insp: Inspection) -> int:
-    i = insp.info
-    db.execute(
-        "INSERT INTO image (path, format, virtual_size, content_sha256, distro, product, "
-        "kernel_version, root_partition, root_start_sector, root_uuid, block_size) "
-        "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (content_sha256, virtual_size) "
-        "DO UPDATE SET path=excluded.path",
-        (str(path.resolve()), fmt, vsize, content, i.distro, i.product, i.kernel_version,
-         i.root_partition, i.root_start_sector, i.root_uuid, i.block_size))
-    row = db.execute("SELECT id FROM image WHERE content_sha256=? AND virtual_size=?",
-                     (content, vsize)).fetchone()
-    return int(row[0])
-
-
-def _store_filesystems(db: Any, analysis_id: int, insp: Inspection) -> None:
-    rows: list[tuple[Any, ...]] = [
-        (analysis_id, f.mountpoint, f.device, f.fstype, norm_uuid(f.uuid), f.start_sector,
-         f.block_size, 1, None) for f in insp.info.filesystems]
-    rows += [(analysis_id, f.mountpoint, f.device, f.fstype, None, None, None, 0, f.reason)
-             for f in insp.info.skipped]
-    db.executemany("INSERT INTO filesystem VALUES (?,?,?,?,?,?,?,?,?)", rows)
 
 
 def _wait_ready(guests: list[Guest], markers: Markers, boot_timeout: float,
@@ -352,8 +321,7 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
     script = write_script(workdir, opts.workload, markers)
     guests = [Guest(name, workdir, opts.image, fmt, boot, accel, opts.ram_mib,
                     {FW_CFG_NAME: script}) for name in VMS]
-    cur = db.execute("INSERT INTO run (analysis_id, seq) VALUES (?,?)", (analysis_id, seq))
-    run_id = int(cur.lastrowid or 0)
+    run_id = resultsdb.start_run(db, analysis_id, seq)
     dumps: dict[str, Path] = {}
     try:
         with progress.phase("boot", f"{tag}: booting guests A and B from fresh overlays"):
@@ -392,16 +360,10 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
             for g in guests:
                 dumps[g.name] = workdir / f"{g.name}.elf"
                 g.dump(dumps[g.name])
-        db.execute("UPDATE run SET ksm_converged=?, ksm_seconds=?, ksm_full_scans=?, "
-                   "ksm_params_json=? WHERE id=?",
-                   (int(conv.converged), conv.seconds, conv.full_scans, json.dumps(params),
-                    run_id))
+        resultsdb.record_ksm_run(db, run_id, conv, params)
         for g in guests:
             assert g.proc
-            m = mc[g.name]
-            db.execute("INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
-                       (run_id, g.name, g.proc.pid, boot_s[g.name], m.present, len(m.cross),
-                        len(m.intra), len(m.zero)))
+            resultsdb.record_vm(db, run_id, g.name, g.proc.pid, boot_s[g.name], mc[g.name])
     finally:
         for g in guests:
             g.shutdown()
@@ -410,9 +372,8 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
         with progress.phase("introspect", f"{tag}: classifying merged frames"):
             recs, contents, build_id, used = _introspect(dumps, mc, vmlinux, workdir, progress,
                                                          tag, opts.introspector)
-        db.execute("UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?",
-                   (build_id[0], build_id[1], run_id))
-        db.execute("UPDATE analysis SET introspector=? WHERE id=?", (used[0], analysis_id))
+        resultsdb.record_guest_kernel(db, run_id, build_id[0], build_id[1])
+        resultsdb.set_introspector(db, analysis_id, used[0])
         with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
             result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo, sources,
                                      opts.include_metadata)
@@ -426,12 +387,10 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
 
 def _store_samples(db: Any, run_id: int, samples: list[Sample],
                    series: list[dict[str, Any]], seq: int) -> None:
-    keys = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared", "pages_volatile",
-            "ksm_zero_pages", "pages_scanned", "general_profit")
+    resultsdb.record_ksm_samples(db, run_id, samples)
     for s in samples:
-        db.execute("INSERT OR REPLACE INTO ksm_sample VALUES (?,?,?,?,?,?,?,?,?,?)",
-                   (run_id, round(s.t, 3), *(s.values.get(k) for k in keys)))
-        series.append({"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in keys}})
+        series.append({"run": seq, "t": round(s.t, 3),
+                       **{k: s.values.get(k) for k in resultsdb.KSM_SAMPLE_KEYS}})
 
 
 # Which guest kernels a crash release cannot open: (crash older than, kernels
@@ -572,10 +531,10 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
     unservable: Counter[str] = Counter()
     for vm in VMS:
         stable[vm], cats[vm], gpfn_sector[vm], listed_candidates[vm] = {}, Counter(), {}, set()
-        rows: list[tuple[Any, ...]] = []
+        rows: list[GuestPage] = []
         for gpfn in mc[vm].zero:
-            rows.append((run_id, vm, gpfn, None, "zero", None, "zero", None, None, None, None,
-                         "zero", None))
+            rows.append(GuestPage(vm, gpfn, None, "zero", None, "zero", None, None, None, None,
+                                  "zero", None))
             cats[vm]["zero"] += 1
         for merge, frames in (("cross", mc[vm].cross), ("intra", mc[vm].intra)):
             for gpfn, pfn in frames.items():
@@ -602,12 +561,14 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                     listed_candidates[vm].add(gpfn)
                 cat = category_of(rec, is_zero, ok)
                 cats[vm][cat] += 1
-                rows.append((run_id, vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
-                             rec.ino if rec else None, rec.index if rec else None,
-                             rec.state if rec else None, sector, verdict or None,
-                             norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None))
+                rows.append(GuestPage(vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
+                                      rec.ino if rec else None, rec.index if rec else None,
+                                      rec.state if rec else None, sector, verdict or None,
+                                      norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None))
         merged_nonzero[vm] = sum(n for c, n in cats[vm].items() if c != "zero")
-        db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        # Each VM's rows as soon as they are known: a failure mapping B's frames
+        # still records A's (the failed analysis' commit keeps them).
+        resultsdb.record_guest_pages(db, run_id, rows)
     return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector,
                      unservable=unservable)
 
@@ -642,16 +603,13 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
     sectorlist.write(sl, list_path)
 
     paths = _listed_paths(sources, [fact[s] for s in keep])
-    db.executemany("INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) "
-                   "VALUES (?,?,?,?)",
-                   [(analysis_id, place.uuid, ino, p) for (place, ino), p in paths.items()])
-    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
-                   [(analysis_id, s, blocks[s], f.ino or None, f.index * PAGE, f.kind, seen[s],
-                     int(both[s]), f.fs.uuid if f.fs else None)
-                    for s, f in ((s, fact[s]) for s in keep)])
-    db.execute("UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
-               "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
-               (analysis_id, str(list_path.resolve()), len(keep), analysis_id))
+    resultsdb.record_files(db, analysis_id,
+                           [(place.uuid, ino, p) for (place, ino), p in paths.items()])
+    resultsdb.record_listed_blocks(
+        db, analysis_id, [ListedBlock(s, blocks[s], f.ino or None, f.index * PAGE, f.kind,
+                                      seen[s], int(both[s]), f.fs.uuid if f.fs else None)
+                          for s, f in ((s, fact[s]) for s in keep)])
+    resultsdb.record_list(db, analysis_id, list_path, len(keep))
 
     # Breakdown over all runs and both VMs, with "listed" meaning: in the final list.
     keep_set = set(keep)

@@ -6,11 +6,21 @@ classification and verdict, and the blocks that went into lists.  The
 schema is documented in docs/results-db.md; notebooks/ read it with pandas.
 SCHEMA_VERSION is stored in PRAGMA user_version; an older database is
 migrated by creating what is missing (the tables gain columns), except that
-version 2 re-keys `file` by file system (see _rekey_file).
+version 2 re-keys `file` by file system (see _rekey_file).  The statements
+that write an analysis (analyze.py's) are here too, below the schema.
 """
 
+import json
 import sqlite3
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, NamedTuple
+
+from .fslayout import MappedFs, SkippedFs
+from .hostmap import MergeClass
+from .image_inspect import ImageInfo
+from .ksm import Convergence, Sample
+from .mapping import norm_uuid
 
 # 2: file systems of the image (filesystem), fs_uuid on file, guest_page, listed_block.
 SCHEMA_VERSION = 2
@@ -149,3 +159,170 @@ def connect(path: Path) -> sqlite3.Connection:
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     db.commit()
     return db
+
+
+# Writing an analysis.  analyze.py decides what to record and when to commit
+# (a run's rows become visible together); these functions only hold the SQL,
+# so that the statements sit next to the schema they must match.
+
+# The ksm_sample columns after run_id and t, in table order: the KSM counters
+# each sample records (a counter the host kernel lacks is NULL).
+KSM_SAMPLE_KEYS = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared",
+                   "pages_volatile", "ksm_zero_pages", "pages_scanned", "general_profit")
+
+
+class GuestPage(NamedTuple):
+    """A guest_page row without its run_id: one KSM-merged frame of a VM."""
+    vm: str
+    gpfn: int
+    host_pfn: int | None
+    merge: str
+    kind: str | None
+    category: str
+    ino: int | None
+    page_index: int | None
+    state: str | None
+    sector: int | None
+    verdict: str | None
+    fs_uuid: str | None
+
+
+class ListedBlock(NamedTuple):
+    """A listed_block row without its analysis_id: one block of the list written."""
+    sector: int
+    sha256: str
+    ino: int | None
+    file_offset: int
+    kind: str
+    runs_seen: int
+    both_vms: int
+    fs_uuid: str | None
+
+
+def record_image(db: sqlite3.Connection, path: Path, fmt: str, vsize: int, content: str,
+                 info: ImageInfo) -> int:
+    """The image's id: the same bytes are one row wherever the file is (the
+    row keeps the latest path)."""
+    db.execute(
+        "INSERT INTO image (path, format, virtual_size, content_sha256, distro, product, "
+        "kernel_version, root_partition, root_start_sector, root_uuid, block_size) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (content_sha256, virtual_size) "
+        "DO UPDATE SET path=excluded.path",
+        (str(path.resolve()), fmt, vsize, content, info.distro, info.product,
+         info.kernel_version, info.root_partition, info.root_start_sector, info.root_uuid,
+         info.block_size))
+    row = db.execute("SELECT id FROM image WHERE content_sha256=? AND virtual_size=?",
+                     (content, vsize)).fetchone()
+    return int(row[0])
+
+
+def start_analysis(db: sqlite3.Connection, image_id: int, *, started_at: str,
+                   tool_version: str, host_kernel: str, qemu_version: str,
+                   crash_version: str | None, accel: str, accel_reason: str, ram_mib: int,
+                   runs: int, min_runs: int, workload: str, settle_s: float,
+                   introspector: str) -> int:
+    """A new analysis row, status running (until finish_ or fail_analysis); its id."""
+    cur = db.execute(
+        "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
+        "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
+        "workload, settle_s, introspector) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (image_id, started_at, "running", tool_version, host_kernel, qemu_version,
+         crash_version, accel, accel_reason, ram_mib, runs, min_runs, workload, settle_s,
+         introspector))
+    return int(cur.lastrowid or 0)
+
+
+def record_filesystems(db: sqlite3.Connection, analysis_id: int,
+                       mapped: Iterable[MappedFs], skipped: Iterable[SkippedFs]) -> None:
+    """Every file system of the image: the mapped ones (UUID as the page cache
+    names it), and the skipped ones with why."""
+    rows: list[tuple[Any, ...]] = [
+        (analysis_id, f.mountpoint, f.device, f.fstype, norm_uuid(f.uuid), f.start_sector,
+         f.block_size, 1, None) for f in mapped]
+    rows += [(analysis_id, f.mountpoint, f.device, f.fstype, None, None, None, 0, f.reason)
+             for f in skipped]
+    db.executemany("INSERT INTO filesystem VALUES (?,?,?,?,?,?,?,?,?)", rows)
+
+
+def set_introspector(db: sqlite3.Connection, analysis_id: int, introspector: str) -> None:
+    """The backend a run used, replacing the one requested (auto, ...)."""
+    db.execute("UPDATE analysis SET introspector=? WHERE id=?", (introspector, analysis_id))
+
+
+def record_list(db: sqlite3.Connection, analysis_id: int, list_path: Path,
+                listed_blocks: int) -> None:
+    """The list the analysis wrote; the guest kernel's build-id is the first run's."""
+    db.execute("UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
+               "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
+               (analysis_id, str(list_path.resolve()), listed_blocks, analysis_id))
+
+
+def finish_analysis(db: sqlite3.Connection, analysis_id: int, finished_at: str,
+                    phases: Mapping[str, float]) -> None:
+    """Status ok, and the seconds each phase took (summed over the runs)."""
+    db.execute("UPDATE analysis SET status='ok', finished_at=? WHERE id=?",
+               (finished_at, analysis_id))
+    db.executemany("INSERT OR REPLACE INTO phase VALUES (?,?,?)",
+                   [(analysis_id, k, v) for k, v in phases.items()])
+
+
+def fail_analysis(db: sqlite3.Connection, analysis_id: int, finished_at: str,
+                  error: str) -> None:
+    """Status failed, with the error (cut to 2000 characters)."""
+    db.execute("UPDATE analysis SET status='failed', finished_at=?, error=? WHERE id=?",
+               (finished_at, error[:2000], analysis_id))
+
+
+def start_run(db: sqlite3.Connection, analysis_id: int, seq: int) -> int:
+    """A new run row (the rest is filled in as the run goes); its id."""
+    cur = db.execute("INSERT INTO run (analysis_id, seq) VALUES (?,?)", (analysis_id, seq))
+    return int(cur.lastrowid or 0)
+
+
+def record_ksm_run(db: sqlite3.Connection, run_id: int, conv: Convergence,
+                   params: Mapping[str, str]) -> None:
+    """How KSM converged in the run, and the settings the analyzer gave it."""
+    db.execute("UPDATE run SET ksm_converged=?, ksm_seconds=?, ksm_full_scans=?, "
+               "ksm_params_json=? WHERE id=?",
+               (int(conv.converged), conv.seconds, conv.full_scans, json.dumps(params),
+                run_id))
+
+
+def record_guest_kernel(db: sqlite3.Connection, run_id: int, osrelease: str,
+                        build_id: str) -> None:
+    """The guest kernel as the run's dump names it (VMCOREINFO)."""
+    db.execute("UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?",
+               (osrelease, build_id, run_id))
+
+
+def record_vm(db: sqlite3.Connection, run_id: int, vm: str, pid: int, boot_seconds: float,
+              merged: MergeClass) -> None:
+    """One guest of a run: its QEMU, its boot time and how much of it KSM merged."""
+    db.execute("INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
+               (run_id, vm, pid, boot_seconds, merged.present, len(merged.cross),
+                len(merged.intra), len(merged.zero)))
+
+
+def record_ksm_samples(db: sqlite3.Connection, run_id: int, samples: Iterable[Sample]) -> None:
+    """The run's KSM counter samples, t rounded to the millisecond (the key)."""
+    for s in samples:
+        db.execute("INSERT OR REPLACE INTO ksm_sample VALUES (?,?,?,?,?,?,?,?,?,?)",
+                   (run_id, round(s.t, 3), *(s.values.get(k) for k in KSM_SAMPLE_KEYS)))
+
+
+def record_guest_pages(db: sqlite3.Connection, run_id: int, pages: Iterable[GuestPage]) -> None:
+    db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                   [(run_id, *p) for p in pages])
+
+
+def record_files(db: sqlite3.Connection, analysis_id: int,
+                 paths: Iterable[tuple[str, int, str | None]]) -> None:
+    """(fs_uuid, inode, guest path or None) of each file with listed blocks."""
+    db.executemany("INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) "
+                   "VALUES (?,?,?,?)", [(analysis_id, *p) for p in paths])
+
+
+def record_listed_blocks(db: sqlite3.Connection, analysis_id: int,
+                         blocks: Iterable[ListedBlock]) -> None:
+    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
+                   [(analysis_id, *b) for b in blocks])
