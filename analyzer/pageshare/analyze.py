@@ -21,6 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, btrfsmap, diskimage, drgn_backend, resultsdb, sectorlist, xfsmap
+from .aggregate import (
+    PAGE,
+    VMS,
+    PageFact,
+    RunResult,
+    breakdown,
+    keep_blocks,
+    majority,
+    top_files,
+    unservable_pages,
+)
 from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
@@ -47,9 +58,6 @@ from .resultsdb import GuestPage, ListedBlock, connect
 from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
 from .workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script
 
-PAGE = 4096
-VMS = ("A", "B")
-
 
 def default_db() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local/share")
@@ -75,31 +83,7 @@ class Options:
     workdir_parent: Path = Path(os.environ.get("PAGESHARE_WORKDIR", "/var/tmp"))
 
     def effective_min_runs(self) -> int:
-        return self.min_runs if self.min_runs else self.runs // 2 + 1
-
-
-@dataclass
-class PageFact:
-    """A verified page seen in one VM of one run."""
-    sector: int
-    ino: int
-    index: int
-    kind: str
-    fs: Placement | None = None       # the file system of a file page
-    tree: int = 0                     # btrfs: the subvolume whose extents verified
-
-
-@dataclass
-class RunResult:
-    stable: dict[str, dict[int, PageFact]]          # vm -> sector -> fact
-    categories: dict[str, Counter[str]]             # vm -> category -> frames
-    merged_nonzero: dict[str, int]
-    listed_candidates: dict[str, set[int]]          # vm -> gpfns that verified (for coverage)
-    gpfn_sector: dict[str, dict[int, int]]
-    introspector: tuple[str, str] = ("", "")        # backend used, and why
-    # Merged page-cache frames (both VMs) of btrfs data no disk block holds as
-    # the page reads, by verdict (inline, compressed).
-    unservable: Counter[str] = field(default_factory=Counter)
+        return self.min_runs if self.min_runs else majority(self.runs)
 
 
 @dataclass
@@ -254,10 +238,7 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         db.commit()
         summary.phases = dict(progress.phases)
         summary.introspector, summary.introspector_reason = results[-1].introspector
-        unservable: Counter[str] = Counter()
-        for r in results:
-            unservable.update(r.unservable)
-        summary.unservable_pages = dict(unservable)
+        summary.unservable_pages = unservable_pages(results)
         return summary
     except BaseException as e:
         if analysis_id:
@@ -578,16 +559,8 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
             results: list[RunResult], accel: str, accel_reason: str,
             ksm_series: list[dict[str, Any]]) -> Summary:
     min_runs = opts.effective_min_runs()
-    seen: Counter[int] = Counter()
-    both: dict[int, bool] = {}
-    fact: dict[int, PageFact] = {}
-    for r in results:
-        sectors = set(r.stable["A"]) | set(r.stable["B"])
-        for s in sectors:
-            seen[s] += 1
-            both[s] = both.get(s, False) or (s in r.stable["A"] and s in r.stable["B"])
-            fact[s] = r.stable["A"].get(s) or r.stable["B"][s]
-    keep = sorted(s for s, n in seen.items() if n >= min_runs)
+    kept = keep_blocks(results, min_runs)
+    keep, fact = kept.sectors, kept.fact
     read_at, _ = diskimage.raw_file_reader(raw)
     blocks = {s: sectorlist.block_hash(read_at(s * 512, PAGE)) for s in keep}
     info = insp.info
@@ -607,35 +580,17 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
                            [(place.uuid, ino, p) for (place, ino), p in paths.items()])
     resultsdb.record_listed_blocks(
         db, analysis_id, [ListedBlock(s, blocks[s], f.ino or None, f.index * PAGE, f.kind,
-                                      seen[s], int(both[s]), f.fs.uuid if f.fs else None)
+                                      kept.runs_seen[s], int(kept.both_vms[s]),
+                                      f.fs.uuid if f.fs else None)
                           for s, f in ((s, fact[s]) for s in keep)])
     resultsdb.record_list(db, analysis_id, list_path, len(keep))
 
-    # Breakdown over all runs and both VMs, with "listed" meaning: in the final list.
-    keep_set = set(keep)
-    breakdown: Counter[str] = Counter()
-    covered = total = 0
-    for r in results:
-        for vm in VMS:
-            cats = r.categories[vm].copy()
-            in_list = sum(1 for s in r.gpfn_sector[vm].values() if s in keep_set)
-            dropped = cats["listed"] - in_list
-            cats["listed"] = in_list
-            cats["page-cache"] += dropped
-            breakdown.update(cats)
-            covered += in_list
-            total += r.merged_nonzero[vm]
-    per_file: Counter[str] = Counter()
-    for s in keep:
-        f = fact[s]
-        per_file[(paths.get((f.fs, f.ino)) if f.fs else None)
-                 or ("(metadata)" if f.kind == "bdev" else "?")] += 1
-    top = [(p, n * PAGE / 2**20) for p, n in per_file.most_common(15)]
+    pages, coverage = breakdown(results, set(keep))
     return Summary(
         image=str(opts.image), list_path=str(list_path), analysis_id=analysis_id, accel=accel,
         accel_reason=accel_reason, runs=opts.runs, min_runs=min_runs, listed_blocks=len(keep),
-        listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=dict(breakdown),
-        coverage=covered / total if total else 0.0, top_files=top, phases={},
+        listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=pages, coverage=coverage,
+        top_files=top_files(keep, fact, paths), phases={},
         ksm=ksm_series)
 
 
