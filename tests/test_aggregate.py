@@ -15,11 +15,13 @@ from pageshare.aggregate import (
     RunResult,
     breakdown,
     keep_blocks,
+    ksm_series,
     majority,
     top_files,
     unservable_pages,
 )
 from pageshare.analyze import Options
+from pageshare.ksm import Sample
 from pageshare.mapping import Placement
 
 ROOT = Placement.partition("11" * 16, 2048)
@@ -162,3 +164,16 @@ def test_unservable_pages_add_up_over_runs() -> None:
     r2.unservable.update({"inline": 1, "compressed": 5})
     assert unservable_pages([r1, r2, r3]) == {"inline": 3, "compressed": 5}
     assert unservable_pages([r3]) == {}
+
+
+def test_ksm_series_numbers_the_runs_and_rounds_t() -> None:
+    r1, r2, r3 = run([]), run([]), run([])
+    r1.ksm_samples = [Sample(0.0, {"full_scans": 0}), Sample(1.00049, {"full_scans": 1})]
+    r3.ksm_samples = [Sample(2.5, {"pages_sharing": 7, "not_a_column": 1})]
+    series = ksm_series([r1, r2, r3])
+    assert [(e["run"], e["t"]) for e in series] == [(1, 0.0), (1, 1.0), (3, 2.5)]
+    # Every column of ksm_sample, None where the kernel had no such counter.
+    assert series[2] == {"run": 3, "t": 2.5, "full_scans": None, "pages_shared": None,
+                         "pages_sharing": 7, "pages_unshared": None, "pages_volatile": None,
+                         "ksm_zero_pages": None, "pages_scanned": None, "general_profit": None}
+    assert ksm_series([]) == []

@@ -11,8 +11,11 @@ small hand-made runs, without a guest.
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from .ksm import Sample
 from .mapping import Placement
+from .resultsdb import KSM_SAMPLE_KEYS
 
 PAGE = 4096
 VMS = ("A", "B")
@@ -46,6 +49,7 @@ class RunResult:
     # Merged page-cache frames (both VMs) of btrfs data no disk block holds as
     # the page reads, by verdict (inline, compressed).
     unservable: Counter[str] = field(default_factory=Counter)
+    ksm_samples: list[Sample] = field(default_factory=list)  # KSM's counters while it merged
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,10 @@ def unservable_pages(results: Sequence[RunResult]) -> dict[str, int]:
     for r in results:
         unservable.update(r.unservable)
     return dict(unservable)
+
+
+def ksm_series(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """The summary's KSM time series: every sample of every run (results in run
+    order, run 1 first), t rounded to the millisecond as the results DB keys it."""
+    return [{"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in KSM_SAMPLE_KEYS}}
+            for seq, r in enumerate(results, 1) for s in r.ksm_samples]

@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import shutil
+import sqlite3
 import tempfile
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from .aggregate import (
     RunResult,
     breakdown,
     keep_blocks,
+    ksm_series,
     majority,
     top_files,
     unservable_pages,
@@ -110,6 +112,25 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every run of one analysis shares, set up once by analyze() (and read
+    again by _finish), so that a run's function takes it and its number only."""
+    opts: Options
+    progress: Progress
+    db: sqlite3.Connection
+    analysis_id: int
+    workdir: Path
+    raw: Path                                   # the base image as raw (base.raw)
+    geo: Geometry
+    sources: dict[FsKey, tuple[Path, int]]      # where debugfs/xfs_db/btrfs read each fs
+    fmt: str                                    # of opts.image, as the guests open it
+    boot: BootSpec
+    accel: str
+    accel_reason: str
+    vmlinux: Path
 
 
 def _now() -> str:
@@ -223,17 +244,14 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         root = info.filesystems[0]
         boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(
             info.root_uuid, f"subvol={root.subvol}" if root.subvol else ""))
+        ctx = RunContext(opts, progress, db, analysis_id, workdir, raw, geo, sources, fmt, boot,
+                         accel, accel_reason, vmlinux)
         results: list[RunResult] = []
-        ksm_series: list[dict[str, Any]] = []
         with ksm_session(KSM(), progress.say) as ksm:
             for seq in range(1, opts.runs + 1):
-                results.append(_run_once(seq, opts, progress, db, analysis_id, ksm, boot, fmt,
-                                         accel, workdir, raw, geo, sources, vmlinux,
-                                         ksm_series))
+                results.append(_run_once(ctx, ksm, seq))
         with progress.phase("write-list", "aggregating runs and writing the list"):
-            summary = _finish(opts, progress, db, analysis_id, insp, content, raw, sources,
-                              results,
-                              accel, accel_reason, ksm_series)
+            summary = _finish(ctx, insp, content, results)
         resultsdb.finish_analysis(db, analysis_id, _now(), progress.phases)
         db.commit()
         summary.phases = dict(progress.phases)
@@ -293,16 +311,16 @@ def _tail(g: Guest, n: int = 12) -> str:
     return "\n    ".join(g.serial_text().strip().splitlines()[-n:])
 
 
-def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id: int, ksm: KSM,
-              boot: BootSpec, fmt: str, accel: str, workdir: Path, raw: Path, geo: Geometry,
-              sources: dict[FsKey, tuple[Path, int]], vmlinux: Path,
-              ksm_series: list[dict[str, Any]]) -> RunResult:
+def _run_once(ctx: RunContext, ksm: KSM, seq: int) -> RunResult:
+    """Run seq: boots the pair, lets KSM merge, classifies and verifies the
+    merged frames; recorded in the results DB, committed when the run is done."""
+    opts, progress, db, workdir = ctx.opts, ctx.progress, ctx.db, ctx.workdir
     tag = f"run {seq}/{opts.runs}"
     markers = Markers.new()
     script = write_script(workdir, opts.workload, markers)
-    guests = [Guest(name, workdir, opts.image, fmt, boot, accel, opts.ram_mib,
+    guests = [Guest(name, workdir, opts.image, ctx.fmt, ctx.boot, ctx.accel, opts.ram_mib,
                     {FW_CFG_NAME: script}) for name in VMS]
-    run_id = resultsdb.start_run(db, analysis_id, seq)
+    run_id = resultsdb.start_run(db, ctx.analysis_id, seq)
     dumps: dict[str, Path] = {}
     try:
         with progress.phase("boot", f"{tag}: booting guests A and B from fresh overlays"):
@@ -348,30 +366,23 @@ def _run_once(seq: int, opts: Options, progress: Progress, db: Any, analysis_id:
     finally:
         for g in guests:
             g.shutdown()
-    _store_samples(db, run_id, samples, ksm_series, seq)
+    resultsdb.record_ksm_samples(db, run_id, samples)
     try:
         with progress.phase("introspect", f"{tag}: classifying merged frames"):
-            recs, contents, build_id, used = _introspect(dumps, mc, vmlinux, workdir, progress,
-                                                         tag, opts.introspector)
+            recs, contents, build_id, used = _introspect(dumps, mc, ctx.vmlinux, workdir,
+                                                         progress, tag, opts.introspector)
         resultsdb.record_guest_kernel(db, run_id, build_id[0], build_id[1])
-        resultsdb.set_introspector(db, analysis_id, used[0])
+        resultsdb.set_introspector(db, ctx.analysis_id, used[0])
         with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
-            result = _map_and_verify(db, run_id, mc, recs, contents, raw, geo, sources,
-                                     opts.include_metadata)
+            result = _map_and_verify(db, run_id, mc, recs, contents, ctx.raw, ctx.geo,
+                                     ctx.sources, opts.include_metadata)
         result.introspector = used
+        result.ksm_samples = samples
         db.commit()
         return result
     finally:
         for d in dumps.values():
             d.unlink(missing_ok=True)
-
-
-def _store_samples(db: Any, run_id: int, samples: list[Sample],
-                   series: list[dict[str, Any]], seq: int) -> None:
-    resultsdb.record_ksm_samples(db, run_id, samples)
-    for s in samples:
-        series.append({"run": seq, "t": round(s.t, 3),
-                       **{k: s.values.get(k) for k in resultsdb.KSM_SAMPLE_KEYS}})
 
 
 # Which guest kernels a crash release cannot open: (crash older than, kernels
@@ -487,7 +498,7 @@ def category_of(rec: PageRecord | None, zero: bool, listed: bool) -> str:
     return "kernel"
 
 
-def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
+def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClass],
                     recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
                     raw: Path, geo: Geometry, sources: dict[FsKey, tuple[Path, int]],
                     include_metadata: bool) -> RunResult:
@@ -554,14 +565,14 @@ def _map_and_verify(db: Any, run_id: int, mc: dict[str, MergeClass],
                      unservable=unservable)
 
 
-def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: Inspection,
-            content: str, raw: Path, sources: dict[FsKey, tuple[Path, int]],
-            results: list[RunResult], accel: str, accel_reason: str,
-            ksm_series: list[dict[str, Any]]) -> Summary:
+def _finish(ctx: RunContext, insp: Inspection, content: str, results: list[RunResult]
+            ) -> Summary:
+    """Writes the list of the blocks the runs agree on, records it, and sums up."""
+    opts, db, analysis_id, accel = ctx.opts, ctx.db, ctx.analysis_id, ctx.accel
     min_runs = opts.effective_min_runs()
     kept = keep_blocks(results, min_runs)
     keep, fact = kept.sectors, kept.fact
-    read_at, _ = diskimage.raw_file_reader(raw)
+    read_at, _ = diskimage.raw_file_reader(ctx.raw)
     blocks = {s: sectorlist.block_hash(read_at(s * 512, PAGE)) for s in keep}
     info = insp.info
     sl = sectorlist.SectorList(
@@ -575,7 +586,7 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
     list_path = opts.lists_dir / sectorlist.list_file_name(sl.image)
     sectorlist.write(sl, list_path)
 
-    paths = _listed_paths(sources, [fact[s] for s in keep])
+    paths = _listed_paths(ctx.sources, [fact[s] for s in keep])
     resultsdb.record_files(db, analysis_id,
                            [(place.uuid, ino, p) for (place, ino), p in paths.items()])
     resultsdb.record_listed_blocks(
@@ -588,10 +599,9 @@ def _finish(opts: Options, progress: Progress, db: Any, analysis_id: int, insp: 
     pages, coverage = breakdown(results, set(keep))
     return Summary(
         image=str(opts.image), list_path=str(list_path), analysis_id=analysis_id, accel=accel,
-        accel_reason=accel_reason, runs=opts.runs, min_runs=min_runs, listed_blocks=len(keep),
+        accel_reason=ctx.accel_reason, runs=opts.runs, min_runs=min_runs, listed_blocks=len(keep),
         listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=pages, coverage=coverage,
-        top_files=top_files(keep, fact, paths), phases={},
-        ksm=ksm_series)
+        top_files=top_files(keep, fact, paths), phases={}, ksm=ksm_series(results))
 
 
 def _read_extents(fs: Placement, source: tuple[Path, int], inodes: list[int]
