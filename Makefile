@@ -3,7 +3,7 @@
 #               in ~/.cache/pageshare) and runs analyze-image on it
 #   make test   installs what is needed and runs every test
 PY := .venv/bin/python
-export PAGESHARE_CACHE ?= $(HOME)/.cache/pageshare
+export PAGESHARE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pageshare
 
 .PHONY: deps demo test lint unit kernel-test packages clean
 
