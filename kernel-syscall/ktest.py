@@ -1021,7 +1021,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         with src.locked():
             guest = ensure_kernel(src, patches, GUEST_CONFIG) / "bzImage"
         payload = build_filter_payload(root, busybox, guest)
-    rundir = root / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    # The pid keeps two runs started in the same second apart (CI's and a
+    # developer's, sharing the cache: seen as FileExistsError).
+    rundir = root / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     rundir.mkdir(parents=True)
     initramfs = rundir / "initramfs.cpio.gz"
     build_initramfs(busybox, testdir, tests, initramfs, payload)
