@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import PageshareError
+from .errors import PageshareError, print_error
 from .hostcheck import DEFAULT_CONTROL, _qmp_socket, server_status
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
 from .qmp import QMP, Monitor, QMPError
@@ -841,7 +841,7 @@ def main(action: str, argv: list[str]) -> int:
                 indent=1))
         else:
             p.print_usage(sys.stderr)
-            print(f"pageshare {action}: error: {msg}", file=sys.stderr)
+            print_error(msg, prog=f"pageshare {action}")
         return 2
     try:
         opts = Options(resolve_qmp(args.qmp) if args.qmp else None, list(args.drive),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import attach
+from .errors import print_error
 from .hostcheck import DEFAULT_CONTROL
 from .libvirt_qmp import DEFAULT_URI, LibvirtUnavailable, load_libvirt, running_domains
 from .qmp import QMPError
@@ -206,5 +207,5 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, stop)
         return w.run()
     except LibvirtUnavailable as e:
-        print(f"pageshare libvirt-watch: error: {e}", file=sys.stderr)
+        print_error(str(e), prog="pageshare libvirt-watch")
         return 1
