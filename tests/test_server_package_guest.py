@@ -451,6 +451,25 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     assert st["pid_table"] == pid1 and int(props(g)["MainPID"]) == pid1
     lap("reload")
 
+    # --- a broken configuration (an operator's typo): `systemctl reload`
+    # fails and the journal says which file and line; the running server
+    # never re-reads its configuration, so it keeps serving generation 2.
+    g.ok("cp /etc/pageshare/server.toml /root/server.toml.good && "
+         "printf 'socket_dir = [\\n' >> /etc/pageshare/server.toml")
+    rc, out = g.run("systemctl reload pageshare-server")
+    assert rc != 0, out
+    img = [i for i in json.loads(g.ok("pageshare-server status --json --socket "
+                                      "/run/pageshare/control.sock"))["images"]
+           if i["name"] == "test"]
+    assert img and img[0]["generation"] == 2 and img[0]["blocks"] == n2, img
+    show = props(g)
+    assert show["ActiveState"] == "active" and int(show["MainPID"]) == pid1, show
+    typo = g.ok(f"journalctl -u {UNIT} --no-pager -o cat -t pageshare-server")
+    assert re.search(r"error: /etc/pageshare/server.toml: TOML parse error at line \d+", typo), \
+        typo[-2000:]
+    g.ok("cp /root/server.toml.good /etc/pageshare/server.toml")
+    lap("broken-config reload")
+
     # What the journal must say, in order: systemd's messages, and each
     # server process's own.
     said = [
@@ -460,6 +479,9 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
         STARTED,
         r"^Reloading (pageshare-server.service - )?pageshare page server",
         r"^Reloaded (pageshare-server.service - )?pageshare page server",
+        r"^Reloading (pageshare-server.service - )?pageshare page server",
+        r"Control process exited, code=exited, status=2",
+        r"^Reload failed for (pageshare-server.service - )?pageshare page server",
     ]
     loading = rf"^image test: loading file {LISTS}/current/test.pcsl"
     restarted = [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n2} "]
