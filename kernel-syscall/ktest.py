@@ -586,7 +586,7 @@ GUEST_CONFIG = "guest"           # config/guest.config: the booted guest's kerne
 BENCH_GUEST_CONFIG = "guest-bench"  # + config/guest-bench.config: bench/e2e_vs_ksm.py's
 PAYLOAD_DIR = "/pageshare"
 # Bump when the payload's layout or content recipe changes.
-PAYLOAD_RECIPE = "2"
+PAYLOAD_RECIPE = "3"
 PAYLOAD_IMAGE_MIB = 8
 PAYLOAD_SEED = 20261121
 QEMU_BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-storage-daemon"]
@@ -725,6 +725,26 @@ format = "raw"
 list_file = "{PAYLOAD_DIR}/base.pcsl"
 """
 
+# A second server for the stalled-client case: its own sockets and cache, a
+# list the test rewrites under /tmp, and a 1 s switch timeout, so that a
+# client that hears nothing is given up on (its blocks released) at once.
+STALL_SERVER_TOML = f"""# the {FILTER_TEST} test's stalled-client case
+socket_dir = "/tmp/pageshare/run-stall"
+cache_dir = "/tmp/pageshare/cache-stall"
+metrics_listen = ""
+host_name = "ktest-stall"
+qemu_storage_daemon = "{PAYLOAD_DIR}/bin/qemu-storage-daemon"
+
+[limits]
+client_switch_timeout_secs = 1
+
+[[image]]
+name = "base"
+path = "{PAYLOAD_DIR}/base.raw"
+format = "raw"
+list_file = "/tmp/pageshare/stall.pcsl"
+"""
+
 
 def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
     """A gzip'd cpio with the patched QEMU, pageshare-server, their shared
@@ -747,6 +767,7 @@ def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
     h = hashlib.sha256(
         f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
     h.update(SERVER_TOML.encode())
+    h.update(STALL_SERVER_TOML.encode())
     h.update(GUEST_INIT.encode())
     for f in [*bins, *(f for _, f in firmware), *sorted(libs.values()), busybox,
               guest_kernel]:
@@ -784,7 +805,9 @@ def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
             f"zero {hashlib.sha256(bytes(4096)).hexdigest()}\n")
         blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
         (pd / "base.pcsl").write_text(write_pcsl(image, blocks, "base.raw"))
+        (pd / "base-kept.pcsl").write_text(write_pcsl(image, blocks[::4], "base.raw"))
         (pd / "server.toml").write_text(SERVER_TOML)
+        (pd / "server-stall.toml").write_text(STALL_SERVER_TOML)
         files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
                                check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],

@@ -95,6 +95,7 @@ static void diag(const char *fmt, ...)
 
 static pid_t server_pid = -1;
 static pid_t qemu_pids[2] = { -1, -1 };
+static pid_t stall_pids[2] = { -1, -1 };	/* the stalled-client case's server, proxy */
 
 static void kill_child(pid_t *pid)
 {
@@ -110,6 +111,8 @@ static void cleanup(void)
 	kill_child(&qemu_pids[0]);
 	kill_child(&qemu_pids[1]);
 	kill_child(&server_pid);
+	kill_child(&stall_pids[0]);
+	kill_child(&stall_pids[1]);
 }
 
 static void on_signal(int sig)
@@ -548,7 +551,7 @@ static void qmp_open(struct qemu *q, const char *path)
 
 struct fstats {
 	long requests, merged, merge_calls, merge_ns, not_listed, not_ram,
-	     failed, unsupported, no_table, unproven, last_errno;
+	     failed, unsupported, no_table, unproven, last_errno, generation;
 	bool connected, base_changed;
 };
 
@@ -597,6 +600,8 @@ static struct fstats filter_stats(struct qemu *q)
 	s.base_changed = strstr(p, "\"base-changed\": true") != NULL;
 	s.last_errno = json_num(p, "last-merge-errno");
 	s.connected = strstr(p, "\"connected\": true") != NULL;
+	/* only while a table is held */
+	s.generation = strstr(p, "\"generation\":") ? json_num(p, "generation") : -1;
 	return s;
 }
 
@@ -697,6 +702,8 @@ static uint64_t srv_addr(uint64_t block)
 /* ------------------------------------------------------------------ QEMU */
 
 static const char *image_sha;
+/* the filter's server socket; NULL: the server's, WORK/run/base.sock */
+static const char *qemu_server;
 /* the base image QEMU opens; NULL: the server's, payload/base.raw */
 static const char *qemu_base;
 
@@ -748,8 +755,9 @@ static void start_qemu(struct qemu *q, int idx, const char *mode)
 		 img);
 	r = snprintf(bd_ps, sizeof(bd_ps),
 		     "{\"driver\":\"pageshare\",\"node-name\":\"ps\",\"file\":\"base\","
-		     "\"read-only\":true,\"server\":\"" WORK "/run/base.sock\","
-		     "\"mode\":\"%s\",\"image-sha256\":\"%s\"}", mode, image_sha);
+		     "\"read-only\":true,\"server\":\"%s\","
+		     "\"mode\":\"%s\",\"image-sha256\":\"%s\"}",
+		     qemu_server ? qemu_server : WORK "/run/base.sock", mode, image_sha);
 	if (r >= (int)sizeof(bd_ps))
 		bail("blockdev too long");
 	snprintf(bd_ovlf, sizeof(bd_ovlf),
@@ -1428,6 +1436,229 @@ static void timing(const char *mode, int idx, double ns_per_block[2])
 	stop_qemu(&q);
 }
 
+/* ------------------------------------------------ a client that stalls */
+
+/*
+ * A proxy between one filter and its page server that forwards the bytes
+ * and the descriptors sent with them (SCM_RIGHTS) both ways, and holds
+ * back everything the server sends while held (SIGUSR1 holds, SIGUSR2
+ * releases).  The filter then keeps using the table it has while the
+ * server, hearing nothing back, gives up on it and releases that table's
+ * blocks: a client that missed the switch, with no race between QEMU's
+ * threads (tests/test_qemu_filter_safety.py's HoldingProxy, in C because
+ * this VM has no Python).  It runs in a child process; a connection that
+ * ends is followed by the next one (the filter reconnects).
+ */
+static volatile sig_atomic_t proxy_held;
+
+static void proxy_signal(int sig)
+{
+	proxy_held = sig == SIGUSR1;
+}
+
+/* One recvmsg() from @from, sent whole to @to with its descriptors. */
+static int proxy_forward(int from, int to)
+{
+	static char buf[1 << 16];
+	char cbuf[CMSG_SPACE(sizeof(int) * 8)];
+	struct iovec iov = { buf, sizeof(buf) };
+	struct msghdr m = { .msg_iov = &iov, .msg_iovlen = 1,
+			    .msg_control = cbuf, .msg_controllen = sizeof(cbuf) };
+	ssize_t n = recvmsg(from, &m, MSG_CMSG_CLOEXEC);
+	size_t done = 0;
+	int rc = 1;
+
+	if (n <= 0)
+		return n < 0 && errno == EINTR ? 1 : 0;
+	while (done < (size_t)n) {
+		struct iovec out = { buf + done, (size_t)n - done };
+		struct msghdr o = { .msg_iov = &out, .msg_iovlen = 1 };
+		ssize_t w;
+
+		if (done == 0 && m.msg_controllen) {
+			o.msg_control = cbuf;
+			o.msg_controllen = m.msg_controllen;
+		}
+		w = sendmsg(to, &o, MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0) {
+			rc = 0;
+			break;
+		}
+		done += (size_t)w;
+	}
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+			for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++)
+				close(((int *)CMSG_DATA(c))[i]);
+	return rc;
+}
+
+static pid_t start_proxy(const char *listen_path, const char *upstream)
+{
+	int l = unix_listen(listen_path);
+	pid_t pid = fork();
+
+	if (pid < 0)
+		bail("fork: %s", strerror(errno));
+	if (pid) {
+		close(l);
+		return pid;
+	}
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	{
+		struct sigaction sa = { .sa_handler = proxy_signal };	/* no SA_RESTART */
+
+		sigaction(SIGUSR1, &sa, NULL);
+		sigaction(SIGUSR2, &sa, NULL);
+	}
+	for (;;) {
+		int c = accept(l, NULL, NULL), u;
+
+		if (c < 0)
+			continue;
+		u = unix_connect(upstream);
+		while (u >= 0) {
+			struct pollfd pf[2] = { { .fd = c, .events = POLLIN },
+						{ .fd = u, .events = proxy_held ? 0 : POLLIN } };
+
+			if (poll(pf, 2, 100) < 0)
+				continue;
+			if (pf[0].revents && !proxy_forward(c, u))
+				break;
+			if (!proxy_held && pf[1].revents && !proxy_forward(u, c))
+				break;
+		}
+		close(c);
+		if (u >= 0)
+			close(u);
+	}
+}
+
+static void copy_file(const char *from, const char *to)
+{
+	char tmp[256], buf[1 << 16];
+	int in = open(from, O_RDONLY), out;
+	ssize_t n;
+
+	snprintf(tmp, sizeof(tmp), "%s.tmp", to);
+	out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+	if (in < 0 || out < 0)
+		bail("copy %s: %s", from, strerror(errno));
+	while ((n = read(in, buf, sizeof(buf))) > 0)
+		if (write(out, buf, n) != n)
+			bail("write %s: %s", tmp, strerror(errno));
+	close(in);
+	close(out);
+	if (rename(tmp, to))	/* one inotify event, the whole new list */
+		bail("rename %s: %s", tmp, strerror(errno));
+}
+
+/* Every block 0-1023 read into the same guest pages: how many differ from the image. */
+static unsigned int wrong_blocks(struct qemu *q)
+{
+	const uint64_t end = image_size / PS < 1024 ? image_size / PS : 1024;
+	unsigned int wrong = 0;
+	uint64_t gpa[32];
+
+	gpas(gpa, 32, 0x600000, PS);
+	for (uint64_t first = 0; first < end; first += 32) {
+		unsigned int n = end - first < 32 ? (unsigned int)(end - first) : 32;
+
+		if (!read_blocks(q, first, n, gpa)) {
+			wrong += n;
+			continue;
+		}
+		for (unsigned int i = 0; i < n; i++)
+			wrong += !check_page(q, gpa[i], first + i, NULL).bytes_ok;
+	}
+	return wrong;
+}
+
+/*
+ * Issue: a VM stalled past client_switch_timeout_secs while the server
+ * reloaded a smaller list read the released blocks as zeros.  Here in
+ * merge mode: a second server (payload/server-stall.toml: its own sockets,
+ * a list under WORK, a 1 s switch timeout) behind the proxy; the filter
+ * merges every listed block, then hears nothing while the server reloads
+ * a list of every fourth of them, gives up on it and releases the rest
+ * (PROT_NONE, then discarded).  The filter still reads with generation 1:
+ * each released block's merge_pages() must fail (EFAULT) and the block
+ * come from disk, never as zeros; then, released, it switches and merges
+ * the kept blocks from generation 2.
+ */
+static void stalled_client(void)
+{
+	static const char list[] = WORK "/stall.pcsl", psock[] = WORK "/proxy.sock";
+	char cfg[256], kept_list[256], full_list[256], bin[256];
+	char *argv[] = { bin, "run", "--config", cfg, NULL };
+	unsigned int listed = 0, released;
+	struct fstats f0, f1, f2;
+	struct qemu q = { 0 };
+	double deadline;
+
+	snprintf(bin, sizeof(bin), "%s/bin/pageshare-server", payload);
+	snprintf(cfg, sizeof(cfg), "%s/server-stall.toml", payload);
+	snprintf(full_list, sizeof(full_list), "%s/base.pcsl", payload);
+	snprintf(kept_list, sizeof(kept_list), "%s/base-kept.pcsl", payload);
+	for (uint64_t b = 0; b < 1024 && b < image_size / PS; b++)
+		listed += srv_addr(b) != 0;
+	copy_file(full_list, list);
+	stall_pids[0] = spawn(argv, WORK "/server-stall.log");
+	deadline = now() + 300;
+	while (!file_contains(WORK "/server-stall.log", "published generation 1")) {
+		if (now() > deadline || !alive(stall_pids[0]))
+			bail("stall server: generation 1 not published");
+		usleep(100000);
+	}
+	stall_pids[1] = start_proxy(psock, WORK "/run-stall/base.sock");
+	qemu_server = psock;
+	start_qemu(&q, 0, "merge");
+	qemu_server = NULL;
+	find_ram(&q);
+	ide_init(&q);
+	ok(wrong_blocks(&q) == 0, "stalled client: every block right before the stall");
+	f0 = filter_stats(&q);
+	ok(f0.generation == 1 && f0.merged == listed,
+	   "stalled client: generation %ld, merged %ld (want 1, %u)", f0.generation, f0.merged,
+	   listed);
+
+	kill(stall_pids[1], SIGUSR1);		/* the filter hears nothing from now on */
+	copy_file(kept_list, list);
+	deadline = now() + 60;
+	while (!file_contains(WORK "/server-stall.log", "did not acknowledge")) {
+		if (now() > deadline)
+			bail("stall server: it never gave up on the silent client");
+		usleep(100000);
+	}
+	usleep(1000000);
+	f1 = filter_stats(&q);
+	ok(f1.connected && f1.generation == 1,
+	   "stalled client: still on generation %ld after the server released it", f1.generation);
+	ok(wrong_blocks(&q) == 0, "stalled client: every block right while its table is released");
+	f2 = filter_stats(&q);
+	released = listed - (listed + 3) / 4;
+	ok(f2.merged - f1.merged <= (long)(listed - released) && f2.failed - f1.failed >= released &&
+	   f2.last_errno != 0,
+	   "stalled client: merged +%ld (want <= %u, the kept blocks), fallback-merge-failed +%ld "
+	   "(want >= %u, the released ones), last-merge-errno %ld", f2.merged - f1.merged,
+	   listed - released, f2.failed - f1.failed, released, f2.last_errno);
+
+	kill(stall_pids[1], SIGUSR2);		/* TABLE 2 and BYE reach the filter */
+	deadline = now() + 60;
+	do {
+		usleep(500000);
+		f1 = filter_stats(&q);
+	} while (!(f1.connected && f1.generation == 2) && now() < deadline);
+	ok(f1.connected && f1.generation == 2, "stalled client: switched to generation %ld",
+	   f1.generation);
+	ok(wrong_blocks(&q) == 0, "stalled client: every block right on generation 2");
+	stop_qemu(&q);
+	kill_child(&stall_pids[1]);
+	kill_child(&stall_pids[0]);
+}
+
 int main(int argc, char **argv)
 {
 	char path[256];
@@ -1684,6 +1915,8 @@ int main(int argc, char **argv)
 		qemu_base = NULL;
 		free(other);
 	}
+
+	stalled_client();
 
 	/*
 	 * The base written in place under a running QEMU while the server is
