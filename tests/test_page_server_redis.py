@@ -21,8 +21,10 @@ import redis
 from page_server_helpers import (
     REPO,
     ImageSpec,
+    Redis,
     Server,
     check_published,
+    free_port,
     make_list,
     nonzero_blocks,
     psc,
@@ -194,3 +196,40 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
         assert all(s.alive() for s in (a, c))
         watcher.close()
         shutil.rmtree(tmp_path / "images")
+
+
+def test_redis_down_at_the_first_start(tmp_path: Path, fleet_servers: list[Server]) -> None:
+    """A host's first start with its Redis not up yet (no list cached): the
+    server starts anyway, serves its file-listed image, says it waits for
+    Redis, tells the Redis image's clients there is no table (their reads go
+    to disk); once Redis is up and the list published, it serves that too."""
+    raw_x, qcow_x, id_x = image(tmp_path / "images", 3)
+    raw_y, qcow_y, id_y = image(tmp_path / "images", 4)
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    x1 = make_list(id_x, nonzero_blocks(raw_x, 200, stride=3), lists / "x1.pcsl")
+    y1 = make_list(id_y, nonzero_blocks(raw_y, 200, stride=3), lists / "y1.pcsl")
+    rd = Redis(free_port(), tmp_path / "redis")        # not started yet
+    s = Server(tmp_path / "a", [ImageSpec("x", qcow_x, list_redis="auto"),
+                                ImageSpec("y", qcow_y, lists / "y1.pcsl")], rd.url, "hostA")
+    fleet_servers.append(s)
+    try:
+        s.start()
+        s.wait_generation("y", 1, 60)
+        check_published(table_of(s, "y", 1), y1)
+        wait_for(lambda: s.image("x")["state"] == "no-list", 60, "the Redis image to wait")
+        assert s.status()["redis"]["connected"] is False
+        assert "waiting for Redis" in s.image("x")["message"], s.image("x")
+        with psc.PageshareClient(s.sock("x")) as c:
+            assert isinstance(c.recv(), psc.NoTableMsg)
+        assert s.alive()
+
+        rd.start()
+        wait_for(lambda: s.status()["redis"]["connected"], 30, "the server to reach Redis")
+        r = cli(rd.url, "list", "publish", str(lists / "x1.pcsl"))
+        assert r.returncode == 0, r.stderr
+        s.wait_generation("x", 1, 60)
+        check_published(table_of(s, "x", 1), x1)
+        assert s.image("y")["generation"] == 1
+    finally:
+        rd.stop(signal.SIGKILL)
