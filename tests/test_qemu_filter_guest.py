@@ -197,7 +197,11 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
             time.sleep(1)
             text = serial.read_text(errors="replace") if serial.exists() else ""
         t.join()
-        st = ps_stats(qmp)
+        # The guest may be done before the restarted server publishes (a
+        # quiet host boots it in seconds): the filter must still reconnect.
+        deadline = time.monotonic() + 60
+        while (st := ps_stats(qmp))["connects"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
         qmp.command("quit")
         proc.wait(30)
 
