@@ -233,3 +233,18 @@ def trace_counters(log: str) -> dict[str, int]:
         raise AssertionError(f"no pageshare_close trace line in:\n{log[-3000:]}")
     keys = ["requests", "hits", "merged", "no_table", "failed", "connects"]
     return dict(zip(keys, map(int, found[-1].groups()), strict=True))
+
+
+# What every reader of a page server's table (QEMU's block/pageshare-table.c,
+# page-server/client/pageshare_table.h) must make of each seed that
+# qemu-patches/fuzz/make_seeds.py writes: accepted, or refused for this reason.
+SEED_VERDICTS = {
+    "bad-addr": "malformed table: an entry outside the image or arena",
+    "dense": "accepted",
+    "empty": "accepted",
+    # every bucket taken: the lookup that spun forever on the I/O path
+    "full": "malformed table: entry count does not match the buckets",
+    "lie": "malformed table: entry count does not match the buckets",
+    "one": "accepted",
+    "random": "accepted",
+}
