@@ -41,7 +41,7 @@ def run(a: Sectors, b: Sectors | None = None) -> RunResult:
     def facts(x: Sectors | None) -> dict[int, PageFact]:
         return x if isinstance(x, dict) else {s: fact(s) for s in x or []}
     return RunResult({"A": facts(a), "B": facts(b)}, {"A": Counter(), "B": Counter()},
-                     {"A": 0, "B": 0}, {"A": set(), "B": set()}, {"A": {}, "B": {}})
+                     {"A": 0, "B": 0}, {"A": {}, "B": {}})
 
 
 def tally(cats_a: dict[str, int], listed_a: dict[int, int], nonzero_a: int,
@@ -50,7 +50,7 @@ def tally(cats_a: dict[str, int], listed_a: dict[int, int], nonzero_a: int,
     """A run as breakdown() reads it: per guest, frames by category, the
     gpfn -> sector of its listed frames, and its merged non-zero frames."""
     return RunResult({"A": {}, "B": {}}, {"A": Counter(cats_a), "B": Counter(cats_b or {})},
-                     {"A": nonzero_a, "B": nonzero_b}, {"A": set(), "B": set()},
+                     {"A": nonzero_a, "B": nonzero_b},
                      {"A": listed_a, "B": listed_b or {}})
 
 

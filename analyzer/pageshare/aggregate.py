@@ -43,8 +43,7 @@ class RunResult:
     stable: dict[str, dict[int, PageFact]]          # vm -> sector -> fact
     categories: dict[str, Counter[str]]             # vm -> category -> frames
     merged_nonzero: dict[str, int]
-    listed_candidates: dict[str, set[int]]          # vm -> gpfns that verified (for coverage)
-    gpfn_sector: dict[str, dict[int, int]]
+    gpfn_sector: dict[str, dict[int, int]]          # vm -> gpfn -> sector of its listed frames
     introspector: tuple[str, str] = ("", "")        # backend used, and why
     # Merged page-cache frames (both VMs) of btrfs data no disk block holds as
     # the page reads, by verdict (inline, compressed).

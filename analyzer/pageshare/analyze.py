@@ -518,11 +518,10 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
     stable: dict[str, dict[int, PageFact]] = {}
     cats: dict[str, Counter[str]] = {}
     gpfn_sector: dict[str, dict[int, int]] = {}
-    listed_candidates: dict[str, set[int]] = {}
     merged_nonzero: dict[str, int] = {}
     unservable: Counter[str] = Counter()
     for vm in VMS:
-        stable[vm], cats[vm], gpfn_sector[vm], listed_candidates[vm] = {}, Counter(), {}, set()
+        stable[vm], cats[vm], gpfn_sector[vm] = {}, Counter(), {}
         rows: list[GuestPage] = []
         for gpfn in mc[vm].zero:
             rows.append(GuestPage(vm, gpfn, None, "zero", None, "zero", None, None, None, None,
@@ -550,7 +549,6 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
                     stable[vm][sector] = PageFact(sector, rec.ino if rec.kind == "file" else 0,
                                                   rec.index, rec.kind, home, tree)
                     gpfn_sector[vm][gpfn] = sector
-                    listed_candidates[vm].add(gpfn)
                 cat = category_of(rec, is_zero, ok)
                 cats[vm][cat] += 1
                 rows.append(GuestPage(vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
@@ -561,7 +559,7 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
         # Each VM's rows as soon as they are known: a failure mapping B's frames
         # still records A's (the failed analysis' commit keeps them).
         resultsdb.record_guest_pages(db, run_id, rows)
-    return RunResult(stable, cats, merged_nonzero, listed_candidates, gpfn_sector,
+    return RunResult(stable, cats, merged_nonzero, gpfn_sector,
                      unservable=unservable)
 
 
