@@ -122,6 +122,16 @@ def mkfs_image(tmp: Path, fstype: str, tree: dict[str, str]) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(content)
     img = tmp / f"{fstype}.raw"
+    if fstype == "squashfs":
+        # On partition 1 of an MBR disk, at sector 2048.
+        fs = tmp / "fs.squashfs"
+        subprocess.run(["mksquashfs", str(root), str(fs), "-quiet", "-noappend"], check=True)
+        subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+        subprocess.run(["sfdisk", "-q", str(img)], input="label: dos\nstart=2048, type=83\n",
+                       text=True, check=True)
+        subprocess.run(["dd", f"if={fs}", f"of={img}", "bs=512", "seek=2048", "conv=notrunc",
+                        "status=none"], check=True)
+        return img
     subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
     subprocess.run([f"mkfs.{fstype}", "-q", "-F", "-d", str(root), str(img)], check=True)
     return img
@@ -137,13 +147,16 @@ def test_no_linux_inside(tmp_path: Path) -> None:
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
 def test_unsupported_root_filesystem(tmp_path: Path) -> None:
-    # A Debian-looking root on ext2: inspected as Linux, but its files use
-    # indirect block maps, which the sector mapping does not support.
+    # A Debian-looking root on squashfs (as live and appliance images have):
+    # inspected as Linux, but its files are compressed into blocks no disk
+    # sector serves, so no block map leads from a page to the disk.
     tree = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
-            "etc/debian_version": "12.0\n", "etc/fstab": "/dev/sda / ext2 defaults 0 1\n",
+            "etc/debian_version": "12.0\n", "etc/fstab": "/dev/sda1 / squashfs ro 0 0\n",
             "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n"}
-    img = mkfs_image(tmp_path, "ext2", tree)
-    assert_clean_failure(run_analyze(tmp_path, str(img)), "only ext4, XFS and btrfs are supported")
+    img = mkfs_image(tmp_path, "squashfs", tree)
+    r = run_analyze(tmp_path, str(img))
+    assert_clean_failure(r, "only ext2/3/4, XFS and btrfs are supported")
+    assert "squashfs cannot be mapped" in r.stderr
 
 
 @pytest.mark.usefixtures("host_guard")

@@ -1,12 +1,20 @@
 """Page -> base-image sector mapping: partition offsets, extents, holes, verification."""
 
+import random
 import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from pageshare.classify import PageRecord
-from pageshare.ext4map import Extent, lookup, parse_extents, read_paths
+from pageshare.ext4map import (
+    Extent,
+    lookup,
+    parse_block_maps,
+    parse_extents,
+    read_extents,
+    read_paths,
+)
 from pageshare.mapping import FsKey, Geometry, Placement, page_sector, verify
 
 UUID = "059a5ac684ce4b8f88bf106cefac840b"
@@ -41,6 +49,106 @@ def test_parse_extents_leaf_only_and_skips_unwritten() -> None:
     assert ext[12] == [Extent(0, 33000, 10)]
     assert ext[13] == [Extent(0, 7000, 4), Extent(4, 9000, 4)]
     assert ext[14] == []
+
+
+DEBUGFS_STAT = """debugfs 1.47.0 (5-Feb-2023)
+debugfs: stat <12>
+Inode: 12   Type: regular    Mode:  0644   Flags: 0x0
+BLOCKS:
+(0-11):1553-1564, (IND):1565, (12-267):1566-1821, (DIND):1822, (IND):1823, (268-292):1824-1848
+TOTAL: 296
+
+debugfs: stat <13>
+Inode: 13   Type: regular    Mode:  0644   Flags: 0x80000
+EXTENTS:
+(0):4678, (1-4):4679-4682, (5-9[u]):4683-4687, (ETB0):4700, (20-21):5000-5001
+debugfs: stat <14>
+Inode: 14   Type: regular    Mode:  0644   Flags: 0x0
+BLOCKS:
+(DIND):1850, (IND):1851, (5000-5002):1852-1854
+TOTAL: 5
+
+debugfs: stat <15>
+Inode: 15   Type: regular    Mode:  0644   Flags: 0x0
+"""
+
+
+def test_parse_block_maps_of_both_kinds() -> None:
+    ext = parse_block_maps(DEBUGFS_STAT)
+    # Indirect blocks hold no file data; runs that continue on disk are one.
+    assert ext[12] == [Extent(0, 1553, 12), Extent(12, 1566, 256), Extent(268, 1824, 25)]
+    assert ext[13] == [Extent(0, 4678, 5), Extent(20, 5000, 2)]      # unwritten left out
+    assert ext[14] == [Extent(5000, 1852, 3)]
+    assert ext[15] == []
+
+
+def test_ext3_mounted_as_ext4_is_the_same_file_system() -> None:
+    geo = replace(GEO, filesystems=(Placement.partition(UUID, 262144, fstype="ext3"),))
+    ext = on(geo.filesystems[0].key, {12: [Extent(0, 33000, 10)]})
+    for fstype in ("ext3", "ext4", "ext2"):
+        assert page_sector(replace(REC, fstype=fstype), ext, geo, False) \
+            == (262144 + 33000 * 8, "")
+
+
+def _random_tree(root: Path) -> dict[str, bytes]:
+    """Files whose pages need every kind of map entry: direct, (D)IND, holes."""
+    rnd = random.Random(7)
+    files = {
+        "direct": rnd.randbytes(9000),
+        "indirect": rnd.randbytes(300_000),                  # past 12 blocks: IND
+        "double": rnd.randbytes(1_200_000),                  # past 268 1 KiB blocks: DIND
+        "tail": rnd.randbytes(4096 * 3 + 17),
+    }
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    with (root / "sparse").open("wb") as f:                  # a hole, then data
+        f.seek(5 << 20)
+        f.write(rnd.randbytes(10_000))
+    files["sparse"] = bytes(5 << 20) + (root / "sparse").read_bytes()[5 << 20:]
+    return files
+
+
+@pytest.mark.parametrize("mkfs,block,upgrade", [
+    ("mkfs.ext2", 4096, False), ("mkfs.ext3", 1024, False), ("mkfs.ext3", 4096, False),
+    ("mkfs.ext4", 1024, False),
+    # ext3 turned into ext4 in place: the old files keep their indirect maps.
+    ("mkfs.ext3", 4096, True),
+])
+def test_block_maps_lead_to_the_files_bytes(tmp_path: Path, mkfs: str, block: int,
+                                            upgrade: bool) -> None:
+    """Every page read_extents maps holds the file's bytes at that offset on the
+    image, whatever the block map's kind and block size; pages it does not map
+    are holes (zeros) or have a block that is not contiguous with the others."""
+    files = _random_tree(tmp_path / "root")
+    img = tmp_path / "fs.img"
+    subprocess.run([mkfs, "-q", "-F", "-b", str(block), "-d", str(tmp_path / "root"),
+                    str(img), "64M"], check=True, capture_output=True)
+    if upgrade:
+        subprocess.run(["tune2fs", "-O", "extent", str(img)], check=True, capture_output=True)
+        features = subprocess.run(["dumpe2fs", "-h", str(img)], capture_output=True,
+                                  text=True, check=True).stdout
+        assert " extent" in features
+    listing = subprocess.run(["debugfs", "-R", "ls -l /", str(img)],
+                             capture_output=True, text=True, check=True).stdout
+    inos = {f[-1]: int(f[0]) for f in map(str.split, listing.splitlines()) if f and f[-1] in files}
+    ext = read_extents(img, 0, sorted(inos.values()))
+    per_page = 4096 // block
+    data = img.read_bytes()
+    for name, content in files.items():
+        mapped = 0
+        for index in range((len(content) + 4095) // 4096):
+            blocks = [lookup(ext[inos[name]], index * per_page + k) for k in range(per_page)]
+            page = content[index * 4096:(index + 1) * 4096]
+            if blocks[0] is None:
+                assert page == bytes(len(page)), f"{name} page {index}: data but no block"
+                continue
+            if any(b != blocks[0] + k for k, b in enumerate(blocks)):
+                continue
+            at = blocks[0] * block
+            assert data[at:at + len(page)] == page, f"{name} page {index} at block {blocks[0]}"
+            mapped += 1
+        assert mapped > 0, name
 
 
 def test_lookup_holes() -> None:
@@ -117,6 +225,7 @@ def test_unaligned_block_is_refused() -> None:
     ({"fs_uuid": "00" * 16}, "other-fs"),
     ({"start_sect": 2048}, "other-disk"),
     ({"fstype": "vfat"}, "unsupported-fs"),
+    ({"fstype": "xfs"}, "other-fs"),
     ({"state": "UD---"}, "dirty"),
     ({"kind": "anon"}, "not-page-cache"),
     ({"index": 10}, "hole"),

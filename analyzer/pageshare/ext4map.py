@@ -1,10 +1,18 @@
-"""The base image's own ext4 block map, read offline with debugfs.
+"""The base image's own ext2/ext3/ext4 block map, read offline with debugfs.
 
 The guest tells us (inode number, page index); the base image is the ground
 truth for where that page's bytes live on disk.  debugfs reads the file
 system inside the raw image at the partition's byte offset (e2fsprogs'
 "image?offset=N" syntax) without mounting anything, and one process answers
 for all inodes at once.
+
+ext4 files use extent trees (`ex <ino>`).  ext2 and ext3 files, and ext4
+files that were written before the extent feature was turned on (a file
+system upgraded from ext3 in place), use the older indirect block maps,
+which `ex` does not read: those inodes are asked again with `stat <ino>`,
+whose BLOCKS list gives each run of logical blocks with its physical blocks
+(and names the indirect blocks themselves, which hold no file data, as
+(IND), (DIND), (TIND)).
 """
 
 import errno
@@ -64,6 +72,60 @@ def lookup(extents: list[Extent], lblk: int) -> int | None:
     return None
 
 
+# "(0-11):1553-1564, (IND):1565, (12):1566, (5-9[u]):4683-4687": stat's BLOCKS or
+# EXTENTS list; [u] marks an unwritten extent, (IND)/(ETB0)... metadata blocks.
+_RUN = re.compile(r"\((\d+)(?:-(\d+))?(\[u\])?\):(\d+)(?:-(\d+))?")
+_STAT = re.compile(r"^debugfs: stat <(\d+)>")
+_MAP_HEADER = ("BLOCKS:", "EXTENTS:")
+
+
+def parse_block_maps(output: str) -> dict[int, list[Extent]]:
+    """Data block runs per inode from `debugfs -f` output of `stat <ino>` commands.
+
+    Works for both kinds of inode: an indirect block map's BLOCKS list and an
+    extent tree's EXTENTS list.  Unwritten extents are left out (holes), as in
+    parse_extents; adjacent runs are joined.
+    """
+    res: dict[int, list[Extent]] = {}
+    cur: int | None = None
+    in_map = False
+    for line in output.splitlines():
+        m = _STAT.match(line)
+        if m:
+            cur, in_map = int(m.group(1)), False
+            res[cur] = []
+            continue
+        if cur is None:
+            continue
+        if line.strip() in _MAP_HEADER:
+            in_map = True
+            continue
+        if not in_map:
+            continue
+        if line.startswith("TOTAL:") or not line.strip():
+            in_map = False
+            continue
+        for r in _RUN.finditer(line):
+            if r.group(3):                           # unwritten: reads as zeros
+                continue
+            first = int(r.group(1))
+            last = int(r.group(2)) if r.group(2) else first
+            phys = int(r.group(4))
+            phys_last = int(r.group(5)) if r.group(5) else phys
+            if phys_last - phys != last - first:
+                raise ValueError(f"debugfs stat <{cur}>: run {r.group(0)} has unequal lengths")
+            runs = res[cur]
+            if runs and runs[-1].logical + runs[-1].length == first \
+                    and runs[-1].physical + runs[-1].length == phys:
+                runs[-1] = Extent(runs[-1].logical, runs[-1].physical,
+                                  runs[-1].length + last - first + 1)
+            else:
+                runs.append(Extent(first, phys, last - first + 1))
+    for exts in res.values():
+        exts.sort(key=lambda e: e.logical)
+    return res
+
+
 def _debugfs(raw: Path, part_offset: int, commands: str) -> str:
     p = subprocess.run(["debugfs", "-c", "-f", "-", f"{raw}?offset={part_offset}"],
                        input=commands, capture_output=True, text=True)
@@ -73,9 +135,20 @@ def _debugfs(raw: Path, part_offset: int, commands: str) -> str:
 
 
 def read_extents(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, list[Extent]]:
+    """Each inode's data block runs, whichever kind of block map it has.
+
+    `ex` answers for extent-mapped inodes; the ones it leaves empty (indirect
+    block maps, and files with no written data) are asked again with `stat`,
+    which reads both kinds.
+    """
     if not inodes:
         return {}
-    return parse_extents(_debugfs(raw, part_offset, "".join(f"ex <{i}>\n" for i in inodes)))
+    res = parse_extents(_debugfs(raw, part_offset, "".join(f"ex <{i}>\n" for i in inodes)))
+    again = [i for i in inodes if not res.get(i)]
+    if again:
+        res.update(parse_block_maps(
+            _debugfs(raw, part_offset, "".join(f"stat <{i}>\n" for i in again))))
+    return res
 
 
 # Inodes per `ncheck` command: debugfs reads its commands in lines of a few
@@ -103,8 +176,8 @@ def read_paths(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, str]
 def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
                  block_size: int) -> list[int]:
     """4 KiB-aligned base-image sectors holding a file's data (for tests and reports)."""
-    out = _debugfs(raw, part_offset, f"ex {path}\n")
-    exts = next(iter(parse_extents(out.replace(f"ex {path}", "ex <0>", 1)).values()), [])
+    out = _debugfs(raw, part_offset, f"stat {path}\n")
+    exts = next(iter(parse_block_maps(out.replace(f"stat {path}", "stat <0>", 1)).values()), [])
     per = block_size // 512
     sectors = set()
     for e in exts:

@@ -3,7 +3,7 @@
 The guest's page cache names a page by (file system UUID, start sector of
 its block device, inode, index); a list entry names a 4 KiB block of the
 virtual disk.  For a file system to be mapped, its block map must be
-readable offline (ext4 extents through debugfs, XFS extents through
+readable offline (ext2/3/4 extents and block maps through debugfs, XFS extents through
 xfs_db, btrfs extents through btrfs inspect-internal), its bytes must sit at
 known places of the disk (a partition, the whole disk, or the extents of a
 linear LVM logical volume, lvm.py; a btrfs on one device only), and its
@@ -237,14 +237,11 @@ def unmappable_reason(fstype: str, features: str, partition: int | None, start_s
     if fstype == "btrfs" and btrfs_reason(features):
         return btrfs_reason(features)
     if fstype not in ("ext2", "ext3", "ext4", "xfs", "btrfs"):
-        return (f"{fstype or 'an unknown file system'} cannot be mapped (ext4, XFS and "
-                "single-device btrfs can)")
+        return (f"{fstype or 'an unknown file system'} cannot be mapped (ext2, ext3, ext4, "
+                "XFS and single-device btrfs can)")
     if fstype == "xfs" and "realtime" in features.split():
         return ("XFS with a realtime section: its realtime files' blocks are on another "
                 "device, which the mapping does not follow")
-    if fstype not in ("xfs", "btrfs") and "extent" not in features.split():
-        return (f"{fstype} without the extent feature: its files use indirect block maps, "
-                "which the mapping does not read (ext4 with extents and XFS can be mapped)")
     if block_size < 512:
         return f"its {fstype} superblock gives no block size"
     return alignment_reason(start_sector, block_size, "the partition starts")
@@ -313,11 +310,11 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
                         "remove` down to one device), or with an ext4 or XFS root; btrfs file "
                         "systems over several devices other than the root are skipped and the "
                         "rest is mapped")
-    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only ext4, "
-                    f"XFS and btrfs are supported ({root.reason})", "mapping page-cache pages "
-                    "back to disk sectors is implemented for ext4 with extents (the Debian "
-                    "cloud images' root), XFS and single-device btrfs; convert or rebuild the "
-                    "image with such a root")
+    raise UserError(f"{image}: root file system is {root.fstype} on {root.device}; only "
+                    f"ext2/3/4, XFS and btrfs are supported ({root.reason})", "mapping "
+                    "page-cache pages back to disk sectors is implemented for ext2, ext3 and "
+                    "ext4, XFS and single-device btrfs, whose block maps can be read offline; "
+                    "convert or rebuild the image with such a root")
 
 
 def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:

@@ -103,17 +103,27 @@ class Candidate:
                     "")
 
 
+MAPPED_FSTYPES = ("ext2", "ext3", "ext4", "xfs", "btrfs")
+
+
+def fs_family(fstype: str) -> str:
+    """ext2 and ext3 are ext4's on-disk format: the guest mounts one as another
+    (an fstab that says ext4 on an ext3 file system is common), and libguestfs
+    names it by its features; either way debugfs reads its block map."""
+    return "ext4" if fstype in ("ext2", "ext3") else fstype
+
+
 def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
                      ) -> tuple[int | None, str]:
     """Sector of a file page per the base image's block map, or (None, reason)."""
-    if rec.fstype not in ("ext4", "xfs", "btrfs"):
+    if rec.fstype not in MAPPED_FSTYPES:
         return None, "unsupported-fs"
     fs = geo.find(rec)
     if fs is None:
         if any(f.uuid == norm_uuid(rec.fs_uuid) for f in geo.filesystems):
             return None, "other-disk"
         return None, "other-fs"
-    if rec.fstype != fs.fstype:
+    if fs_family(rec.fstype) != fs_family(fs.fstype):
         return None, "other-fs"
     if rec.fstype == "btrfs" and rec.ino == BTRFS_BTREE_INODE:
         return None, "metadata"
