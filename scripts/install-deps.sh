@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
 	# guests and images
 	qemu-system-x86 qemu-utils ovmf libguestfs-tools python3-guestfs mmdebstrap
-	e2fsprogs gdisk fdisk zstd
+	e2fsprogs gdisk fdisk zstd dosfstools mtools squashfs-tools
 	# mapping XFS file systems (xfs_db) and testing it (mkfs.xfs)
 	xfsprogs
 	# mapping btrfs (dump-tree) and testing it (mkfs.btrfs); LUKS headers for

@@ -440,6 +440,111 @@ def test_bootsplit_has_its_kernel_only_on_the_boot_partition(tmp_path: Path) -> 
     assert f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2" in fstab
 
 
+def test_efi_variant_geometry_is_a_uefi_installers() -> None:
+    spec, g = golden._spec("efi"), golden.geometry("efi")
+    assert spec.suite == "trixie" and g.layout == "gpt-efi"
+    assert [(p.mountpoint, p.partition) for p in g.placed] == [
+        ("/boot/efi", 1), ("/boot", 2), ("/", 3), ("/var", 4)]
+    assert g.placed[0].start_sector == 2048
+    for a, b in zip(g.placed, g.placed[1:], strict=False):
+        assert b.start_sector == a.end_sector + 1 and b.start_sector % 2048 == 0
+    assert g.placed[-1].end_sector <= g.virtual_size // 512 - 34
+    assert (g.root_partition, g.root_start_sector) == (3, g.at("/").start_sector)
+    assert g.fs_bytes == (g.root_end_sector - g.root_start_sector + 1) * 512
+    assert (g.boot_partition, g.boot_start_sector) == (2, g.at("/boot").start_sector)
+    assert [f.fstype for f in spec.filesystems] == ["vfat", "ext2", "ext4", "ext3"]
+
+
+@pytest.mark.vm
+def test_efi_image_has_its_file_systems_where_the_fstab_says(tmp_path: Path) -> None:
+    image = _image("efi")
+    m, geo, spec = image.manifest, golden.geometry("efi"), golden._spec("efi")
+    raw = tmp_path / "disk.raw"
+    subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
+    disk_guid, parts = _gpt_partitions(raw)
+    assert str(disk_guid) == spec.disk_guid and sorted(parts) == [1, 2, 3, 4]
+    for p in geo.placed:
+        assert parts[p.partition][1:] == (p.start_sector, p.end_sector), p
+        assert str(parts[p.partition][0]) == spec.partition_guids[str(p.partition)]
+    assert m["filesystems"][2] == {"mountpoint": "/", "partition": 3,
+                                   "start_sector": geo.root_start_sector,
+                                   "end_sector": geo.root_end_sector}
+
+    def at(mp: str) -> str:
+        return f"{raw}?offset={geo.at(mp).start_sector * 512}"
+
+    kernel = m["kernel_version"]
+    root, boot, var = at("/"), at("/boot"), at("/var")
+    # /boot is ext2 and /var ext3: no extents, so their files use indirect block maps.
+    for fs, fs_uuid, journal in ((boot, spec.filesystems[1].uuid, False),
+                                 (var, spec.filesystems[3].uuid, True)):
+        stats = _debugfs(fs, "stats")
+        assert f"Filesystem UUID:          {fs_uuid}" in stats
+        assert " extent" not in stats.split("Filesystem features:")[1].splitlines()[0]
+        assert ("has_journal" in stats) == journal
+    assert "EXTENTS:" not in _debugfs(boot, f"stat /vmlinuz-{kernel}")
+    assert "(IND):" in _debugfs(boot, f"stat /vmlinuz-{kernel}")
+    for name in (f"vmlinuz-{kernel}", f"initrd.img-{kernel}", "grub/grub.cfg",
+                 "grub/x86_64-efi/linux.mod"):
+        assert _exists(boot, f"/{name}"), name
+    assert not _exists(root, f"/boot/vmlinuz-{kernel}") and _exists(boot, "/efi")
+    grub_cfg = _debugfs(boot, "cat /grub/grub.cfg")
+    assert f"linux\t/vmlinuz-{kernel} root=UUID={m['fs_uuid']} ro" in grub_cfg
+    assert f"search --no-floppy --fs-uuid --set=root {spec.filesystems[1].uuid}" in grub_cfg
+    assert _exists(var, "/lib/dpkg/status") and not _exists(root, "/var/lib/dpkg/status")
+    fstab = _debugfs(root, "cat /etc/fstab")
+    assert f"UUID={spec.filesystems[0].uuid}\t/boot/efi\tvfat\tumask=0077\t0\t1" in fstab
+    assert f"UUID={spec.filesystems[3].uuid}\t/var\text3\tdefaults\t0\t2" in fstab
+    # The ESP is FAT32 with GRUB at Debian's path and the removable-media path.
+    esp = f"{raw}@@{geo.at('/boot/efi').start_sector * 512}"
+    listing = subprocess.run(["mdir", "-i", esp, "-/", "::/EFI"], capture_output=True,
+                             text=True, env={**os.environ, "MTOOLS_SKIP_CHECK": "1"})
+    assert listing.returncode == 0, listing.stderr
+    assert "grubx64  efi" in listing.stdout and "BOOTX64  EFI" in listing.stdout, listing.stdout
+    blkid = subprocess.run(["blkid", "-p", "-O", str(geo.at("/boot/efi").start_sector * 512),
+                            "-o", "export", str(raw)], capture_output=True, text=True).stdout
+    assert f"UUID={spec.filesystems[0].uuid}" in blkid and "VERSION=FAT32" in blkid, blkid
+
+
+@pytest.mark.vm
+def test_efi_boots_with_uefi_firmware_and_grub_to_login(tmp_path: Path) -> None:
+    """No direct kernel boot: OVMF finds EFI/BOOT/BOOTX64.EFI on the ESP, GRUB
+    finds /boot by its UUID, reads grub.cfg and boots the kernel, and the
+    system mounts /boot, /boot/efi and /var from its fstab."""
+    image = _image("efi")
+    kernel = image.manifest["kernel_version"]
+    overlay, serial = tmp_path / "overlay.qcow2", tmp_path / "serial.log"
+    vars_copy = tmp_path / "OVMF_VARS.fd"
+    shutil.copyfile("/usr/share/OVMF/OVMF_VARS_4M.fd", vars_copy)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
+                    str(image.path), str(overlay)], check=True)
+    qemu = subprocess.Popen(
+        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
+         "-m", "1024", "-smp", "1", "-nodefaults", "-display", "none",
+         "-drive", "if=pflash,format=raw,unit=0,readonly=on,"
+                   "file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+         "-drive", f"if=pflash,format=raw,unit=1,file={vars_copy}",
+         "-serial", f"file:{serial}",
+         "-drive", f"file={overlay},if=virtio,format=qcow2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = ""
+    try:
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline and qemu.poll() is None:
+            log = serial.read_text(errors="replace") if serial.exists() else ""
+            if "login:" in log:
+                break
+            time.sleep(2)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert "pageshare-golden login:" in log, log[-3000:]
+    # GRUB passed BOOT_IMAGE=, the path it loaded the kernel from on /boot.
+    assert f"Command line: BOOT_IMAGE=/vmlinuz-{kernel} root=UUID=" in log, log[:5000]
+    assert f"Linux version {kernel}" in log
+    assert "[FAILED]" not in log, log
+
+
 @pytest.mark.vm
 def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
     from pageshare import lvm

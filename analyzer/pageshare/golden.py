@@ -90,6 +90,15 @@ MBR_ROOT_PARTITION = 1
 MBR_EXTENDED_PARTITION = 2
 MBR_SWAP_PARTITION = 5
 MBR_SWAP_SECTORS = 128 * 1024 * 1024 // 512
+# The "gpt-efi" layout: a UEFI machine's disk as Debian's installer lays it
+# out with a separate /boot and /var ("guided - use entire disk", then /boot
+# and /var as partitions of their own): the EFI system partition (FAT32,
+# mounted at /boot/efi), /boot, the root, /var, in that order from sector
+# 2048, each on a MiB boundary; the root takes what the others leave.  The
+# variant's "filesystems" gives them in disk order, the root as "/".
+EFI_FIRST_SECTOR = 2048
+MIB_SECTORS = 1024 * 1024 // 512
+GPT_TYPE = {"vfat": "ef00", "ext2": "8300", "ext3": "8300", "ext4": "8300"}
 # The backup GPT at the end of the disk: 32 sectors of entries plus the header.
 GPT_BACKUP_SECTORS = 33
 
@@ -272,6 +281,40 @@ VARIANTS: dict[str, dict[str, object]] = {
         "partition_guids": {},
         "hostname": HOSTNAME,
     },
+    # Debian 13 on a UEFI machine's disk (issue 11), as an operator's
+    # installer-made golden image has it: GPT, a FAT32 EFI system partition
+    # at /boot/efi holding GRUB (EFI/debian/grubx64.efi and the removable
+    # path EFI/BOOT/BOOTX64.EFI, made by the image's own grub-mkimage), a
+    # separate /boot with GRUB's grub.cfg and modules, the root, and /var on
+    # a partition of its own.  /boot is ext2 and /var ext3, as images that
+    # have been carried forward for years still have: their files use
+    # indirect block maps, not extents.  It boots with OVMF and GRUB, and the
+    # analyzer finds its kernel through grub.cfg on /boot.
+    "efi": {
+        "suite": "trixie",
+        "sources": _TRIXIE_SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, "grub-efi-amd64-bin", "dosfstools"],
+        "layout": "gpt-efi",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "b8d4f2a6-3c71-4e95-8a0d-6f1e9c2b7d43",
+        "filesystems": [
+            {"mountpoint": "/boot/efi", "fstype": "vfat", "uuid": "5A1C-3E97", "mib": 64},
+            {"mountpoint": "/boot", "fstype": "ext2",
+             "uuid": "f3a9c1e5-7d28-4b64-9e0a-2c5b8d1f6a79", "mib": 192},
+            {"mountpoint": "/", "fstype": "ext4"},
+            {"mountpoint": "/var", "fstype": "ext3",
+             "uuid": "6e2b9d4f-1a85-4c37-b0e6-d9f3a7c2e518", "mib": 256},
+        ],
+        "disk_guid": "2f7c9e4b-d6a1-4853-b9e2-0c4a8f1d5e36",
+        "partition_guids": {
+            "1": "0b6e3f9a-2d74-4c1e-a8b5-97f4d2c6e830",
+            "2": "8d3b6f1e-4a29-4c57-a0e8-5b2d9f7c1e46",
+            "3": "4e9a2c7d-b158-4f03-8d6e-a1c3f5b9e027",
+            "4": "a7f1d3b9-62e4-4c8a-95d0-3e8b1c6f4a52",
+        },
+        "hostname": HOSTNAME,
+    },
 }
 
 # Peak use is the unpacked root tree plus the filesystem image plus the qcow2.
@@ -310,6 +353,26 @@ class _Spec:
     root_subvol: str = ""             # a btrfs root: the subvolume / is mounted from
     compressed_files: tuple[str, ...] = ()   # a btrfs root: files stored compressed
     swap_uuid: str | None = None      # a swap partition ("mbr": logical partition 5)
+    # "gpt-efi": the file systems in disk order, the root among them as "/".
+    filesystems: tuple[OtherFs, ...] = ()
+
+
+@dataclass(frozen=True)
+class OtherFs:
+    """A file system of a "gpt-efi" image besides the root, on a partition of its own."""
+    mountpoint: str
+    fstype: str                       # vfat, ext2, ext3 or ext4 ("ext4" for the root)
+    uuid: str                         # vfat: its volume id, as blkid and fstab give it
+    mib: int                          # partition size; 0 for the root (the rest)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a "gpt-efi" file system sits: its partition and sectors (inclusive)."""
+    mountpoint: str
+    partition: int
+    start_sector: int
+    end_sector: int
 
 
 @dataclass(frozen=True)
@@ -333,6 +396,11 @@ class Geometry:
     swap_partition: int | None = None
     swap_start_sector: int = 0
     swap_end_sector: int = 0  # inclusive
+    # "gpt-efi": every file system's partition, the root's too, in disk order.
+    placed: tuple[Placed, ...] = ()
+
+    def at(self, mountpoint: str) -> Placed:
+        return next(p for p in self.placed if p.mountpoint == mountpoint)
 
 
 # --- spec and key ---------------------------------------------------------
@@ -379,6 +447,15 @@ def _spec(variant: str) -> _Spec:
     swap_uuid = d.get("swap_uuid")
     if swap_uuid is not None and (not isinstance(swap_uuid, str) or d["layout"] != "mbr"):
         raise TypeError("variant field 'swap_uuid' must be a str, on the mbr layout")
+    filesystems = tuple(OtherFs(str(f["mountpoint"]), str(f["fstype"]), str(f.get("uuid", "")),
+                                int(f.get("mib", 0)))
+                        for f in d.get("filesystems", []))   # type: ignore[attr-defined]
+    if (d["layout"] == "gpt-efi") != bool(filesystems) or (filesystems and (
+            [f.mountpoint for f in filesystems].count("/") != 1
+            or any(f.fstype not in GPT_TYPE or (f.mountpoint != "/") != bool(f.mib and f.uuid)
+                   for f in filesystems))):
+        raise TypeError("a gpt-efi variant lists its file systems (vfat or ext2/3/4, each "
+                        "with uuid and mib) in disk order, the root once as '/'")
     if d["layout"] == "mbr" and not (isinstance(disk_guid, str)
                                      and re.fullmatch(r"0x[0-9a-f]{8}", disk_guid)):
         raise TypeError("an mbr variant's 'disk_guid' is its disk identifier, 0x and 8 hex digits")
@@ -399,6 +476,7 @@ def _spec(variant: str) -> _Spec:
         root_subvol=root_subvol,
         compressed_files=tuple(str(f) for f in compressed),
         swap_uuid=swap_uuid,
+        filesystems=filesystems,
     )
 
 
@@ -415,6 +493,8 @@ def geometry(variant: str) -> Geometry:
         return Geometry(spec.layout, size, None, 0, size // SECTOR - 1, size)
     if spec.layout == "mbr":
         return _mbr_geometry(spec)
+    if spec.layout == "gpt-efi":
+        return _efi_geometry(spec)
     if spec.layout not in ("gpt", "gpt-bootsplit", "gpt-lvm"):
         raise ValueError(f"unknown layout {spec.layout!r}")
     last_usable = size // SECTOR - GPT_BACKUP_SECTORS - 1
@@ -450,6 +530,24 @@ def _mbr_geometry(spec: _Spec) -> Geometry:
                     swap_start_sector=swap_start, swap_end_sector=total - 1)
 
 
+def _efi_geometry(spec: _Spec) -> Geometry:
+    last_usable = spec.virtual_size // SECTOR - GPT_BACKUP_SECTORS - 1
+    fixed = sum(f.mib for f in spec.filesystems) * MIB_SECTORS
+    root_sectors = (last_usable + 1 - EFI_FIRST_SECTOR - fixed) // MIB_SECTORS * MIB_SECTORS
+    placed, at = [], EFI_FIRST_SECTOR
+    for number, f in enumerate(spec.filesystems, 1):
+        sectors = f.mib * MIB_SECTORS if f.mountpoint != "/" else root_sectors
+        placed.append(Placed(f.mountpoint, number, at, at + sectors - 1))
+        at += sectors
+    root = next(p for p in placed if p.mountpoint == "/")
+    boot = next(p for p in placed if p.mountpoint == "/boot")
+    return Geometry(spec.layout, spec.virtual_size, root.partition, root.start_sector,
+                    root.end_sector, root_sectors * SECTOR, boot_partition=boot.partition,
+                    boot_start_sector=boot.start_sector, boot_end_sector=boot.end_sector,
+                    boot_fs_bytes=(boot.end_sector - boot.start_sector + 1) * SECTOR,
+                    placed=tuple(placed))
+
+
 def _image_dir(variant: str) -> Path:
     return cache_dir("images") / f"{variant}-{image_key(variant)}"
 
@@ -481,6 +579,8 @@ def _required_tools(spec: _Spec) -> dict[str, str]:
         tools["mkfs.xfs"] = "xfsprogs"
     if spec.root_fstype == "btrfs":
         tools["mkfs.btrfs"] = "btrfs-progs"
+    if spec.layout == "gpt-efi":
+        tools |= {"mkfs.vfat": "dosfstools", "mcopy": "mtools"}
     if spec.layout == "mbr":
         tools |= {"sfdisk": "fdisk", "mkswap": "util-linux"}
     elif spec.layout != "whole-disk":
@@ -707,6 +807,10 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t{passno}\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
+    for f in spec.filesystems:
+        if f.mountpoint != "/":          # as Debian's installer writes them
+            options, passno = ("umask=0077", 1) if f.fstype == "vfat" else ("defaults", 2)
+            fstab += f"UUID={f.uuid}\t{f.mountpoint}\t{f.fstype}\t{options}\t0\t{passno}\n"
     if spec.swap_uuid:
         fstab += f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n"    # as the installer's
     _write(rootdir / "etc/fstab", fstab)
@@ -733,16 +837,128 @@ def _split_boot(rootdir: Path, bootdir: Path) -> None:
 
 
 def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str,
-               label: str = FS_LABEL, block: int = FS_BLOCK) -> None:
+               label: str = FS_LABEL, block: int = FS_BLOCK, fstype: str = "ext4") -> None:
+    """An ext4 (or, by fstype, ext2 or ext3: indirect block maps) file system
+    image holding the tree."""
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
     # Zeroing inode tables and journal now is free on a sparse file, and it
     # spares every clone the ext4lazyinit writes after its first mount.
     extended = f"hash_seed={fs_uuid},lazy_itable_init=0,lazy_journal_init=0"
     _run(
-        ["mkfs.ext4", "-q", "-F", "-b", str(block), "-L", label, "-U", fs_uuid,
+        [f"mkfs.{fstype}", "-q", "-F", "-b", str(block), "-L", label, "-U", fs_uuid,
          "-E", extended, "-d", str(rootdir), str(fs_image)]
     )  # fmt: skip
+
+
+def _make_vfat(tree: Path, fs_image: Path, fs_bytes: int, volume_id: str, label: str) -> None:
+    """A FAT32 file system image (an EFI system partition) holding the tree.
+    mkfs.vfat and mtools' mcopy work on the file: nothing is mounted, and
+    the host needs no vfat driver."""
+    with fs_image.open("wb") as f:
+        f.truncate(fs_bytes)
+    _run(["mkfs.vfat", "-F", "32", "-s", "1", "-i", volume_id.replace("-", ""), "-n", label,
+          str(fs_image)])
+    entries = sorted(str(e) for e in tree.iterdir())
+    if entries:
+        _run(["mcopy", "-s", "-p", "-m", "-i", str(fs_image), *entries, "::/"])
+
+
+# GRUB as Debian's grub-install puts it on a UEFI machine, made with the
+# image's own grub-mkimage: a core image whose early configuration (Debian's
+# EFI/debian/grub.cfg) finds /boot by its UUID and reads grub.cfg there, the
+# modules in /boot/grub/x86_64-efi, and grub.cfg as update-grub writes it
+# for a separate /boot (paths relative to /boot, `search --fs-uuid` of /boot).
+# No shim: the image boots without Secure Boot.
+_GRUB_MODULES = ("part_gpt", "part_msdos", "fat", "ext2", "search", "search_fs_uuid",
+                 "configfile", "normal", "linux", "echo", "test", "gzio", "serial",
+                 "terminal", "all_video", "efi_gop", "boot")
+
+
+def _early_grub_cfg(boot_uuid: str) -> str:
+    return (f"search.fs_uuid {boot_uuid} root\n"
+            "set prefix=($root)'/grub'\n"
+            "configfile $prefix/grub.cfg\n")
+
+
+def _grub_entry(boot_uuid: str, root_uuid: str, kernel: str, args: str, indent: str) -> str:
+    lines = ["load_video", "insmod gzio", "insmod part_gpt", "insmod ext2",
+             f"search --no-floppy --fs-uuid --set=root {boot_uuid}",
+             f"echo\t'Loading Linux {kernel} ...'",
+             f"linux\t/vmlinuz-{kernel} root=UUID={root_uuid} ro {args}",
+             "echo\t'Loading initial ramdisk ...'",
+             f"initrd\t/initrd.img-{kernel}"]
+    return "".join(f"{indent}\t{line}\n" for line in lines)
+
+
+def _grub_cfg(root_uuid: str, boot_uuid: str, kernel: str) -> str:
+    """grub.cfg of Debian 13's update-grub for this layout (00_header, 10_linux;
+    GRUB_TERMINAL="console serial" and the serial console cloud images use)."""
+    args = "console=tty0 console=ttyS0,115200"
+    classes = "--class debian --class gnu-linux --class gnu --class os $menuentry_id_option"
+    return (
+        "#\n# DO NOT EDIT THIS FILE\n#\n# It is automatically generated by grub-mkconfig "
+        "using templates\n# from /etc/grub.d and settings from /etc/default/grub\n#\n\n"
+        "### BEGIN /etc/grub.d/00_header ###\n"
+        "if [ -s $prefix/grubenv ]; then\n  load_env\nfi\n"
+        'set default="0"\n'
+        'if [ x"${feature_menuentry_id}" = xy ]; then\n  menuentry_id_option="--id"\n'
+        'else\n  menuentry_id_option=""\nfi\nexport menuentry_id_option\n'
+        "function load_video {\n  insmod all_video\n}\n"
+        "serial --unit=0 --speed=115200 --word=8 --parity=no --stop=1\n"
+        "terminal_input console serial\nterminal_output console serial\n"
+        "set timeout=1\n### END /etc/grub.d/00_header ###\n\n"
+        "### BEGIN /etc/grub.d/10_linux ###\n"
+        f"menuentry 'Debian GNU/Linux' {classes} 'gnulinux-simple-{root_uuid}' {{\n"
+        + _grub_entry(boot_uuid, root_uuid, kernel, args, "") + "}\n"
+        f"submenu 'Advanced options for Debian GNU/Linux' $menuentry_id_option "
+        f"'gnulinux-advanced-{root_uuid}' {{\n"
+        f"\tmenuentry 'Debian GNU/Linux, with Linux {kernel} (recovery mode)' {classes} "
+        f"'gnulinux-{kernel}-recovery-{root_uuid}' {{\n"
+        + _grub_entry(boot_uuid, root_uuid, kernel, "single " + args, "\t")
+        + "\t}\n}\n### END /etc/grub.d/10_linux ###\n"
+    )
+
+
+def _install_grub_efi(rootdir: Path, spec: _Spec, kernel: str) -> None:
+    boot_uuid = next(f.uuid for f in spec.filesystems if f.mountpoint == "/boot")
+    early = _early_grub_cfg(boot_uuid)
+    _write(rootdir / "boot/efi/EFI/debian/grub.cfg", early)
+    _write(rootdir / "tmp/grub-early.cfg", early)
+    try:
+        _run(["chroot", str(rootdir), "grub-mkimage", "-O", "x86_64-efi",
+              "-o", "/boot/efi/EFI/debian/grubx64.efi", "-c", "/tmp/grub-early.cfg",
+              "-p", "/grub", *_GRUB_MODULES])
+    finally:
+        (rootdir / "tmp/grub-early.cfg").unlink()
+    # The removable-media path, which firmware boots with no boot entry in NVRAM.
+    (rootdir / "boot/efi/EFI/BOOT").mkdir()
+    shutil.copyfile(rootdir / "boot/efi/EFI/debian/grubx64.efi",
+                    rootdir / "boot/efi/EFI/BOOT/BOOTX64.EFI")
+    modules = rootdir / "boot/grub/x86_64-efi"
+    modules.mkdir(parents=True, exist_ok=True)
+    for m in (rootdir / "usr/lib/grub/x86_64-efi").iterdir():
+        if m.suffix in (".mod", ".lst"):
+            shutil.copyfile(m, modules / m.name)
+    _write(rootdir / "boot/grub/grub.cfg", _grub_cfg(spec.fs_uuid, boot_uuid, kernel))
+
+
+def _split_trees(rootdir: Path, work: Path, spec: _Spec) -> dict[str, Path]:
+    """Moves each other file system's contents out of the root tree (deepest
+    mount point first, so /boot/efi's files leave /boot), leaving the empty
+    mount points; returns mountpoint -> tree."""
+    trees = {}
+    for f in sorted(spec.filesystems, key=lambda f: -f.mountpoint.count("/")):
+        if f.mountpoint == "/":
+            continue
+        tree = work / ("fs" + f.mountpoint.replace("/", "-"))
+        (rootdir / f.mountpoint.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        tree.mkdir()
+        src = rootdir / f.mountpoint.lstrip("/")
+        for entry in sorted(src.iterdir()):
+            shutil.move(str(entry), str(tree / entry.name))
+        trees[f.mountpoint] = tree
+    return trees
 
 
 def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
@@ -752,7 +968,11 @@ def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
     root_type = "8e00" if geom.layout == "gpt-lvm" else "8300"    # 8e00: Linux LVM
     parts = [(*GPT_BIOS_BOOT, "ef02"), (*GPT_ESP, "ef00"),
              (root_no, geom.root_start_sector, geom.root_end_sector, root_type)]
-    if geom.boot_partition is not None:
+    if geom.layout == "gpt-efi":
+        types = {f.mountpoint: GPT_TYPE[f.fstype] for f in spec.filesystems}
+        parts = [(p.partition, p.start_sector, p.end_sector, types[p.mountpoint])
+                 for p in geom.placed]
+    if geom.boot_partition is not None and geom.layout != "gpt-efi":
         # A plain Linux file system type, as Debian's installer gives /boot.
         parts.append((geom.boot_partition, geom.boot_start_sector, geom.boot_end_sector, "8300"))
     for number, first, last, code in parts:
@@ -811,7 +1031,8 @@ def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
 
 
 def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
-                   boot_image: Path | None = None) -> tuple[Path, int]:
+                   boot_image: Path | None = None,
+                   others: tuple[tuple[Path, int], ...] = ()) -> tuple[Path, int]:
     """The raw disk, and the sector where the root file system starts on it."""
     if geom.layout == "whole-disk":
         if spec.root_fstype != "ext4":
@@ -832,6 +1053,9 @@ def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
     if boot_image is not None:
         _copy_sparse(boot_image, disk, geom.boot_start_sector * SECTOR)
         boot_image.unlink()
+    for image, start_sector in others:
+        _copy_sparse(image, disk, start_sector * SECTOR)
+        image.unlink()
     return disk, fs_start
 
 
@@ -1013,6 +1237,9 @@ def _manifest(
         "boot_partition": geom.boot_partition,
         "boot_start_sector": geom.boot_start_sector,
         "boot_fs_uuid": spec.boot_fs_uuid,
+        **({"filesystems": [{"mountpoint": p.mountpoint, "partition": p.partition,
+                             "start_sector": p.start_sector, "end_sector": p.end_sector}
+                            for p in geom.placed]} if geom.placed else {}),
         **({"swap_partition": geom.swap_partition, "swap_start_sector": geom.swap_start_sector,
             "swap_uuid": spec.swap_uuid} if spec.swap_uuid else {}),
         "hostname": spec.hostname,
@@ -1022,6 +1249,33 @@ def _manifest(
         "build_seconds": round(seconds, 1),
         "sha256": _sha256(qcow),
     }
+
+
+def _make_other_filesystems(rootdir: Path, work: Path, spec: _Spec, geom: Geometry,
+                            kernel: str, log: Log) -> tuple[tuple[Path, int], ...]:
+    """"gpt-efi": installs GRUB, then makes each file system besides the root
+    from its part of the tree; returns (image, start sector) of each."""
+    if spec.layout != "gpt-efi":
+        return ()
+    with _step(log, "GRUB for UEFI (grub-mkimage in the image)"):
+        _install_grub_efi(rootdir, spec, kernel)
+    trees = _split_trees(rootdir, work, spec)
+    made = []
+    for f in spec.filesystems:
+        if f.mountpoint == "/":
+            continue
+        place, tree = geom.at(f.mountpoint), trees[f.mountpoint]
+        image = work / f"{tree.name}.img"
+        size = (place.end_sector - place.start_sector + 1) * SECTOR
+        with _step(log, f"mkfs.{f.fstype} -d {f.mountpoint} ({f.mib} MiB)"):
+            if f.fstype == "vfat":
+                _make_vfat(tree, image, size, f.uuid, "EFI")
+            else:
+                _make_ext4(tree, image, size, f.uuid, label=f.mountpoint.rsplit("/", 1)[-1],
+                           fstype=f.fstype)
+        shutil.rmtree(tree)
+        made.append((image, place.start_sector))
+    return tuple(made)
 
 
 def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
@@ -1038,6 +1292,7 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
         with _step(log, f"mkfs.ext4 -d /boot ({geom.boot_fs_bytes // (1024 * 1024)} MiB)"):
             _make_ext4(bootdir, boot_image, geom.boot_fs_bytes, spec.boot_fs_uuid, BOOT_LABEL)
         shutil.rmtree(bootdir)
+    others = _make_other_filesystems(rootdir, work, spec, geom, kernel, log)
     fs_image = work / "root.ext4"
     if spec.root_fstype in ("xfs", "btrfs"):
         # No mkfs.xfs can fill a file system from a directory with every
@@ -1063,7 +1318,7 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
     out.mkdir()
     qcow = out / "base.qcow2"
     with _step(log, f"assemble {geom.layout} disk and convert to qcow2"):
-        disk, fs_start = _assemble_disk(fs_image, work, spec, geom, boot_image)
+        disk, fs_start = _assemble_disk(fs_image, work, spec, geom, boot_image, others)
         _to_qcow2(disk, qcow)
     manifest = _manifest(variant, spec, geom, kernel, qcow, time.monotonic() - start)
     # Where the root file system's bytes start: after the PV's metadata on LVM.
