@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Analysis, analyze_cleanly
+from listed_file_bytes import check_listed_file_bytes
 from pageshare import diskimage, golden, sectorlist
 from pageshare.ext4map import file_sectors
 
@@ -113,3 +114,13 @@ def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path]) -> Non
                          env={"PYTHONPATH": str(REPO / "analyzer"),
                               "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_listed_block_is_its_files_page(
+        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
+    result, raw = analysed
+    n = len(sectorlist.read(Path(str(result.json()["list_path"]))).blocks)
+    checked = check_listed_file_bytes(result.db, int(str(result.json()["analysis_id"])), raw,
+                                      tmp_path)
+    assert n > 0 and sum(checked.values()) == n, checked

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
+from listed_file_bytes import check_listed_file_bytes
 from pageshare import golden, sectorlist
 from pageshare.ext4map import lookup, parse_extents
 
@@ -84,3 +85,13 @@ def test_only_whole_aligned_pages_are_listed(analysed: tuple[Analysis, Path]) ->
     verdicts = {v for (v,) in db.execute("SELECT DISTINCT verdict FROM guest_page "
                                          "WHERE kind='file'")}
     assert "stable" in verdicts and verdicts & {"unaligned", "discontiguous"}, verdicts
+
+
+def test_every_listed_block_is_its_files_page(
+        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
+    result, raw = analysed
+    n = len(sectorlist.read(Path(str(result.json()["list_path"]))).blocks)
+    checked = check_listed_file_bytes(result.db, int(str(result.json()["analysis_id"])), raw,
+                                      tmp_path)
+    assert n > 0 and sum(checked.values()) == n, checked

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
+from listed_file_bytes import check_listed_file_bytes
 from pageshare import diskimage, golden, sectorlist
 from pageshare.ext4map import file_sectors
 
@@ -92,3 +93,13 @@ def test_summary_adds_up(analysed: tuple[Analysis, Path]) -> None:
     (frames,) = db.execute("SELECT count(*) FROM guest_page").fetchone()
     assert sum(int(v) for v in breakdown.values()) == frames
     assert 0 < float(summary["coverage"]) <= 1  # type: ignore[arg-type]
+
+
+def test_every_listed_block_is_its_files_page(
+        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
+    result, raw = analysed
+    n = len(sectorlist.read(Path(str(result.json()["list_path"]))).blocks)
+    checked = check_listed_file_bytes(result.db, int(str(result.json()["analysis_id"])), raw,
+                                      tmp_path)
+    assert n > 0 and sum(checked.values()) == n, checked
