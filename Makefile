@@ -5,7 +5,7 @@
 PY := .venv/bin/python
 export PAGESHARE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pageshare
 
-.PHONY: deps demo test lint unit kernel-test packages clean
+.PHONY: deps demo test lint unit kernel-test packages kernel-package kernel-package-test clean
 
 deps:
 	@scripts/install-deps.sh
@@ -34,6 +34,16 @@ kernel-test: deps
 # (packaging/debs.py prints each .deb's path).
 packages: deps
 	$(PY) packaging/debs.py
+
+# The patched kernel as a Debian host kernel package (Debian's cloud-amd64
+# configuration; about an hour cold on 2 cores, so not part of `make test`),
+# and its test: installed by apt into a clean Debian 13 root, booted, the
+# series' selftest run on it.
+kernel-package: deps
+	$(PY) packaging/kernel_deb.py
+
+kernel-package-test: deps
+	$(PY) -m pytest -ra packaging/tests/test_kernel_package.py
 
 clean:
 	$(MAKE) -s -C crash-ext clean

@@ -1,0 +1,199 @@
+"""The patched kernel's Debian package, installed by apt into a clean root and booted.
+
+Run by `make kernel-package-test` (not by `make test`: a cold build of the
+package takes about an hour on 2 cores, longer than CI's whole budget; see
+packaging/kernel_deb.py).  From outside, as an operator would check a new
+host kernel:
+
+- the .deb holds the kernel, its modules and the maintainer scripts, under
+  a release that does not collide with Debian's kernels;
+- mmdebstrap installs it with apt into a fresh Debian 13 root (its
+  dependencies from the archive), and its postinst has initramfs-tools
+  make the initrd;
+- that root, as a disk, boots the installed kernel and initrd under TCG to
+  systemd's multi-user target, where a unit loads modules, reads the
+  series' KSM counters in sysfs and runs the series' own kselftest
+  (merge_page_tests, built against the same tree), reporting on the serial
+  console; every test passes and the counters moved.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO / "packaging"))
+sys.path.insert(0, str(REPO / "kernel-syscall"))
+sys.path.insert(0, str(REPO / "analyzer"))
+import kernel_deb  # noqa: E402
+import ktest  # noqa: E402
+from pageshare import debian, golden  # noqa: E402
+
+ROOT_UUID = "0c7e5d3a-9b14-4f62-8a2e-5d1c7b9f3e40"
+DONE = "PAGESHARE-KPKG-DONE"
+# Runs at boot and reports on the serial console, then powers the guest off.
+CHECK_SCRIPT = f"""#!/bin/sh
+exec > /dev/ttyS0 2>&1
+echo "uname: $(uname -r)"
+modprobe virtio_net && echo "modprobe virtio_net: ok"
+for f in /sys/kernel/mm/ksm/merge_page_*; do echo "before $(basename $f) $(cat $f)"; done
+echo 1 > /sys/kernel/mm/ksm/run
+/usr/local/lib/pageshare-test/merge_page_tests
+rc=$?
+for f in /sys/kernel/mm/ksm/merge_page_*; do echo "after $(basename $f) $(cat $f)"; done
+echo "{DONE} rc=$rc"
+systemctl --no-block poweroff
+"""
+CHECK_UNIT = """[Unit]
+Description=pageshare kernel package check
+After=multi-user.target
+
+[Service]
+Type=oneshot
+ExecStart=/usr/local/lib/pageshare-test/check.sh
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@pytest.fixture(scope="module")
+def package() -> dict[str, object]:
+    return kernel_deb.build()
+
+
+def deb(package: dict[str, object], which: str) -> Path:
+    return Path(str(package["dir"])) / str(package[which])
+
+
+def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, object]) -> None:
+    release = str(package["release"])
+    assert release.endswith("-pageshare-cloud-amd64"), release
+    image = deb(package, "image")
+    fields = subprocess.run(["dpkg-deb", "-f", str(image), "Package", "Version", "Depends"],
+                            capture_output=True, text=True, check=True).stdout
+    assert f"Package: linux-image-{release}" in fields
+    assert f"Version: {package['version']}" in fields and "+pageshare" in fields
+    listing = subprocess.run(["dpkg-deb", "-c", str(image)], capture_output=True, text=True,
+                             check=True).stdout
+    for path in (f"./boot/vmlinuz-{release}", f"./boot/config-{release}",
+                 f"/modules/{release}/kernel/drivers/block/virtio_blk.ko",
+                 f"/modules/{release}/kernel/fs/vfat"):
+        assert path in listing, path
+    modules = sum(1 for line in listing.splitlines() if line.endswith(".ko")
+                  or line.endswith(".ko.xz"))
+    assert modules > 1000, f"{modules} modules: not Debian's full cloud configuration"
+    control = subprocess.run(["dpkg-deb", "-I", str(image)], capture_output=True, text=True,
+                             check=True).stdout
+    assert "postinst" in control and "postrm" in control
+
+
+def _test_binaries(out: Path) -> Path:
+    """merge_page_tests, built static by ktest against the series' uapi headers."""
+    root = ktest.cache_root()
+    src = ktest.ensure_source(root)
+    patches = ktest.series_files()
+    with src.locked():
+        commits = ktest.apply_series(src, patches)
+        kdir = ktest.ensure_kernel(src, patches, "plain")
+        built = ktest.build_tests(src, commits[-1], kdir, out, out / "build.log")
+    assert "merge_page_tests" in built
+    return out / "merge_page_tests"
+
+
+@pytest.fixture(scope="module")
+def installed_root(package: dict[str, object], tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[Path]:
+    work = tmp_path_factory.mktemp("kpkg")
+    rootdir = work / "root"
+    image = deb(package, "image")
+    proc = subprocess.run(
+        ["mmdebstrap", "--mode=root", "--variant=required",
+         "--include=systemd-sysv,udev,kmod,initramfs-tools," + str(image),
+         "trixie", str(rootdir), *debian.sources(["trixie"])],
+        capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    yield rootdir
+    shutil.rmtree(rootdir, ignore_errors=True)
+
+
+def test_apt_installs_it_and_its_postinst_makes_the_initrd(
+        package: dict[str, object], installed_root: Path) -> None:
+    release = str(package["release"])
+    status = (installed_root / "var/lib/dpkg/status").read_text()
+    block = next(b for b in status.split("\n\n") if f"Package: linux-image-{release}\n" in b)
+    assert "Status: install ok installed" in block
+    assert (installed_root / f"boot/vmlinuz-{release}").is_file()
+    initrd = installed_root / f"boot/initrd.img-{release}"
+    assert initrd.is_file() and initrd.stat().st_size > 1 << 20, "no initrd: postinst hooks"
+    assert (installed_root / f"lib/modules/{release}/modules.dep").stat().st_size > 0
+    config = (installed_root / f"boot/config-{release}").read_text()
+    assert "CONFIG_KSM=y" in config and 'CONFIG_LOCALVERSION="-pageshare-cloud-amd64"' in config
+
+
+def test_boots_and_runs_the_series_selftest(package: dict[str, object], installed_root: Path,
+                                            tmp_path: Path) -> None:
+    release = str(package["release"])
+    tests = installed_root / "usr/local/lib/pageshare-test"
+    tests.mkdir(parents=True)
+    shutil.copy2(_test_binaries(tmp_path / "bin"), tests / "merge_page_tests")
+    (tests / "check.sh").write_text(CHECK_SCRIPT)
+    (tests / "check.sh").chmod(0o755)
+    (installed_root / "etc/systemd/system/pageshare-kpkg-check.service").write_text(CHECK_UNIT)
+    wants = installed_root / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / "pageshare-kpkg-check.service").symlink_to(
+        "/etc/systemd/system/pageshare-kpkg-check.service")
+    (installed_root / "etc/fstab").write_text(f"UUID={ROOT_UUID}\t/\text4\tdefaults\t0\t1\n")
+    (installed_root / "etc/hostname").write_text("pageshare-kpkg\n")
+    kernel, initrd = tmp_path / "vmlinuz", tmp_path / "initrd.img"
+    shutil.copyfile(installed_root / f"boot/vmlinuz-{release}", kernel)
+    shutil.copyfile(installed_root / f"boot/initrd.img-{release}", initrd)
+    disk = tmp_path / "disk.raw"
+    golden._make_ext4(installed_root, disk, 2 << 30, ROOT_UUID)
+    serial = tmp_path / "serial.log"
+    qemu = subprocess.Popen(
+        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
+         "-m", "2048", "-smp", "2", "-nodefaults", "-display", "none", "-no-reboot",
+         "-serial", f"file:{serial}", "-kernel", str(kernel), "-initrd", str(initrd),
+         "-append", f"console=ttyS0 root=UUID={ROOT_UUID} ro",
+         "-drive", f"file={disk},if=virtio,format=raw",
+         "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = ""
+    try:
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline and qemu.poll() is None:
+            log = serial.read_text(errors="replace") if serial.exists() else ""
+            if DONE in log:
+                qemu.wait(timeout=120)
+                break
+            time.sleep(3)
+    finally:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()
+        log = serial.read_text(errors="replace") if serial.exists() else ""
+    assert f"Linux version {release}" in log, log[-3000:]
+    assert f"uname: {release}" in log, log[-3000:]
+    assert "modprobe virtio_net: ok" in log
+    m = re.search(rf"{DONE} rc=(\d+)", log)
+    assert m and m.group(1) == "0", log[-6000:]
+    tap = re.search(r"# Totals: pass:(\d+) fail:(\d+) xfail:\d+ xpass:\d+ skip:(\d+)", log)
+    assert tap and int(tap.group(1)) > 0 and tap.group(2) == "0" and tap.group(3) == "0", \
+        log[-6000:]
+    before = dict(re.findall(r"^before (merge_page_\w+) (\d+)", log, re.M))
+    after = dict(re.findall(r"^after (merge_page_\w+) (\d+)", log, re.M))
+    assert set(before) >= {"merge_page_merged", "merge_page_failed", "merge_page_sources"}
+    assert int(after["merge_page_merged"]) > int(before["merge_page_merged"])
+    print(json.dumps({k: package[k] for k in ("release", "version", "build_seconds")}))
