@@ -94,7 +94,10 @@ class MdArray:
             return ("a mirror keeps a copy of every block in each member, and md reads each "
                     "block from whichever member it picks")
         if level == "linear":
-            return "it runs through its members one after the other"
+            # Not mapped: md's linear level is deprecated upstream, and
+            # Debian 13's kernels (cloud and generic) are built without it.
+            return ("it runs through its members one after the other (a level md deprecates: "
+                    "Debian 13's kernels cannot assemble it)")
         parity = " and parity" if level in ("4", "5", "6") else ""
         copies = ", each in two copies" if level == "10" else ""
         return f"it stripes consecutive chunks{parity} of its data over the members{copies}"

@@ -18,9 +18,13 @@ into a subvolume @rootfs as Debian's installer lays it out (mkfs.btrfs 6.2
 makes no subvolumes).  The "mbr" layout is Debian's installer's on a BIOS
 machine: an MBR (msdos) label written by sfdisk, the root in primary
 partition 1 at sector 2048 and swap in logical partition 5 inside extended
-partition 2 at the end of the disk.  No bootloader is
-installed because the analyzer boots guests by direct kernel boot with the
-image's own kernel and initrd from /boot.
+partition 2 at the end of the disk.  The "gpt-efi" layout is a UEFI
+installer's: a FAT32 EFI system partition (mkfs.vfat and mtools' mcopy, no
+mount) with GRUB made by the image's own grub-mkimage, /boot (ext2) with
+GRUB's modules and a grub.cfg as update-grub writes it, the root, and /var
+(ext3), each made by mkfs -d from its part of the tree.  The other layouts
+have no boot loader: the analyzer boots guests by direct kernel boot with
+the image's own kernel and initrd from /boot.
 
 Images are cached under ``cache_dir("images")/<variant>-<key>/`` where the key
 hashes the variant's spec and BUILDER_VERSION.  The Debian mirror moves on, so
