@@ -258,10 +258,12 @@ PACKAGES: dict[str, Package] = {
             "page-server/PROTOCOL.md": "PROTOCOL.md",
             "page-server/server.example.toml": "server.example.toml",
             "page-server/pageshare-server.service": "pageshare-server.service",
+            "page-server/examples": "examples",
             "packaging/pageshare-server/debian": "debian",
         },
         must_contain=(
             "usr/bin/pageshare-server",
+            "usr/share/doc/pageshare-server/examples/unprivileged-qemu.conf",
             "lib/systemd/system/pageshare-server.service",
             "etc/pageshare/server.example.toml",
             "usr/share/man/man8/pageshare-server.8.gz",

@@ -5,9 +5,9 @@ libvirtd runs in a mount namespace of its own (unshare -m) in which
 /var/cache/libvirt are directories of the test, so the host's configuration,
 state and any libvirtd of its own stay as they are.  The test and virsh
 reach it through its socket (``uri``).  QEMU runs as root with no security
-driver and no cgroups: this host has no systemd to delegate cgroups, and
-the filter reads the page server's memory (see docs/ARCHITECTURE.md for
-what a non-root QEMU would need).  Every domain is destroyed and libvirtd
+driver (QEMU_CONF), or as Debian's libvirt runs it by default, as the
+libvirt-qemu user with the DAC driver (QEMU_CONF_UNPRIVILEGED); no cgroups
+either way: this host has no systemd to delegate cgroups.  Every domain is destroyed and libvirtd
 stopped when the test ends, on every exit path.
 """
 
@@ -22,16 +22,21 @@ from pathlib import Path
 DIRS = {"etc": "/etc/libvirt", "run": "/run/libvirt", "lib": "/var/lib/libvirt",
         "log": "/var/log/libvirt", "cache": "/var/cache/libvirt"}
 
-QEMU_CONF = """\
-# QEMU as root: the pageshare filter reads the page server's memory
-user = "root"
-group = "root"
-security_driver = "none"
+_HOST_LIMITS = """\
 # no systemd here to hand out cgroups
 cgroup_controllers = [ ]
 # no virtlogd either: QEMU's output goes straight to /var/log/libvirt/qemu
 stdio_handler = "file"
 """
+QEMU_CONF = """\
+# QEMU as root: the pageshare filter reads the page server's memory
+user = "root"
+group = "root"
+security_driver = "none"
+""" + _HOST_LIMITS
+# Debian's defaults: QEMU as libvirt's own user and group (libvirt-qemu),
+# the DAC driver chowning each domain's images to them, ownership remembered.
+QEMU_CONF_UNPRIVILEGED = _HOST_LIMITS
 
 LIBVIRTD_CONF = """\
 unix_sock_rw_perms = "0700"
@@ -41,8 +46,9 @@ auth_unix_ro = "none"
 
 
 class PrivateLibvirtd:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, qemu_conf: str = QEMU_CONF) -> None:
         self.root = root
+        self.qemu_conf = qemu_conf
         self.sock = root / "run" / "libvirt-sock"
         self.uri = f"qemu:///system?socket={self.sock}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -51,7 +57,7 @@ class PrivateLibvirtd:
     def start(self, timeout: float = 60.0) -> None:
         for d in DIRS:
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        (self.root / "etc" / "qemu.conf").write_text(QEMU_CONF)
+        (self.root / "etc" / "qemu.conf").write_text(self.qemu_conf)
         (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
         binds = "; ".join(f"mkdir -p {dst} && mount --bind {self.root / src} {dst}"
                           for src, dst in DIRS.items())

@@ -150,6 +150,9 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = 0
+    # (uid, gid) to run as, with no capability (what the unit's drop-in for
+    # an unprivileged QEMU gives it), or None: root.
+    run_as: tuple[int, int] | None = None
 
     @property
     def config(self) -> Path:
@@ -190,9 +193,16 @@ class Server:
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)
         env.update(self.env)
+        cmd = [str(server_binary()), "run", "--config", str(self.config)]
+        if self.run_as:
+            uid, gid = self.run_as
+            for d in (self.dir, self.dir / "run", self.dir / "cache"):
+                d.mkdir(parents=True, exist_ok=True)
+                os.chown(d, uid, gid)
+            cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                   "--inh-caps=-all", "--bounding-set=-all", *cmd]
         logf = open(self.log, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen([str(server_binary()), "run", "--config", str(self.config)],
-                                     stdout=logf, stderr=logf, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, env=env)
         logf.close()
         wait_for(lambda: self.control.exists() or self.proc is None or
                  self.proc.poll() is not None, 20, "control socket")
