@@ -336,3 +336,24 @@ def test_json_reports_bad_arguments_as_json() -> None:
 def test_control_framing_matches_the_reference_client() -> None:
     assert (hostcheck.MSG_STATUS_REQ, hostcheck.MSG_STATUS_REPLY) == (
         psc.MSG_STATUS_REQ, psc.MSG_STATUS_REPLY)
+
+
+def test_who_may_read_the_server() -> None:
+    """process_vm_readv()/merge_pages() need PTRACE_MODE_READ on the server."""
+    full, dac = (1 << 41) - 1, 1 << 2                     # all capabilities; CAP_DAC_READ_SEARCH
+    root = hostcheck.Creds((0, 0, 0, 0), (0, 0, 0, 0), full)
+    qemu = hostcheck.Creds((64055,) * 4, (64055,) * 4, 0)
+    same_user = hostcheck.Creds((64055,) * 4, (64055,) * 4, 0)
+    same_user_dac = hostcheck.Creds((64055,) * 4, (64055,) * 4, dac)
+    other_group = hostcheck.Creds((64055,) * 4, (107,) * 4, 0)
+    root_server = hostcheck.Creds((0, 0, 0, 0), (0, 0, 0, 0), dac)
+    assert hostcheck.read_refusal(root, root_server) == ""          # CAP_SYS_PTRACE
+    assert hostcheck.read_refusal(qemu, same_user) == ""
+    assert hostcheck.read_refusal(qemu, root_server) == \
+        "QEMU runs as uid 64055 gid 64055, the server as uid 0 gid 0"
+    assert "gid 107" in hostcheck.read_refusal(qemu, other_group)
+    assert hostcheck.read_refusal(qemu, same_user_dac) == \
+        "the server holds capabilities QEMU lacks (CapPrm 0x4)"
+    me = hostcheck.proc_creds(os.getpid())
+    assert me is not None and me.uids[0] == os.getuid() and me.gids[0] == os.getgid()
+    assert hostcheck.proc_creds(2 ** 22 + 1) is None

@@ -16,8 +16,9 @@ then `virsh start`, then the filter attached through libvirt): QEMU really
 runs unprivileged; the guest reads every listed file with the image's bytes
 and the filter copies listed blocks into its RAM.  Then the same domain
 with the server run as root (its sockets opened to everyone, so QEMU can
-connect): QEMU may not read the server's memory, says so once in its log
-with what to do, and reads every block from disk with the right bytes.
+connect): `pageshare host check` warns that the guest may not read the
+server, QEMU says so once in its log with what to do, and reads every block
+from disk with the right bytes.
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ def attach(lv: PrivateLibvirtd, control: Path) -> dict[str, Any]:
     return r
 
 
+def host_check_refusals(control: Path) -> list[dict[str, Any]]:
+    """`pageshare host check`'s findings that a guest may not read the server."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
+    p = subprocess.run([sys.executable, "-m", "pageshare.cli", "host", "check", "--json",
+                        "--control", str(control), "--skip", "kernel", "--skip", "ksm",
+                        "--skip", "qemu"], capture_output=True, text=True, env=env, timeout=300)
+    findings: list[dict[str, Any]] = json.loads(p.stdout)["findings"]
+    return [f for f in findings if "may not read pageshare-server's memory" in f["what"]]
+
+
 def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         tmp_path: Path, world_dir: Path) -> None:
     w = world_dir
@@ -119,6 +130,7 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
     ovl, go, serial = w / "ovl.qcow2", w / "go.raw", w / "serial.log"
     lv = PrivateLibvirtd(tmp_path / "libvirt", qemu_conf=QEMU_CONF_UNPRIVILEGED)
     servers: list[Server] = []
+    refusals: list[list[dict[str, Any]]] = []
 
     def run_guest(server: Server) -> tuple[dict[str, Any], dict[str, Any]]:
         """Start the domain, attach the filter, let the guest hash the files."""
@@ -135,6 +147,7 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         r = attach(lv, server.control)
         (d,) = r["drives"]
         assert d["result"] == "attached", r
+        refusals.append(host_check_refusals(server.control))
         signal_guest(go, b"GO")
         deadline = time.monotonic() + 600
         text = ""
@@ -165,6 +178,7 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         assert st["merged"] > len(listed.blocks) // 2, st      # copied into guest RAM
         assert st["fallback-merge-failed"] == 0 and st["last-merge-errno"] == 0, st
         assert st["fallback-unproven"] == 0 and not st["base-changed"], st
+        assert refusals[-1] == [], refusals       # host check: this guest may read it
         server.stop()
 
         # The server as root: QEMU may connect (0666) but not read its memory.
@@ -182,6 +196,11 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         assert info["log"].count("may not read the page server's memory") == 1, info["log"]
         assert f"this QEMU (uid {uid_gid[0]}, gid {uid_gid[1]})" in info["log"]
         assert "run pageshare-server as QEMU's user and group" in info["log"]
+        (finding,) = refusals[-1]                 # host check says so before any read
+        assert finding["severity"] == "warning", finding
+        assert f"QEMU runs as uid {uid_gid[0]} gid {uid_gid[1]}, the server as uid 0 gid 0" \
+            in finding["what"], finding
+        assert "unprivileged-qemu.conf" in finding["fix"], finding
     finally:
         lv.stop()
         for s in servers:

@@ -464,11 +464,73 @@ def qemu_processes() -> Iterator[tuple[int, str, list[str]]]:
         yield int(d.name), exe if exe.startswith("qemu-system-") else comm, argv
 
 
-def check_guests() -> Iterator[Finding]:
+CAP_SYS_PTRACE = 19
+
+
+@dataclass(frozen=True)
+class Creds:
+    """A process's credentials, as /proc/PID/status gives them."""
+    uids: tuple[int, int, int, int]        # real, effective, saved, file system
+    gids: tuple[int, int, int, int]
+    cap_permitted: int
+
+
+def proc_creds(pid: int) -> Creds | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        uids = tuple(int(x) for x in fields["Uid"].split())
+        gids = tuple(int(x) for x in fields["Gid"].split())
+        caps = int(fields["CapPrm"].strip(), 16)
+    except (KeyError, ValueError):
+        return None
+    if len(uids) != 4 or len(gids) != 4:
+        return None
+    return Creds(uids, gids, caps)
+
+
+def read_refusal(reader: Creds, target: Creds) -> str:
+    """Why the kernel refuses reader PTRACE_MODE_READ_FSCREDS on target, which
+    process_vm_readv() and merge_pages() need, "" when it allows it: as
+    ptrace_may_access() decides, the reader's file system uid and gid must be
+    the target's real, effective and saved ones, and (commoncap) its permitted
+    capabilities must cover the target's; CAP_SYS_PTRACE overrides both.  (A
+    target that is not dumpable is refused too; /proc does not show that.)"""
+    if reader.cap_permitted >> CAP_SYS_PTRACE & 1:
+        return ""
+    uid, gid = reader.uids[3], reader.gids[3]
+    if any(u != uid for u in target.uids[:3]) or any(g != gid for g in target.gids[:3]):
+        return (f"QEMU runs as uid {uid} gid {gid}, the server as uid {target.uids[0]} gid "
+                f"{target.gids[0]}")
+    extra = target.cap_permitted & ~reader.cap_permitted
+    if extra:
+        return f"the server holds capabilities QEMU lacks (CapPrm {extra:#x})"
+    return ""
+
+
+def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
     n = 0
+    server = proc_creds(server_pid) if server_pid else None
     for pid, exe, argv in qemu_processes():
         n += 1
         name = _guest_name(argv) or exe
+        qemu = proc_creds(pid)
+        refusal = read_refusal(qemu, server) if qemu and server else ""
+        if refusal:
+            yield Finding(
+                "guests", "warning",
+                f"guest {name} (pid {pid}) may not read pageshare-server's memory (pid "
+                f"{server_pid}): {refusal}",
+                why="its pageshare filter is refused (EPERM) and reads every block from disk: "
+                    "nothing is shared",
+                fix="run the server as QEMU's user and group with no capability (pageshare-"
+                    "server's drop-in examples/unprivileged-qemu.conf), or QEMU as root",
+                details={"pid": pid, "name": name, "server_pid": server_pid,
+                         "qemu_uid": qemu.uids[0] if qemu else None,
+                         "server_uid": server.uids[0] if server else None})
         cmdline_has = any(re.search(r'driver"?\s*[=:]\s*"?pageshare\b', a) for a in argv)
         qmp = _qmp_socket(argv)
         graph: list[str] | None = None
@@ -505,13 +567,21 @@ def check_guests() -> Iterator[Finding]:
 # --------------------------------------------------------------------------- driver
 
 
+def _server_pid(control: Path) -> int | None:
+    try:
+        pid = server_status(control).get("pid")
+    except (OSError, EOFError, ValueError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
 def run_checks(args: argparse.Namespace) -> list[Finding]:
     checks: list[tuple[str, Any]] = [
         ("kernel", lambda: check_kernel()),
         ("ksm", lambda: check_ksm()),
         ("qemu", lambda: check_qemu(list(args.qemu), not args.no_path)),
         ("server", lambda: check_server(Path(args.control))),
-        ("guests", lambda: check_guests()),
+        ("guests", lambda: check_guests(_server_pid(Path(args.control)))),
     ]
     skip = set(args.skip or [])
     out: list[Finding] = []
