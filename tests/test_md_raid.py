@@ -15,13 +15,14 @@ LVM physical volume on an array) is also checked on a fake appliance.
 """
 
 import os
+import random
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 from conftest import run_analyze
-from pageshare import fslayout
+from pageshare import ext4map, fslayout, mapping
 from pageshare.cache import cache_dir, inputs_key
 from pageshare.errors import UserError
 from pageshare.image_inspect import inspect_image, probe_format
@@ -45,15 +46,32 @@ KINDS = {
                   f"start={65 * MIB}, size={32 * MIB}, type=fd\n",
                   "raid0", (2, 3), "/srv", f"/dev/sda1 / ext4 defaults 0 1\n"
                                            f"UUID={SRV_UUID} /srv ext4 defaults 0 2\n"),
+    # A plain root and /srv on a linear array of partitions 2 (24 MiB) and 3
+    # (32 MiB): mdadm --level=linear appends them; a 40 MiB file spans both.
+    "srv-linear": (f"start={MIB}, size={32 * MIB}, type=83\n"
+                   f"start={33 * MIB}, size={24 * MIB}, type=fd\n"
+                   f"start={57 * MIB}, size={32 * MIB}, type=fd\n",
+                   "linear", (2, 3), "/srv", f"/dev/sda1 / ext4 defaults 0 1\n"
+                                             f"UUID={SRV_UUID} /srv ext4 defaults 0 2\n"),
 }
 VERSION = 1                 # of md_disk: bump when what it builds changes
+# Files put on an array of a kind that is not the root: name -> (bytes, seed).
+ARRAY_FILES = {"srv-linear": {"big.bin": (40 << 20, 11), "small.txt": (5000, 12)}}
+
+
+def array_file(kind: str, name: str) -> bytes:
+    size, seed = ARRAY_FILES[kind][name]
+    return random.Random(seed).randbytes(size)
 
 
 def md_disk(kind: str) -> Path:
     """The raw disk of KINDS[kind], built once and cached under test-images/."""
     table, level, members, mountpoint, fstab = KINDS[kind]
     files = {**DEBIAN_TREE, "etc/fstab": fstab, "srv/.keep": ""}
-    key = inputs_key({"version": VERSION, "kind": KINDS[kind], "files": files})
+    spec = {"version": VERSION, "kind": KINDS[kind], "files": files}
+    if kind in ARRAY_FILES:
+        spec["array_files"] = ARRAY_FILES[kind]
+    key = inputs_key(spec)
     out = cache_dir("test-images") / f"md-{kind}-{key}.raw"
     if out.exists():
         return out
@@ -80,9 +98,15 @@ def md_disk(kind: str) -> Path:
             fs.unlink()
         tar = tmp / "tree.tar"
         subprocess.run(["tar", "-C", str(tree), "-cf", str(tar), "."], check=True)
+        if kind in ARRAY_FILES:
+            srv = tmp / "srv"
+            srv.mkdir()
+            for name in ARRAY_FILES[kind]:
+                (srv / name).write_bytes(array_file(kind, name))
+            subprocess.run(["tar", "-C", str(srv), "-cf", str(tar), "."], check=True)
         _make_array(disk, level, [f"/dev/sda{n}" for n in members],
                     ROOT_UUID if mountpoint == "/" else SRV_UUID,
-                    tar if mountpoint == "/" else None)
+                    tar if mountpoint == "/" or kind in ARRAY_FILES else None)
         os.replace(disk, out)
     return out
 
@@ -153,6 +177,50 @@ def test_a_file_system_on_md_raid0_is_skipped_naming_the_array_and_the_root_mapp
     assert offset > 0 and offset % 8 == 0
     assert "it stripes consecutive chunks of its data over the members" in reason
     assert "put it on a plain partition or a linear LV" in reason
+
+
+@pytest.mark.vm
+def test_a_file_system_on_a_linear_array_is_mapped_through_its_members(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Its runs are the members' data areas in role order: every page of a file
+    that spans both members, read from the disk where the runs put it, is the
+    file's own bytes (written through md in the appliance)."""
+    img = md_disk("srv-linear")
+    monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
+    fmt, vsize = probe_format(img)
+    info = inspect_image(img, fmt, vsize).info
+    assert info.skipped == (), info.skipped
+    root, srv = info.filesystems
+    assert (root.mountpoint, srv.mountpoint, srv.device, srv.md) == ("/", "/srv", "/dev/md0",
+                                                                     "/dev/md0")
+    assert srv.guest_start_sector == 0 and srv.lv == ""
+    (_, n2, d2), (p3, n3, d3) = srv.runs      # partition 2 first: role 0
+    offset = d2 - 33 * MIB
+    assert offset > 0 and d3 == 57 * MIB + offset and p3 == n2, srv.runs
+    assert n2 <= 24 * MIB - offset and n3 <= 32 * MIB - offset
+    fs, at = ext4map.fs_image(img, srv.runs, tmp_path / "srv.img")
+    assert at == 0
+    listing = subprocess.run(["debugfs", "-R", "ls -l /", str(fs)], capture_output=True,
+                             text=True, check=True).stdout
+    inos = {f[-1]: int(f[0]) for f in map(str.split, listing.splitlines())
+            if f and f[-1] in ARRAY_FILES["srv-linear"]}
+    ext = ext4map.read_extents(fs, 0, sorted(inos.values()))
+    geo = mapping.Geometry((mapping.Placement(srv.uuid.replace("-", ""), 0, srv.runs, "/srv"),),
+                           vsize)
+    members_seen = set()
+    with open(img, "rb") as disk:
+        for name in ARRAY_FILES["srv-linear"]:
+            data = array_file("srv-linear", name)
+            for index in range((len(data) + 4095) // 4096):
+                block = ext4map.lookup(ext[inos[name]], index)
+                assert block is not None, f"{name} page {index}"
+                sector = geo.filesystems[0].to_disk(block * 8, 8)
+                assert sector is not None, f"{name} page {index} spans two members"
+                disk.seek(sector * 512)
+                page = data[index * 4096:(index + 1) * 4096]
+                assert disk.read(len(page)) == page, f"{name} page {index} at sector {sector}"
+                members_seen.add(sector >= 57 * MIB)
+    assert members_seen == {False, True}, "the file should span both members"
 
 
 class FakeAppliance:

@@ -187,8 +187,10 @@ def analyze(opts: Options, progress: Progress) -> Summary:
                  f"sector {info.root_start_sector}, {info.block_size}-byte blocks")
     for fs in info.filesystems:
         where = (f"LV {fs.lv}, {len(fs.runs)} segment(s) from sector {fs.start_sector}"
-                 if fs.lv else f"at sector {fs.start_sector}")
-        if fs.lv or fs.mountpoint != "/":
+                 if fs.lv else
+                 f"linear MD {fs.md}, {len(fs.runs)} member(s) from sector {fs.start_sector}"
+                 if fs.md else f"at sector {fs.start_sector}")
+        if fs.lv or fs.md or fs.mountpoint != "/":
             progress.say(f"{'also ' if fs.mountpoint != '/' else ''}mapped: {fs.mountpoint} "
                          f"({fs.fstype} on {fs.device}, {where}, {fs.block_size}-byte blocks)")
     for sk in info.skipped:

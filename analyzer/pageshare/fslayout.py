@@ -16,11 +16,14 @@ A btrfs mounted from a subvolume (fstab's subvol=, as Debian's installer
 puts the root in @rootfs) is named by libguestfs "btrfsvol:/dev/sda1/@rootfs";
 it is surveyed as the device, with the subvolume kept in MappedFs.subvol.
 
-A file system on Linux software RAID (an MD array, mdadm), or on LVM whose
-physical volume is one, is not mapped: its blocks are numbered on the array,
-and the mapping does not translate them to the members' sectors.  It is
-skipped, or refused as the root, with the array's level, metadata and
-members (MdArray, read in the appliance, which assembles the arrays).
+A file system on a linear MD array (mdadm --level=linear) is mapped like a
+multi-segment LV: its members' data areas, in role order, are its runs
+(linear_runs, from their version-1 superblocks).  On any other RAID level,
+or on LVM whose physical volume is an array, it is not mapped: its blocks
+are striped, mirrored or carry parity, and the mapping does not translate
+them to the members' sectors.  It is skipped, or refused as the root, with
+the array's level, metadata and members (MdArray, read in the appliance,
+which assembles the arrays).
 """
 
 import re
@@ -59,6 +62,7 @@ class MappedFs:
     # btrfs: the subvolume mounted there (fstab's subvol=, path from the top
     # level), "" for the file system's default subvolume.
     subvol: str = ""
+    md: str = ""              # a linear MD array: its device, e.g. /dev/md0
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,7 @@ class MdArray:
             return ("a mirror keeps a copy of every block in each member, and md reads each "
                     "block from whichever member it picks")
         if level == "linear":
-            # Not mapped: md's linear level is deprecated upstream, and
-            # Debian 13's kernels (cloud and generic) are built without it.
-            return ("it runs through its members one after the other (a level md deprecates: "
-                    "Debian 13's kernels cannot assemble it)")
+            return "it runs through its members one after the other"
         parity = " and parity" if level in ("4", "5", "6") else ""
         copies = ", each in two copies" if level == "10" else ""
         return f"it stripes consecutive chunks{parity} of its data over the members{copies}"
@@ -182,6 +183,76 @@ def _md_data_offset(g: Any, metadata: str, member: str) -> int | None:
         return None
     offset: int = struct.unpack_from("<Q", sb, 128)[0]
     return offset
+
+
+# struct mdp_superblock_1 (include/uapi/linux/raid/md_p.h): level (s32) at
+# 72, chunksize at 88, data_offset and data_size (sectors) at 128 and 136,
+# dev_number at 160, dev_roles[] (u16) from 256.
+_MD_LEVEL_LINEAR = -1
+_MD_ROLE_SPARE = 0xfffe                 # 0xfffe faulty, 0xffff spare: no data
+
+
+def _md_sb_offset(metadata: str, member_sectors: int) -> int | None:
+    """Byte offset of a member's version-1 superblock (md_p.h, mdadm's super1.c)."""
+    if metadata == "1.0":
+        return ((member_sectors - 16) & ~7) * 512
+    return {"1.1": 0, "1.2": 4096}.get(metadata)
+
+
+def linear_runs(g: Any, array: MdArray, parts: dict[int, tuple[int, int]]
+                ) -> tuple[tuple[Run, ...], str]:
+    """A linear array's data as runs on the virtual disk, from its members'
+    superblocks, or ((), why not).
+
+    md's linear level appends its members' data areas in role order; each
+    member gives data_size sectors from data_offset (rounded down to the
+    chunk size when there is one, as md-linear does).  The sum must be the
+    size the appliance's kernel assembled, or nothing is mapped."""
+    if array.metadata not in ("1.0", "1.1", "1.2"):
+        return (), (f"its metadata {array.metadata} is not read here (version-1 superblocks "
+                    "are)")
+    members: list[tuple[int, int, int]] = []         # role, data sectors, disk sector
+    for dev in array.members:
+        partno = partition_number(dev)
+        if not partno or partno not in parts:
+            return (), f"member {dev} is not a partition of the disk"
+        start, sectors = parts[partno]
+        at = _md_sb_offset(array.metadata, sectors)
+        try:
+            sb = g.pread_device(dev, 512, at) if at is not None else b""
+        except RuntimeError as e:
+            return (), f"member {dev}'s superblock could not be read: {e}"
+        if len(sb) < 512 or sb[:4] != _MD_SB_MAGIC:
+            return (), f"member {dev} has no version-1 superblock at byte {at}"
+        level, = struct.unpack_from("<i", sb, 72)
+        chunk, = struct.unpack_from("<I", sb, 88)
+        data_offset, data_size = struct.unpack_from("<QQ", sb, 128)
+        dev_number, = struct.unpack_from("<I", sb, 160)
+        if level != _MD_LEVEL_LINEAR:
+            return (), f"member {dev}'s superblock says level {level}, not linear"
+        if 256 + 2 * dev_number + 2 > len(sb):
+            return (), f"member {dev}'s role is beyond the first 512 bytes of its superblock"
+        role, = struct.unpack_from("<H", sb, 256 + 2 * dev_number)
+        if role >= _MD_ROLE_SPARE:
+            continue
+        if chunk:
+            data_size -= data_size % chunk
+        members.append((role, data_size, start + data_offset))
+    members.sort()
+    if [r for r, _, _ in members] != list(range(len(members))):
+        return (), f"its members' roles {[r for r, _, _ in members]} leave a gap"
+    runs, pos = [], 0
+    for _, sectors, disk in members:
+        runs.append((pos, sectors, disk))
+        pos += sectors
+    try:
+        assembled = int(g.blockdev_getsz(array.device))
+    except RuntimeError as e:
+        return (), f"its size could not be read: {e}"
+    if pos != assembled:
+        return (), (f"its members' superblocks add up to {pos} sectors, but md assembled "
+                    f"{assembled}")
+    return tuple(runs), ""
 
 
 def md_reason(array: MdArray, what: str) -> str:
@@ -368,8 +439,12 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
         if _MD.fullmatch(dev):
             arrays = md_arrays(g) if arrays is None else arrays
             if dev in arrays:
-                skipped.append(SkippedFs(mp, dev, fstype,
-                                         md_reason(arrays[dev], f"{dev} is")))
+                fs, why = _linear_array(mp, dev, arrays[dev], parts, g, fstype, block_size,
+                                        features)
+                if fs is None:
+                    skipped.append(SkippedFs(mp, dev, fstype, why))
+                else:
+                    mapped.append(replace(fs, uuid=g.vfs_uuid(dev), subvol=subvol))
                 continue
         if lv and lv.group(1) not in ("mapper", "md", "disk"):
             if vgs is None:
@@ -403,6 +478,29 @@ def survey(g: Any, mountpoints: dict[str, str], disk_sectors: int
             mapped.append(MappedFs(mp, dev, partno, start, fstype, g.vfs_uuid(dev), block_size,
                                    features, ((0, size, start),), guest_start, subvol=subvol))
     return mapped, skipped
+
+
+def _linear_array(mp: str, dev: str, array: MdArray, parts: dict[int, tuple[int, int]],
+                  g: Any, fstype: str, block_size: int, features: str
+                  ) -> tuple[MappedFs | None, str]:
+    """A file system on a linear MD array, mapped through its members; other
+    levels, and a linear array whose layout cannot be read, are not."""
+    if array.level != "linear":
+        return None, md_reason(array, f"{dev} is")
+    why = unmappable_reason(fstype, features, 0, 0, block_size)
+    if why:
+        return None, why
+    runs, why = linear_runs(g, array, parts)
+    if why:
+        return None, f"{dev} is a linear MD array ({array.describe()}), but {why}"
+    for fs_start, _, disk in runs:
+        why = alignment_reason(disk - fs_start, block_size,
+                               f"a member of {dev} puts its file system start")
+        if why:
+            return None, why
+    first = partition_number(array.members[0]) or 0
+    return MappedFs(mp, dev, first, runs[0][2], fstype, "", block_size, features, runs, 0,
+                    md=dev), ""
 
 
 def _md_member(g: Any, dev: str) -> bool:

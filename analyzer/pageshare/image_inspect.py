@@ -42,7 +42,8 @@ from .fslayout import (
 # 3: every file system of /etc/fstab (filesystems, skipped), kernels on a separate /boot.
 # 4: LVM linear logical volumes (runs, guest_start_sector, lv)
 # 5: single-device btrfs mapped (subvol), no longer skipped
-INSPECT_VERSION = 6      # 6: a file system on MD RAID skipped naming the array, level, members
+# 6: a file system on MD RAID skipped naming the array, level, members
+INSPECT_VERSION = 7      # 7: ext2/ext3 mapped, no longer skipped; linear MD arrays mapped (md)
 
 
 @dataclass(frozen=True)
