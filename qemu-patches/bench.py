@@ -57,7 +57,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "page-server" / "client"))
 import build  # noqa: E402
 
 SIZE = 64 << 20
@@ -94,8 +94,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["shm", "qcow2"], help="one base only")
     a = ap.parse_args()
 
-    from page_server_helpers import ImageSpec, Server, make_list
     from pageshare import sectorlist
+    from server_process import ImageSpec, Server, make_list
 
     out = build.ensure_built()
     qemu_img = str(out / "bin" / "qemu-img")

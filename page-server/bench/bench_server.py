@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "page-server" / "client"))
 sys.path.insert(0, str(REPO / "analyzer"))
 
-from page_server_helpers import (  # noqa: E402
+from pageshare import golden, sectorlist  # noqa: E402
+from server_process import (  # noqa: E402
     CACHE,
     ImageSpec,
     Server,
@@ -34,7 +35,6 @@ from page_server_helpers import (  # noqa: E402
     rss_bytes,
     server_binary,
 )
-from pageshare import golden, sectorlist  # noqa: E402
 
 
 def anon_bytes(pid: int) -> int:
