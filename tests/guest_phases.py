@@ -5,7 +5,9 @@ The list serves every non-zero block of some regular files of the image;
 the guest hashes those files in named phases, each after dropping its page
 cache, and between phases waits until the host writes a word into the
 first sector of a small second disk (vdb), which it polls with O_DIRECT
-reads.  Every hash must equal the image's.
+reads.  Every hash must equal the image's.  The files (regular_files), their
+blocks and hashes in the image are read with debugfs, also for
+test_qemu_filter_guest.py and test_attach_guest.py.
 """
 
 from __future__ import annotations
@@ -13,12 +15,46 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from page_server_helpers import content_sha256, make_list
 from pageshare import sectorlist
-from test_qemu_filter_guest import file_blocks, file_sha256, regular_files
+
+CANDIDATES = [
+    "/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/sha256sum",
+    "/usr/lib/systemd/systemd", "/usr/lib/systemd/libsystemd-shared-252.so",
+    "/usr/bin/perl", "/usr/lib/x86_64-linux-gnu/libcrypto.so.3", "/usr/bin/apt",
+    "/usr/bin/coreutils", "/usr/bin/ls", "/usr/bin/tar", "/usr/sbin/sshd",
+    "/usr/lib/x86_64-linux-gnu/libapt-pkg.so.6.0", "/usr/bin/dpkg",
+    "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
+]
+
+
+def debugfs(raw: Path, request: str) -> str:
+    p = subprocess.run(["debugfs", "-R", request, str(raw)], capture_output=True, text=True)
+    return p.stdout
+
+
+def regular_files(raw: Path) -> list[str]:
+    return [f for f in CANDIDATES if "Type: regular" in debugfs(raw, f"stat {f}")]
+
+
+def file_blocks(raw: Path, path: str) -> list[int]:
+    """4 KiB blocks of a file (the small image is ext4 with 4 KiB blocks on
+    the whole disk, so file system block n is disk block n)."""
+    return [int(x) for x in debugfs(raw, f"blocks {path}").split()]
+
+
+def file_sha256(raw: Path, path: str, tmp: Path) -> str:
+    out = tmp / "dump"
+    subprocess.run(["debugfs", "-R", f"dump {path} {out}", str(raw)], check=True,
+                   capture_output=True)
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    out.unlink()
+    return digest
+
 
 WAIT_FOR = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
             '| head -c {n})" = "{word}" ]; do sleep 0.5; done')

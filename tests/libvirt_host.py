@@ -8,16 +8,24 @@ reach it through its socket (``uri``).  QEMU runs as root with no security
 driver (QEMU_CONF), or as Debian's libvirt runs it by default, as the
 libvirt-qemu user with the DAC driver (QEMU_CONF_UNPRIVILEGED); no cgroups
 either way: this host has no systemd to delegate cgroups.  Every domain is destroyed and libvirtd
-stopped when the test ends, on every exit path.
+stopped when the test ends, on every exit path.  With it, the domain XML an
+operator would write (domain_xml, disk) and the filter's statistics through
+libvirt (filter_stats), for test_libvirt_watch.py and
+test_libvirt_unprivileged.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from pageshare.workload import FW_CFG_NAME
 
 DIRS = {"etc": "/etc/libvirt", "run": "/run/libvirt", "lib": "/var/lib/libvirt",
         "log": "/var/log/libvirt", "cache": "/var/cache/libvirt"}
@@ -105,3 +113,45 @@ class PrivateLibvirtd:
         for u in filter(None, uuids):
             subprocess.run(["pkill", "-KILL", "-f", "--", f"-uuid {u}"], check=False)
         self.proc = None
+
+
+def disk(path: Path, fmt: str, dev: str) -> str:
+    return (f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+            f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>")
+
+
+def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
+               boot: dict[str, str] | None = None, fwcfg: Path | None = None) -> str:
+    """A domain an operator would define: TCG (type qemu), q35, virtio disks."""
+    os_boot = ""
+    if boot:
+        os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
+    sysinfo = (f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' "
+               f"file='{escape(str(fwcfg))}'/></sysinfo>" if fwcfg else "")
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>1024</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='q35'>hvm</type>{os_boot}</os>
+  {sysinfo}
+  <features><acpi/><apic/></features>
+  <cpu mode='custom' match='exact'><model fallback='allow'>qemu64</model></cpu>
+  <on_poweroff>destroy</on_poweroff>
+  <devices>
+    <emulator>{escape(emulator)}</emulator>
+    {''.join(disks)}
+    <serial type='file'><source path='{escape(str(serial))}'/><target port='0'/></serial>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"""
+
+
+def filter_stats(lv: PrivateLibvirtd, domain: str, node: str) -> dict[str, Any]:
+    out = lv.virsh("qemu-monitor-command", domain, json.dumps(
+        {"execute": "query-blockstats", "arguments": {"query-nodes": True}})).stdout
+    for s in json.loads(out)["return"]:
+        if s.get("node-name") == node:
+            st: dict[str, Any] = s["driver-specific"]
+            return st
+    raise AssertionError(f"no node {node} in {out[:2000]}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guest_phases import hashes, list_files, phase, signal_guest, wait_for
+from guest_phases import file_blocks, hashes, list_files, phase, signal_guest, wait_for
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
@@ -30,7 +30,6 @@ from pageshare.qmp import QMP
 from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
 from qemu_helpers import qemu_build
-from test_qemu_filter_guest import file_blocks
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 

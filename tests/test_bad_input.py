@@ -15,17 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, Analysis, run_analyze
+from analysis_failures import assert_clean_failure, json_error
+from conftest import REPO, run_analyze
+from image_trees import mkfs_image
 from pageshare.debugsyms import find_vmlinux
 from pageshare.errors import UserError
-
-
-def assert_clean_failure(r: Analysis, message: str, rc: int = 2) -> None:
-    assert r.rc == rc, r.stderr
-    assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
-    assert "hint:" in r.stderr
-    assert list(r.workdir.iterdir()) == []
 
 
 @pytest.mark.usefixtures("host_guard")
@@ -38,19 +32,6 @@ def test_not_an_image(tmp_path: Path) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("this is not a disk image\n" * 200)
     assert_clean_failure(run_analyze(tmp_path, str(f)), "not a disk image")
-
-
-def json_error(r: Analysis, kind: str, message: str, rc: int = 2) -> dict[str, Any]:
-    """--json: exactly one JSON object on stdout that says what failed; same exit status."""
-    assert r.rc == rc, r.stderr
-    data = r.json()
-    assert data["ok"] is False and data["exit_code"] == rc, data
-    error = data["error"]
-    assert isinstance(error, dict)
-    assert error["kind"] == kind and message in error["message"], data
-    assert error["hint"], data
-    assert list(r.workdir.iterdir()) == []
-    return error
 
 
 def cut(src: Path, dest: Path, size: int) -> Path:
@@ -113,28 +94,6 @@ def test_image_with_backing_file(tmp_path: Path, small_image: Path) -> None:
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(small_image), "-F",
                     "qcow2", str(f)], check=True)
     assert_clean_failure(run_analyze(tmp_path, str(f)), "backing file")
-
-
-def mkfs_image(tmp: Path, fstype: str, tree: dict[str, str]) -> Path:
-    root = tmp / "tree"
-    for rel, content in tree.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(content)
-    img = tmp / f"{fstype}.raw"
-    if fstype == "squashfs":
-        # On partition 1 of an MBR disk, at sector 2048.
-        fs = tmp / "fs.squashfs"
-        subprocess.run(["mksquashfs", str(root), str(fs), "-quiet", "-noappend"], check=True)
-        subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
-        subprocess.run(["sfdisk", "-q", str(img)], input="label: dos\nstart=2048, type=83\n",
-                       text=True, check=True)
-        subprocess.run(["dd", f"if={fs}", f"of={img}", "bs=512", "seek=2048", "conv=notrunc",
-                        "status=none"], check=True)
-        return img
-    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
-    subprocess.run([f"mkfs.{fstype}", "-q", "-F", "-d", str(root), str(img)], check=True)
-    return img
 
 
 @pytest.mark.vm

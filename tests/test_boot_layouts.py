@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_image_tree import FakeImage
 from pageshare import bootfiles, fslayout, resultsdb
 from pageshare.bootfiles import BootEntry, bls_entry, grub_default_entry
 from pageshare.errors import UserError
@@ -87,40 +88,6 @@ def test_version_order() -> None:
     versions = ["6.1.0-9-amd64", "6.1.0-10-amd64", "5.10.0-28-amd64", "6.12.1+deb13-amd64"]
     assert sorted(versions, key=bootfiles.version_key) == [
         "5.10.0-28-amd64", "6.1.0-9-amd64", "6.1.0-10-amd64", "6.12.1+deb13-amd64"]
-
-
-class FakeImage:
-    """The few libguestfs calls bootfiles makes, on a dict of files and symlinks
-    (the image's tree with every fstab file system mounted)."""
-
-    def __init__(self, files: dict[str, str], links: dict[str, str] | None = None) -> None:
-        self.files, self.links = files, links or {}
-
-    def _target(self, path: str) -> str:
-        link = self.links.get(path)
-        if link is None:
-            return path
-        return link if link.startswith("/") else path.rsplit("/", 1)[0] + "/" + link
-
-    def is_file(self, path: str, followsymlinks: bool = False) -> bool:
-        return (self._target(path) if followsymlinks else path) in self.files
-
-    def is_symlink(self, path: str) -> bool:
-        return path in self.links
-
-    def readlink(self, path: str) -> str:
-        return self.links[path]
-
-    def is_dir(self, path: str) -> bool:
-        return any(p.startswith(path.rstrip("/") + "/") for p in [*self.files, *self.links])
-
-    def ls(self, path: str) -> list[str]:
-        pre = path.rstrip("/") + "/"
-        return sorted({p[len(pre):].split("/")[0] for p in [*self.files, *self.links]
-                       if p.startswith(pre)})
-
-    def cat(self, path: str) -> str:
-        return self.files[path]
 
 
 V = "6.1.0-56-cloud-amd64"

@@ -16,7 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from analysis_failures import assert_clean_failure
 from conftest import run_analyze
+from fake_image_tree import FakeImage
+from image_trees import DEBIAN_TREE
 from pageshare import analyze, bootfiles, btrfsmap, fslayout, workload
 from pageshare.btrfsmap import BtrfsUnsupported, Chunk, Subvolume
 from pageshare.classify import PageRecord
@@ -24,9 +27,6 @@ from pageshare.errors import UserError
 from pageshare.ext4map import Extent, fs_image
 from pageshare.image_inspect import inspect_image, probe_format
 from pageshare.mapping import Candidate, Geometry, Placement, map_page
-from test_bad_input import assert_clean_failure
-from test_boot_layouts import FakeImage
-from test_unaligned_partition import DEBIAN_TREE
 
 CHUNKS = """\
 chunk tree

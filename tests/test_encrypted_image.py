@@ -14,10 +14,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from analysis_failures import assert_clean_failure, json_error
 from conftest import run_analyze
+from image_trees import DEBIAN_TREE
 from pageshare.image_inspect import inspect_image, probe_format
-from test_bad_input import assert_clean_failure, json_error
-from test_unaligned_partition import DEBIAN_TREE
 
 pytestmark = pytest.mark.vm
 

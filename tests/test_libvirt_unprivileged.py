@@ -39,13 +39,12 @@ from typing import Any
 
 import pytest
 from guest_phases import hashes, list_files, phase, signal_guest, wait_for
-from libvirt_host import QEMU_CONF_UNPRIVILEGED, PrivateLibvirtd
+from libvirt_host import QEMU_CONF_UNPRIVILEGED, PrivateLibvirtd, disk, domain_xml, filter_stats
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
 from pageshare.workload import Markers, Workload, kernel_cmdline, script
 from qemu_helpers import qemu_build
-from test_libvirt_watch import disk, domain_xml, filter_stats
 
 pytestmark = pytest.mark.vm
 

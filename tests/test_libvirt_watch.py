@@ -24,52 +24,19 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
 
 import pytest
 from guest_phases import hashes, list_files, phase, signal_guest, wait_for
-from libvirt_host import PrivateLibvirtd
+from libvirt_host import PrivateLibvirtd, disk, domain_xml, filter_stats
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
-from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from pageshare.workload import Markers, Workload, kernel_cmdline, script
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def disk(path: Path, fmt: str, dev: str) -> str:
-    return (f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
-            f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>")
-
-
-def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
-               boot: dict[str, str] | None = None, fwcfg: Path | None = None) -> str:
-    """A domain an operator would define: TCG (type qemu), q35, virtio disks."""
-    os_boot = ""
-    if boot:
-        os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
-    sysinfo = (f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' "
-               f"file='{escape(str(fwcfg))}'/></sysinfo>" if fwcfg else "")
-    return f"""<domain type='qemu'>
-  <name>{name}</name>
-  <memory unit='MiB'>1024</memory>
-  <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='q35'>hvm</type>{os_boot}</os>
-  {sysinfo}
-  <features><acpi/><apic/></features>
-  <cpu mode='custom' match='exact'><model fallback='allow'>qemu64</model></cpu>
-  <on_poweroff>destroy</on_poweroff>
-  <devices>
-    <emulator>{escape(emulator)}</emulator>
-    {''.join(disks)}
-    <serial type='file'><source path='{escape(str(serial))}'/><target port='0'/></serial>
-    <memballoon model='none'/>
-  </devices>
-</domain>
-"""
 
 
 class WatchLog:
@@ -109,16 +76,6 @@ def start_watcher(uri: str, control: Path, out: Path, err: Path) -> subprocess.P
         assert w.poll() is None and time.monotonic() < deadline, err.read_text()
         time.sleep(0.2)
     return w
-
-
-def filter_stats(lv: PrivateLibvirtd, domain: str, node: str) -> dict[str, Any]:
-    out = lv.virsh("qemu-monitor-command", domain, json.dumps(
-        {"execute": "query-blockstats", "arguments": {"query-nodes": True}})).stdout
-    for s in json.loads(out)["return"]:
-        if s.get("node-name") == node:
-            st: dict[str, Any] = s["driver-specific"]
-            return st
-    raise AssertionError(f"no node {node} in {out[:2000]}")
 
 
 def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:

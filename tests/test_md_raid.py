@@ -21,14 +21,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from analysis_failures import assert_clean_failure, json_error
 from conftest import run_analyze
+from image_trees import DEBIAN_TREE
+from lvm_samples import METADATA, pv_device
 from pageshare import ext4map, fslayout, mapping
 from pageshare.cache import cache_dir, inputs_key
 from pageshare.errors import UserError
 from pageshare.image_inspect import inspect_image, probe_format
-from test_bad_input import assert_clean_failure, json_error
-from test_lvm import METADATA, pv_device
-from test_unaligned_partition import DEBIAN_TREE
 
 ROOT_UUID = "8f3b6c2a-51d7-4e09-b6a4-2c9e7d1f5a38"
 SRV_UUID = "c26e9a41-7b3d-4f85-9e12-5d0a8c6b3f74"

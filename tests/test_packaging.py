@@ -5,27 +5,14 @@ conffile).  The real build and install: tests/test_server_package_guest.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from package_root import load_debs
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_debs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pageshare_debs", REPO / "packaging" / "debs.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pageshare_debs"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 debs = load_debs()
 
 

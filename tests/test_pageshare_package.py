@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from package_root import Root, load_debs, pageshare_deb
-from test_notebook import make_results_db
+from results_samples import make_results_db
 
 pytestmark = pytest.mark.vm      # long: builds roots from the Debian archive
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from guest_phases import file_blocks, file_sha256, regular_files
 from page_server_helpers import (
     ImageSpec,
     Server,
@@ -43,39 +44,6 @@ from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, s
 from qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
-
-CANDIDATES = [
-    "/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/sha256sum",
-    "/usr/lib/systemd/systemd", "/usr/lib/systemd/libsystemd-shared-252.so",
-    "/usr/bin/perl", "/usr/lib/x86_64-linux-gnu/libcrypto.so.3", "/usr/bin/apt",
-    "/usr/bin/coreutils", "/usr/bin/ls", "/usr/bin/tar", "/usr/sbin/sshd",
-    "/usr/lib/x86_64-linux-gnu/libapt-pkg.so.6.0", "/usr/bin/dpkg",
-    "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
-]
-
-
-def debugfs(raw: Path, request: str) -> str:
-    p = subprocess.run(["debugfs", "-R", request, str(raw)], capture_output=True, text=True)
-    return p.stdout
-
-
-def regular_files(raw: Path) -> list[str]:
-    return [f for f in CANDIDATES if "Type: regular" in debugfs(raw, f"stat {f}")]
-
-
-def file_blocks(raw: Path, path: str) -> list[int]:
-    """4 KiB blocks of a file (the small image is ext4 with 4 KiB blocks on
-    the whole disk, so file system block n is disk block n)."""
-    return [int(x) for x in debugfs(raw, f"blocks {path}").split()]
-
-
-def file_sha256(raw: Path, path: str, tmp: Path) -> str:
-    out = tmp / "dump"
-    subprocess.run(["debugfs", "-R", f"dump {path} {out}", str(raw)], check=True,
-                   capture_output=True)
-    digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    out.unlink()
-    return digest
 
 
 def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:

@@ -17,10 +17,11 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
+from package_root import load_debs
 from pageshare import hostcheck
-from test_packaging import debs
 
 REPO = Path(__file__).resolve().parents[1]
+debs = load_debs()
 LIB = "usr/lib/pageshare-qemu"
 BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon"]
 ROMS = ["linuxboot.bin", "linuxboot_dma.bin", "multiboot.bin", "multiboot_dma.bin",

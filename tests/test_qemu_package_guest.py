@@ -53,9 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from page_server_helpers import make_list, nonzero_blocks
-from pageshare import golden, sectorlist
-from test_server_package_guest import (
+from package_guest import (
     PERL_CLIENT,
     Agent,
     booted,
@@ -65,6 +63,8 @@ from test_server_package_guest import (
     serving,
     wait_until,
 )
+from page_server_helpers import make_list, nonzero_blocks
+from pageshare import golden, sectorlist
 
 # Golden image variant -> (Debian suite, whether the Debian 12 steps run).
 VARIANTS = {"small": ("bookworm", True), "trixie": ("trixie", False)}

@@ -12,17 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from analysis_failures import assert_clean_failure, json_error
 from conftest import run_analyze
+from image_trees import DEBIAN_TREE
 from pageshare.image_inspect import inspect_image, probe_format
-from test_bad_input import assert_clean_failure, json_error
 
 pytestmark = pytest.mark.vm
-
-DEBIAN_TREE = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
-               "etc/debian_version": "12.0\n",
-               "etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n",
-               "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n",
-               "boot/vmlinuz-6.1.0-56-amd64": "not really a kernel\n"}
 
 
 def mbr_image(tmp: Path, start_sector: int, srv_sector: int = 0) -> Path:
