@@ -14,7 +14,9 @@ as /var/lib/libvirt/images is on a host.
 Checked from outside, in the order a host runs things (the server first,
 then `virsh start`, then the filter attached through libvirt): QEMU really
 runs unprivileged; the guest reads every listed file with the image's bytes
-and the filter copies listed blocks into its RAM.  Then the same domain
+and the filter copies listed blocks into its RAM; `pageshare detach
+--libvirt` takes the filter out again and the guest reads the same bytes
+from disk.  Then the same domain
 with the server run as root (its sockets opened to everyone, so QEMU can
 connect): `pageshare host check` warns that the guest may not read the
 server, QEMU says so once in its log with what to do, and reads every block
@@ -81,14 +83,22 @@ def qemu_creds(name: str) -> tuple[int, int]:
     return uid, gid
 
 
-def attach(lv: PrivateLibvirtd, control: Path) -> dict[str, Any]:
+def pageshare(*args: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", "attach", "--libvirt", DOMAIN,
-                        "--connect", lv.uri, "--control", str(control), "--mode", "copy",
-                        "--json"], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "pageshare.cli", *args, "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     r: dict[str, Any] = json.loads(p.stdout)
     return r
+
+
+def attach(lv: PrivateLibvirtd, control: Path) -> dict[str, Any]:
+    return pageshare("attach", "--libvirt", DOMAIN, "--connect", lv.uri, "--control",
+                     str(control), "--mode", "copy")
+
+
+def detach(lv: PrivateLibvirtd) -> dict[str, Any]:
+    return pageshare("detach", "--libvirt", DOMAIN, "--connect", lv.uri)
 
 
 def host_check_refusals(control: Path) -> list[dict[str, Any]]:
@@ -125,6 +135,7 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
     markers = Markers.new()
     wl = w / "workload.sh"
     wl.write_text(script(Workload("; ".join([wait_for("GO"), phase(listed.files, "run"),
+                                             wait_for("G2"), phase(listed.files, "after"),
                                              "sleep 2"])), markers))
     ovl, go, serial = w / "ovl.qcow2", w / "go.raw", w / "serial.log"
     lv = PrivateLibvirtd(tmp_path / "libvirt", qemu_conf=QEMU_CONF_UNPRIVILEGED)
@@ -147,16 +158,26 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         (d,) = r["drives"]
         assert d["result"] == "attached", r
         refusals.append(host_check_refusals(server.control))
+        def until(marker: str) -> str:
+            deadline = time.monotonic() + 600
+            text = ""
+            while marker not in text:
+                assert time.monotonic() < deadline, text[-3000:] + lv.domain_log(DOMAIN)
+                assert "Kernel panic" not in text, text[-3000:]
+                time.sleep(1)
+                text = serial.read_text(errors="replace")
+            return text
+
         signal_guest(go, b"GO")
-        deadline = time.monotonic() + 600
-        text = ""
-        while "run-end" not in text:
-            assert time.monotonic() < deadline, text[-3000:] + lv.domain_log(DOMAIN)
-            assert "Kernel panic" not in text, text[-3000:]
-            time.sleep(1)
-            text = serial.read_text(errors="replace")
-        assert hashes(text, "run") == listed.want
+        assert hashes(until("run-end"), "run") == listed.want
         st = filter_stats(lv, DOMAIN, d["filter"])
+        # Before a migration to a host without pageshare: the filter goes,
+        # through libvirt, and the guest reads its base from disk again.
+        r = detach(lv)
+        (dd,) = r["drives"]
+        assert dd["result"] == "detached" and dd["stats"]["merged"] >= st["merged"], r
+        signal_guest(go, b"G2")
+        assert hashes(until("after-end"), "after") == listed.want
         log = lv.domain_log(DOMAIN)
         lv.virsh("destroy", DOMAIN)
         return st, {"log": log}
