@@ -1,0 +1,74 @@
+"""What every part of ktest uses: the paths of kernel-syscall/, run(), log(),
+KtestError, the cache root and the make parallelism."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from pageshare import cache
+
+# kernel-syscall/, the directory of ktest.py
+HERE = Path(__file__).resolve().parents[1]
+PATCHES = HERE / "patches"
+CONFIGS = HERE / "config"
+GUEST = HERE / "tests"
+LIBDIR = HERE / "lib"
+UAPI = HERE / "include"
+REPO = HERE.parent
+
+GIT_ID = ["-c", "user.name=pageshare ktest", "-c", "user.email=ktest@pageshare.invalid",
+          "-c", "advice.detachedHead=false", "-c", "gc.auto=0"]
+
+
+class KtestError(Exception):
+    """A failure with a message that says what to do."""
+
+
+def log(msg: str) -> None:
+    print(f"ktest: {msg}", flush=True)
+
+
+def cache_root() -> Path:
+    return cache.cache_dir("kernel")
+
+
+def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+        capture: bool = False, check: bool = True,
+        logfile: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command; with logfile, append its output there instead of the terminal."""
+    if logfile is not None:
+        with open(logfile, "a") as f:
+            f.write(f"\n$ {shlex.join(cmd)}\n")
+            f.flush()
+            p = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    else:
+        p = subprocess.run(cmd, cwd=cwd, env=env, text=True,
+                           capture_output=capture)
+    if check and p.returncode != 0:
+        tail = ""
+        if logfile is not None:
+            tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-40:])
+        elif capture:
+            tail = (p.stdout or "")[-2000:] + (p.stderr or "")[-2000:]
+        raise KtestError(f"command failed ({p.returncode}): {shlex.join(cmd)}\n{tail}")
+    return p
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def nice_prefix() -> list[str]:
+    return ["nice", "-n", "10"]
+
+
+def jobs() -> str:
+    return os.environ.get("KTEST_JOBS", str(os.cpu_count() or 2))
