@@ -25,7 +25,7 @@ unit: deps
 test: deps lint
 	$(PY) -m pytest -ra --durations=25
 
-# The kernel series' VM tests alone (issue 3); `make test` runs them too,
+# The kernel series' VM tests alone; `make test` runs them too,
 # through tests/test_kernel_syscall.py.
 kernel-test: deps
 	kernel-syscall/run-tests.sh --config debug

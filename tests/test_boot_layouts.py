@@ -1,4 +1,4 @@
-"""Images whose file systems are not just an ext4 root (issue 11), without booting anything:
+"""Images whose file systems are not just an ext4 root, without booting anything:
 which kernel and initrd a boot loader picks, which file systems are mapped or
 skipped and why, and the results database's file table keyed by file system.
 """

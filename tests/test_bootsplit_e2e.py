@@ -1,4 +1,4 @@
-"""analyze-image end to end on an image with /boot on a partition of its own (issue 11).
+"""analyze-image end to end on an image with /boot on a partition of its own.
 
 The bootsplit golden image has its kernel and initrd only on /boot (GPT
 partition 2, before the root), so the analysis must find them through the

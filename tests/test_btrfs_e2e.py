@@ -1,4 +1,4 @@
-"""analyze-image end to end on an image whose root file system is btrfs (issue 11).
+"""analyze-image end to end on an image whose root file system is btrfs.
 
 The btrfs golden image is the small package set on the GPT layout with the
 root in subvolume @rootfs of a single-device btrfs, as Debian's installer

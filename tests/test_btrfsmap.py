@@ -1,4 +1,4 @@
-"""btrfs block maps read with btrfs-progs' dump-tree (issue 11): parsing, and real
+"""btrfs block maps read with btrfs-progs' dump-tree: parsing, and real
 file systems made here.
 
 The file systems are made by mkfs.btrfs --rootdir (no mounting).  Its

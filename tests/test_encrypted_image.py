@@ -1,4 +1,4 @@
-"""A golden image with an encrypted (LUKS) file system (issue 11).
+"""A golden image with an encrypted (LUKS) file system.
 
 Pages of an encrypted file system can never be served from the golden
 image: guests cache the decrypted bytes, the disk holds ciphertext.  With

@@ -1,11 +1,11 @@
-"""The merge_pages kernel series, built, booted under QEMU and tested (issue 3).
+"""The merge_pages kernel series, built, booted under QEMU and tested.
 
 kernel-syscall/run-tests.sh builds the patched 6.12 kernel with the debug
 config (cached by series + config), boots it with an initramfs holding the
 series' kselftests, the kernel's own KSM selftests and a randomized stress,
 and exits non-zero on any failed test or any WARN/BUG/lockdep/KASAN/KFENCE
-report in the kernel log.  The suite includes pageshare_filter_merge
-(issue 5): the patched QEMU and a real pageshare-server inside that VM, with
+report in the kernel log.  The suite includes pageshare_filter_merge:
+the patched QEMU and a real pageshare-server inside that VM, with
 reads through the pageshare filter really merged by merge_pages.  This
 wrapper makes it part of `make test` and refuses skipped tests and missing
 test programs: either would hide a missing check.

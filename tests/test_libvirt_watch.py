@@ -1,5 +1,5 @@
 """VMs that libvirt starts get the filter at every start, with nobody typing
-a command (issue 12): Debian's libvirtd (in a mount namespace of its own,
+a command: Debian's libvirtd (in a mount namespace of its own,
 see libvirt_host.py), a domain XML as an operator writes it (a qcow2
 overlay of the small golden image, the patched QEMU as <emulator>), `virsh
 start`, and `pageshare libvirt-watch` listening to libvirt's events.

@@ -1,4 +1,4 @@
-"""LVM logical volumes to disk sectors, from the PV's on-disk label and metadata (issue 11).
+"""LVM logical volumes to disk sectors, from the PV's on-disk label and metadata.
 
 The label and metadata area are built byte by byte as LVM2 writes them
 (label in sector 1, metadata text in a ring after the area's header; in

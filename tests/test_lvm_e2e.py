@@ -1,4 +1,4 @@
-"""analyze-image end to end on an image whose root is an LVM logical volume (issue 11).
+"""analyze-image end to end on an image whose root is an LVM logical volume.
 
 The lvm golden image has its root file system on vg0/root, a linear LV on
 GPT partition 1 (an LVM PV).  Nothing on the host activates LVM: the

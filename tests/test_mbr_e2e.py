@@ -1,4 +1,4 @@
-"""analyze-image end to end on an image with an MBR (msdos) partition table (issue 11).
+"""analyze-image end to end on an image with an MBR (msdos) partition table.
 
 The mbr golden image is the small package set on a disk laid out as
 Debian's installer does on a BIOS machine: the ext4 root in primary

@@ -1,4 +1,4 @@
-"""Golden images with Linux software RAID (MD, mdadm) inside (issue 11).
+"""Golden images with Linux software RAID (MD, mdadm) inside.
 
 The analysis maps a file system's blocks to sectors of the virtual disk; on
 an MD array they are numbered on the array, which the mapping does not

@@ -1,5 +1,5 @@
 """The pageshare Debian package, installed by apt into fresh Debian 12 and 13
-roots and run from there, not from the checkout (issue 12).
+roots and run from there, not from the checkout.
 
 packaging/debs.py builds it (cached; lintian clean, its contents checked);
 package_root.py installs it with `apt-get install ./pageshare_*.deb` (and

@@ -1,4 +1,4 @@
-"""pageshare-qemu's Debian package, installed in a booted golden image (issue 12).
+"""pageshare-qemu's Debian package, installed in a booted golden image.
 
 The package (``packaging/debs.py pageshare-qemu``: the patched QEMU under
 /usr/lib/pageshare-qemu) and pageshare-server's are built on the host;

@@ -1,4 +1,4 @@
-"""pageshare-server's Debian package under a real systemd (issue 12).
+"""pageshare-server's Debian package under a real systemd.
 
 The package is built with ``packaging/debs.py`` (cached), then a golden
 image boots (the small one, Debian 12, with every step below; trixie,

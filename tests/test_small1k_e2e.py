@@ -1,4 +1,4 @@
-"""analyze-image end to end on an ext4 root with 1 KiB blocks (issue 11).
+"""analyze-image end to end on an ext4 root with 1 KiB blocks.
 
 With 1 KiB blocks a 4 KiB page is four file system blocks: it can be listed
 only where its four blocks are contiguous on the disk and the first starts

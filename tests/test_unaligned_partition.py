@@ -1,5 +1,5 @@
 """An old MBR layout: a partition at sector 63, so no file system block of it
-is 4 KiB-aligned on the virtual disk (issue 11).
+is 4 KiB-aligned on the virtual disk.
 
 Before, such an image went through the whole analysis (boots, KSM, dumps)
 and every file page came out "unaligned": an empty list and no word why.

@@ -1,4 +1,4 @@
-"""analyze-image end to end on an image whose root file system is XFS (issue 11).
+"""analyze-image end to end on an image whose root file system is XFS.
 
 The xfs golden image is the small package set on the GPT layout with an XFS
 root.  Its page-cache pages are mapped with xfs_db's block maps (xfsmap.py)

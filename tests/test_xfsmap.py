@@ -1,4 +1,4 @@
-"""XFS block maps read with xfs_db (issue 11): parsing, and a real file system made here.
+"""XFS block maps read with xfs_db: parsing, and a real file system made here.
 
 The file system is made by mkfs.xfs from a protofile (no mounting), with a
 file in a second allocation group, so the (ag/agblock) to linear block

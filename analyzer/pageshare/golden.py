@@ -166,7 +166,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
-    # small's packages with /boot on a partition of its own (issue 11): the
+    # small's packages with /boot on a partition of its own: the
     # kernel and initrd are not on the root file system, and the page cache
     # of /boot files maps to another partition's offset.
     "bootsplit": {
@@ -188,7 +188,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "hostname": HOSTNAME,
     },
     # small's packages, plus lvm2 for the initrd to activate the volume group,
-    # with the root on an LVM logical volume (issue 11): its blocks are at the
+    # with the root on an LVM logical volume: its blocks are at the
     # LV's extents on the PV partition.
     "lvm": {
         "suite": "bookworm",
@@ -206,7 +206,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         },
         "hostname": HOSTNAME,
     },
-    # small with 1 KiB ext4 blocks (issue 11): a page is four blocks, listed
+    # small with 1 KiB ext4 blocks: a page is four blocks, listed
     # only where they are contiguous and the first is 4 KiB-aligned on the disk.
     "small1k": {
         "suite": "bookworm",
@@ -222,7 +222,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "hostname": HOSTNAME,
     },
     # small's packages (plus xfsprogs, for fsck.xfs in the initrd) on the
-    # trixie/demo GPT layout with an XFS root (issue 11).
+    # trixie/demo GPT layout with an XFS root.
     "xfs": {
         "suite": "bookworm",
         "sources": _SOURCES,
@@ -241,7 +241,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "hostname": HOSTNAME,
     },
     # small's packages (plus btrfs-progs, which puts `btrfs device scan` in
-    # the initrd) on the GPT layout with a btrfs root (issue 11), laid out as
+    # the initrd) on the GPT layout with a btrfs root, laid out as
     # Debian's installer does it: the root is subvolume @rootfs of a
     # single-device btrfs, mounted by /etc/fstab with subvol=@rootfs (the
     # boot loader adds rootflags=subvol=@rootfs; the analyzer does the same).
@@ -268,7 +268,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "hostname": HOSTNAME,
     },
     # small's packages on an MBR (msdos) disk laid out as Debian's installer
-    # does on a BIOS machine (issue 11): the root in primary partition 1 at
+    # does on a BIOS machine: the root in primary partition 1 at
     # sector 2048, swap (in /etc/fstab, so guests turn it on) in logical
     # partition 5 of extended partition 2.  "disk_guid" is the MBR's 32-bit
     # disk identifier (sfdisk's label-id; PARTUUIDs are made from it).
@@ -285,7 +285,7 @@ VARIANTS: dict[str, dict[str, object]] = {
         "partition_guids": {},
         "hostname": HOSTNAME,
     },
-    # Debian 13 on a UEFI machine's disk (issue 11), as an operator's
+    # Debian 13 on a UEFI machine's disk, as an operator's
     # installer-made golden image has it: GPT, a FAT32 EFI system partition
     # at /boot/efi holding GRUB (EFI/debian/grubx64.efi and the removable
     # path EFI/BOOT/BOOTX64.EFI, made by the image's own grub-mkimage), a

@@ -44,7 +44,8 @@ BAD_PATTERNS = [
     r"RIP: ",
     # A stack dumped without WARN/BUG: dump_stack() callers such as the
     # fault path's "FAULT_FLAG_ALLOW_RETRY missing" (a user fault taken
-    # where it must not be, issue 14's item 4), OOM reports, sysrq.
+    # where it must not be, by an adversarial caller's vector), OOM reports,
+    # sysrq.
     r"Call Trace:",
     r"FAULT_FLAG_ALLOW_RETRY missing",
 ]
