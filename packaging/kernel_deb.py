@@ -64,7 +64,7 @@ CONFIG_NAME = "config.amd64_none_cloud-amd64.xz"
 FLAVOUR = "cloud-amd64"
 LOCALVERSION = f"-pageshare-{FLAVOUR}"
 PACKAGE_REVISION = 1
-RECIPE = "1"        # bump when the build below changes what it makes
+RECIPE = "2"        # bump when the build below changes what it makes
 # (option, value) set on Debian's configuration; "n" unsets.
 ADJUSTMENTS = (
     ("CONFIG_SYSTEM_TRUSTED_KEYS", '""'),
@@ -223,7 +223,10 @@ def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
         log(f"make bindeb-pkg ({len(patches)} patches on Debian's {version}, "
             f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})")
         t0 = time.monotonic()
-        env_extra = (f"KDEB_PKGVERSION={pkgversion}",
+        # LOCALVERSION= (set, if empty): setlocalversion would otherwise
+        # append "+" to the release, the tree being a git checkout that is
+        # not at a tag.  The release's suffix is CONFIG_LOCALVERSION's.
+        env_extra = ("LOCALVERSION=", f"KDEB_PKGVERSION={pkgversion}",
                      "KDEB_SOURCENAME=linux-pageshare",
                      "KBUILD_BUILD_USER=pageshare", "KBUILD_BUILD_HOST=pageshare")
         make(tree, build_dir, "bindeb-pkg", logfile=logfile, extra=env_extra)
