@@ -7,9 +7,9 @@ host kernel:
 
 - the .deb holds the kernel, its modules and the maintainer scripts, under
   a release that does not collide with Debian's kernels;
-- mmdebstrap installs it with apt into a fresh Debian 13 root (its
-  dependencies from the archive), and its postinst has initramfs-tools
-  make the initrd;
+- apt installs it (`apt-get install ./<deb>`) into a fresh Debian 13 root
+  that mmdebstrap made, and its postinst has initramfs-tools make the
+  initrd;
 - that root, as a disk, boots the installed kernel and initrd under TCG to
   systemd's multi-user target, where a unit loads modules, reads the
   series' KSM counters in sysfs and runs the series' own kselftest
@@ -47,6 +47,10 @@ exec > /dev/ttyS0 2>&1
 echo "uname: $(uname -r)"
 modprobe virtio_net && echo "modprobe virtio_net: ok"
 for f in /sys/kernel/mm/ksm/merge_page_*; do echo "before $(basename $f) $(cat $f)"; done
+# Swap, so that the selftest's swapped-out case runs too.
+dd if=/dev/zero of=/swapfile bs=1M count=256 status=none && chmod 600 /swapfile &&
+    mkswap -q /swapfile && swapon /swapfile && echo "swap: on"
+echo 32 > /proc/sys/vm/nr_hugepages     # for the hugetlb case
 echo 1 > /sys/kernel/mm/ksm/run
 /usr/local/lib/pageshare-test/merge_page_tests
 rc=$?
@@ -88,7 +92,7 @@ def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, obj
                              check=True).stdout
     for path in (f"./boot/vmlinuz-{release}", f"./boot/config-{release}",
                  f"/modules/{release}/kernel/drivers/block/virtio_blk.ko",
-                 f"/modules/{release}/kernel/fs/vfat"):
+                 f"/modules/{release}/kernel/fs/fat/vfat.ko"):
         assert path in listing, path
     modules = sum(1 for line in listing.splitlines() if line.endswith(".ko")
                   or line.endswith(".ko.xz"))
@@ -100,6 +104,7 @@ def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, obj
 
 def _test_binaries(out: Path) -> Path:
     """merge_page_tests, built static by ktest against the series' uapi headers."""
+    out.mkdir(parents=True, exist_ok=True)
     root = ktest.cache_root()
     src = ktest.ensure_source(root)
     patches = ktest.series_files()
@@ -117,9 +122,13 @@ def installed_root(package: dict[str, object], tmp_path_factory: pytest.TempPath
     work = tmp_path_factory.mktemp("kpkg")
     rootdir = work / "root"
     image = deb(package, "image")
+    # A fresh Debian 13 system, then the operator's `apt install ./<deb>` in it.
     proc = subprocess.run(
         ["mmdebstrap", "--mode=root", "--variant=required",
-         "--include=systemd-sysv,udev,kmod,initramfs-tools," + str(image),
+         "--include=systemd-sysv,udev,kmod,initramfs-tools",
+         f"--customize-hook=copy-in {image} /tmp",
+         f'--customize-hook=chroot "$1" apt-get install -y /tmp/{image.name}',
+         f'--customize-hook=rm "$1/tmp/{image.name}"',
          "trixie", str(rootdir), *debian.sources(["trixie"])],
         capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -154,6 +163,8 @@ def test_boots_and_runs_the_series_selftest(package: dict[str, object], installe
     wants.mkdir(parents=True, exist_ok=True)
     (wants / "pageshare-kpkg-check.service").symlink_to(
         "/etc/systemd/system/pageshare-kpkg-check.service")
+    # The report goes to ttyS0: no getty there, whose vhangup() would cut it off.
+    (installed_root / "etc/systemd/system/serial-getty@ttyS0.service").symlink_to("/dev/null")
     (installed_root / "etc/fstab").write_text(f"UUID={ROOT_UUID}\t/\text4\tdefaults\t0\t1\n")
     (installed_root / "etc/hostname").write_text("pageshare-kpkg\n")
     kernel, initrd = tmp_path / "vmlinuz", tmp_path / "initrd.img"
@@ -165,6 +176,9 @@ def test_boots_and_runs_the_series_selftest(package: dict[str, object], installe
     qemu = subprocess.Popen(
         ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
          "-m", "2048", "-smp", "2", "-nodefaults", "-display", "none", "-no-reboot",
+         # two NUMA nodes, for the selftest's migration case
+         "-object", "memory-backend-ram,id=m0,size=1G", "-numa", "node,memdev=m0,cpus=0",
+         "-object", "memory-backend-ram,id=m1,size=1G", "-numa", "node,memdev=m1,cpus=1",
          "-serial", f"file:{serial}", "-kernel", str(kernel), "-initrd", str(initrd),
          "-append", f"console=ttyS0 root=UUID={ROOT_UUID} ro",
          "-drive", f"file={disk},if=virtio,format=raw",
@@ -186,12 +200,17 @@ def test_boots_and_runs_the_series_selftest(package: dict[str, object], installe
         log = serial.read_text(errors="replace") if serial.exists() else ""
     assert f"Linux version {release}" in log, log[-3000:]
     assert f"uname: {release}" in log, log[-3000:]
-    assert "modprobe virtio_net: ok" in log
+    assert "modprobe virtio_net: ok" in log and "swap: on" in log
     m = re.search(rf"{DONE} rc=(\d+)", log)
     assert m and m.group(1) == "0", log[-6000:]
     tap = re.search(r"# Totals: pass:(\d+) fail:(\d+) xfail:\d+ xpass:\d+ skip:(\d+)", log)
-    assert tap and int(tap.group(1)) > 0 and tap.group(2) == "0" and tap.group(3) == "0", \
-        log[-6000:]
+    assert tap and int(tap.group(1)) > 30 and tap.group(2) == "0", log[-6000:]
+    # One case needs the kernel's gup_test, a test-only facility Debian's
+    # configuration leaves out: that skip, and only that one, is expected.
+    skips = re.findall(r"^ok \d+ # SKIP (.*)$", log, re.M)
+    assert skips == ["long-term pinned dst: EBUSY (no gup_test)"], skips
+    config = (installed_root / f"boot/config-{release}").read_text()
+    assert "# CONFIG_GUP_TEST is not set" in config
     before = dict(re.findall(r"^before (merge_page_\w+) (\d+)", log, re.M))
     after = dict(re.findall(r"^after (merge_page_\w+) (\d+)", log, re.M))
     assert set(before) >= {"merge_page_merged", "merge_page_failed", "merge_page_sources"}
