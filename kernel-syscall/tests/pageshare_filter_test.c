@@ -1583,6 +1583,7 @@ static void stalled_client(void)
 	struct fstats f0, f1, f2;
 	struct qemu q = { 0 };
 	double deadline;
+	long other;
 
 	snprintf(bin, sizeof(bin), "%s/bin/pageshare-server", payload);
 	snprintf(cfg, sizeof(cfg), "%s/server-stall.toml", payload);
@@ -1623,11 +1624,27 @@ static void stalled_client(void)
 	check_every_listed_block(&q, "stalled client, its table released", EXPECT_ANY);
 	f2 = filter_stats(&q);
 	released = listed - (listed + 3) / 4;
-	ok(f2.merged - f1.merged <= (long)(listed - released) && f2.failed - f1.failed >= released &&
+	/*
+	 * Every listed block is accounted once: merged (a kept block), a
+	 * refused merge (a released one), or read from disk on another path
+	 * the filter has for it (no table, unproven, not guest RAM,
+	 * unsupported).  Once, on a host at load 3 or more, 4 of the 32 reads
+	 * were in neither of the first two counters: the other paths are
+	 * counted and printed, and must account for exactly the rest.
+	 */
+	other = (f2.no_table - f1.no_table) + (f2.unproven - f1.unproven) +
+		(f2.not_ram - f1.not_ram) + (f2.unsupported - f1.unsupported);
+	ok(f2.merged - f1.merged <= (long)(listed - released) &&
+	   (f2.merged - f1.merged) + (f2.failed - f1.failed) + other == (long)listed &&
+	   (f2.failed - f1.failed) + other >= released && f2.failed > f1.failed &&
 	   f2.last_errno != 0,
 	   "stalled client: merged +%ld (want <= %u, the kept blocks), fallback-merge-failed +%ld "
-	   "(want >= %u, the released ones), last-merge-errno %ld", f2.merged - f1.merged,
-	   listed - released, f2.failed - f1.failed, released, f2.last_errno);
+	   "(want >= %u, the released ones, with the other disk paths), other disk paths +%ld "
+	   "(no-table +%ld, unproven +%ld, not-guest-ram +%ld, unsupported +%ld), "
+	   "last-merge-errno %ld", f2.merged - f1.merged, listed - released,
+	   f2.failed - f1.failed, released, other, f2.no_table - f1.no_table,
+	   f2.unproven - f1.unproven, f2.not_ram - f1.not_ram, f2.unsupported - f1.unsupported,
+	   f2.last_errno);
 
 	kill(stall_pids[1], SIGUSR2);		/* TABLE 2 and BYE reach the filter */
 	deadline = now() + 60;
