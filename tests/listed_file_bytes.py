@@ -15,6 +15,8 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+from pageshare import sectorlist
+
 PAGE = 4096
 
 
@@ -62,4 +64,15 @@ def check_listed_file_bytes(db_path: Path, analysis_id: int, raw: Path, scratch:
                 checked[mountpoint] += 1
             for ino in inos:
                 (scratch / str(ino)).unlink(missing_ok=True)
+    return checked
+
+
+def every_listed_block_is_its_files_page(db: Path, summary: dict[str, object], raw: Path,
+                                         scratch: Path) -> dict[str, int]:
+    """Checks every block of an analysis' list (``summary``: its --json output)
+    as check_listed_file_bytes does; all of them must be file blocks on ext
+    file systems.  Returns the blocks checked per mount point."""
+    n = len(sectorlist.read(Path(str(summary["list_path"]))).blocks)
+    checked = check_listed_file_bytes(db, int(str(summary["analysis_id"])), raw, scratch)
+    assert n > 0 and sum(checked.values()) == n, checked
     return checked
