@@ -172,7 +172,7 @@ def _md_data_offset(g: Any, metadata: str, member: str) -> int | None:
     for 1.1, 4 KiB for 1.2); None where unknown."""
     if metadata in ("0.90", "0.9", "1.0"):
         return 0
-    at = {"1.1": 0, "1.2": 4096}.get(metadata)
+    at = _md_sb_offset(metadata, 0)           # 1.1 and 1.2: at a fixed offset
     if at is None or not member:
         return None
     try:

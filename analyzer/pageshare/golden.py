@@ -833,11 +833,14 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     _clean_apt(rootdir)
 
 
-def _split_boot(rootdir: Path, bootdir: Path) -> None:
-    """Moves /boot's contents out of the root tree, leaving the empty mount point."""
-    bootdir.mkdir()
-    for entry in sorted((rootdir / "boot").iterdir()):
-        shutil.move(str(entry), str(bootdir / entry.name))
+def _split_out(rootdir: Path, mountpoint: str, tree: Path) -> None:
+    """Moves a mount point's contents out of the root tree into tree, leaving
+    the empty mount point (made if the tree had none)."""
+    src = rootdir / mountpoint.lstrip("/")
+    src.mkdir(parents=True, exist_ok=True)
+    tree.mkdir()
+    for entry in sorted(src.iterdir()):
+        shutil.move(str(entry), str(tree / entry.name))
 
 
 def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str,
@@ -956,11 +959,7 @@ def _split_trees(rootdir: Path, work: Path, spec: _Spec) -> dict[str, Path]:
         if f.mountpoint == "/":
             continue
         tree = work / ("fs" + f.mountpoint.replace("/", "-"))
-        (rootdir / f.mountpoint.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        tree.mkdir()
-        src = rootdir / f.mountpoint.lstrip("/")
-        for entry in sorted(src.iterdir()):
-            shutil.move(str(entry), str(tree / entry.name))
+        _split_out(rootdir, f.mountpoint, tree)
         trees[f.mountpoint] = tree
     return trees
 
@@ -1292,7 +1291,7 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
     boot_image = None
     if spec.boot_fs_uuid:
         bootdir, boot_image = work / "bootfs", work / "boot.ext4"
-        _split_boot(rootdir, bootdir)
+        _split_out(rootdir, "/boot", bootdir)
         with _step(log, f"mkfs.ext4 -d /boot ({geom.boot_fs_bytes // (1024 * 1024)} MiB)"):
             _make_ext4(bootdir, boot_image, geom.boot_fs_bytes, spec.boot_fs_uuid, BOOT_LABEL)
         shutil.rmtree(bootdir)
