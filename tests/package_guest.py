@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from page_server_helpers import raw_copy
+from page_server_helpers import raw_copy, wait_for
 from pageshare import golden
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
@@ -215,14 +215,8 @@ class Agent:
 
 
 def wait_until(what: str, pred: Any, timeout: float, interval: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+    """wait_for with the argument order of these tests, polling once a second."""
+    return wait_for(pred, timeout, what, interval)
 
 
 def payload_disk(payload: Path, disk: Path) -> Path:

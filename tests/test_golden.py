@@ -390,18 +390,24 @@ def _boot_to_login(variant: str, tmp_path: Path) -> str:
          str(overlay)],
         check=True,
     )  # fmt: skip
+    return _run_until_login(
+        ["-kernel", str(kernel), "-initrd", str(initrd),
+         "-append", f"console=ttyS0 root=UUID={m['fs_uuid']} ro",
+         "-drive", f"file={overlay},if=virtio,format=qcow2"], serial, 300)
+
+
+def _run_until_login(args: list[str], serial: Path, timeout: float) -> str:
+    """A 1 GiB TCG guest with ARGS and its serial console in SERIAL, killed once
+    that shows a login prompt; returns the console's text then (or at the end
+    of TIMEOUT seconds, or when QEMU exited)."""
     qemu = subprocess.Popen(
         ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
          "-m", "1024", "-smp", "1", "-nodefaults", "-display", "none",
-         "-serial", f"file:{serial}", "-kernel", str(kernel), "-initrd", str(initrd),
-         "-append", f"console=ttyS0 root=UUID={m['fs_uuid']} ro",
-         "-drive", f"file={overlay},if=virtio,format=qcow2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+         "-serial", f"file:{serial}", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = ""
     try:
-        deadline = time.monotonic() + 300
-        log = ""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and qemu.poll() is None:
             log = serial.read_text(errors="replace") if serial.exists() else ""
             if "login:" in log:
@@ -518,26 +524,11 @@ def test_efi_boots_with_uefi_firmware_and_grub_to_login(tmp_path: Path) -> None:
     shutil.copyfile("/usr/share/OVMF/OVMF_VARS_4M.fd", vars_copy)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
                     str(image.path), str(overlay)], check=True)
-    qemu = subprocess.Popen(
-        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
-         "-m", "1024", "-smp", "1", "-nodefaults", "-display", "none",
-         "-drive", "if=pflash,format=raw,unit=0,readonly=on,"
+    log = _run_until_login(
+        ["-drive", "if=pflash,format=raw,unit=0,readonly=on,"
                    "file=/usr/share/OVMF/OVMF_CODE_4M.fd",
          "-drive", f"if=pflash,format=raw,unit=1,file={vars_copy}",
-         "-serial", f"file:{serial}",
-         "-drive", f"file={overlay},if=virtio,format=qcow2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = ""
-    try:
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline and qemu.poll() is None:
-            log = serial.read_text(errors="replace") if serial.exists() else ""
-            if "login:" in log:
-                break
-            time.sleep(2)
-    finally:
-        qemu.kill()
-        qemu.wait()
+         "-drive", f"file={overlay},if=virtio,format=qcow2"], serial, 420)
     assert "pageshare-golden login:" in log, log[-3000:]
     # GRUB passed BOOT_IMAGE=, the path it loaded the kernel from on /boot.
     assert f"Command line: BOOT_IMAGE=/vmlinuz-{kernel} root=UUID=" in log, log[:5000]
