@@ -40,8 +40,10 @@ KSM = Path("/sys/kernel/mm/ksm")
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sampler") / "e2e_sampler"
-    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out),
-                    str(REPO / "kernel-syscall/tests/e2e_sampler.c")], check=True)
+    lib = REPO / "kernel-syscall/lib"
+    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(lib),
+                    "-o", str(out), str(REPO / "kernel-syscall/tests/e2e_sampler.c"),
+                    str(lib / "ksm_sysfs.c")], check=True)
     return out
 
 

@@ -108,18 +108,19 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
     # Project-side programs use the project's uapi header (-I is searched
     # before -isystem), as the page server and QEMU will, and being ours
     # they build without warnings.
-    lib = [LIBDIR / "merge_page.c"]
+    lib = [LIBDIR / "merge_page.c", LIBDIR / "ksm_sysfs.c"]
     inc = ["-Werror", "-I", str(LIBDIR), "-I", str(UAPI / "uapi")]
     if (GUEST / "merge_page_stress.c").exists():
         cc("merge_page_stress", [GUEST / "merge_page_stress.c", *lib], extra=inc)
     if (GUEST / "merge_bench.c").exists():
         cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
     if (GUEST / "pageshare_filter_test.c").exists():
-        cc("pageshare_filter_test", [GUEST / "pageshare_filter_test.c"],
-           extra=["-Werror", "-I", str(REPO / "page-server/client")])
+        cc("pageshare_filter_test", [GUEST / "pageshare_filter_test.c", LIBDIR / "ksm_sysfs.c"],
+           extra=["-Werror", "-I", str(LIBDIR), "-I", str(REPO / "page-server/client")])
     if (GUEST / "e2e_sampler.c").exists():
         # bench/e2e_vs_ksm.py's sampler (not a test; built with them)
-        cc("e2e_sampler", [GUEST / "e2e_sampler.c"], extra=["-Werror", "-Wextra"])
+        cc("e2e_sampler", [GUEST / "e2e_sampler.c", LIBDIR / "ksm_sysfs.c"],
+           extra=["-Werror", "-Wextra", "-I", str(LIBDIR)])
     # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
     for f in sorted(GUEST.glob("debug_*.c")):
         cc(f.stem, [f, *lib, mm / "vm_util.c"], extra=inc)

@@ -69,6 +69,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ksm_sysfs.h"
+
 #define PS 4096UL
 #define PM_PRESENT (1ULL << 63)
 #define PM_PFN_MASK ((1ULL << 55) - 1)
@@ -288,21 +290,6 @@ static pid_t find_ksmd(void)
 	if (d)
 		closedir(d);
 	return found;
-}
-
-static long ksm_stat(const char *name)
-{
-	char path[128], buf[64];
-	FILE *f;
-	long v = -1;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
-	f = fopen(path, "r");
-	if (f && fgets(buf, sizeof(buf), f))
-		v = strtol(buf, NULL, 10);
-	if (f)
-		fclose(f);
-	return v;
 }
 
 static long khugepaged_stat(const char *name)
@@ -765,9 +752,9 @@ int main(int argc, char **argv)
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
 		       "%ld %" PRIu64 " %ld %ld %ld\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
 		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
-		       ksm_stat("pages_shared"), ksm_stat("pages_sharing"),
-		       ksm_stat("ksm_zero_pages"), ksm_stat("merge_page_merged"),
-		       ksm_stat("full_scans"), popcount_map(seen[C_LISTED]),
+		       ksm_sysfs_get("pages_shared"), ksm_sysfs_get("pages_sharing"),
+		       ksm_sysfs_get("ksm_zero_pages"), ksm_sysfs_get("merge_page_merged"),
+		       ksm_sysfs_get("full_scans"), popcount_map(seen[C_LISTED]),
 		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
 		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"),
 		       popcount_map(seen[C_STALE]));

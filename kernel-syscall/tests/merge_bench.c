@@ -39,6 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ksm_sysfs.h"
 #include "merge_page.h"
 
 #define REPS	1000
@@ -86,20 +87,6 @@ static void pin_cpu(int cpu)
 	CPU_ZERO(&set);
 	CPU_SET(cpu, &set);
 	sched_setaffinity(0, sizeof(set), &set);
-}
-
-static int ksm_write(const char *knob, const char *val)
-{
-	char path[128];
-	int fd, ret;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", knob);
-	fd = open(path, O_WRONLY);
-	if (fd < 0)
-		return -1;
-	ret = write(fd, val, strlen(val)) == (ssize_t)strlen(val) ? 0 : -1;
-	close(fd);
-	return ret;
 }
 
 /* A server child: npages published pages, each with distinct content. */
@@ -194,8 +181,8 @@ int main(void)
 
 	pin_cpu(0);
 	/* ksmd must run for merge_page(), but scans nothing (and sleeps). */
-	if (ksm_write("sleep_millisecs", "20") || ksm_write("pages_to_scan", "0") ||
-	    ksm_write("run", "1"))
+	if (ksm_sysfs_set("sleep_millisecs", 20) || ksm_sysfs_set("pages_to_scan", 0) ||
+	    ksm_sysfs_set("run", 1))
 		die("ksm sysfs");
 
 	/* Clock overhead, for the reader. */

@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ksm_sysfs.h"
 #include "merge_page.h"
 
 #define PS		4096UL
@@ -78,39 +79,6 @@ static bool matches(const char *p, unsigned int id, unsigned int i, unsigned int
 		if (w[k] != (((uint64_t)id << 48) ^ ((uint64_t)i << 32) ^ ((uint64_t)v << 16) ^ k))
 			return false;
 	return true;
-}
-
-static int ksm_write(const char *knob, long val)
-{
-	char path[128], buf[32];
-	int fd, ret;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", knob);
-	snprintf(buf, sizeof(buf), "%ld", val);
-	fd = open(path, O_WRONLY);
-	if (fd < 0)
-		return -1;
-	ret = write(fd, buf, strlen(buf)) == (ssize_t)strlen(buf) ? 0 : -1;
-	close(fd);
-	return ret;
-}
-
-static long ksm_read(const char *knob)
-{
-	char path[128], buf[32];
-	ssize_t n;
-	int fd;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", knob);
-	fd = open(path, O_RDONLY);
-	if (fd < 0)
-		return -1;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return -1;
-	buf[n] = 0;
-	return strtol(buf, NULL, 10);
 }
 
 /* ------------------------------------------------------------------ */
@@ -638,12 +606,12 @@ int main(int argc, char **argv)
 	fflush(stdout);
 	wrapper_failed = !check_reaped_pid(1) + !check_thread_id(2);
 	srand(seed);
-	saved_run = ksm_read("run");
-	saved_scan = ksm_read("pages_to_scan");
-	saved_sleep = ksm_read("sleep_millisecs");
+	saved_run = ksm_sysfs_get("run");
+	saved_scan = ksm_sysfs_get("pages_to_scan");
+	saved_sleep = ksm_sysfs_get("sleep_millisecs");
 	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	if (sh == MAP_FAILED || ksm_write("run", 1) || ksm_write("pages_to_scan", 100) ||
-	    ksm_write("sleep_millisecs", 5)) {
+	if (sh == MAP_FAILED || ksm_sysfs_set("run", 1) || ksm_sysfs_set("pages_to_scan", 100) ||
+	    ksm_sysfs_set("sleep_millisecs", 5)) {
 		printf("not ok 3 stress # setup failed: %s\n", strerror(errno));
 		return 1;
 	}
@@ -680,14 +648,14 @@ int main(int argc, char **argv)
 			server_start(&srv[s], s, next_id++);
 			restarts++;
 		} else if (op < 80) {
-			ksm_write("pages_to_scan", rand() % 3 ? rand() % 5000 : 0);
+			ksm_sysfs_set("pages_to_scan", rand() % 3 ? rand() % 5000 : 0);
 			/* Never 0: with pages_to_scan 0 ksmd would spin. */
-			ksm_write("sleep_millisecs", 1 + rand() % 20);
+			ksm_sysfs_set("sleep_millisecs", 1 + rand() % 20);
 		} else if (op < 82) {
-			ksm_write("run", 2);
+			ksm_sysfs_set("run", 2);
 			unmerges++;
 			usleep(5000);
-			ksm_write("run", 1);
+			ksm_sysfs_set("run", 1);
 		} else if (op < 84) {
 			int fd = open("/proc/sys/vm/compact_memory", O_WRONLY);
 
@@ -721,10 +689,10 @@ int main(int argc, char **argv)
 	for (int s = 0; s < NSERVERS; s++)
 		server_kill(&srv[s]);
 	/* Back to the settings we found (ksmd must be in merge mode first). */
-	ksm_write("run", 1);
-	ksm_write("sleep_millisecs", saved_sleep);
-	ksm_write("pages_to_scan", saved_scan);
-	ksm_write("run", saved_run);
+	ksm_sysfs_set("run", 1);
+	ksm_sysfs_set("sleep_millisecs", saved_sleep);
+	ksm_sysfs_set("pages_to_scan", saved_scan);
+	ksm_sysfs_set("run", saved_run);
 	printf("# %ld controller ops (%ld server writes, %ld server restarts, %ld run=2), "
 	       "%lu merge_pages calls, %lu pages merged, %lu expected errors\n",
 	       ops, writes, restarts, unmerges, sh->merge_calls, sh->merges, sh->errors_ok);

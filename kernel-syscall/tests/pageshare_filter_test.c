@@ -47,6 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ksm_sysfs.h"
 #include "pageshare_table.h"
 
 #define PS 4096UL
@@ -234,16 +235,8 @@ static const char *list_header(const char *path, const char *key)
 
 static void ksm_set(const char *name, long val)
 {
-	char path[128], buf[32];
-	int fd, n;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
-	n = snprintf(buf, sizeof(buf), "%ld", val);
-	fd = open(path, O_WRONLY);
-	if (fd < 0 || write(fd, buf, n) != n)
-		diag("%s = %ld: %s", path, val, strerror(errno));
-	if (fd >= 0)
-		close(fd);
+	if (ksm_sysfs_set(name, val))
+		diag("/sys/kernel/mm/ksm/%s = %ld: %s", name, val, strerror(errno));
 }
 
 static bool file_contains(const char *path, const char *needle)
@@ -258,26 +251,6 @@ static bool file_contains(const char *path, const char *needle)
 		found = strstr(line, needle) != NULL;
 	fclose(f);
 	return found;
-}
-
-static long ksm_get(const char *name)
-{
-	char path[128], buf[64];
-	long v = -1;
-	int fd;
-	ssize_t n;
-
-	snprintf(path, sizeof(path), "/sys/kernel/mm/ksm/%s", name);
-	fd = open(path, O_RDONLY);
-	if (fd < 0)
-		return -1;	/* no series: test 1 failed already */
-	n = read(fd, buf, sizeof(buf) - 1);
-	if (n > 0) {
-		buf[n] = 0;
-		v = strtol(buf, NULL, 10);
-	}
-	close(fd);
-	return v;
 }
 
 /* ------------------------------------------------------------ processes */
@@ -1012,9 +985,9 @@ struct counters {
 
 static struct counters ksm_counters(void)
 {
-	return (struct counters){ ksm_get("merge_page_merged"), ksm_get("merge_page_sources"),
-				  ksm_get("merge_page_failed"), ksm_get("pages_shared"),
-				  ksm_get("pages_sharing") };
+	return (struct counters){ ksm_sysfs_get("merge_page_merged"), ksm_sysfs_get("merge_page_sources"),
+				  ksm_sysfs_get("merge_page_failed"), ksm_sysfs_get("pages_shared"),
+				  ksm_sysfs_get("pages_sharing") };
 }
 
 /*
