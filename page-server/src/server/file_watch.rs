@@ -127,7 +127,7 @@ impl Server {
                 // Withdraw at once, no debounce: the bytes below the
                 // published table may be changing right now.
                 let img = &self.images[idx];
-                let what = format!("image {} was modified (inode {ino})", img.cfg.path.display());
+                let what = format!("image {} {} (inode {ino})", img.cfg.path.display(), change_of(mask));
                 if img.current.is_some() {
                     crate::log::warn(&format!("{what}: table withdrawn"));
                     self.withdraw(idx, NT_IMAGE_CHANGED, &format!("{what}: table withdrawn"));
@@ -193,5 +193,31 @@ impl Server {
         self.images[i].image_stamp = None;
         let src = self.reload_source(i);
         self.request_load(i, src, "base image changed");
+    }
+}
+
+/// What an inotify event on an image's inode says happened to it.  A chown
+/// or chmod (libvirt's, at a VM's start) moves the ctime as a write does,
+/// so it also ends the proof; but the operator should read which it was.
+fn change_of(mask: u32) -> &'static str {
+    if mask & libc::IN_MODIFY != 0 {
+        "was modified"
+    } else if mask & libc::IN_CLOSE_WRITE != 0 {
+        "was opened for writing"
+    } else {
+        "had its owner, mode, times or extended attributes changed"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::change_of;
+
+    #[test]
+    fn a_write_is_a_modification_and_a_chown_is_not() {
+        assert_eq!(change_of(libc::IN_MODIFY), "was modified");
+        assert_eq!(change_of(libc::IN_MODIFY | libc::IN_ATTRIB), "was modified");
+        assert_eq!(change_of(libc::IN_CLOSE_WRITE), "was opened for writing");
+        assert_eq!(change_of(libc::IN_ATTRIB), "had its owner, mode, times or extended attributes changed");
     }
 }
