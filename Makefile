@@ -26,7 +26,7 @@ test: deps lint
 	$(PY) -m pytest -ra --durations=25
 
 # The kernel series' VM tests alone; `make test` runs them too,
-# through tests/test_kernel_syscall.py.
+# through tests/kernel/test_kernel_syscall.py.
 kernel-test: deps
 	kernel-syscall/run-tests.sh --config debug
 

@@ -4,7 +4,7 @@ analyze.py boots the guests and verifies their pages; each run ends as a
 RunResult.  Here those results become the blocks the list keeps (seen in at
 least min_runs runs), the breakdown of KSM-merged memory with the share the
 list covers, and the files with the most listed data.  Nothing here reads an
-image or a database, so that tests/test_aggregate.py can check every rule on
+image or a database, so that tests/analyzer/test_aggregate.py can check every rule on
 small hand-made runs, without a guest.
 """
 

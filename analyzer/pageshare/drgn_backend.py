@@ -5,7 +5,7 @@ fixed in crash 9.0), so Debian 13 guests (6.12) need another reader.  drgn
 (PyPI wheel) opens QEMU's ELF dumps natively and reads the DWARF of the same
 vmlinux.  This module is a port of crash-ext/pagescan.c: the same kinds, the
 same fields and the same corner cases, so that analyze.py and the results DB
-cannot tell which backend produced a record.  tests/test_drgn_backend.py
+cannot tell which backend produced a record.  tests/analyzer/test_drgn_backend.py
 holds the two backends to that on a real 6.1 dump.
 
 Speed: going through drgn.Object for every field costs microseconds per

@@ -1425,7 +1425,7 @@ static void timing(const char *mode, int idx, double ns_per_block[2])
  * releases).  The filter then keeps using the table it has while the
  * server, hearing nothing back, gives up on it and releases that table's
  * blocks: a client that missed the switch, with no race between QEMU's
- * threads (tests/test_qemu_filter_safety.py's HoldingProxy, in C because
+ * threads (tests/qemu/test_qemu_filter_safety.py's HoldingProxy, in C because
  * this VM has no Python).  It runs in a child process; a connection that
  * ends is followed by the next one (the filter reconnects).
  */

@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 // by its uapi header, kernel-syscall/include/uapi/linux/ksm.h, which this
 // crate cannot include (it is built alone, e.g. into a Debian package): they
 // are copied here, in this one place, and nowhere else in the server.
-// tests/test_uapi_constants.py checks the copy against the header.
+// tests/kernel/test_uapi_constants.py checks the copy against the header.
 
 /// madvise(2) advice: the kernel may map pages of this range into other
 /// processes with merge_pages(2).  A stock kernel answers EINVAL.

@@ -15,7 +15,7 @@
  *   - every key in the buckets is found by its lookup, or the lookup says
  *     "not listed" (never another block's address).
  *
- * Built and run by tests/test_qemu_table_fuzz.py against the patched
+ * Built and run by tests/qemu/test_qemu_table_fuzz.py against the patched
  * tree's block/pageshare-table.c.
  */
 #include <assert.h>

@@ -1,7 +1,7 @@
 """packaging/debs.py without building anything real: the cache key follows
 every input, and the checks of a built .deb refuse what they should (a unit
 whose ExecStart the package does not install, a missing file, a missing
-conffile).  The real build and install: tests/test_server_package_guest.py."""
+conffile).  The real build and install: tests/deploy/test_server_package_guest.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from package_root import load_debs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 debs = load_debs()
 
 

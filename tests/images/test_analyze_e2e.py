@@ -147,7 +147,7 @@ def test_list_show_cli(analysed: tuple[str, Path, Analysis, Path]) -> None:
     path = str(result.json()["list_path"])
     out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify", path,
                           "--image", str(image)], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(Path(__file__).parents[1] / "analyzer"),
+                         env={"PYTHONPATH": str(Path(__file__).parents[2] / "analyzer"),
                               "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
     assert out.returncode == 0, out.stdout + out.stderr
 

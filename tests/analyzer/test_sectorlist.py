@@ -646,7 +646,7 @@ def test_raw_file_reader_zero_fills_past_eof(tmp_path: Path) -> None:
 
 
 def test_readme_example_is_valid() -> None:
-    readme = Path(__file__).resolve().parent.parent / "lists" / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "lists" / "README.md"
     match = re.search(r"```pcsl\n(.*?)```", readme.read_text(), re.DOTALL)
     assert match, "lists/README.md lost its example"
     sl = S.loads(match[1])

@@ -36,7 +36,7 @@ from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class WatchLog:

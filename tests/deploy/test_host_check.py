@@ -29,7 +29,7 @@ from pageshare import hostcheck, sectorlist
 from pageshare.ksm import host_lock
 from qemu_helpers import qemu_build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KSM_RUN = Path("/sys/kernel/mm/ksm/run")
 DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
 ALL = ("kernel", "ksm", "qemu", "server", "guests")

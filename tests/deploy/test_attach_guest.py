@@ -33,7 +33,7 @@ from qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pageshare(*args: str) -> tuple[int, dict[str, Any]]:

@@ -581,7 +581,7 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
                 "ProtectHome=yes", "RuntimeDirectory=pageshare", "CacheDirectory="):
         assert opt in unit
     # The package installs the binary here (packaging/debs.py), and nothing
-    # else does; tests/test_server_package_guest.py verifies the installed unit.
+    # else does; tests/deploy/test_server_package_guest.py verifies the installed unit.
     assert "ExecStart=/usr/bin/pageshare-server run " in unit
     assert "ConditionPathExists=/etc/pageshare/server.toml" in unit
     # systemd-analyze checks that ExecStart exists: point it at the build.

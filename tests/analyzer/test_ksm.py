@@ -134,7 +134,7 @@ def test_settings_left_by_a_killed_analysis_are_restored(tmp_path: Path,
          "with ksm_session(KSM(Path(sys.argv[1]))) as k:\n"
          "    k.tune(); print('tuned', flush=True); time.sleep(60)\n", str(root)],
         stdout=subprocess.PIPE, text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "analyzer")})
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2] / "analyzer")})
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "tuned"
     child.kill()

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from pageshare import cache, golden
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import e2e_vs_ksm as e2e  # noqa: E402

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PS = REPO / "page-server"
 
 # PROTOCOL.md's field types, as Python's struct module spells them.

@@ -3,7 +3,7 @@ the checkout count in the cache key, its version follows the QEMU it
 packages, and the built .deb (the real one: the patched QEMU is built
 first if needed) is lintian-clean and holds what it should, all of it
 under its own prefix, clear of every path of Debian's QEMU packages.
-Installing and running it: tests/test_qemu_package_guest.py."""
+Installing and running it: tests/deploy/test_qemu_package_guest.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from package_root import load_debs
 from pageshare import hostcheck
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 debs = load_debs()
 LIB = "usr/lib/pageshare-qemu"
 BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon"]

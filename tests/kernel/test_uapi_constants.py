@@ -8,7 +8,7 @@ host's kernel headers).  Each copy must say what the header says."""
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def header() -> dict[str, int]:

@@ -32,7 +32,7 @@ from qemu_helpers import qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
 BLOCKS = 2048                          # 8 MiB images
 LISTED = list(range(0, 256, 2))        # 128 listed blocks
