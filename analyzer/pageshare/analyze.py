@@ -394,8 +394,8 @@ def _run_once(ctx: RunContext, ksm: KSM, seq: int) -> RunResult:
 #   "invalid structure member offset: module_core_size", i.e. the struct
 #   module_memory layout of 6.4.  crash 8.0.6's source handles module_memory;
 #   releases in between were not checked and are treated like 8.0.2.
-# - 8.0.5 fails on 6.11+ (crash issue #194, see ../shared/design/analyzer.md
-#   §1.3); the fixes are in crash 9.0, so every 8.0.x is treated that way.
+# - 8.0.5 fails on 6.11+ (crash-utility/crash issue #194 on GitHub); the
+#   fixes are in crash 9.0, so every 8.0.x is treated that way.
 CRASH_KERNEL_LIMITS = (((8, 0, 6), (6, 4)), ((9, 0), (6, 11)))
 
 
