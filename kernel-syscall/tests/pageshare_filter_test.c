@@ -1436,7 +1436,10 @@ static void proxy_signal(int sig)
 	proxy_held = sig == SIGUSR1;
 }
 
-/* One recvmsg() from @from, sent whole to @to with its descriptors. */
+/*
+ * One recvmsg() from @from, sent whole to @to with its descriptors: 1 if
+ * done, 0 if @from ended, -1 if @to refused it (its peer is gone).
+ */
 static int proxy_forward(int from, int to)
 {
 	static char buf[1 << 16];
@@ -1463,7 +1466,7 @@ static int proxy_forward(int from, int to)
 		if (w < 0 && errno == EINTR)
 			continue;
 		if (w <= 0) {
-			rc = 0;
+			rc = -1;
 			break;
 		}
 		done += (size_t)w;
@@ -1500,14 +1503,24 @@ static pid_t start_proxy(const char *listen_path, const char *upstream)
 			continue;
 		u = unix_connect(upstream);
 		while (u >= 0) {
+			/* Held: not even the server's hangup is looked at. */
 			struct pollfd pf[2] = { { .fd = c, .events = POLLIN },
-						{ .fd = u, .events = proxy_held ? 0 : POLLIN } };
+						{ .fd = proxy_held ? -1 : u, .events = POLLIN } };
+			int rc;
 
 			if (poll(pf, 2, 100) < 0)
 				continue;
-			if (pf[0].revents && !proxy_forward(c, u))
+			/*
+			 * The server closes a client that did not switch in
+			 * time, after its BYE.  While held, the filter must not
+			 * hear of that (its STATS, every 5 s, would hit the
+			 * closed socket): what it sends is dropped, and the BYE
+			 * still queued on @u reaches it once released.
+			 */
+			rc = pf[0].revents ? proxy_forward(c, u) : 1;
+			if (rc == 0 || (rc < 0 && !proxy_held))
 				break;
-			if (!proxy_held && pf[1].revents && !proxy_forward(u, c))
+			if (!proxy_held && pf[1].revents && proxy_forward(u, c) <= 0)
 				break;
 		}
 		close(c);
