@@ -261,3 +261,63 @@ def test_reads_through_the_filter_equal_the_disk_chain(
         assert "Images are identical" in p.stdout
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_the_server_hears_each_connections_own_counters(
+        small: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """PROTOCOL.md's STATS: a client's counters for this connection.  After a
+    reconnect the new server must not be told of the reads made before it,
+    through the old connection or with none: those were the old server's,
+    or nobody's."""
+    image, raw, sha = small
+    q = qemu_build()
+    ident = sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name)
+    listed_sectors = nonzero_blocks(raw, 2500, stride=2)
+    lst = tmp_path / "small.pcsl"
+    make_list(ident, listed_sectors, lst)
+    listed = {s // 8 for s in listed_sectors}
+    unlisted = [b for b in range(raw.stat().st_size // 4096) if b not in listed][:60]
+
+    server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
+    server.start()
+    try:
+        server.wait_generation("small", 1)
+        ovl = tmp_path / "ovl.qcow2"
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image),
+                        "-F", "qcow2", str(ovl)], check=True)
+        spec = image_opts(ovl, image, server=server.sock("small"),
+                          opts={"mode": "copy", "x-any-buffer": True,
+                                "reconnect-delay": 1, "image-sha256": sha})
+        qio = QemuIo([q.qemu_io, "--image-opts", spec],
+                     stderr_path=tmp_path / "qemu-io.stderr")
+        qio.start()
+        try:
+            def read_blocks(blocks: list[int]) -> None:
+                for b in blocks:
+                    out = qio.cmd(f"read {b * 4096} 4096")
+                    assert "read 4096/4096 bytes" in out, out
+
+            def heard() -> dict[str, int]:
+                stats: dict[str, int] = server.image("small")["client_stats"]
+                return stats
+
+            # Through the first connection: 20 unlisted blocks, each one
+            # lookup and one fallback; then 10 with no server at all.
+            read_blocks(unlisted[:20])
+            wait_for(lambda: heard()["lookups"] == 20, 20, "the first STATS")
+            assert heard()["fallbacks"] == 20, heard()
+            server.stop(signal.SIGTERM)
+            read_blocks(unlisted[20:30])
+            # A new server: it hears of the 30 blocks read since the filter
+            # reconnected, and of nothing before.
+            restart(server)
+            qio.idle(2.5)
+            read_blocks(unlisted[30:60])
+            wait_for(lambda: heard()["lookups"] == 30, 20, "a STATS with the 30 reads")
+            got = heard()
+            assert got["fallbacks"] == 30 and got["hits"] == 0 and got["merged"] == 0, got
+            assert qio.close() == 0, qio.stderr()[-3000:]
+        finally:
+            qio.kill()
+    finally:
+        server.stop()
