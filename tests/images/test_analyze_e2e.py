@@ -5,7 +5,6 @@ byte-identical to the base image and non-zero, blocks of files every boot
 reads are listed, the results DB is complete, and the host is left as it was.
 """
 
-import hashlib
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -13,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from conftest import Analysis, ksm_settings, qemu_pids, run_analyze
+from listed_blocks import every_listed_block_is_the_images, list_verifies
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import diskimage, golden, sectorlist
+from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
 from pageshare.ksm import host_lock
 
@@ -59,19 +59,7 @@ def load_list(result: Analysis) -> sectorlist.SectorList:
 def test_every_listed_block_matches_the_base_image(analysed: tuple[str, Path, Analysis, Path]
                                                     ) -> None:
     _, _image, result, raw = analysed
-    sl = load_list(result)
-    assert sl.blocks, "the list is empty"
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data), f"zero block listed at sector {sector}"
-            assert sector % 8 == 0
-    # The list names this exact image.
-    assert sl.image.virtual_size == raw.stat().st_size
-    read_at, size = diskimage.raw_file_reader(raw)
-    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw)
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[str, Path, Analysis, Path]) -> None:
@@ -145,11 +133,7 @@ def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> N
 def test_list_show_cli(analysed: tuple[str, Path, Analysis, Path]) -> None:
     _, image, result, _ = analysed
     path = str(result.json()["list_path"])
-    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify", path,
-                          "--image", str(image)], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(Path(__file__).parents[2] / "analyzer"),
-                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
-    assert out.returncode == 0, out.stdout + out.stderr
+    list_verifies(path, image)
 
 
 def test_every_listed_block_is_its_files_page(

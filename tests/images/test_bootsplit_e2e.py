@@ -10,16 +10,15 @@ blocks are /boot's kernel at /boot's offset, blocks of files every boot reads
 are listed at the root's offset, and nothing outside the two file systems is.
 """
 
-import hashlib
 import sqlite3
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Analysis, analyze_cleanly
+from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images, list_verifies
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import diskimage, golden, sectorlist
+from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
 
 pytestmark = pytest.mark.vm
@@ -54,23 +53,12 @@ def test_guest_booted_with_boot_mounted_and_ran_the_workload(
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
     result, raw = analysed
-    sl = listed(result)
-    assert sl.blocks, "the list is empty"
     geo = golden.geometry("bootsplit")
     boot = range(geo.boot_start_sector, geo.boot_end_sector + 1)
     root = range(geo.root_start_sector, geo.root_end_sector + 1)
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data), f"zero block listed at sector {sector}"
-            assert sector % 8 == 0
-            # File pages only (no --include-metadata): inside one of the two file systems.
-            assert sector in boot or sector in root, f"sector {sector} outside /boot and /"
-    assert sl.image.virtual_size == raw.stat().st_size
-    read_at, size = diskimage.raw_file_reader(raw)
-    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
+    # File pages only (no --include-metadata): inside one of the two file systems.
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw, [boot, root],
+                                     "/boot and /")
 
 
 def test_boot_files_are_listed_at_the_boot_partition(analysed: tuple[Analysis, Path]) -> None:
@@ -107,13 +95,7 @@ def test_files_every_boot_reads_are_listed_at_the_root(analysed: tuple[Analysis,
 
 def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path]) -> None:
     result, _ = analysed
-    image = golden.build_image("bootsplit").path
-    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
-                          str(result.json()["list_path"]), "--image", str(image)],
-                         capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO / "analyzer"),
-                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
-    assert out.returncode == 0, out.stdout + out.stderr
+    list_verifies(str(result.json()["list_path"]), golden.build_image("bootsplit").path)
 
 
 def test_every_listed_block_is_its_files_page(

@@ -12,7 +12,6 @@ the subvolume's directory items) are listed, and the compressed file's and
 small inline files' pages are counted with their verdicts, never listed.
 """
 
-import hashlib
 import re
 import sqlite3
 import subprocess
@@ -20,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Analysis, analyze_cleanly
-from pageshare import btrfsmap, diskimage, golden, sectorlist
+from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images, list_verifies
+from pageshare import btrfsmap, golden, sectorlist
 from pageshare.ext4map import fs_image
 
 pytestmark = pytest.mark.vm
@@ -119,19 +119,10 @@ def test_the_guest_root_was_btrfs(analysed: tuple[Analysis, Path, Path]) -> None
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, Path]
                                                     ) -> None:
     result, raw, _ = analysed
-    sl = sectorlist.read(Path(str(result.json()["list_path"])))
-    assert sl.blocks, "the list is empty"
     geo = golden.geometry("btrfs")
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data), f"zero block listed at sector {sector}"
-            assert sector % 8 == 0
-            assert geo.root_start_sector <= sector <= geo.root_end_sector
-    read_at, size = diskimage.raw_file_reader(raw)
-    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw,
+                                     [range(geo.root_start_sector, geo.root_end_sector + 1)],
+                                     "the root partition")
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, Path]) -> None:
@@ -165,10 +156,4 @@ def test_compressed_and_inline_data_is_counted_not_listed(
 
 def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path, Path]) -> None:
     result, _, _ = analysed
-    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
-                          str(result.json()["list_path"]), "--image",
-                          str(golden.build_image("btrfs").path)],
-                         capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO / "analyzer"),
-                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
-    assert out.returncode == 0, out.stdout + out.stderr
+    list_verifies(str(result.json()["list_path"]), golden.build_image("btrfs").path)

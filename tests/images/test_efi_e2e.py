@@ -12,13 +12,13 @@ kernel on /boot and dpkg's database on /var; nothing outside the three mapped
 file systems is listed.
 """
 
-import hashlib
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images
 from listed_file_bytes import every_listed_block_is_its_files_page
 from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
@@ -63,18 +63,11 @@ def test_guest_booted_with_every_file_system_mounted(analysed: tuple[Analysis, P
 def test_every_listed_block_is_its_files_page(analysed: tuple[Analysis, Path],
                                               tmp_path: Path) -> None:
     result, raw = analysed
-    sl = listed(result)
-    assert sl.blocks, "the list is empty"
     geo = golden.geometry("efi")
     mapped = [range(geo.at(mp).start_sector, geo.at(mp).end_sector + 1)
               for mp in ("/", "/boot", "/var")]
-    with raw.open("rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert sector % 8 == 0 and any(data), f"sector {sector}"
-            assert any(sector in r for r in mapped), f"sector {sector} outside /, /boot, /var"
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw, mapped,
+                                     "/, /boot, /var")
     checked = every_listed_block_is_its_files_page(result.db, result.json(), raw,
                                                    tmp_path / "dump")
     assert all(checked[mp] > 0 for mp in ("/", "/boot", "/var")), checked

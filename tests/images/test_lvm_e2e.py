@@ -10,16 +10,15 @@ block is byte-identical to the base image and lies inside the LV's extents,
 and blocks of files every boot reads are listed.
 """
 
-import hashlib
 import sqlite3
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Analysis, analyze_cleanly
+from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images, list_verifies
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import diskimage, golden, sectorlist
+from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
 
 pytestmark = pytest.mark.vm
@@ -56,19 +55,9 @@ def test_guest_root_was_the_logical_volume(analysed: tuple[Analysis, Path, int])
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, int]
                                                     ) -> None:
     result, raw, lv_start = analysed
-    sl = sectorlist.read(Path(str(result.json()["list_path"])))
-    assert sl.blocks, "the list is empty"
     lv = range(lv_start, lv_start + golden.LVM_ROOT_BYTES // 512)
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data), f"zero block listed at sector {sector}"
-            assert sector % 8 == 0
-            assert sector in lv, f"sector {sector} outside the logical volume"
-    read_at, size = diskimage.raw_file_reader(raw)
-    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw, [lv],
+                                     "the logical volume")
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, int]) -> None:
@@ -82,13 +71,7 @@ def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, int])
 
 def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path, int]) -> None:
     result, _, _ = analysed
-    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
-                          str(result.json()["list_path"]), "--image",
-                          str(golden.build_image("lvm").path)],
-                         capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO / "analyzer"),
-                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
-    assert out.returncode == 0, out.stdout + out.stderr
+    list_verifies(str(result.json()["list_path"]), golden.build_image("lvm").path)
 
 
 def test_every_listed_block_is_its_files_page(

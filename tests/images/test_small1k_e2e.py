@@ -10,7 +10,6 @@ boot reads is one of their pages that can be listed, some are listed, and
 the pages that cannot be were kept out as `unaligned` or `discontiguous`.
 """
 
-import hashlib
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images
 from listed_file_bytes import every_listed_block_is_its_files_page
 from pageshare import golden, sectorlist
 from pageshare.ext4map import lookup, parse_extents
@@ -59,14 +59,7 @@ def pages(raw: Path, path: str) -> tuple[set[int], set[int]]:
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
     result, raw = analysed
-    sl = sectorlist.read(Path(str(result.json()["list_path"])))
-    assert sl.blocks, "the list is empty"
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data) and sector % 8 == 0
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw)
 
 
 def test_only_whole_aligned_pages_are_listed(analysed: tuple[Analysis, Path]) -> None:

@@ -6,15 +6,15 @@ of files every boot reads are listed, the host is left as found, and the
 summary and the results DB say that drgn classified the frames.
 """
 
-import hashlib
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Analysis, analyze_cleanly
+from listed_blocks import every_listed_block_is_the_images
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import diskimage, golden, sectorlist
+from pageshare import golden, sectorlist
 from pageshare.ext4map import file_sectors
 
 pytestmark = pytest.mark.vm
@@ -56,19 +56,10 @@ def test_drgn_classified_the_6_12_guest(analysed: tuple[Analysis, Path]) -> None
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
     result, raw = analysed
-    sl = sectorlist.read(Path(str(result.json()["list_path"])))
-    assert sl.blocks, "the list is empty"
     start = golden.geometry("trixie").root_start_sector
-    with open(raw, "rb") as f:
-        for sector, digest in sl.blocks.items():
-            f.seek(sector * 512)
-            data = f.read(4096)
-            assert hashlib.sha256(data).hexdigest() == digest, f"sector {sector}"
-            assert any(data), f"zero block listed at sector {sector}"
-            assert sector % 8 == 0 and sector >= start
-    assert sl.image.virtual_size == raw.stat().st_size
-    read_at, size = diskimage.raw_file_reader(raw)
-    assert sl.image.content_sha256 == diskimage.image_content_sha256(read_at, size)
+    every_listed_block_is_the_images(str(result.json()["list_path"]), raw,
+                                     [range(start, raw.stat().st_size // 512)],
+                                     "the root partition")
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path]) -> None:
