@@ -2,7 +2,10 @@
 
 crash is driven in batch mode (-s, commands from a file) and always under a
 hard SIGKILL timeout: some crash commands hang forever on newer kernels and
-ignore SIGTERM (seen with 8.0.2's `mount` on 6.1).  The extension is the
+ignore SIGTERM (seen with 8.0.2's `mount` on 6.1).  It runs with
+--no_modules: pagescan needs only vmlinux's types, and a dump taken while a
+module loads holds a half-written module list, which crash would otherwise
+walk at start-up.  The extension is the
 installed package's, or built from the checkout's crash-ext/ (datafiles.py).
 """
 
@@ -26,7 +29,7 @@ def classify_pfns(vmlinux: Path, dump: Path, pfns: list[int], workdir: Path,
     cmds.write_text(f"extend {ext}\npagescan -i {pfn_file} -o {out_file}\nquit\n")
     try:
         p = subprocess.run(["timeout", "-s", "KILL", str(int(timeout)), "crash", "-s",
-                            str(vmlinux), str(dump), "-i", str(cmds)],
+                            "--no_modules", str(vmlinux), str(dump), "-i", str(cmds)],
                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
     finally:
         pfn_file.unlink(missing_ok=True)

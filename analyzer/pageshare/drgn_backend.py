@@ -14,7 +14,6 @@ once from the debug info, and everything per inode (super block, block
 device, strings) is read once and cached, as pagescan does.
 """
 
-import contextlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +56,33 @@ def open_dump(vmlinux: Path, dump: Path) -> drgn.Program:
     prog.set_core_dump(str(dump))
     if not prog.flags & drgn.ProgramFlags.IS_LINUX_KERNEL:
         raise RuntimeError(f"drgn does not see a Linux kernel in {dump}")
-    # Only the given file is tried (no debuginfod, no /usr/lib/debug), and
-    # drgn ignores it silently when its build-id is not the dump's kernel.
-    with contextlib.suppress(drgn.MissingDebugInfoError):   # about modules only
-        prog.load_debug_info([str(vmlinux)])
-    if not prog.main_module().debug_file_path:
+    load_kernel_debug_info(prog, vmlinux, dump)
+    return prog
+
+
+def load_kernel_debug_info(prog: drgn.Program, vmlinux: Path, dump: Path) -> None:
+    """Loads the kernel's own types and symbols from @vmlinux, and nothing else.
+
+    The analysis needs struct page, inodes, super blocks and block devices,
+    all in vmlinux.  drgn's load_debug_info() would also walk the guest's
+    module list to find the modules' files, and a dump taken while a module
+    was being loaded or unloaded holds a half-written entry: drgn then
+    allocates what a garbage size says and fails with MemoryError (or reads
+    unmapped addresses).  So take only the first module loaded_modules()
+    yields, which is always vmlinux (drgn makes it from VMCOREINFO, with
+    its KASLR offset and build-id, before it reads the list), and never ask
+    for the next.  Only the given file is tried (no debuginfod, no
+    /usr/lib/debug); drgn refuses it when its build-id is not the dump's
+    kernel.
+    """
+    kernel, _ = next(iter(prog.loaded_modules()))
+    if not isinstance(kernel, drgn.MainModule):
+        raise RuntimeError(f"drgn did not start with the kernel in {dump}: {kernel.name}")
+    kernel.try_file(str(vmlinux))
+    if not kernel.debug_file_path:
         raise UserError(f"drgn could not use {vmlinux} for {dump.name}: not the debug info "
                         "of the kernel in the dump",
                         "give the DWARF vmlinux of the exact kernel build the guest runs")
-    return prog
 
 
 def _offset(prog: drgn.Program, type_name: str, member: str) -> int | None:

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 
+import drgn
 import pytest
+from drgn.helpers.linux.mm import follow_phys
 from package_root import Root
 from pageshare import crash_backend, drgn_backend, golden
 from pageshare.analyze import choose_introspector
@@ -213,6 +215,62 @@ def test_drgn_reads_a_dump_without_vmcoreinfo_note(dump_61: tuple[Path, Path, st
     pfns = _all_pfns(dump)[::17]
     assert drgn_backend.classify_pfns(vmlinux, bare, pfns, tmp_path) == \
         drgn_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
+
+
+def _corrupt_module_list(vmlinux: Path, dump: Path, out: Path) -> None:
+    """Copies DUMP to OUT with its first loaded module half-written, as a dump
+    taken while a module loads can hold it: the module's notes_attrs points at
+    a table (in the module's own text, which nothing classified reads) whose
+    one note claims 2^62 bytes.  drgn's module enumeration allocates that and
+    fails with MemoryError."""
+    prog = drgn_backend.open_dump(vmlinux, dump)
+    init_mm = prog["init_mm"].address_of_()
+    mod = drgn.container_of(prog["modules"].next, "struct module", "list")
+    layout = mod.core_layout if hasattr(mod, "core_layout") else mod.mem[0]   # 6.1 / 6.4+
+    text = layout.base.value_()
+    notes_t = prog.type("struct module_notes_attrs")
+    attr_t = prog.type("struct bin_attribute")
+    elf = ElfDump(dump)
+    segments = elf.segments
+    elf.close()
+
+    def file_offset(vaddr: int) -> int:
+        phys = int(follow_phys(init_mm, vaddr))
+        seg = next(s for s in segments if s.paddr <= phys < s.paddr + s.size)
+        return seg.offset + phys - seg.paddr
+
+    subprocess.run(["cp", "--sparse=always", str(dump), str(out)], check=True)
+    with out.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        table = file_offset(text)
+        struct.pack_into("<I", mm, table + drgn.offsetof(notes_t, "notes"), 1)
+        note = table + drgn.offsetof(notes_t, "attrs")
+        struct.pack_into("<Q", mm, note + drgn.offsetof(attr_t, "size"), 1 << 62)
+        struct.pack_into("<Q", mm, note + drgn.offsetof(attr_t, "private"), text)
+        struct.pack_into("<Q", mm, file_offset(mod.value_() + drgn.offsetof(
+            prog.type("struct module"), "notes_attrs")), text)
+
+
+@pytest.mark.vm
+def test_a_half_written_module_list_does_not_stop_either_backend(
+        dump_61: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """A dump that caught a module mid-load: drgn's full load_debug_info() dies
+    on it, open_dump() does not need the module list, and both backends give
+    the records they give on the intact dump."""
+    vmlinux, dump, _ = dump_61
+    bad = tmp_path / "bad-modules.elf"
+    _corrupt_module_list(vmlinux, dump, bad)
+    # The corruption is the one seen on fresh machines: enumerating the
+    # modules, as load_debug_info() does, fails.
+    full = drgn.Program()
+    full.set_core_dump(str(bad))
+    with pytest.raises(MemoryError):
+        full.load_debug_info([str(vmlinux)])
+
+    pfns = _all_pfns(dump)[::17]
+    want = crash_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
+    assert Counter(r.kind for r in want.values())["file"] > 100
+    assert drgn_backend.classify_pfns(vmlinux, bad, pfns, tmp_path) == want
+    assert crash_backend.classify_pfns(vmlinux, bad, pfns, tmp_path) == want
 
 
 @pytest.mark.vm
