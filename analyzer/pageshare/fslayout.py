@@ -391,6 +391,13 @@ def root_must_map(image: Path, root: MappedFs | SkippedFs) -> MappedFs:
                     "convert or rebuild the image with such a root")
 
 
+# Where the file systems analyze-image maps say what they are: btrfs's
+# superblock at 64 KiB with its magic at 0x40; XFS's at 0.
+BTRFS_SUPER_OFFSET = 65536
+BTRFS_MAGIC = b"_BHRfS_M"
+XFS_MAGIC = b"XFSB"
+
+
 def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
     """(type, block size, features) of a device's file system."""
     try:
@@ -404,8 +411,8 @@ def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
         features = tune.get("Filesystem features", "")
     elif fstype == "btrfs":
         # The superblock at 64 KiB: magic, num_devices, sectorsize.
-        sb = g.pread_device(dev, 4096, 65536)
-        if sb[0x40:0x48] == b"_BHRfS_M":
+        sb = g.pread_device(dev, 4096, BTRFS_SUPER_OFFSET)
+        if sb[0x40:0x48] == BTRFS_MAGIC:
             devices, = struct.unpack_from("<Q", sb, 0x88)
             block_size, = struct.unpack_from("<I", sb, 0x90)
             features = f"devices={devices}"
@@ -413,7 +420,7 @@ def _fs_facts(g: Any, dev: str) -> tuple[str, int, str]:
         # From the superblock itself: libguestfs' xfs_info needs its optional
         # xfs feature (Debian's libguestfs-xfs), which the appliance may lack.
         sb = g.pread_device(dev, 512, 0)
-        if sb[:4] == b"XFSB":
+        if sb[:4] == XFS_MAGIC:
             block_size, = struct.unpack_from(">I", sb, 4)       # sb_blocksize
             rblocks, = struct.unpack_from(">Q", sb, 16)          # sb_rblocks
             features = "realtime" if rblocks else ""

@@ -30,6 +30,9 @@ from .bootfiles import find_kernel
 from .cache import cache_dir, inputs_key
 from .errors import UserError
 from .fslayout import (
+    BTRFS_MAGIC,
+    BTRFS_SUPER_OFFSET,
+    XFS_MAGIC,
     MappedFs,
     SkippedFs,
     canonical_btrfsvols,
@@ -92,10 +95,11 @@ def probe_format(path: Path) -> tuple[str, int]:
     with open(path, "rb") as f:
         magic = f.read(4)
     # Raw images have no magic; qemu-img would call anything "raw".  Only
-    # accept raw when a partition table or an ext superblock is visible.
+    # accept raw when a partition table or a file system analyze-image maps
+    # (ext2/3/4, XFS, btrfs) starts the disk.
     if magic != b"QFI\xfb" and not _looks_like_raw_disk(path):
         raise UserError(f"{path}: not a disk image (neither qcow2 nor a raw disk with a "
-                        "partition table or ext4 file system)",
+                        "partition table or an ext4, XFS or btrfs file system)",
                         "analyze-image takes a qcow2 or raw golden image")
     out = subprocess.run(["qemu-img", "info", "--output=json", str(path)],
                          capture_output=True, text=True)
@@ -108,11 +112,29 @@ def probe_format(path: Path) -> tuple[str, int]:
         raise UserError(f"{path}: image format {fmt} is not supported", "convert it with "
                         "qemu-img convert -O qcow2")
     if info.get("backing-filename"):
-        raise UserError(f"{path}: has a backing file ({info['backing-filename']})",
-                        "a golden image must be self-contained: qemu-img convert -O qcow2 it "
-                        "into a standalone image first")
+        raise _backing_file_error(path, info)
     check_damage(path, fmt)
     return fmt, int(info["virtual-size"])
+
+
+def _backing_file_error(path: Path, info: dict[str, object]) -> UserError:
+    """An overlay is refused; the hint depends on whether its backing file is there,
+    since `qemu-img convert` needs it to make a standalone image."""
+    named = str(info["backing-filename"])
+    full = Path(str(info.get("full-backing-filename") or named))
+    if not full.is_absolute():
+        full = path.parent / full
+    if not full.exists():
+        return UserError(f"{path}: has a backing file, {named}, and it is missing "
+                         f"(looked for {full})",
+                         "a golden image must be self-contained, and this one is an overlay "
+                         "whose base is not there: analyze the base image itself, or put it "
+                         f"back at {full} and run `qemu-img convert -O qcow2 {path} "
+                         "STANDALONE.qcow2`")
+    return UserError(f"{path}: has a backing file ({named})",
+                     "a golden image must be self-contained: `qemu-img convert -O qcow2 "
+                     f"{path} STANDALONE.qcow2` makes one from the overlay and its backing "
+                     "file, or analyze the base image itself")
 
 
 def _damaged(path: Path, what: str, fmt: str) -> UserError:
@@ -160,6 +182,16 @@ def _data_end(path: Path) -> int:
         head = f.read(2048)
         if len(head) < 2048:
             return 0
+        if head[:4] == XFS_MAGIC:
+            # sb_blocksize (be32 at 4) times sb_dblocks (be64 at 8).
+            block_size, = struct.unpack_from(">I", head, 4)
+            blocks, = struct.unpack_from(">Q", head, 8)
+            return int(block_size * blocks)
+        f.seek(BTRFS_SUPER_OFFSET)
+        btrfs = f.read(4096)
+        if btrfs[0x40:0x48] == BTRFS_MAGIC:
+            total_bytes, = struct.unpack_from("<Q", btrfs, 0x70)
+            return int(total_bytes)
         if head[1024 + 56:1024 + 58] == b"\x53\xef":
             sb = head[1024:]
             count, = struct.unpack_from("<I", sb, 4)
@@ -193,12 +225,15 @@ def _data_end(path: Path) -> int:
 def _looks_like_raw_disk(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(2048)
+        f.seek(BTRFS_SUPER_OFFSET)
+        btrfs = f.read(4096)[0x40:0x48] == BTRFS_MAGIC
     if len(head) < 2048:
         return False
     mbr = head[510:512] == b"\x55\xaa"
     gpt = head[512:520] == b"EFI PART"
     ext = head[1024 + 56:1024 + 58] == b"\x53\xef"
-    return mbr or gpt or ext
+    xfs = head[:4] == XFS_MAGIC
+    return mbr or gpt or ext or xfs or btrfs
 
 
 def _content_key(path: Path) -> str:

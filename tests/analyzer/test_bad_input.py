@@ -20,6 +20,7 @@ from conftest import REPO, run_analyze
 from image_trees import mkfs_image
 from pageshare.debugsyms import find_vmlinux
 from pageshare.errors import UserError
+from pageshare.image_inspect import probe_format
 
 
 @pytest.mark.usefixtures("host_guard")
@@ -94,6 +95,39 @@ def test_image_with_backing_file(tmp_path: Path, small_image: Path) -> None:
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(small_image), "-F",
                     "qcow2", str(f)], check=True)
     assert_clean_failure(run_analyze(tmp_path, str(f)), "backing file")
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_image_whose_backing_file_is_missing(tmp_path: Path) -> None:
+    """`qemu-img convert` cannot help an overlay without its base: say that."""
+    base = tmp_path / "base.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "64M"], check=True)
+    f = tmp_path / "overlay.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2",
+                    str(f)], check=True)
+    base.unlink()
+    r = run_analyze(tmp_path, str(f))
+    assert_clean_failure(r, f"has a backing file, {base}, and it is missing")
+    assert "analyze the base image itself" in r.stderr
+    error = json_error(run_analyze(tmp_path, "--json", str(f)), "user-error", "missing")
+    assert str(base) in str(error["hint"])
+
+
+@pytest.mark.parametrize("mkfs", [["mkfs.xfs", "-q", "-f"], ["mkfs.btrfs", "-q", "-f"]],
+                         ids=["xfs", "btrfs"])
+def test_a_raw_whole_disk_xfs_or_btrfs_is_a_disk_image(tmp_path: Path, mkfs: list[str]) -> None:
+    """A file system on the whole raw disk, no partition table: the probe takes
+    it as the same bytes in qcow2 are taken, and a cut copy is called damaged."""
+    disk = tmp_path / "disk.raw"
+    size = 320 << 20
+    disk.touch()
+    os.truncate(disk, size)
+    subprocess.run([*mkfs, str(disk)], check=True, capture_output=True)
+    assert probe_format(disk) == ("raw", size)
+    os.truncate(disk, size // 2)
+    with pytest.raises(UserError, match=f"damaged: truncated; .* reaches byte {size}, but "
+                                        f"the file has only {size // 2} bytes"):
+        probe_format(disk)
 
 
 @pytest.mark.vm
