@@ -68,9 +68,12 @@ def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
         f"kernel {rel} lacks the merge_pages series ({counter} does not exist)",
         why="without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
             "RAM: every listed block is copied instead, and guests share nothing",
-        fix="install and boot a kernel built with the series in kernel-syscall/ (Linux 6.12 "
-            "patches; `make kernel-test` builds and tests it); on 6.13+ the syscall numbers "
-            "belong to other calls, so a stock kernel is never used",
+        fix="install and boot the series' kernel package: `make kernel-package` in a "
+            "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
+            "patches in kernel-syscall/ (about an hour on 2 cores), then `apt install` the "
+            ".deb it prints and reboot into it (README, \"Installing the patched kernel\"); "
+            "on 6.13+ the syscall numbers belong to other calls, so a stock kernel is never "
+            "used",
         details={"release": rel, "missing": str(counter)})
 
 

@@ -162,11 +162,19 @@ what it does:
   systemd as pageshare-libvirt-watch.service.
 
 requirements: QEMU must be the patched one (<emulator> in the domain XML),
-and may read the page server's memory: QEMU run as root (qemu.conf user),
-as libvirt's non-root user it reads from disk (see docs/ARCHITECTURE.md).
+and allowed to read the page server's memory.  QEMU run as root (qemu.conf
+user) is, with the server's default unit.  QEMU run as libvirt's unprivileged
+user (Debian: libvirt-qemu) is once the server runs as that user and group:
+install the drop-in /usr/share/doc/pageshare-server/examples/
+unprivileged-qemu.conf (README, "Installing the page server on a host").
+Without it QEMU logs "may not read the page server's memory" and reads
+every block from disk: right bytes, no sharing.
 
 examples:
-  pageshare libvirt-watch
+  systemctl enable --now pageshare-libvirt-watch   # as installed: at every boot
+  pageshare libvirt-watch                 # in the foreground, one line per drive
+  pageshare libvirt-watch --json          # the same as JSON objects, for scripts
+  pageshare libvirt-watch --mode copy     # hosts without the kernel series
   pageshare libvirt-watch --connect 'qemu:///system?socket=/run/libvirt/libvirt-sock'
 """
 

@@ -608,6 +608,12 @@ def test_no_qmp_and_usage(tmp_path: Path) -> None:
     assert rc == 0 and "migrat" in text
     rc, text, _ = pageshare("--help")
     assert "attach QMP" in text and "detach QMP" in text
+    # The watcher's help says what the README says of an unprivileged QEMU.
+    rc, text, _ = pageshare("libvirt-watch", "--help")
+    assert rc == 0 and "unprivileged-qemu.conf" in text and "reads from disk (see" not in text
+    examples = text.split("examples:", 1)[1].strip().splitlines()
+    assert len(examples) >= 3 and all(e.lstrip().startswith(("pageshare", "systemctl"))
+                                      for e in examples), examples
 
 
 def test_qemu_refuses_and_nothing_changes(images: dict[str, Path], tmp_path: Path,

@@ -91,6 +91,7 @@ def test_kernel_series_is_reported() -> None:
     assert rc == 2 and k["severity"] == "error"
     assert "merge_page_merged" in k["what"] and os.uname().release in k["what"]
     assert "kernel-syscall/" in k["fix"]
+    assert "`make kernel-package`" in k["fix"] and "make kernel-test" not in k["fix"]
     assert "[FAIL] kernel:" in text and "kernel-syscall/" in text
     # The full check (every part) exits 2 on this host as well.
     rc_all, out = host_check("--control", "/nonexistent/control.sock")
