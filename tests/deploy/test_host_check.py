@@ -32,7 +32,8 @@ from qemu_helpers import qemu_build
 REPO = Path(__file__).resolve().parents[2]
 KSM_RUN = Path("/sys/kernel/mm/ksm/run")
 DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
-ALL = ("kernel", "ksm", "qemu", "server", "guests")
+MAX_PTES_SHARED = Path("/sys/kernel/mm/transparent_hugepage/khugepaged/max_ptes_shared")
+ALL = ("kernel", "ksm", "khugepaged", "qemu", "server", "guests")
 
 assert os.geteuid() == 0, "pageshare host check reads /proc and sysfs: run these tests as root"
 
@@ -122,6 +123,32 @@ def test_ksm_run_state() -> None:
         finally:
             KSM_RUN.write_text(original + "\n")
     assert KSM_RUN.read_text().strip() == original
+
+
+def test_khugepaged_max_ptes_shared() -> None:
+    """A host whose khugepaged may collapse shared pages gets a warning that says
+    how to stop it; with max_ptes_shared = 0 the check is ok.  Restored after."""
+    args = only("khugepaged")
+    original = MAX_PTES_SHARED.read_text().strip()
+    try:
+        MAX_PTES_SHARED.write_text("256\n")
+        rc, text = host_check(*args)
+        rc_j, data = host_check_json(*args)
+        same_findings(text, data)
+        [k] = findings(data, "khugepaged")
+        assert (rc, rc_j, k["severity"]) == (1, 1, "warning")
+        assert k["details"]["max_ptes_shared"] == 256 and "unshare" in k["what"]
+        assert f"echo 0 > {MAX_PTES_SHARED}" in k["fix"]
+
+        MAX_PTES_SHARED.write_text("0\n")
+        rc, text = host_check(*args)
+        rc_j, data = host_check_json(*args)
+        [k] = findings(data, "khugepaged")
+        assert (rc, rc_j, k["severity"]) == (0, 0, "ok")
+        assert "[ok  ] khugepaged: khugepaged never collapses shared pages" in text
+    finally:
+        MAX_PTES_SHARED.write_text(original + "\n")
+    assert MAX_PTES_SHARED.read_text().strip() == original
 
 
 # --------------------------------------------------------------------------- server, Redis
