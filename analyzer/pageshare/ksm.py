@@ -147,7 +147,10 @@ class KSM:
             # (small guests finish several scans per sample interval).
             ref = next((p for p in reversed(samples)
                         if p.values.get("full_scans", 0) <= fs - 2), None)
-            if s.t >= min_time and fs - f0 >= min_scans and ref is not None:
+            # A counter that could not be read says nothing: it must not pass
+            # for 0 pages shared, as stable as the 0 of the first sample.
+            complete = "full_scans" in c and "pages_sharing" in c
+            if complete and s.t >= min_time and fs - f0 >= min_scans and ref is not None:
                 delta = abs(sharing - ref.values.get("pages_sharing", 0))
                 if delta < max(0.001 * sharing, 50):
                     return Convergence(True, s.t, fs - f0, samples)

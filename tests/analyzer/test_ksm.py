@@ -4,6 +4,7 @@ The real host KSM is driven by the end-to-end tests; here the logic runs on
 a directory laid out like /sys/kernel/mm/ksm so every path can be forced.
 """
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,15 @@ from pageshare.ksm import KSM, ksm_session
 SETTINGS = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "smart_scan": "1",
             "use_zero_pages": "0", "max_page_sharing": "256",
             "advisor_mode": "[none] scan-time"}
+
+
+def write_counter(path: Path, value: int) -> None:
+    """As sysfs does: a reader sees the old value or the new one, never an empty
+    file (write_text truncates first, and a sampler on a loaded machine read
+    the gap)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(f"{value}\n")
+    os.replace(tmp, path)
 
 
 def fake_ksm(tmp_path: Path) -> Path:
@@ -65,8 +75,8 @@ def test_converges_when_a_full_scan_finds_nothing_new(tmp_path: Path) -> None:
         while not stop.is_set():
             scans += 3
             sharing = min(sharing + 5000, 20000)
-            (root / "full_scans").write_text(f"{scans}\n")
-            (root / "pages_sharing").write_text(f"{sharing}\n")
+            write_counter(root / "full_scans", scans)
+            write_counter(root / "pages_sharing", sharing)
             time.sleep(0.02)
 
     t = threading.Thread(target=ksmd)
@@ -93,13 +103,26 @@ def test_settle_time_is_sampled_but_not_cut_short(tmp_path: Path) -> None:
     (root / "pages_sharing").write_text("5000\n")
 
     def scans_advance(s: object) -> None:
-        n = int((root / "full_scans").read_text()) + 2
-        (root / "full_scans").write_text(f"{n}\n")
+        write_counter(root / "full_scans", int((root / "full_scans").read_text()) + 2)
 
     conv = KSM(root).converge(timeout=5, interval=0.05, min_time=0.5, on_sample=scans_advance)
     assert conv.converged
     assert conv.seconds >= 0.5
     assert len(conv.samples) >= 8     # sampled throughout the settle period
+
+
+def test_an_unreadable_counter_is_not_a_stable_zero(tmp_path: Path) -> None:
+    """pages_sharing that cannot be read is left out of a sample; it must not
+    count as 0 pages shared and so as stable since the first sample's 0."""
+    root = fake_ksm(tmp_path)
+
+    def scans_advance_sharing_gone(s: object) -> None:
+        (root / "pages_sharing").unlink(missing_ok=True)
+        write_counter(root / "full_scans", int((root / "full_scans").read_text()) + 2)
+
+    conv = KSM(root).converge(timeout=0.5, interval=0.05, on_sample=scans_advance_sharing_gone)
+    assert not conv.converged
+    assert conv.full_scans >= 3
 
 
 def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
