@@ -1347,8 +1347,7 @@ static void restart_server(void)
  * pages (here 2 collapses unshared 65 of 448; in the end-to-end benchmark
  * the drops in sharing after the reads came with collapses).  A pageshare
  * host runs with max_ptes_shared = 0 (`pageshare host check` says so), as
- * this test does from the guest's start; the knobs are restored on every
- * way out.
+ * this whole test does; the knobs are restored on every way out.
  */
 static long khp_saved_sleep = -1, khp_saved_pages = -1, khp_saved_shared = -1;
 
@@ -1368,10 +1367,15 @@ static void khugepaged_restore(void)
 		diag("could not restore khugepaged's max_ptes_shared to %ld", shared);
 }
 
-/* What a pageshare host sets: khugepaged never collapses a shared page. */
+/*
+ * What a pageshare host sets: khugepaged never collapses a shared page.
+ * For the whole test: at the default, a collapse at khugepaged's own pace
+ * can unshare a merged page any earlier check looks at again.
+ */
 static void khugepaged_as_on_a_pageshare_host(void)
 {
-	khp_saved_shared = khugepaged_get("max_ptes_shared");
+	if (khp_saved_shared < 0)
+		khp_saved_shared = khugepaged_get("max_ptes_shared");
 	khugepaged_set("max_ptes_shared", 0);
 }
 
@@ -1472,7 +1476,6 @@ static void booted_guest(void)
 	A("-device"); A("virtio-blk-pci,drive=ovl");
 	A(NULL);
 #undef A
-	khugepaged_as_on_a_pageshare_host();
 	q->pid = spawn(argv, WORK "/guest-qemu.log");
 	qemu_pids[0] = q->pid;
 	{
@@ -1552,7 +1555,6 @@ static void booted_guest(void)
 	close(con);
 	stop_qemu(q);
 	free(q);
-	khugepaged_restore();
 }
 
 /* ---------------------------------------------------------------- main */
@@ -1865,6 +1867,7 @@ int main(int argc, char **argv)
 
 	/* ---- the server, started with ksmd off (INIT's reset) */
 	ksm_set("run", 0);
+	khugepaged_as_on_a_pageshare_host();
 	start_server();
 	ok(file_contains(WORK "/server.log", "/sys/kernel/mm/ksm/run is 0, not 1"),
 	   "server warns that merge_pages() needs ksmd running");
@@ -2011,7 +2014,10 @@ int main(int argc, char **argv)
 		   f1.merged - f0.merged);
 		old = check_page(&q, r1[2], 2, NULL);
 		ok(old.merged && old.bytes_ok,
-		   "the earlier guest page of block 2 still holds the base image's data");
+		   "the earlier guest page of block 2 still holds the base image's data "
+		   "(pfn %#" PRIx64 ", %s, %s)", old.pfn, old.merged ? "the server's page" :
+		   old.ksm ? "another KSM page" : "a private page",
+		   old.bytes_ok ? "right bytes" : "WRONG BYTES");
 	}
 
 	/* A second QEMU process reads the same blocks: same server pages */
