@@ -301,7 +301,7 @@ static uint64_t pfn_of(const struct proc *p, uint64_t addr)
 	return (e & PM_PRESENT) ? (e & PM_PFN_MASK) : 0;
 }
 
-static bool pfn_is_ksm(uint64_t pfn)
+static uint64_t kpageflags_of(uint64_t pfn)
 {
 	uint64_t fl = 0;
 
@@ -309,7 +309,12 @@ static bool pfn_is_ksm(uint64_t pfn)
 		kpageflags_fd = open("/proc/kpageflags", O_RDONLY);
 	if (kpageflags_fd < 0 || pread(kpageflags_fd, &fl, 8, pfn * 8) != 8)
 		bail("/proc/kpageflags: %s", strerror(errno));
-	return fl & (1ULL << KPF_KSM);
+	return fl;
+}
+
+static bool pfn_is_ksm(uint64_t pfn)
+{
+	return kpageflags_of(pfn) & (1ULL << KPF_KSM);
 }
 
 static void proc_read(const struct proc *p, uint64_t addr, void *buf, size_t len)
@@ -1238,17 +1243,6 @@ struct census {
 };
 
 #define KPF_THP 22
-
-static uint64_t kpageflags_of(uint64_t pfn)
-{
-	uint64_t fl = 0;
-
-	if (kpageflags_fd < 0)
-		kpageflags_fd = open("/proc/kpageflags", O_RDONLY);
-	if (kpageflags_fd < 0 || pread(kpageflags_fd, &fl, 8, pfn * 8) != 8)
-		bail("/proc/kpageflags: %s", strerror(errno));
-	return fl;
-}
 
 static struct census guest_census(struct qemu *q, uint64_t first, uint64_t end)
 {
