@@ -1,13 +1,17 @@
-"""`pageshare list show|verify`: inspect a sector list, or check it against an image."""
+"""`pageshare list show|verify|refine`: inspect a sector list, check it against an image,
+or refine it from what the fleet's guests read (refine.py)."""
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from .diskimage import image_content_sha256, open_raw
 from .errors import RaisingArgumentParser, UsageError, UserError, print_error
+from .refine import DEFAULT_MIN_GUESTS, DEFAULT_MIN_HOSTS, DEFAULT_WINDOW
 from .sectorlist import (
     BLOCK_SIZE,
     FORMAT_VERSION,
@@ -87,7 +91,127 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.set_defaults(func=_cmd_verify)
+    _add_refine(sub)
     return parser
+
+
+_REFINE_DESCRIPTION = f"""\
+Write the next generation of an image's list from what the fleet's guests
+really read.  Page servers publish, per host, which base blocks their guests
+read (Redis: <prefix>:feedback:<image key>:<host>).  refine sums them over the
+hosts and adds an unlisted block when
+
+  - at least --min-guests distinct guests (default {DEFAULT_MIN_GUESTS}), summed over
+    the hosts, on at least --min-hosts hosts (default {DEFAULT_MIN_HOSTS}) read it,
+  - it lies inside the image and is one whole 4 KiB page of a regular file of
+    the image, as analyze-image maps files to blocks (ext2/3/4, XFS, btrfs;
+    not metadata, directories, free space or anything outside the mapped file
+    systems),
+  - and it is not all zeros.
+
+Its hash is computed from the image's bytes, and the written list is read back
+and checked against the image block by block, so it never holds a block whose
+bytes differ from the image.  With --drop-unread, listed blocks that no guest
+on any host read during --window are dropped (frees preloaded memory), but only
+when every host's summary covers the whole window and is fresh; otherwise
+nothing is dropped and refine says why.
+
+Why a block needs several guests on several hosts: a list is published to
+every host, so a block one tenant alone reads must not enter it, or the list
+would tell other tenants what that tenant reads.  Page servers count guests
+(QEMU processes), not tenants; nobody here knows tenants.  So the thresholds
+guarantee: every added block was read by at least N guest processes (a guest
+counted again after its server restarted, or on each host it migrated to)
+spread over at least M hosts (so one host's guests alone never add a block).
+They do NOT guarantee N tenants: one tenant running N VMs over M hosts passes.
+Set --min-guests above the most VMs of this image one tenant runs, and
+--min-hosts above the most hosts one tenant spans, where tenants share an
+image.  The defaults ({DEFAULT_MIN_GUESTS} guests, {DEFAULT_MIN_HOSTS} hosts) are the least that
+keeps a single guest and a single host out; a shared fleet wants more.
+
+The list it refines is the one published in Redis for the image, or --list
+FILE.  The new list is generation N+1 (header x-generation; analyze-image's
+lists are generation 1) with x-parent-list-digest naming the list it refines;
+it is written to --output or <lists-dir>/<image>-<sha>.gen<N+1>.pcsl.  Publish
+it with 'pageshare list publish' (or --publish).  Each refinement is recorded
+in the results database (tables refinement, refined_block).
+"""
+
+_REFINE_EPILOG = """\
+examples:
+  pageshare list refine golden.qcow2
+      refine the list published in Redis, default thresholds
+  pageshare list refine golden.qcow2 --min-guests 20 --min-hosts 5 --publish
+      a fleet where one tenant runs up to 19 VMs of the image on up to 4 hosts
+  pageshare list refine golden.qcow2 --list lists/golden-0d85f5af1e0d.pcsl \\
+      --drop-unread --window 3d -o lists/golden.next.pcsl
+      also drop listed blocks no guest read in the last 3 days
+  pageshare list refine golden.qcow2 --json | jq '.added, .rejected'
+
+Exit status: 0 a list was written, 2 error (with --json: {"ok": false, "error": ...}).
+"""
+
+
+def _duration(text: str) -> float:
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: use e.g. 3600, 90m, 12h or 7d")
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
+
+
+def _add_refine(sub: Any) -> None:
+    from .distribute import DEFAULT_PREFIX, DEFAULT_URL
+    r = sub.add_parser(
+        "refine",
+        help="the next list generation from the blocks the fleet's guests read",
+        description=_REFINE_DESCRIPTION, epilog=_REFINE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("image", metavar="IMAGE", type=Path, help="the base image (qcow2 or raw)")
+    r.add_argument("--list", dest="list_path", metavar="FILE", type=Path,
+                   help="the list to refine (default: the one published in Redis for IMAGE)")
+    r.add_argument("--min-guests", type=int, default=DEFAULT_MIN_GUESTS, metavar="N",
+                   help=f"distinct guests, summed over hosts, that must have read a block "
+                   f"(default {DEFAULT_MIN_GUESTS})")
+    r.add_argument("--min-hosts", type=int, default=DEFAULT_MIN_HOSTS, metavar="M",
+                   help=f"hosts on which a guest must have read it (default {DEFAULT_MIN_HOSTS})")
+    r.add_argument("--drop-unread", action="store_true",
+                   help="also drop listed blocks no guest read during --window")
+    r.add_argument("--window", type=_duration, default=DEFAULT_WINDOW, metavar="DURATION",
+                   help="the unread window for --drop-unread: seconds, or 90m, 12h, 7d "
+                   "(default 7d); every host's summary must cover it")
+    r.add_argument("-o", "--output", type=Path, metavar="FILE", help="the list to write")
+    r.add_argument("--lists-dir", type=Path, default=Path("lists"), metavar="DIR",
+                   help="where the list goes without --output (default ./lists)")
+    r.add_argument("--db", type=Path, metavar="PATH",
+                   help="results database (default $PAGESHARE_DB or "
+                   "~/.local/share/pageshare/results.sqlite)")
+    r.add_argument("--publish", action="store_true",
+                   help="publish the new list too (as 'pageshare list publish' does)")
+    r.add_argument("--redis", metavar="URL",
+                   default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
+                   help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})")
+    r.add_argument("--prefix", default=DEFAULT_PREFIX,
+                   help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})")
+    r.add_argument("--json", action="store_true",
+                   help="print the result (or the error) as one JSON object on stdout")
+    r.set_defaults(func=_cmd_refine)
+
+
+def _cmd_refine(args: argparse.Namespace) -> int:
+    from .distribute import Store
+    from .progress import Progress
+    from .refine import RefineOptions, format_result, refine
+    opts = RefineOptions(image=args.image, store=Store(args.redis, args.prefix),
+                         list_path=args.list_path, min_guests=args.min_guests,
+                         min_hosts=args.min_hosts, drop_unread=args.drop_unread,
+                         window_s=args.window, output=args.output, lists_dir=args.lists_dir,
+                         publish=args.publish)
+    if args.db:
+        opts.db = args.db
+    result = refine(opts, Progress("pageshare list refine"))
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_result(result))
+    return 0
 
 
 def _header_dict(sl: SectorList) -> dict[str, Any]:
@@ -188,29 +312,45 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _json_error(kind: str, message: str, hint: str = "") -> None:
+    """A failure as one JSON object on stdout (refine --json), as analyze-image --json."""
+    print(json.dumps({"ok": False, "exit_code": 2,
+                      "error": {"kind": kind, "message": message, "hint": hint}}, indent=2))
+
+
 def cli_main(argv: list[str]) -> int:
     """``pageshare list ...``; argv excludes "pageshare list"."""
     parser = _build_parser()
+    as_json = argv[:1] == ["refine"] and "--json" in argv
+
+    def fail(kind: str, message: str, hint: str = "") -> int:
+        if as_json:
+            _json_error(kind, message, hint)
+        print_error(message, hint)
+        return 2
+
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        print_error(f"{e} (see 'pageshare list --help')")
-        return 2
+        return fail("usage", f"{e} (see 'pageshare list {argv[0] if argv else ''} --help')")
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     try:
         result: int = args.func(args)
         return result
     except ListFormatError as e:
-        print_error(str(e))
-        return 2
+        return fail("bad-list", str(e))
     except UserError as e:
-        print_error(e.message, e.hint)
-        return 2
+        return fail(e.kind, e.message, e.hint)
+    except KeyboardInterrupt:
+        return fail("interrupted", "interrupted")
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+        return fail("user-error", f"{where}{e.strerror or e}")
+    except (RuntimeError, ValueError) as e:
+        if not as_json:
+            raise
+        return fail("internal", f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from .ksm import Convergence, Sample
 from .mapping import norm_uuid
 
 # 2: file systems of the image (filesystem), fs_uuid on file, guest_page, listed_block.
-SCHEMA_VERSION = 2
+# 3: list refinements from the fleet's feedback (refinement, refined_block).
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS image (
@@ -120,6 +121,44 @@ CREATE TABLE IF NOT EXISTS listed_block (
     runs_seen INTEGER NOT NULL, both_vms INTEGER NOT NULL,
     fs_uuid TEXT,                    -- of a file block's file system (hex, no dashes)
     PRIMARY KEY (analysis_id, sector)
+) WITHOUT ROWID;
+-- Each `pageshare list refine`: the list it started from, the fleet's
+-- summaries it read, its thresholds, and the list generation it wrote.
+CREATE TABLE IF NOT EXISTS refinement (
+    id INTEGER PRIMARY KEY,
+    image_id INTEGER NOT NULL REFERENCES image(id),
+    started_at TEXT NOT NULL,
+    finished_at TEXT,
+    status TEXT NOT NULL,            -- running / ok / failed
+    tool_version TEXT,
+    parent_path TEXT, parent_digest TEXT, parent_generation INTEGER,
+    parent_revision INTEGER,         -- the Redis publish revision it was fetched at, or NULL
+    parent_blocks INTEGER,
+    min_guests INTEGER NOT NULL, min_hosts INTEGER NOT NULL,
+    drop_unread INTEGER NOT NULL,    -- 1: listed blocks no guest read were to be dropped
+    window_s REAL, window_start REAL, -- the unread window (unix seconds), when drop_unread
+    drop_refused TEXT,               -- why no block was dropped although asked, or NULL
+    hosts_used INTEGER, hosts_json TEXT,        -- [{host, since, updated, guests, blocks}]
+    hosts_failed INTEGER, failures_json TEXT,   -- [{host, key, error}]: summaries not used
+    reported_unlisted INTEGER,       -- distinct unlisted blocks any host reported
+    reported_listed INTEGER,         -- distinct listed blocks some guest read
+    guest_reads_listed INTEGER,      -- sum over hosts and blocks of guests, listed blocks
+    guest_reads_unlisted INTEGER,    -- the same for unlisted blocks
+    added INTEGER, dropped INTEGER,
+    rejected_json TEXT,              -- {reason: blocks} of unlisted blocks not added
+    dropped_json TEXT,               -- {reason: blocks} of listed blocks dropped
+    generation INTEGER, list_path TEXT, list_digest TEXT, listed_blocks INTEGER,
+    error TEXT
+);
+-- The blocks a refinement added to or dropped from the list, and why.
+CREATE TABLE IF NOT EXISTS refined_block (
+    refinement_id INTEGER NOT NULL REFERENCES refinement(id),
+    sector INTEGER NOT NULL,
+    action TEXT NOT NULL CHECK (action IN ('added', 'dropped')),
+    reason TEXT NOT NULL,            -- added: read-by-fleet; dropped: unread, mismatch, ...
+    guests INTEGER, hosts INTEGER, reads INTEGER,
+    sha256 TEXT,                     -- the block's hash in the new list (added)
+    PRIMARY KEY (refinement_id, sector)
 ) WITHOUT ROWID;
 """
 
@@ -326,3 +365,64 @@ def record_listed_blocks(db: sqlite3.Connection, analysis_id: int,
                          blocks: Iterable[ListedBlock]) -> None:
     db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
                    [(analysis_id, *b) for b in blocks])
+
+
+# Recording a refinement (`pageshare list refine`, refine.py).
+
+
+class RefinedBlock(NamedTuple):
+    """A refined_block row without its refinement_id."""
+    sector: int
+    action: str
+    reason: str
+    guests: int | None
+    hosts: int | None
+    reads: int | None
+    sha256: str | None
+
+
+def start_refinement(db: sqlite3.Connection, image_id: int, *, started_at: str,
+                     tool_version: str, parent_path: str, parent_digest: str,
+                     parent_generation: int, parent_revision: int | None, parent_blocks: int,
+                     min_guests: int, min_hosts: int, drop_unread: bool,
+                     window_s: float | None, window_start: float | None) -> int:
+    """A new refinement row, status running (until finish_ or fail_refinement); its id."""
+    cur = db.execute(
+        "INSERT INTO refinement (image_id, started_at, status, tool_version, parent_path, "
+        "parent_digest, parent_generation, parent_revision, parent_blocks, min_guests, "
+        "min_hosts, drop_unread, window_s, window_start) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (image_id, started_at, "running", tool_version, parent_path, parent_digest,
+         parent_generation, parent_revision, parent_blocks, min_guests, min_hosts,
+         int(drop_unread), window_s, window_start))
+    return int(cur.lastrowid or 0)
+
+
+def finish_refinement(db: sqlite3.Connection, refinement_id: int, *, finished_at: str,
+                      hosts: list[dict[str, Any]], failures: list[dict[str, str]],
+                      reported_unlisted: int, reported_listed: int, guest_reads_listed: int,
+                      guest_reads_unlisted: int, rejected: Mapping[str, int],
+                      dropped: Mapping[str, int], drop_refused: str | None, generation: int,
+                      list_path: Path, list_digest: str, listed_blocks: int,
+                      blocks: Iterable[RefinedBlock]) -> None:
+    """What the refinement read and wrote, and each block it added or dropped."""
+    rows = list(blocks)
+    db.execute(
+        "UPDATE refinement SET finished_at=?, status='ok', drop_refused=?, hosts_used=?, "
+        "hosts_json=?, hosts_failed=?, failures_json=?, reported_unlisted=?, "
+        "reported_listed=?, guest_reads_listed=?, guest_reads_unlisted=?, added=?, dropped=?, "
+        "rejected_json=?, dropped_json=?, generation=?, list_path=?, list_digest=?, "
+        "listed_blocks=? WHERE id=?",
+        (finished_at, drop_refused, len(hosts), json.dumps(hosts), len(failures),
+         json.dumps(failures), reported_unlisted, reported_listed, guest_reads_listed,
+         guest_reads_unlisted, sum(1 for r in rows if r.action == "added"),
+         sum(1 for r in rows if r.action == "dropped"), json.dumps(dict(rejected)),
+         json.dumps(dict(dropped)), generation, str(list_path.resolve()), list_digest,
+         listed_blocks, refinement_id))
+    db.executemany("INSERT INTO refined_block VALUES (?,?,?,?,?,?,?,?)",
+                   [(refinement_id, *r) for r in rows])
+
+
+def fail_refinement(db: sqlite3.Connection, refinement_id: int, finished_at: str,
+                    error: str) -> None:
+    db.execute("UPDATE refinement SET finished_at=?, status='failed', error=? WHERE id=?",
+               (finished_at, error, refinement_id))
