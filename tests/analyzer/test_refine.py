@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -117,7 +118,7 @@ def publish_summaries(url: str, key: str, hosts: dict[str, dict[int, tuple[int, 
     for host, recs in hosts.items():
         guests = max((g for g, _, _ in recs.values()), default=0)
         r.hset(f"pageshare:feedback:{key}:{host}",
-               mapping=dict[str | bytes, bytes](
+               mapping=dict[Any, Any](
                    feedback.encode(host, key, int(since), int(now), guests, recs)))
         r.sadd(f"pageshare:feedback:{key}:hosts", host)
 
