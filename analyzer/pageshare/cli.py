@@ -170,6 +170,7 @@ usage: pageshare COMMAND [ARGS]
 commands:
   analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
   list show|verify ...  inspect a sector list, or check it against an image
+  list refine IMAGE ...  the next list generation from what the fleet's guests read
   list publish|fetch|ls ...  distribute lists to page servers through Redis
   fleet [--json]        what every page server reported to Redis
   image build ...       build the project's demo/small golden images (cached)

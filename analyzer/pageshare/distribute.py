@@ -14,6 +14,10 @@ Keys (the page server's src/redis_watch.rs uses the same layout)::
     <prefix>:events                                 pub/sub channel, message = image key
     <prefix>:host:<host>                            hash: status (server JSON), updated, pid
     <prefix>:hosts                                  set of host names
+    <prefix>:feedback:<image key>:<host>            hash: what that host's guests read
+                                                    (format: feedback.py; read by
+                                                    ``pageshare list refine``, refine.py)
+    <prefix>:feedback:<image key>:hosts             set of the hosts that published one
 
 Start from :func:`publish`, :func:`fetch`, :func:`list_images` and
 :func:`fleet`; :func:`cli_main` is the thin command-line layer.
