@@ -135,6 +135,23 @@ pub fn check_list(files: &[String], as_json: bool) -> i32 {
     }
 }
 
+/// The feedback line of an image in `status`.
+fn human_feedback(f: &serde_json::Value) -> String {
+    let (c, p) = (&f["counters"], &f["publish"]);
+    let published = match p["last_publish"].as_f64() {
+        Some(t) if t > 0.0 => format!("last published at {t:.0} ({} bytes)", p["last_publish_bytes"]),
+        _ => "not published yet".into(),
+    };
+    let mut o = format!(
+        "  feedback: {} blocks from {} guests since {}; {published}; {} evicted, rejected {} messages and {} blocks\n",
+        f["blocks"], f["guests"], f["since"], f["evicted_blocks"], c["rejected_messages"], c["rejected_blocks"]
+    );
+    if let Some(e) = p["last_error"].as_str().filter(|e| !e.is_empty()) {
+        o.push_str(&format!("  feedback publish error: {e}\n"));
+    }
+    o
+}
+
 fn human_status(v: &serde_json::Value) -> String {
     let mut o = String::new();
     let mib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1 << 20) as f64;
@@ -190,14 +207,31 @@ fn human_status(v: &serde_json::Value) -> String {
         if let Some(e) = i["last_error"].as_str().filter(|e| !e.is_empty()) {
             o.push_str(&format!("  last error: {e}\n"));
         }
+        if v["feedback"]["enabled"].as_bool().unwrap_or(false) {
+            o.push_str(&human_feedback(&i["feedback"]));
+        }
     }
     o
 }
 
 #[cfg(test)]
 mod tests {
-    use super::human_status;
+    use super::{human_feedback, human_status};
     use serde_json::json;
+
+    #[test]
+    fn the_feedback_line_says_what_was_counted_and_published() {
+        let f = json!({"blocks": 12, "guests": 2, "since": 1700000000, "evicted_blocks": 0,
+                       "counters": {"rejected_messages": 1, "rejected_blocks": 3},
+                       "publish": {"last_publish": 1700000060.5, "last_publish_bytes": 400, "last_error": "refused"}});
+        assert_eq!(
+            human_feedback(&f),
+            "  feedback: 12 blocks from 2 guests since 1700000000; last published at 1700000060 (400 bytes); \
+             0 evicted, rejected 1 messages and 3 blocks\n  feedback publish error: refused\n"
+        );
+        let f = json!({"blocks": 0, "guests": 0, "since": 5, "evicted_blocks": 0, "counters": {}, "publish": {"last_publish": 0.0}});
+        assert!(human_feedback(&f).contains("not published yet"));
+    }
 
     #[test]
     fn human_status_says_what_an_operator_looks_for() {

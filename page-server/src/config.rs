@@ -39,6 +39,9 @@ pub struct Config {
     pub limits: Limits,
     #[serde(default)]
     pub redis: Option<RedisConfig>,
+    /// What guests read, summed per image and published to Redis.
+    #[serde(default)]
+    pub feedback: FeedbackConfig,
     #[serde(default, rename = "image")]
     pub images: Vec<ImageConfig>,
 }
@@ -98,6 +101,39 @@ pub struct RedisConfig {
     #[serde(default = "d_backoff")]
     pub max_backoff_secs: u64,
 }
+
+/// `[feedback]`: the clients' READS and LISTED_READ, summed per image and
+/// published to `<prefix>:feedback:<image key>:<host>` (src/feedback/).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedbackConfig {
+    /// Default: on when a [redis] section is configured.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    /// Seconds between publishes (a restart loses at most this much).
+    #[serde(default = "d_fb_interval")]
+    pub interval_secs: u64,
+    /// Most blocks counted per image; the smallest are evicted beyond.
+    #[serde(default = "d_fb_max_blocks")]
+    pub max_blocks: usize,
+    /// Seconds an accumulation lasts before it starts over (0: never).
+    #[serde(default = "d_fb_window")]
+    pub window_secs: u64,
+}
+
+impl Default for FeedbackConfig {
+    fn default() -> Self {
+        FeedbackConfig {
+            enabled: None,
+            interval_secs: d_fb_interval(),
+            max_blocks: d_fb_max_blocks(),
+            window_secs: d_fb_window(),
+        }
+    }
+}
+
+/// Largest `feedback.max_blocks` accepted (about 1.6 GiB of tally per image).
+pub const MAX_FEEDBACK_BLOCKS: usize = 1 << 25;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -159,6 +195,15 @@ fn d_stats() -> u64 {
 fn d_backoff() -> u64 {
     30
 }
+fn d_fb_interval() -> u64 {
+    60
+}
+fn d_fb_max_blocks() -> usize {
+    1 << 20
+}
+fn d_fb_window() -> u64 {
+    7 * 86400
+}
 fn d_format() -> String {
     "auto".into()
 }
@@ -208,6 +253,10 @@ pub enum Problem {
     NoRedis { image: String },
     Format { image: String, format: String },
     NoClients,
+    /// feedback.enabled = true without a [redis] section.
+    FeedbackNoRedis,
+    FeedbackInterval,
+    FeedbackMaxBlocks(usize),
 }
 
 impl fmt::Display for Problem {
@@ -229,6 +278,14 @@ impl fmt::Display for Problem {
                 write!(f, "image {image:?}: format must be auto, qcow2 or raw, not {format:?}")
             }
             Problem::NoClients => write!(f, "limits.max_clients must be at least 1"),
+            Problem::FeedbackNoRedis => write!(
+                f,
+                "feedback.enabled = true needs a [redis] section (feedback is published to Redis): add one, or set enabled = false"
+            ),
+            Problem::FeedbackInterval => write!(f, "feedback.interval_secs must be at least 1"),
+            Problem::FeedbackMaxBlocks(n) => {
+                write!(f, "feedback.max_blocks is {n}: use 1 to {MAX_FEEDBACK_BLOCKS}")
+            }
         }
     }
 }
@@ -340,6 +397,16 @@ impl Config {
         if self.limits.max_clients == 0 {
             return Err(Problem::NoClients);
         }
+        let fb = &self.feedback;
+        if fb.enabled == Some(true) && self.redis.is_none() {
+            return Err(Problem::FeedbackNoRedis);
+        }
+        if fb.interval_secs == 0 {
+            return Err(Problem::FeedbackInterval);
+        }
+        if fb.max_blocks == 0 || fb.max_blocks > MAX_FEEDBACK_BLOCKS {
+            return Err(Problem::FeedbackMaxBlocks(fb.max_blocks));
+        }
         Ok(())
     }
 
@@ -348,6 +415,12 @@ impl Config {
             .ok()
             .filter(|m| *m <= 0o777)
             .ok_or_else(|| Problem::SocketMode(self.socket_mode.clone()))
+    }
+
+    /// Whether READS and LISTED_READ are counted and published: by default
+    /// wherever Redis is configured.
+    pub fn feedback_enabled(&self) -> bool {
+        self.redis.is_some() && self.feedback.enabled.unwrap_or(true)
     }
 
     pub fn host(&self) -> String {
@@ -513,6 +586,28 @@ mod tests {
     fn max_clients_must_allow_one() {
         let msg = refused("[limits]\nmax_clients = 0\n");
         assert!(msg.ends_with("limits.max_clients must be at least 1"), "{msg}");
+    }
+
+    #[test]
+    fn feedback_is_on_with_redis_and_its_limits_are_checked() {
+        let redis = "[redis]\nurl = \"redis://127.0.0.1/\"\n";
+        let c = parse(&format!("{IMAGE}{redis}")).unwrap();
+        assert!(c.feedback_enabled());
+        let fb = &c.feedback;
+        assert_eq!((fb.interval_secs, fb.max_blocks, fb.window_secs), (60, 1_048_576, 604_800));
+        assert!(!parse(IMAGE).unwrap().feedback_enabled());
+        let off = parse(&format!("{IMAGE}{redis}[feedback]\nenabled = false\n")).unwrap();
+        assert!(!off.feedback_enabled());
+        let msg = refused(&format!("{IMAGE}[feedback]\nenabled = true\n"));
+        assert!(msg.contains("feedback.enabled = true needs a [redis] section"), "{msg}");
+        let msg = refused("[feedback]\ninterval_secs = 0\n");
+        assert!(msg.ends_with("feedback.interval_secs must be at least 1"), "{msg}");
+        for n in [0, MAX_FEEDBACK_BLOCKS + 1] {
+            let msg = refused(&format!("[feedback]\nmax_blocks = {n}\n"));
+            assert!(msg.contains(&format!("feedback.max_blocks is {n}: use 1 to")), "{msg}");
+        }
+        let msg = refused("[feedback]\nintervall_secs = 5\n");
+        assert!(msg.contains("unknown field `intervall_secs`"), "{msg}");
     }
 
     #[test]

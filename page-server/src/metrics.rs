@@ -180,5 +180,25 @@ pub fn render(st: &Value) -> String {
     ] {
         metric(&format!("pageshare_client_{k}_total"), help, "counter", per(&|i| num(&i["client_stats"][k])));
     }
+    if st["feedback"]["enabled"].as_bool().unwrap_or(false) {
+        metric("pageshare_feedback_blocks", "Blocks in the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["blocks"])));
+        metric("pageshare_feedback_guests", "Distinct guests in the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["guests"])));
+        metric("pageshare_feedback_memory_bytes", "Estimated memory of the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["memory_bytes"])));
+        metric("pageshare_feedback_evicted_blocks_total", "Blocks evicted beyond feedback.max_blocks.", "counter", per(&|i| num(&i["feedback"]["evicted_blocks"])));
+        for (k, help) in [
+            ("reads_messages", "READS messages received."),
+            ("listed_messages", "LISTED_READ messages received."),
+            ("accepted_blocks", "Reported blocks counted."),
+            ("rejected_messages", "Feedback messages ignored: bad length, count or generation."),
+            ("rejected_blocks", "Reported blocks ignored: outside the image, or not listed."),
+            ("truncated_reports", "READS whose client table had evicted entries."),
+            ("ignored_messages", "Feedback messages before the image identity was known."),
+        ] {
+            metric(&format!("pageshare_feedback_{k}_total"), help, "counter", per(&|i| num(&i["feedback"]["counters"][k])));
+        }
+        metric("pageshare_feedback_publishes_total", "Feedback summaries published to Redis.", "counter", per(&|i| num(&i["feedback"]["publish"]["publishes"])));
+        metric("pageshare_feedback_publish_failures_total", "Feedback publishes or read-backs that failed.", "counter", per(&|i| num(&i["feedback"]["publish"]["failures"])));
+        metric("pageshare_feedback_last_publish_time_seconds", "Unix time of the last feedback publish.", "gauge", per(&|i| num(&i["feedback"]["publish"]["last_publish"])));
+    }
     o
 }

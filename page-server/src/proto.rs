@@ -15,6 +15,8 @@ pub const MSG_BYE: u32 = 3;
 // client -> server (image sockets)
 pub const MSG_SWITCHED: u32 = 16;
 pub const MSG_STATS: u32 = 17;
+pub const MSG_READS: u32 = 18;
+pub const MSG_LISTED_READ: u32 = 19;
 // control socket
 pub const MSG_STATUS_REQ: u32 = 32;
 pub const MSG_STATUS_REPLY: u32 = 33;

@@ -8,6 +8,15 @@
 //! * `<prefix>:events`                pub/sub channel; message = image key
 //! * `<prefix>:host:<host>`           hash: `status` (JSON), `updated`, `pid`
 //! * `<prefix>:hosts`                 set of host names
+//! * `<prefix>:feedback:<size>-<sha256>:<host>`  hash: what this host's
+//!   guests read of the image (`host`, `image`, `since`, `updated`,
+//!   `guests`, `version`, binary `blocks`; src/feedback/summary.rs)
+//! * `<prefix>:feedback:<size>-<sha256>:hosts`   set of the hosts that
+//!   published feedback for the image
+//!
+//! The two feedback keys are written by src/redis_feedback.rs, on a thread
+//! of its own with its own connection ([`connect`]), so that a slow publish
+//! never delays a list.
 
 use crate::config::RedisConfig;
 use sha2::{Digest, Sha256};
@@ -57,9 +66,14 @@ pub struct Watcher {
     shutdown: bool,
 }
 
-/// Why a Redis session ended.
+/// Waiting for a connection to Redis.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Waiting for Redis to take a command or answer it.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a Redis session (or a feedback publish) ended.
 #[derive(Debug)]
-enum RedisError {
+pub(crate) enum RedisError {
     BadUrl(redis::RedisError),
     /// Connecting or subscribing.
     Connect(redis::RedisError),
@@ -89,7 +103,28 @@ impl fmt::Display for RedisError {
     }
 }
 
-fn redact(url: &str) -> String {
+impl std::error::Error for RedisError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RedisError::BadUrl(e)
+            | RedisError::Connect(e)
+            | RedisError::Subscription(e)
+            | RedisError::Command { source: e, .. }
+            | RedisError::PushStats(e) => Some(e),
+        }
+    }
+}
+
+/// A command connection to `client`'s Redis, with the timeouts every
+/// command of the server runs under.
+pub(crate) fn connect(client: &redis::Client) -> Result<redis::Connection, RedisError> {
+    let con = client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(RedisError::Connect)?;
+    con.set_read_timeout(Some(COMMAND_TIMEOUT)).map_err(RedisError::Connect)?;
+    con.set_write_timeout(Some(COMMAND_TIMEOUT)).map_err(RedisError::Connect)?;
+    Ok(con)
+}
+
+pub(crate) fn redact(url: &str) -> String {
     // redis://user:password@host -> redis://user:***@host
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
@@ -192,11 +227,8 @@ impl Watcher {
     /// One connected session, until Redis fails or the server shuts down.
     fn session(&mut self) -> Result<(), RedisError> {
         let client = redis::Client::open(self.cfg.url.as_str()).map_err(RedisError::BadUrl)?;
-        let timeout = Duration::from_secs(5);
-        let mut con = client.get_connection_with_timeout(timeout).map_err(RedisError::Connect)?;
-        let mut sub = client.get_connection_with_timeout(timeout).map_err(RedisError::Connect)?;
-        con.set_read_timeout(Some(Duration::from_secs(10))).map_err(RedisError::Connect)?;
-        con.set_write_timeout(Some(Duration::from_secs(10))).map_err(RedisError::Connect)?;
+        let mut con = connect(&client)?;
+        let mut sub = client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(RedisError::Connect)?;
         let channel = format!("{}:events", self.cfg.prefix);
         let mut ps = sub.as_pubsub();
         ps.subscribe(&channel).map_err(RedisError::Connect)?;

@@ -117,6 +117,39 @@ pub fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
     (r == 0).then_some(cred)
 }
 
+/// The start time of process `pid` (clock ticks after boot, field 22 of
+/// /proc/PID/stat): with the pid, it names one process for good.  The
+/// process is held by a pidfd while its stat is read, and None is returned
+/// if it has exited by then (its pid might be another process's already).
+pub fn process_start_time(pid: i32) -> Option<u64> {
+    if pid <= 0 {
+        return None;
+    }
+    // SAFETY: plain syscall; the result is a new fd we own.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fd is a fresh descriptor returned by the kernel.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; a pidfd is readable once its process exited.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    if n != 0 {
+        return None;
+    }
+    stat_start_time(&stat)
+}
+
+/// Field 22 (starttime) of a /proc/PID/stat line.  The command name (field
+/// 2) is in parentheses and may hold spaces and parentheses itself: count
+/// from the last ')'.
+pub fn stat_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Memory of this process, from /proc/self/status (kB values).
 pub fn self_memory_kb() -> (u64, u64) {
     let mut rss = 0;
@@ -182,4 +215,21 @@ pub fn unhex32(s: &str) -> Option<[u8; 32]> {
         out[i] = d(b[2 * i])? << 4 | d(b[2 * i + 1])?;
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_of_a_process() {
+        let line = "1234 (qemu (x) y) S 1 1234 1234 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 3 0 987654 1000 20";
+        assert_eq!(stat_start_time(line), Some(987654));
+        assert_eq!(stat_start_time("1 (x) S 1"), None);
+        let me = process_start_time(std::process::id() as i32).expect("our own start time");
+        let text = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert_eq!(Some(me), stat_start_time(&text));
+        assert_eq!(process_start_time(0), None);
+        assert_eq!(process_start_time(i32::MAX), None);
+    }
 }

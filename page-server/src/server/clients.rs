@@ -7,6 +7,7 @@
 use super::generations::Generation;
 use super::Server;
 use crate::arena::MergeMode;
+use crate::feedback::tally::GuestId;
 use crate::proto::{self, *};
 use crate::table;
 use serde_json::{json, Value};
@@ -53,6 +54,8 @@ pub(super) struct Client {
     pub(super) waiting_since: Option<Instant>,
     pub(super) pid: i32,
     pub(super) uid: u32,
+    /// The guest this client reports for: its pid and start time.
+    pub(super) guest: GuestId,
     pub(super) counters: ClientCounters,
     pub(super) connected_at: f64,
     pub(super) bad_messages: u64,
@@ -146,6 +149,11 @@ impl Server {
             }
             let _ = stream.set_nonblocking(true);
             let cred = crate::sys::peer_cred(stream.as_raw_fd());
+            let pid = cred.map(|c| c.pid).unwrap_or(0);
+            let guest = match kind_of {
+                Some(_) => (pid as u32, crate::sys::process_start_time(pid).unwrap_or(0)),
+                None => (0, 0),
+            };
             let id = self.next_client;
             self.next_client += 1;
             self.clients.insert(
@@ -159,8 +167,9 @@ impl Server {
                     buf: Vec::new(),
                     held: Vec::new(),
                     waiting_since: None,
-                    pid: cred.map(|c| c.pid).unwrap_or(0),
+                    pid,
                     uid: cred.map(|c| c.uid).unwrap_or(u32::MAX),
+                    guest,
                     counters: ClientCounters::default(),
                     connected_at: crate::sys::now_unix(),
                     bad_messages: 0,
@@ -311,6 +320,7 @@ impl Server {
                     fallbacks: vals[5],
                 };
             }
+            MSG_READS | MSG_LISTED_READ => self.feedback_message(id, kind, p),
             _ => return false,
         }
         true

@@ -66,6 +66,7 @@ impl Server {
 
     fn status_json(&self) -> Value {
         let (rss, anon) = crate::sys::self_memory_kb();
+        let feedback_status = self.feedback_status.lock().expect("feedback status").clone();
         let images: Vec<Value> = self
             .images
             .iter()
@@ -139,6 +140,7 @@ impl Server {
                     "last_error": img.last_error,
                     "loads_ok": img.loads_ok,
                     "loads_failed": img.loads_failed,
+                    "feedback": img.feedback_json(feedback_status.get(i)),
                 })
             })
             .collect();
@@ -162,6 +164,12 @@ impl Server {
                        "loaded_bytes": self.global_loaded.load(Ordering::Relaxed) * 4096},
             "clients": self.clients.values().filter(|c| c.image().is_some()).count(),
             "redis": redis,
+            "feedback": {
+                "enabled": self.feedback_cmds.is_some(),
+                "interval_secs": self.cfg.feedback.interval_secs,
+                "max_blocks": self.cfg.feedback.max_blocks,
+                "window_secs": self.cfg.feedback.window_secs,
+            },
             "images": images,
         })
     }

@@ -163,9 +163,14 @@ impl Server {
                 match ev {
                     Event::Loaded(l) => self.on_loaded(*l),
                     Event::Redis(r) => self.on_redis_list(r),
+                    Event::ReadBack(r) => self.on_read_back(r),
                 }
             }
             self.run_timers();
+            if Instant::now() >= self.feedback_due {
+                self.publish_feedback();
+                self.feedback_due = Instant::now() + Duration::from_secs(self.cfg.feedback.interval_secs);
+            }
             self.expire_waiting();
             if let Some(w) = self.notifier.watchdog_every {
                 if last_watchdog.elapsed() >= w / 2 {
@@ -195,6 +200,7 @@ impl Server {
         if let Some(tx) = &self.redis_cmds {
             let _ = tx.send(redis_watch::Cmd::Shutdown);
         }
+        self.flush_feedback();
         for img in &self.images {
             let _ = std::fs::remove_file(img.cfg.socket.as_ref().expect("set"));
         }

@@ -99,6 +99,7 @@ impl Server {
                 self.withdraw(idx, NT_IMAGE_CHANGED, "the base image's content changed");
             }
             self.watch_redis(idx);
+            self.ensure_feedback(idx);
         }
         match l.result {
             Ok(ok) => {

@@ -19,11 +19,14 @@
 //! * `clients.rs`: client sessions on the image sockets (TABLE, NO_TABLE,
 //!   SWITCHED, STATS, BYE);
 //! * `control.rs`: requests on the control socket (status, reload) and the
-//!   status JSON.
+//!   status JSON;
+//! * `feedback.rs`: the clients' READS and LISTED_READ, counted per image
+//!   and handed to the Redis feedback thread.
 
 mod clients;
 mod control;
 mod event_loop;
+mod feedback;
 mod file_watch;
 mod generations;
 mod setup;
@@ -36,8 +39,10 @@ use crate::identity::{FileStamp, Identity};
 use crate::loader::{Job, ListSource, Loaded};
 use crate::notify::Notifier;
 use crate::proto::{NT_IMAGE_CHANGED, NT_LOADING, NT_NO_LIST, NT_REFUSED};
+use crate::redis_feedback::{self, PublishStatus, ReadBack};
 use crate::redis_watch::{self, RedisList, RedisStatus};
 use clients::{Client, ClientCounters};
+use feedback::{FeedbackCounters, ImageFeedback};
 use generations::Generation;
 use serde_json::Value;
 use sockets::SocketError;
@@ -106,6 +111,8 @@ impl From<SocketError> for ServerError {
 enum Event {
     Loaded(Box<Loaded>),
     Redis(RedisList),
+    /// What this host published about an image before (feedback).
+    ReadBack(ReadBack),
 }
 
 /// Where an image is, as `status` shows it.
@@ -176,6 +183,10 @@ struct ImageState {
     loads_failed: u64,
     closed_counters: ClientCounters,
     clients_total: u64,
+    /// What guests read, for the current identity (None: feedback is off
+    /// or the identity is not known yet).
+    feedback: Option<ImageFeedback>,
+    feedback_counters: FeedbackCounters,
 }
 
 impl ImageState {
@@ -203,6 +214,8 @@ impl ImageState {
             loads_failed: 0,
             closed_counters: ClientCounters::default(),
             clients_total: 0,
+            feedback: None,
+            feedback_counters: FeedbackCounters::default(),
         }
     }
 }
@@ -224,6 +237,10 @@ pub struct Server {
     latest: Arc<Vec<AtomicU64>>,
     redis_cmds: Option<Sender<redis_watch::Cmd>>,
     redis_status: Arc<Mutex<RedisStatus>>,
+    /// The Redis feedback thread (None: feedback is off).
+    feedback_cmds: Option<Sender<redis_feedback::Cmd>>,
+    feedback_status: Arc<Mutex<Vec<PublishStatus>>>,
+    feedback_due: Instant,
     snapshot: Arc<Mutex<String>>,
     metrics: Arc<Mutex<String>>,
     global_loaded: Arc<AtomicU64>,

@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::identity::IdentityCache;
 use crate::loader::{FailKind, Job, Loaded, Loader};
 use crate::notify::Notifier;
+use crate::redis_feedback::{Publisher, PublishStatus};
 use crate::redis_watch::{self, RedisStatus};
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -81,7 +82,9 @@ impl Server {
         // SAFETY: fresh descriptor.
         let wake_fd = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
         let wake_fd_redis = wake_fd.clone();
+        let wake_fd_feedback = wake_fd.clone();
         let (ev_tx, ev_rx) = channel::<Event>();
+        let ev_tx_feedback = ev_tx.clone();
         let (job_tx, job_rx) = channel::<Job>();
         let latest: Arc<Vec<AtomicU64>> = Arc::new((0..images.len()).map(|_| AtomicU64::new(0)).collect());
         let global_loaded = Arc::new(AtomicU64::new(0));
@@ -115,10 +118,35 @@ impl Server {
             }
             None => None,
         };
+        let feedback_status = Arc::new(Mutex::new(vec![PublishStatus::default(); images.len()]));
+        let feedback_cmds = match &cfg.redis {
+            Some(rc) if cfg.feedback_enabled() => {
+                let (cmd_tx, cmd_rx) = channel();
+                let events = ev_tx_feedback;
+                let p = Publisher::new(
+                    rc.clone(),
+                    cfg.host(),
+                    2 * cfg.feedback.window_secs,
+                    cmd_rx,
+                    Box::new(move |r| {
+                        let _ = events.send(Event::ReadBack(r));
+                        wake(&wake_fd_feedback);
+                    }),
+                    feedback_status.clone(),
+                );
+                std::thread::Builder::new()
+                    .name("redis-feedback".into())
+                    .spawn(move || p.run())
+                    .map_err(|source| ServerError::Thread { name: "redis feedback", source })?;
+                Some(cmd_tx)
+            }
+            _ => None,
+        };
         if !cfg.metrics_listen.is_empty() {
             crate::metrics::spawn(&cfg.metrics_listen, metrics.clone()).map_err(ServerError::Metrics)?;
         }
         let degraded = probe_degraded();
+        let feedback_due = Instant::now() + std::time::Duration::from_secs(cfg.feedback.interval_secs);
         let mut s = Server {
             cfg,
             images,
@@ -134,6 +162,9 @@ impl Server {
             latest,
             redis_cmds,
             redis_status,
+            feedback_due,
+            feedback_cmds,
+            feedback_status,
             snapshot,
             metrics,
             global_loaded,
