@@ -3,7 +3,8 @@
 What QEMU's pageshare filter does, in Python, for tests and tools:
 connect to an image socket, receive the TABLE message with the sealed table
 memfd and the server's pidfd, map and check the table, look blocks up,
-acknowledge new generations (SWITCHED) and report counters (STATS).
+acknowledge new generations (SWITCHED), report counters (STATS) and what
+the guest read (READS, LISTED_READ).
 
     with PageshareClient("/run/pageshare/debian12.sock") as c:
         msg = c.recv()                       # TableMsg, NoTableMsg or ByeMsg
@@ -29,12 +30,17 @@ MSG_NO_TABLE = 2
 MSG_BYE = 3
 MSG_SWITCHED = 16
 MSG_STATS = 17
+MSG_READS = 18
+MSG_LISTED_READ = 19
 MSG_STATUS_REQ = 32
 MSG_STATUS_REPLY = 33
 MSG_RELOAD_REQ = 34
 MSG_RELOAD_REPLY = 35
 
 NO_GENERATION = (1 << 64) - 1
+READS_MAX_ENTRIES = 254
+LISTED_READ_MAX_ENTRIES = 509
+READS_TRUNCATED = 1
 TABLE_MAGIC = b"PSTABLE1"
 TABLE_HEADER = struct.Struct("<8sII Q Q 32s Q Q I I Q I I Q Q Q")
 TABLE_MSG_VERSION = 2
@@ -266,6 +272,31 @@ class PageshareClient:
               fallbacks: int) -> None:
         self.sock.sendall(frame(MSG_STATS, struct.pack(
             "<6Q", generation, lookups, hits, merged, merge_errors, fallbacks)))
+
+    def reads(self, generation: int, counts: list[tuple[int, int]] | dict[int, int],
+              truncated: bool = False) -> None:
+        """READS: reads of unlisted blocks since the last report, as
+        (block, reads); more than 254 go in several messages."""
+        items = list(counts.items() if isinstance(counts, dict) else counts)
+        for i in range(0, max(len(items), 1), READS_MAX_ENTRIES):
+            chunk = items[i:i + READS_MAX_ENTRIES]
+            body = b"".join(struct.pack("<QII", b, n, 0) for b, n in chunk)
+            flags = READS_TRUNCATED if truncated else 0
+            self.sock.sendall(frame(MSG_READS, struct.pack(
+                "<QII", generation, len(chunk), flags) + body))
+
+    def listed_read(self, generation: int, blocks: list[int]) -> None:
+        """LISTED_READ: listed blocks read for the first time; more than
+        509 go in several messages."""
+        for i in range(0, max(len(blocks), 1), LISTED_READ_MAX_ENTRIES):
+            chunk = blocks[i:i + LISTED_READ_MAX_ENTRIES]
+            body = b"".join(struct.pack("<Q", b) for b in chunk)
+            self.sock.sendall(frame(MSG_LISTED_READ, struct.pack(
+                "<QII", generation, len(chunk), 0) + body))
+
+    def send_raw(self, kind: int, payload: bytes) -> None:
+        """Any message, as is (for tests of what the server refuses)."""
+        self.sock.sendall(frame(kind, payload))
 
 
 def control_request(path: str | os.PathLike[str], kind: int, payload: bytes = b"",
