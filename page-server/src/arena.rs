@@ -86,6 +86,11 @@ pub struct Arena {
     slots: Mutex<Slots>,
     /// Loaded blocks over all arenas (for limits.max_total_bytes and stats).
     global_loaded: Arc<AtomicU64>,
+    /// Address ranges (start, len) of the arena that a failed move left
+    /// unmapped and that another mapping of this process took before they
+    /// could be reserved again (see rereserve()).  Never mapped over again,
+    /// by a fill, a release or at drop: whoever took them keeps them.
+    lost: Mutex<Vec<(usize, usize)>>,
 }
 
 // SAFETY: the raw mapping is only touched through methods that serialise on
@@ -109,6 +114,8 @@ pub enum ArenaError {
     BeingLoaded { sector: u64 },
     Unreserved { sector: u64 },
     AlreadyLoaded { sector: u64 },
+    /// A fill of blocks whose addresses the arena lost (Arena::lost).
+    Lost { sector: u64 },
     Vm(VmError),
 }
 
@@ -125,6 +132,10 @@ impl fmt::Display for ArenaError {
             ArenaError::BeingLoaded { sector } => write!(f, "block at sector {sector} is being loaded by another list"),
             ArenaError::Unreserved { sector } => write!(f, "fill of an unreserved slot (sector {sector})"),
             ArenaError::AlreadyLoaded { sector } => write!(f, "fill of a loaded slot (sector {sector})"),
+            ArenaError::Lost { sector } => write!(
+                f,
+                "the arena lost the addresses of the block at sector {sector} to another mapping after a failed mremap(); restart the server to load it"
+            ),
             ArenaError::Vm(e) => e.fmt(f),
         }
     }
@@ -261,11 +272,15 @@ impl Staging {
     /// already have unmapped `dst` (the caller re-reserves it).
     fn move_to(self, dst: usize) -> std::io::Result<()> {
         #[cfg(test)]
-        if tests::BREAK_NEXT_MOVE.with(|b| b.replace(false)) {
+        if let Some(taken) = tests::BREAK_NEXT_MOVE.with(|b| b.take()) {
             // What a kernel failure after mremap_to()'s do_munmap() of the
-            // target leaves behind: the target unmapped, the source intact.
+            // target leaves behind: the target unmapped, the source intact;
+            // and, with `taken`, another thread's mmap() in the hole.
             // SAFETY: test only; the target is an arena range of the caller.
             unsafe { libc::munmap(dst as *mut libc::c_void, self.len) };
+            if taken {
+                tests::take_page(dst + PAGE_SIZE);
+            }
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         }
         // SAFETY: moves our staging mapping onto a page-aligned range of the
@@ -322,7 +337,15 @@ impl Arena {
         };
         // The arena itself is never written, so its PROT_NONE parts have no
         // anon_vma and a fresh reservation (reserve()) merges with them.
-        Ok(Arena { base, len, identity, merge_mode, slots: Mutex::new(Slots::default()), global_loaded })
+        Ok(Arena {
+            base,
+            len,
+            identity,
+            merge_mode,
+            slots: Mutex::new(Slots::default()),
+            global_loaded,
+            lost: Mutex::new(Vec::new()),
+        })
     }
 
     pub fn addr(&self, block: u64) -> u64 {
@@ -373,6 +396,9 @@ impl Arena {
         // Nobody can see the staging area: put it together without the lock.
         let staging = Staging::new(data).map_err(|e| VmError::new(what("staging mapping"), e))?;
         let mut slots = self.slots.lock().expect("arena lock");
+        if self.unlost(dst, data.len()) != [(dst, data.len())] {
+            return Err(ArenaError::Lost { sector: start * 8 });
+        }
         for b in start..start + n {
             match slots.map.get(&b) {
                 None => return Err(ArenaError::Unreserved { sector: b * 8 }),
@@ -399,8 +425,11 @@ impl Arena {
     /// After a failed move: mremap() unmaps the target before it moves, and
     /// a few late failures (out of memory) leave it unmapped.  Map a
     /// PROT_NONE reservation there again without replacing anything
-    /// (MAP_FIXED_NOREPLACE: EEXIST means the target was still mapped,
-    /// the usual case).  Some(error) if the target is not reserved now.
+    /// (MAP_FIXED_NOREPLACE).  EEXIST means the target was still mapped,
+    /// the usual case, or that another thread's mmap() (a staging area, the
+    /// allocator) took part of the hole meanwhile: then the range is lost
+    /// (Arena::lost) and never mapped over.  Some(error) if the target is
+    /// not reserved now.
     fn rereserve(&self, addr: usize, len: usize) -> Option<VmError> {
         // SAFETY: maps only where nothing is mapped (MAP_FIXED_NOREPLACE).
         let p = unsafe {
@@ -415,8 +444,19 @@ impl Arena {
         };
         if p == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
-            return (e.raw_os_error() != Some(libc::EEXIST))
-                .then(|| VmError::plain(format!("re-reserving the unmapped arena range at {addr:#x}"), e));
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Some(VmError::plain(format!("re-reserving the unmapped arena range at {addr:#x}"), e));
+            }
+            if still_reserved(addr, len) {
+                return None;
+            }
+            self.lost.lock().expect("arena lost ranges").push((addr, len));
+            return Some(VmError::plain(
+                format!(
+                    "re-reserving the arena range at {addr:#x} ({len} bytes): another mapping took part of it; its blocks cannot be loaded until the server restarts"
+                ),
+                e,
+            ));
         }
         if p as usize != addr {
             // A kernel before 4.17 takes MAP_FIXED_NOREPLACE as a hint.
@@ -429,6 +469,27 @@ impl Arena {
             "the kernel unmapped the arena range at {addr:#x} ({len} bytes) in a failed mremap(); reserved it again"
         ));
         None
+    }
+
+    /// The pieces of `addr..addr + len` outside the lost ranges, in order.
+    fn unlost(&self, addr: usize, len: usize) -> Vec<(usize, usize)> {
+        let mut lost = self.lost.lock().expect("arena lost ranges").clone();
+        lost.sort_unstable();
+        let (mut at, end, mut out) = (addr, addr + len, Vec::new());
+        for (a, n) in lost {
+            let (a, b) = (a.max(at), (a + n).min(end));
+            if a >= b {
+                continue;
+            }
+            if a > at {
+                out.push((at, a - at));
+            }
+            at = b;
+        }
+        if at < end {
+            out.push((at, end - at));
+        }
+        out
     }
 
     /// The arena's flags on a fresh PROT_NONE reservation, so that it
@@ -445,25 +506,28 @@ impl Arena {
     /// leave behind).  Safe at any time: the range faults before and after.
     fn reserve(&self, lo: u64, hi: u64) -> Result<(), VmError> {
         let (addr, len) = (self.addr(lo) as usize, ((hi - lo) as usize) * PAGE_SIZE);
-        // SAFETY: MAP_FIXED over a PROT_NONE part of our own mapping that
-        // holds nothing (the caller holds the lock: no fill can run).
-        let p = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let what = format!("mmap(MAP_FIXED, PROT_NONE) of {} blocks at sector {}", hi - lo, lo * 8);
-            let e = VmError::new(what, std::io::Error::last_os_error());
-            // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
-            return Err(e.then(self.rereserve(addr, len)));
+        for (addr, len) in self.unlost(addr, len) {
+            // SAFETY: MAP_FIXED over a PROT_NONE part of our own mapping
+            // that holds nothing (the caller holds the lock: no fill can
+            // run), never over a lost range.
+            let p = unsafe {
+                libc::mmap(
+                    addr as *mut libc::c_void,
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let what = format!("mmap(MAP_FIXED, PROT_NONE) of {} bytes at {addr:#x} of the arena", len);
+                let e = VmError::new(what, std::io::Error::last_os_error());
+                // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
+                return Err(e.then(self.rereserve(addr, len)));
+            }
+            self.advise_reservation(addr, len);
         }
-        self.advise_reservation(addr, len);
         Ok(())
     }
 
@@ -563,24 +627,28 @@ impl Drop for Arena {
         self.global_loaded.fetch_sub(n, Ordering::Relaxed);
         // Replace the pages by a PROT_NONE reservation: memory is freed, the
         // addresses stay taken for the life of the process (never reused).
-        // SAFETY: MAP_FIXED over our own mapping only.
-        let p = unsafe {
-            libc::mmap(
-                self.base as *mut libc::c_void,
-                self.len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
+        // Lost ranges are someone else's now: left alone.
+        for (addr, len) in self.unlost(self.base, self.len) {
+            // SAFETY: MAP_FIXED over our own mapping only.
+            let p = unsafe {
+                libc::mmap(
+                    addr as *mut libc::c_void,
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED {
+                continue;
+            }
             // Could not re-reserve: make it inaccessible, then drop the
             // contents; never leave readable zeros.
-            match protect(self.base, self.len, libc::PROT_NONE) {
+            match protect(addr, len, libc::PROT_NONE) {
                 // SAFETY: our own mapping, now inaccessible.
                 Ok(()) => unsafe {
-                    libc::madvise(self.base as *mut libc::c_void, self.len, libc::MADV_DONTNEED);
+                    libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED);
                 },
                 Err(e) => crate::log::error(&format!(
                     "retiring an arena: {}; its verified bytes stay in memory",
@@ -591,15 +659,101 @@ impl Drop for Arena {
     }
 }
 
+/// Is `addr..addr + len` wholly covered by PROT_NONE private mappings that
+/// carry the arena's MADV_NOHUGEPAGE (smaps "nh"), as the arena's
+/// reservations do?  A staging area (readable), an allocator's mapping
+/// (writable, no "nh") or a thread's guard page (no "nh") that took part of
+/// a hole is not.  Another arena's reservation would pass: that takes an
+/// arena no bigger than the hole, made in the microseconds it exists.
+fn still_reserved(addr: usize, len: usize) -> bool {
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else { return false };
+    let (end, mut at, mut inside) = (addr + len, addr, false);
+    for l in smaps.lines() {
+        if let Some(flags) = l.strip_prefix("VmFlags:") {
+            if inside && !flags.split_whitespace().any(|f| f == "nh") {
+                return false;
+            }
+            inside = false;
+            continue;
+        }
+        let mut it = l.split_whitespace();
+        let Some((a, b)) = it.next().and_then(|r| r.split_once('-')) else { continue };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else { continue };
+        let Some(perms) = it.next() else { continue };
+        inside = a < end && b > addr;
+        if inside {
+            if a > at || perms != "---p" {
+                return false;
+            }
+            at = b;
+        }
+    }
+    at >= end
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
     use std::sync::atomic::AtomicBool;
 
     thread_local! {
         /// Makes this thread's next Staging::move_to() fail the way mremap()
-        /// does after it has unmapped the target.
-        pub(super) static BREAK_NEXT_MOVE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        /// does after it has unmapped the target; Some(true): and another
+        /// mapping takes the target's second page at once.
+        pub(super) static BREAK_NEXT_MOVE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    }
+
+    /// What another thread's mmap() can do in a hole: a writable page at
+    /// `addr`, filled with 0xa5.
+    pub(super) fn take_page(addr: usize) {
+        // SAFETY: maps only where nothing is mapped.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                PAGE_SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(p as usize, addr, "mmap in the hole: {}", std::io::Error::last_os_error());
+        // SAFETY: the page just mapped, writable.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0xa5, PAGE_SIZE) };
+    }
+
+    /// Run `f` in a forked child, which has this thread only: no other
+    /// test's mmap() can land in a hole `f` makes.  Its panic message comes
+    /// back as this test's failure.
+    fn in_single_threaded_child(f: impl FnOnce()) {
+        let mut fds = [0; 2];
+        // SAFETY: plain syscalls; the child only runs `f` and _exit()s.
+        unsafe {
+            assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+            let pid = libc::fork();
+            assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+            if pid == 0 {
+                libc::close(fds[0]);
+                let msg = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                    Ok(()) => String::new(),
+                    Err(p) => p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "panicked".into()),
+                };
+                libc::write(fds[1], msg.as_ptr().cast(), msg.len());
+                libc::_exit(if msg.is_empty() { 0 } else { 1 });
+            }
+            libc::close(fds[1]);
+            let mut out = std::fs::File::from_raw_fd(fds[0]);
+            let mut msg = String::new();
+            std::io::Read::read_to_string(&mut out, &mut msg).unwrap();
+            let mut status = 0;
+            assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "in the child: {msg}");
+        }
     }
 
     /// Copy `len` bytes at `addr` out of this process the way a client
@@ -820,27 +974,65 @@ pub(crate) mod tests {
 
     #[test]
     fn failed_move_leaves_the_target_reserved() {
+        // In a child with one thread: in this process, another test's
+        // mmap() could take the hole (the next test's case).
+        in_single_threaded_child(|| {
+            let a = arena(32);
+            let (base, len) = a.range();
+            for b in 8..12 {
+                a.acquire(b, &[b as u8; 32]).unwrap();
+            }
+            let run: Vec<u8> = (8..12).flat_map(|b| page(b as u8)).collect();
+            BREAK_NEXT_MOVE.with(|x| x.set(Some(false)));
+            let e = a.fill_run(8, &run).unwrap_err();
+            assert!(e.to_string().contains("mremap"), "{e}");
+            for b in 0..32 {
+                assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT), "block {b}");
+            }
+            assert!(all_reserved(base, len), "{:?}", vmas(base, len));
+            assert_eq!(a.loaded_blocks(), 0);
+            // The load that failed releases its reservations; the next fills.
+            a.release(&[8, 9, 10, 11]);
+            for b in 8..12 {
+                a.acquire(b, &[b as u8; 32]).unwrap();
+            }
+            a.fill_run(8, &run).unwrap();
+            assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), page(9));
+        });
+    }
+
+    #[test]
+    fn a_hole_another_mapping_took_is_never_mapped_over() {
         let a = arena(32);
-        let (base, len) = a.range();
         for b in 8..12 {
             a.acquire(b, &[b as u8; 32]).unwrap();
         }
         let run: Vec<u8> = (8..12).flat_map(|b| page(b as u8)).collect();
-        BREAK_NEXT_MOVE.with(|x| x.set(true));
-        let e = a.fill_run(8, &run).unwrap_err();
-        assert!(e.to_string().contains("mremap"), "{e}");
-        for b in 0..32 {
-            assert_eq!(vm_read(a.addr(b), PAGE_SIZE), Err(libc::EFAULT), "block {b}");
-        }
-        assert!(all_reserved(base, len), "{:?}", vmas(base, len));
-        assert_eq!(a.loaded_blocks(), 0);
-        // The load that failed releases its reservations; the next fills.
+        BREAK_NEXT_MOVE.with(|x| x.set(Some(true)));
+        let e = a.fill_run(8, &run).unwrap_err().to_string();
+        assert!(e.contains("another mapping took part of it"), "{e}");
+        let theirs = vec![0xa5u8; PAGE_SIZE];
+        assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), theirs);
+        // Neither a release (which re-reserves around loaded blocks), nor a
+        // new fill, nor dropping the arena maps over it.
         a.release(&[8, 9, 10, 11]);
+        assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), theirs);
         for b in 8..12 {
             a.acquire(b, &[b as u8; 32]).unwrap();
         }
-        a.fill_run(8, &run).unwrap();
-        assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), page(9));
+        let e = a.fill_run(8, &run).unwrap_err();
+        assert!(matches!(e, ArenaError::Lost { sector: 64 }), "{e}");
+        assert_eq!(vm_read(a.addr(9), PAGE_SIZE).unwrap(), theirs);
+        // The rest of the arena still loads.
+        a.release(&[8, 9, 10, 11]);
+        a.acquire(20, &[20; 32]).unwrap();
+        a.fill_run(20, &page(20)).unwrap();
+        assert_eq!(vm_read(a.addr(20), PAGE_SIZE).unwrap(), page(20));
+        let taken = a.addr(9) as usize;
+        drop(a);
+        assert_eq!(vm_read(taken as u64, PAGE_SIZE).unwrap(), theirs);
+        // SAFETY: the page take_page() mapped.
+        unsafe { libc::munmap(taken as *mut libc::c_void, PAGE_SIZE) };
     }
 
     /// Deterministic pseudo-random numbers (xorshift64*).
