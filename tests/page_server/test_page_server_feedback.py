@@ -40,6 +40,7 @@ from page_server_helpers import (
     server_binary,
     wait_for,
 )
+from pageshare import feedback as refine_feedback
 from pageshare import sectorlist
 
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"
@@ -171,6 +172,10 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
             since = int(h["since"])
             assert since <= int(h["updated"]) <= time.time() + 1
             assert rc.smembers(f"pageshare:feedback:{key}:hosts") == {b"hostA"}
+            # What `pageshare list refine` reads of it: the same.
+            hs = refine_feedback.decode(rc.hgetall(f"pageshare:feedback:{key}:hostA"), key, "hostA")
+            assert {b: (g, r, f) for b, g, r, f in hs.records()} == want
+            assert (hs.guests, hs.since) == (2, since)
             assert (fb["blocks"], fb["guests"], fb["read_back"]) == (
                 5, 2, "nothing published before")
 
