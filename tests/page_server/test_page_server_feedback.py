@@ -307,3 +307,36 @@ def test_garbage_in_redis_and_a_flood_of_distinct_blocks(
             assert published(rc, key, "hostB")["guests"] == b"3"
         finally:
             s.stop(signal.SIGKILL)
+
+
+def test_redis_down_at_start_overwrites_nothing(
+        tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]) -> None:
+    """A server that starts while Redis is down counts, publishes nothing
+    until it could read its earlier summary back, then continues from it:
+    the first publish holds the earlier counts and the new ones."""
+    raw, sl, key = image
+    listed = {s // 8 for s in sl.blocks}
+    a, b = [x for x in range(2048) if x not in listed][:2]
+    with redis_server(tmp_path) as rd:
+        rc = redis.Redis.from_url(rd.url)
+        earlier = RECORD.pack(a, 4, 40, 0) + RECORD.pack(b, 1, 1, 0)
+        rc.hset(f"pageshare:feedback:{key}:hostC", mapping={
+            "host": "hostC", "image": key, "since": "1000", "updated": "2000", "guests": "5",
+            "version": "1", "blocks": earlier})
+        rd.stop()    # appendonly: the hash is there when it comes back
+        s = server(tmp_path, raw, rd.url, "hostC")
+        try:
+            guest([{"sock": str(s.sock("x")), "msgs": [["reads", 1, [[a, 2]]]]}])
+            wait_counted(s, "x", 1)
+            wait_for(lambda: feedback(s, "x")["publish"]["failures"] >= 3, 20, "failures")
+            fb = feedback(s, "x")
+            assert not fb["continued"] and fb["read_back"] == "pending"
+            assert fb["publish"]["publishes"] == 0
+            rd.start()
+            fb = wait_published(s, "x", 0, 30)
+            assert fb["read_back"] == "continued from 2 blocks, 5 guests since 1000"
+            h = published(rc, key, "hostC")
+            assert decode(h["blocks"]) == {a: (5, 42, 0), b: (1, 1, 0)}
+            assert (h["since"], h["guests"]) == (b"1000", b"6")
+        finally:
+            s.stop(signal.SIGKILL)
