@@ -20,6 +20,10 @@ in the same process tree so that they see the same machine:
               request is served by process_vm_readv(2) from the server
               instead of a read (the merged read, in its stock-kernel form)
 
+With --counting both, every filter graph also runs with count-reads=off
+(as "<graph>:off"), interleaved with the others, and a last table gives
+the cost of the filter's read counting per graph (on against off).
+
 Two bases:
 
   shm     the overlay (no backing file in its header) over a raw copy of
@@ -92,6 +96,9 @@ def main() -> int:
     ap.add_argument("--count-direct", type=int, default=10_000, help="requests per run (none)")
     ap.add_argument("--json", type=Path, help="also write the raw samples here")
     ap.add_argument("--only", choices=["shm", "qcow2"], help="one base only")
+    ap.add_argument("--counting", choices=["on", "off", "both"], default="on",
+                    help="the filter's count-reads option (both: each graph with and "
+                         "without, compared at the end)")
     a = ap.parse_args()
 
     from pageshare import sectorlist
@@ -147,15 +154,21 @@ def main() -> int:
 
         def variants(on_shm: bool) -> dict[str, str]:
             sfx = "-shm" if on_shm else ""
-            return {
-                "none": spec(None, on_shm),
-                "no-table": spec({"server": str(tmp / "absent.sock"),
-                                  "reconnect-delay": "0"}, on_shm),
-                "not-listed": spec({"server": str(server.sock("one" + sfx))}, on_shm),
-                "not-ram": spec({"server": str(server.sock("all" + sfx))}, on_shm),
-                "copy": spec({"server": str(server.sock("all" + sfx)), "mode": "copy",
-                              "x-any-buffer": "on"}, on_shm),
+            graphs: dict[str, dict[str, str]] = {
+                "no-table": {"server": str(tmp / "absent.sock"), "reconnect-delay": "0"},
+                "not-listed": {"server": str(server.sock("one" + sfx))},
+                "not-ram": {"server": str(server.sock("all" + sfx))},
+                "copy": {"server": str(server.sock("all" + sfx)), "mode": "copy",
+                         "x-any-buffer": "on"},
             }
+            out = {"none": spec(None, on_shm)}
+            for name, ps in graphs.items():
+                if a.counting in ("on", "off"):
+                    out[name] = spec({**ps, "count-reads": a.counting}, on_shm)
+                else:
+                    out[name] = spec({**ps, "count-reads": "on"}, on_shm)
+                    out[name + ":off"] = spec({**ps, "count-reads": "off"}, on_shm)
+            return out
 
         samples: dict[str, dict[str, dict[str, list[float]]]] = {}
         counts: dict[str, int] = {}
@@ -180,18 +193,33 @@ def main() -> int:
                 print(f"[bench] {key} round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
 
         print(f"qemu-img bench -c N -d 1 -s 4096 -S 4096 (aio=threads), 64 MiB qcow2 base, "
-              f"empty overlay, {a.rounds} interleaved rounds; us per request")
+              f"empty overlay, {a.rounds} interleaved rounds; us per request; "
+              f"count-reads={a.counting}")
         for key, s in samples.items():
             print(f"\n{key} (N={counts[key]} requests per run)")
-            print(f"{'graph':<11} {'wall med':>8} {'wall min':>8} {'d med':>7} {'d med %':>8} "
+            print(f"{'graph':<14} {'wall med':>8} {'wall min':>8} {'d med':>7} {'d med %':>8} "
                   f"{'cpu med':>8} {'cpu min':>8} {'d med':>7} {'d med %':>8}")
             wref = statistics.median(s["wall"]["none"])
             cref = statistics.median(s["cpu"]["none"])
             for v in s["wall"]:
                 w, c = statistics.median(s["wall"][v]), statistics.median(s["cpu"][v])
-                print(f"{v:<11} {w:8.3f} {min(s['wall'][v]):8.3f} {w - wref:+7.3f} "
+                print(f"{v:<14} {w:8.3f} {min(s['wall'][v]):8.3f} {w - wref:+7.3f} "
                       f"{(w / wref - 1) * 100:+7.1f}% {c:8.3f} {min(s['cpu'][v]):8.3f} "
                       f"{c - cref:+7.3f} {(c / cref - 1) * 100:+7.1f}%")
+        if a.counting == "both":
+            print("\nthe cost of counting: each graph with count-reads=on against =off "
+                  "(medians; the same rounds)")
+            print(f"{'base':<22} {'graph':<11} {'cpu on':>8} {'cpu off':>8} {'d':>7} {'d %':>7} "
+                  f"{'wall d':>7} {'wall d %':>8}")
+            for key, s in samples.items():
+                for v in [x for x in s["cpu"] if x + ":off" in s["cpu"]]:
+                    c_on = statistics.median(s["cpu"][v])
+                    c_off = statistics.median(s["cpu"][v + ":off"])
+                    w_on = statistics.median(s["wall"][v])
+                    w_off = statistics.median(s["wall"][v + ":off"])
+                    print(f"{key:<22} {v:<11} {c_on:8.3f} {c_off:8.3f} {c_on - c_off:+7.3f} "
+                          f"{(c_on / c_off - 1) * 100:+6.1f}% {w_on - w_off:+7.3f} "
+                          f"{(w_on / w_off - 1) * 100:+7.1f}%")
         if a.json:
             a.json.write_text(json.dumps(samples, indent=1))
     finally:
