@@ -135,7 +135,7 @@ impl Publisher {
                         key,
                         image_blocks,
                     } => self.read_back(image, &name, &key, image_blocks),
-                    Cmd::Publish(s) if latest.get(&s.image) == Some(&i) => self.publish(&s),
+                    Cmd::Publish(s) if latest.get(&s.image) == Some(&i) => self.publish(*s),
                     Cmd::Publish(_) => {}
                     Cmd::Shutdown { done: d } => done = Some(d),
                 }
@@ -204,15 +204,15 @@ impl Publisher {
         });
     }
 
-    fn publish(&mut self, s: &Snapshot) {
-        let key = &s.summary.image;
+    fn publish(&mut self, mut s: Snapshot) {
+        let key = s.summary.image.clone();
         if !s.continued {
             // Not merged yet: read back first (again, if Redis was down).
-            self.read_back(s.image, &s.name, key, s.image_blocks);
+            self.read_back(s.image, &s.name, &key, s.image_blocks);
             return;
         }
-        let hash = hash_key(&self.cfg.prefix, key, &self.host);
-        let hosts = hosts_key(&self.cfg.prefix, key);
+        let hash = hash_key(&self.cfg.prefix, &key, &self.host);
+        let hosts = hosts_key(&self.cfg.prefix, &key);
         let fields = s.summary.fields();
         let bytes: usize = fields.iter().map(|(_, v)| v.len()).sum();
         let mut pipe = redis::pipe();

@@ -175,9 +175,10 @@ pub fn decode(bytes: &[u8], image_blocks: u64) -> Result<Vec<Record>, BadSummary
 }
 
 impl Summary {
-    /// The hash's fields, in the order they are written.
-    pub fn fields(&self) -> Vec<(&'static str, Vec<u8>)> {
-        let mut records = self.records.clone();
+    /// The hash's fields, in the order they are written (the records are
+    /// sorted in place: no copy of a million of them).
+    pub fn fields(&mut self) -> Vec<(&'static str, Vec<u8>)> {
+        let blocks = encode(&mut self.records);
         vec![
             ("host", self.host.clone().into_bytes()),
             ("image", self.image.clone().into_bytes()),
@@ -185,7 +186,7 @@ impl Summary {
             ("updated", self.updated.to_string().into_bytes()),
             ("guests", self.guests.to_string().into_bytes()),
             ("version", VERSION.to_string().into_bytes()),
-            ("blocks", encode(&mut records)),
+            ("blocks", blocks),
         ]
     }
 
@@ -268,7 +269,8 @@ mod tests {
     }
 
     fn as_map(s: &Summary) -> HashMap<String, Vec<u8>> {
-        s.fields()
+        s.clone()
+            .fields()
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect()
