@@ -249,7 +249,8 @@ impl Tally {
     /// About how many bytes the tally holds (hash tables at 7/8 load, one
     /// control byte per bucket).
     pub fn memory_bytes(&self) -> usize {
-        let table = |cap: usize, slot: usize| (cap * 8 / 7 + 1).next_power_of_two() * (slot + 1);
+        let table =
+            |cap: usize, slot: usize| (cap * 8).div_ceil(7).next_power_of_two() * (slot + 1);
         table(self.entries.capacity(), size_of::<(u64, Entry)>())
             + self.slab.capacity() * size_of::<[u16; PER_BLOCK]>()
             + self.free.capacity() * size_of::<u32>()
