@@ -42,6 +42,8 @@
 #define PST_MSG_BYE 3u
 #define PST_MSG_SWITCHED 16u
 #define PST_MSG_STATS 17u
+#define PST_MSG_READS 18u
+#define PST_MSG_LISTED_READ 19u
 
 struct pst_header {            /* little endian, 128 bytes */
 	char magic[8];

@@ -162,7 +162,8 @@ def layout_sizes(fields: list[Field]) -> list[tuple[int, int]]:
 
 def test_the_document_is_consistent() -> None:
     p = protocol()
-    assert p.image_messages == {"TABLE": 1, "NO_TABLE": 2, "BYE": 3, "SWITCHED": 16, "STATS": 17}
+    assert p.image_messages == {"TABLE": 1, "NO_TABLE": 2, "BYE": 3, "SWITCHED": 16, "STATS": 17,
+                                "READS": 18, "LISTED_READ": 19}
     assert p.control_messages == {"STATUS_REQ": 32, "STATUS_REPLY": 33,
                                   "RELOAD_REQ": 34, "RELOAD_REPLY": 35}
     for rows, size in [(p.table_msg, p.table_msg_size), (p.header, p.header_size)]:
