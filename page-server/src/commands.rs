@@ -65,6 +65,7 @@ fn control_path(socket: &ControlSocket) -> Result<PathBuf, ConfigError> {
 pub fn check_config(file: &Path) -> Result<i32, ConfigError> {
     let c = config::Config::load(file)?;
     println!("{}: ok, {} image(s)", file.display(), c.images.len());
+    println!("{}", feedback_line(&c));
     // Not a configuration error: the host may install one before starting.
     match c.qemu_storage_daemon() {
         Ok(qsd) => println!("images are read with {}", qsd.display()),
@@ -132,6 +133,21 @@ pub fn check_list(files: &[String], as_json: bool) -> i32 {
         0
     } else {
         1
+    }
+}
+
+/// What `check-config` says of feedback.
+fn feedback_line(c: &config::Config) -> String {
+    let fb = &c.feedback;
+    if c.feedback_enabled() {
+        format!(
+            "feedback: what guests read is published to Redis every {} s, at most {} blocks per image",
+            fb.interval_secs, fb.max_blocks
+        )
+    } else if c.redis.is_none() {
+        "feedback: off (no [redis] section)".into()
+    } else {
+        "feedback: off (feedback.enabled = false)".into()
     }
 }
 
@@ -218,6 +234,20 @@ fn human_status(v: &serde_json::Value) -> String {
 mod tests {
     use super::{human_feedback, human_status};
     use serde_json::json;
+
+    #[test]
+    fn check_config_says_whether_feedback_is_on() {
+        let path = std::env::temp_dir().join(format!("pageshare-fb-{}.toml", std::process::id()));
+        let line = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            super::feedback_line(&crate::config::Config::load(&path).unwrap())
+        };
+        let redis = "[redis]\nurl = \"redis://127.0.0.1/\"\n";
+        assert_eq!(line(""), "feedback: off (no [redis] section)");
+        assert_eq!(line(&format!("{redis}[feedback]\nenabled = false\n")), "feedback: off (feedback.enabled = false)");
+        assert!(line(redis).contains("every 60 s, at most 1048576 blocks per image"));
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn the_feedback_line_says_what_was_counted_and_published() {
