@@ -416,8 +416,12 @@ def test_the_qemu_filter_copies_the_document() -> None:
     src = "".join(files.values())
     d = c_defines(src, "PS_")
     msgs = {k.removeprefix("MSG_"): v for k, v in d.items()
-            if k.startswith("MSG_") and k != "MSG_MAX_PAYLOAD"}
+            if k.startswith("MSG_") and k not in ("MSG_MAX_PAYLOAD", "MSG_MAX_SEND")}
     assert msgs == p.image_messages
+    # what the filter sends is at most what the document says a server takes
+    doc = (REPO / "page-server/PROTOCOL.md").read_text()
+    doc_max = one(r"client -> server: at most (\d+)", doc, "")
+    assert d["MSG_MAX_SEND"] == int(doc_max)
     assert d["TABLE_MSG_VERSION"] == p.table_msg_version
     assert d["TABLE_MSG_SIZE"] == p.table_msg_size
     assert d["FLAG_DEGRADED"] == p.flag_degraded
