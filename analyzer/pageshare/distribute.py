@@ -36,12 +36,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from pageshare import sectorlist
 from pageshare.errors import RaisingArgumentParser, UsageError, UserError, print_error
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 log.addHandler(logging.NullHandler())
@@ -66,6 +67,9 @@ class Store:
 
     def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX,
                  timeout: float = 5.0) -> None:
+        # redis is imported where Redis is talked to, so that `pageshare list
+        # show|verify` (which import refine's defaults) run without it.
+        import redis
         self.url = url
         self.prefix = prefix
         try:
@@ -79,6 +83,7 @@ class Store:
         return ":".join((self.prefix, *parts))
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        import redis
         try:
             return fn(*args)
         except redis.exceptions.ConnectionError as e:

@@ -41,8 +41,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from .distribute import Store
 from .errors import PageshareError
 
@@ -187,6 +185,7 @@ def _host_of(store: Store, image_key: str, key: str) -> str:
 
 def _hgetall(store: Store, key: str) -> dict[Any, Any] | str:
     """The hash, or what is wrong with the key (e.g. not a hash) as a string."""
+    import redis
     try:
         h: dict[Any, Any] = store.r.hgetall(key)
         return h
