@@ -1,6 +1,8 @@
 """Helpers for the QEMU pageshare filter tests: the patched build, a
-long-lived qemu-io driven through its command prompt, hexdump parsing, and
-a model of the disk chain.  (No tests here.)"""
+long-lived qemu-io driven through its command prompt, hexdump parsing, a
+model of the disk chain, and a golden image booted through the filter
+(its -blockdev graph and command line, its serial log, the filter's
+statistics).  (No tests here.)"""
 
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pageshare.image_inspect import Inspection
+from pageshare.qmp import QMP
+from pageshare.workload import FW_CFG_NAME, kernel_cmdline
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_PY = REPO / "qemu-patches" / "build.py"
@@ -59,6 +65,66 @@ def qemu_build() -> QemuBuild:
             pytest.fail(f"qemu-patches/build.py failed:\n{p.stderr[-4000:]}")
         _build = QemuBuild(Path(p.stdout.strip().splitlines()[-1]))
     return _build
+
+
+def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
+    """-blockdev JSON for overlay <- pageshare filter (node "ps") <- qcow2
+    base, as the README shows; the guest's disk is node "ovl"."""
+    nodes = [
+        {"driver": "file", "node-name": "base-file", "filename": str(base), "read-only": True},
+        {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
+        {"driver": "pageshare", "node-name": "ps", "file": "base", "read-only": True,
+         "server": str(sock), **ps},
+        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"},
+    ]
+    return [arg for n in nodes for arg in ("-blockdev", json.dumps(n))]
+
+
+def ps_stats(qmp: QMP) -> dict[str, int]:
+    """The filter's counters (booleans as 0/1, the driver name dropped)."""
+    for s in qmp.command("query-blockstats", **{"query-nodes": True}):
+        if s.get("node-name") == "ps":
+            return {k: int(v) for k, v in s["driver-specific"].items() if k != "driver"}
+    raise AssertionError("no stats for node ps")
+
+
+def guest_cmd(q: QemuBuild, insp: Inspection, accel: str, *, serial: Path, qmp: Path,
+              workload: Path, disks: Sequence[str]) -> list[str]:
+    """qemu-system for a golden image booted with its own kernel, running
+    WORKLOAD (fw_cfg, pageshare.workload) and writing its console to
+    SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
+    virtio-blk reads land in buffers the filter accepts as guest RAM (no
+    x-any-buffer).  DISKS: the -blockdev (and other) arguments of its disks;
+    the guest's disks are the "-device" entries among them."""
+    cmd = [q.qemu_system, "-machine", f"q35,accel={accel},memory-backend=pc.ram",
+           "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
+           "-m", "1024M", "-smp", "1",
+           "-cpu", "host" if accel == "kvm" else "max,la57=off",
+           "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
+           "-serial", f"file:{serial}", *disks,
+           "-qmp", f"unix:{qmp},server=on,wait=off",
+           "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
+           "-fw_cfg", f"name={FW_CFG_NAME},file={workload}"]
+    if insp.initrd:
+        cmd += ["-initrd", str(insp.initrd)]
+    return cmd
+
+
+def serial_until(proc: subprocess.Popen[bytes], serial: Path, qlog: Path, marker: str,
+                 timeout: float = 300) -> str:
+    """The guest's serial log once it holds MARKER.  Fails if QEMU exits
+    (with its log), the guest panics, or TIMEOUT passes: under TCG the small
+    image is ready in 20-60 s, and a guest that got bad data hangs or panics."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while marker not in text:
+        assert proc.poll() is None, qlog.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, f"no {marker} from the guest:\n" + text[-3000:]
+        assert "Kernel panic" not in text, "guest panicked:\n" + text[-3000:]
+        time.sleep(1)
+        text = serial.read_text(errors="replace") if serial.exists() else ""
+    return text
 
 
 def image_opts(overlay: Path | None, base: Path, *, server: Path | None,

@@ -17,7 +17,6 @@ it put listed blocks into guest RAM.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import signal
@@ -40,30 +39,10 @@ from pageshare import golden, sectorlist
 from pageshare.image_inspect import inspect_image
 from pageshare.qmp import QMP
 from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
-from qemu_helpers import qemu_build
+from pageshare.workload import Markers, Workload, script
+from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
-
-
-def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
-    nodes = [
-        {"driver": "file", "node-name": "base-file", "filename": str(base), "read-only": True},
-        {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
-        {"driver": "pageshare", "node-name": "ps", "file": "base", "read-only": True,
-         "server": str(sock), **ps},
-        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"},
-    ]
-    return [arg for n in nodes for arg in ("-blockdev", json.dumps(n))]
-
-
-def ps_stats(qmp: QMP) -> dict[str, int]:
-    """The filter's counters (booleans as 0/1, the driver name dropped)."""
-    for s in qmp.command("query-blockstats", **{"query-nodes": True}):
-        if s.get("node-name") == "ps":
-            return {k: int(v) for k, v in s["driver-specific"].items() if k != "driver"}
-    raise AssertionError("no stats for node ps")
 
 
 def kernel_has_merge_pages() -> bool:
@@ -124,19 +103,9 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
         accel, _ = choose_accel("auto", insp.kernel)
         serial = tmp_path / "serial.log"
         qmp_path = tmp_path / "qmp.sock"
-        cmd = [q.qemu_system, "-machine", f"q35,accel={accel},memory-backend=pc.ram",
-               "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
-               "-m", "1024M", "-smp", "1",
-               "-cpu", "host" if accel == "kvm" else "max,la57=off",
-               "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-               "-serial", f"file:{serial}",
-               *blockdev_args(image, ovl, sock, mode=mode, **{"reconnect-delay": 1}),
-               "-device", "virtio-blk-pci,drive=ovl",
-               "-qmp", f"unix:{qmp_path},server=on,wait=off",
-               "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
-               "-fw_cfg", f"name={FW_CFG_NAME},file={wl}"]
-        if insp.initrd:
-            cmd += ["-initrd", str(insp.initrd)]
+        cmd = guest_cmd(q, insp, accel, serial=serial, qmp=qmp_path, workload=wl, disks=[
+            *blockdev_args(image, ovl, sock, mode=mode, **{"reconnect-delay": 1}),
+            "-device", "virtio-blk-pci,drive=ovl"])
         qlog = tmp_path / "qemu.log"
         with open(qlog, "wb") as lf:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
@@ -154,16 +123,7 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
 
         t = threading.Thread(target=outage)
         t.start()
-        # Under TCG the small image is ready in 20-60 s; a guest that got bad
-        # data hangs or panics.
-        deadline = time.monotonic() + 300
-        text = ""
-        while markers.ready not in text:
-            assert proc.poll() is None, qlog.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "guest not ready:\n" + text[-3000:]
-            assert "Kernel panic" not in text, "guest panicked:\n" + text[-3000:]
-            time.sleep(1)
-            text = serial.read_text(errors="replace") if serial.exists() else ""
+        text = serial_until(proc, serial, qlog, markers.ready)
         t.join()
         # The guest may be done before the restarted server publishes (a
         # quiet host boots it in seconds): the filter must still reconnect.
