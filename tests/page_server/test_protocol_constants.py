@@ -419,8 +419,8 @@ def test_the_qemu_filter_copies_the_document() -> None:
             if k.startswith("MSG_") and k not in ("MSG_MAX_PAYLOAD", "MSG_MAX_SEND")}
     assert msgs == p.image_messages
     # what the filter sends is at most what the document says a server takes
-    doc = (REPO / "page-server/PROTOCOL.md").read_text()
-    doc_max = one(r"client -> server: at most (\d+)", doc, "")
+    protocol_md = (REPO / "page-server/PROTOCOL.md").read_text()
+    doc_max = one(r"client -> server: at most (\d+)", protocol_md, "")
     assert d["MSG_MAX_SEND"] == int(doc_max)
     assert d["TABLE_MSG_VERSION"] == p.table_msg_version
     assert d["TABLE_MSG_SIZE"] == p.table_msg_size
