@@ -27,7 +27,9 @@ Packages (``--list``):
   (``page-server/pageshare-server.service``, enabled on install but with
   ``ConditionPathExists=/etc/pageshare/server.toml``, so nothing runs until
   the operator writes the configuration), the example configuration as the
-  conffile ``/etc/pageshare/server.example.toml``, a manual page and the
+  conffile ``/etc/pageshare/server.example.toml``, the host settings KSM
+  ``run`` = 1 and khugepaged ``max_ptes_shared`` = 0 at boot
+  (``/usr/lib/tmpfiles.d/pageshare-server.conf``), a manual page and the
   README and protocol in ``/usr/share/doc/pageshare-server``.  The service
   runs as root with the capability bounding set the unit names
   (``CAP_DAC_READ_SEARCH``): no system user is created.  Its
@@ -265,6 +267,7 @@ PACKAGES: dict[str, Package] = {
             "usr/bin/pageshare-server",
             "usr/share/doc/pageshare-server/examples/unprivileged-qemu.conf",
             "lib/systemd/system/pageshare-server.service",
+            "usr/lib/tmpfiles.d/pageshare-server.conf",
             "etc/pageshare/server.example.toml",
             "usr/share/man/man8/pageshare-server.8.gz",
             "usr/share/doc/pageshare-server/README.md",

@@ -35,6 +35,9 @@ from urllib.parse import urlparse
 
 KSM_DIR = Path("/sys/kernel/mm/ksm")
 KHUGEPAGED_DIR = Path("/sys/kernel/mm/transparent_hugepage/khugepaged")
+# Where the pageshare-server package keeps the two settings above at boot
+# (packaging/pageshare-server/debian/pageshare-server.tmpfiles).
+TMPFILES = Path("/usr/lib/tmpfiles.d/pageshare-server.conf")
 DEFAULT_CONTROL = Path("/run/pageshare/control.sock")
 # page-server/PROTOCOL.md, control socket: STATUS_REQ (32) -> STATUS_REPLY (33, JSON).
 MSG_STATUS_REQ = 32
@@ -94,8 +97,9 @@ def check_ksm(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
         "ksm", "error", f"KSM is not in merge mode ({run} = {value}, not 1)",
         why="merge_pages fails with EOPNOTSUPP unless ksmd runs in merge mode: the filter "
             "falls back to copying and guests share no pages",
-        fix=f"echo 1 > {run} (and keep it so across boots, e.g. a tmpfiles.d or sysfs.conf "
-            "entry); pages_to_scan may stay 0 if only merge_pages should merge",
+        fix=f"echo 1 > {run}; the pageshare-server package sets it at every boot "
+            f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
+            "pages_to_scan may stay 0 if only merge_pages should merge",
         details={"run": value})
 
 
@@ -118,8 +122,9 @@ def check_khugepaged(khugepaged_dir: Path = KHUGEPAGED_DIR) -> Iterator[Finding]
             "them: the server's pages the filter merged become private copies again (the "
             "filter's booted-guest test: 65 of 448 after three scans), until ksmd merges "
             "them once more",
-        fix=f"echo 0 > {knob} (and keep it so across boots, e.g. the tmpfiles.d line "
-            f"`w {knob} - - - - 0`); guest RAM without shared pages still gets huge pages",
+        fix=f"echo 0 > {knob}; the pageshare-server package sets it at every boot "
+            f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
+            "guest RAM without shared pages still gets huge pages",
         details={"max_ptes_shared": int(value) if value.isdigit() else value})
 
 

@@ -112,6 +112,7 @@ def test_ksm_run_state() -> None:
             assert (rc, rc_j, k["severity"]) == (2, 2, "error")
             assert k["details"]["run"] == "0" and "EOPNOTSUPP" in k["why"]
             assert "echo 1 > /sys/kernel/mm/ksm/run" in k["fix"]
+            assert "systemd-tmpfiles --create pageshare-server.conf" in k["fix"]
 
             KSM_RUN.write_text("1\n")
             rc, text = host_check(*args)
@@ -139,6 +140,7 @@ def test_khugepaged_max_ptes_shared() -> None:
         assert (rc, rc_j, k["severity"]) == (1, 1, "warning")
         assert k["details"]["max_ptes_shared"] == 256 and "unshare" in k["what"]
         assert f"echo 0 > {MAX_PTES_SHARED}" in k["fix"]
+        assert "/usr/lib/tmpfiles.d/pageshare-server.conf" in k["fix"]
 
         MAX_PTES_SHARED.write_text("0\n")
         rc, text = host_check(*args)

@@ -15,7 +15,9 @@ as it would from Debian's archive on a host.
 The host drives the guest through a small shell agent on a virtio-serial
 port (delivered by fw_cfg, like the analysis workloads) and checks from
 outside what an operator would: the package installs enabled but starts
-nothing until /etc/pageshare/server.toml exists; ``systemd-analyze
+nothing until /etc/pageshare/server.toml exists; it sets KSM's run = 1 and
+khugepaged's max_ptes_shared = 0 at install and at boot (tmpfiles.d), and
+an operator's /etc/tmpfiles.d copy overrides them; ``systemd-analyze
 verify`` of the installed unit passes; ``systemctl start`` returns once the
 server sent READY=1 and it then serves the first list; ``systemctl reload``
 switches to a new list the server's inotify did not see (the list's
@@ -124,6 +126,25 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     assert "Setting up pageshare-server" in out, out
     assert g.ok("command -v qemu-storage-daemon").strip() == "/usr/bin/qemu-storage-daemon"
     lap("install")
+
+    # Host settings: applied at install, and again at every boot by
+    # systemd-tmpfiles-setup.service (restarted here instead of a reboot).
+    ksm_run = "/sys/kernel/mm/ksm/run"
+    ptes = "/sys/kernel/mm/transparent_hugepage/khugepaged/max_ptes_shared"
+    assert g.ok("test -f /usr/lib/tmpfiles.d/pageshare-server.conf && echo y").strip() == "y"
+    assert g.ok(f"cat {ksm_run} {ptes}").split() == ["1", "0"]
+    g.ok(f"echo 0 > {ksm_run} && echo 256 > {ptes}")
+    assert g.ok(f"cat {ksm_run} {ptes}").split() == ["0", "256"]
+    g.ok("systemctl restart systemd-tmpfiles-setup.service")
+    assert g.ok(f"cat {ksm_run} {ptes}").split() == ["1", "0"]
+    # An operator's copy in /etc replaces the package's.
+    g.ok("sed 's/max_ptes_shared - - - - 0/max_ptes_shared - - - - 7/' "
+         "/usr/lib/tmpfiles.d/pageshare-server.conf > /etc/tmpfiles.d/pageshare-server.conf && "
+         "systemd-tmpfiles --create pageshare-server.conf && "
+         "rm /etc/tmpfiles.d/pageshare-server.conf")
+    assert g.ok(f"cat {ptes}").strip() == "7"
+    g.ok("systemd-tmpfiles --create pageshare-server.conf")
+    assert g.ok(f"cat {ptes}").strip() == "0"
 
     # Installed: enabled, but nothing runs until /etc/pageshare/server.toml exists.
     assert g.ok("systemctl is-enabled pageshare-server").strip() == "enabled"
