@@ -506,23 +506,13 @@ impl Arena {
     /// leave behind).  Safe at any time: the range faults before and after.
     fn reserve(&self, lo: u64, hi: u64) -> Result<(), VmError> {
         let (addr, len) = (self.addr(lo) as usize, ((hi - lo) as usize) * PAGE_SIZE);
+        // Never over a lost range; the rest is a PROT_NONE part of our own
+        // mapping that holds nothing (the caller holds the lock: no fill
+        // can run).
         for (addr, len) in self.unlost(addr, len) {
-            // SAFETY: MAP_FIXED over a PROT_NONE part of our own mapping
-            // that holds nothing (the caller holds the lock: no fill can
-            // run), never over a lost range.
-            let p = unsafe {
-                libc::mmap(
-                    addr as *mut libc::c_void,
-                    len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                    -1,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                let what = format!("mmap(MAP_FIXED, PROT_NONE) of {} bytes at {addr:#x} of the arena", len);
-                let e = VmError::new(what, std::io::Error::last_os_error());
+            if let Err(e) = map_reservation(addr, len) {
+                let what = format!("mmap(MAP_FIXED, PROT_NONE) of {len} bytes at {addr:#x} of the arena");
+                let e = VmError::new(what, e);
                 // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
                 return Err(e.then(self.rereserve(addr, len)));
             }
@@ -629,18 +619,7 @@ impl Drop for Arena {
         // addresses stay taken for the life of the process (never reused).
         // Lost ranges are someone else's now: left alone.
         for (addr, len) in self.unlost(self.base, self.len) {
-            // SAFETY: MAP_FIXED over our own mapping only.
-            let p = unsafe {
-                libc::mmap(
-                    addr as *mut libc::c_void,
-                    len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                    -1,
-                    0,
-                )
-            };
-            if p != libc::MAP_FAILED {
+            if map_reservation(addr, len).is_ok() {
                 continue;
             }
             // Could not re-reserve: make it inaccessible, then drop the
@@ -657,6 +636,26 @@ impl Drop for Arena {
             }
         }
     }
+}
+
+/// Replace `addr..addr + len`, a range of an arena's own mapping outside
+/// its lost ranges, by a fresh PROT_NONE reservation (MAP_FIXED).
+fn map_reservation(addr: usize, len: usize) -> std::io::Result<()> {
+    // SAFETY: MAP_FIXED over the caller's own mapping only (see above).
+    let p = unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Is `addr..addr + len` wholly covered by PROT_NONE private mappings that
