@@ -47,6 +47,21 @@ def file_blocks(raw: Path, path: str) -> list[int]:
     return [int(x) for x in debugfs(raw, f"blocks {path}").split()]
 
 
+def nonzero_file_blocks(raw: Path, files: list[str]) -> dict[int, str]:
+    """Every non-zero 4 KiB block of FILES in the image (debugfs's block
+    map), as block -> sha256 of its bytes."""
+    out: dict[int, str] = {}
+    zero = bytes(4096)
+    with open(raw, "rb") as r:
+        for f in files:
+            for b in file_blocks(raw, f):
+                r.seek(b * 4096)
+                data = r.read(4096)
+                if data != zero:
+                    out[b] = hashlib.sha256(data).hexdigest()
+    return out
+
+
 def file_sha256(raw: Path, path: str, tmp: Path) -> str:
     out = tmp / "dump"
     subprocess.run(["debugfs", "-R", f"dump {path} {out}", str(raw)], check=True,

@@ -24,7 +24,6 @@ a small second disk that the guest polls (guest_phases).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -34,7 +33,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from guest_phases import file_blocks, file_sha256, hashes, regular_files, signal_guest, wait_for
+from guest_phases import (
+    file_sha256,
+    hashes,
+    nonzero_file_blocks,
+    regular_files,
+    signal_guest,
+    wait_for,
+)
 from listed_blocks import every_listed_block_is_the_images, list_verifies
 from page_server_helpers import (
     ImageSpec,
@@ -68,21 +74,6 @@ HOST = "feedback-host"
 BURST_READ = "cat {files} > /dev/null"
 TRACE_READ = re.compile(r"bdrv_co_preadv_part bs (0x[0-9a-f]+) offset (\d+) bytes (\d+)")
 TRACE_CONNECT = re.compile(r"pageshare_connect bs (0x[0-9a-f]+) server ")
-
-
-def nonzero_file_blocks(raw: Path, files: list[str]) -> dict[int, str]:
-    """Every non-zero 4 KiB block of FILES in the image (debugfs's block
-    map), as block -> sha256 of its bytes."""
-    out: dict[int, str] = {}
-    zero = bytes(4096)
-    with open(raw, "rb") as r:
-        for f in files:
-            for b in file_blocks(raw, f):
-                r.seek(b * 4096)
-                data = r.read(4096)
-                if data != zero:
-                    out[b] = hashlib.sha256(data).hexdigest()
-    return out
 
 
 class ReadTrace:

@@ -16,7 +16,6 @@ it put listed blocks into guest RAM.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from guest_phases import file_blocks, file_sha256, regular_files
+from guest_phases import file_sha256, nonzero_file_blocks, regular_files
 from page_server_helpers import (
     ImageSpec,
     Server,
@@ -69,14 +68,7 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
     # The list: the first 20000 non-zero blocks (file system metadata, early
     # files) and every block of the chosen files.
     blocks = nonzero_blocks(raw, 20000)
-    zero = bytes(4096)
-    with open(raw, "rb") as r:
-        for f in files:
-            for b in file_blocks(raw, f):
-                r.seek(b * 4096)
-                data = r.read(4096)
-                if data != zero:
-                    blocks[b * 8] = hashlib.sha256(data).hexdigest()
+    blocks.update({b * 8: h for b, h in nonzero_file_blocks(raw, files).items()})
     lst = tmp_path / "small.pcsl"
     make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name), blocks, lst)
 
