@@ -57,7 +57,8 @@ DEFAULT_VERSION = os.environ.get("PAGESHARE_QEMU_VERSION", "")  # "" = newest 1:
 
 # Debian packages needed to build (checked with dpkg-query, installed if root).
 BUILD_DEPS = ["gcc", "make", "ninja-build", "pkg-config", "python3-venv", "dpkg-dev", "git",
-              "flex", "bison", "libglib2.0-dev", "libpixman-1-dev", "zlib1g-dev", "xz-utils",
+              "flex", "bison", "libglib2.0-dev", "libpixman-1-dev", "zlib1g-dev", "libzstd-dev",
+              "xz-utils",
               # firmware for qemu-system (the +ds source has no blobs): Debian's
               "seabios", "qemu-system-data"]
 FIRMWARE_DIRS = ["/usr/share/seabios", "/usr/share/qemu", "/usr/lib/ipxe/qemu"]
@@ -74,6 +75,8 @@ CONFIGURE = [
     "--disable-docs", "--disable-user", "--disable-guest-agent", "--disable-plugins",
     "--disable-rust", "--disable-download", "--disable-qom-cast-debug",
     "--audio-drv-list=", "--enable-trace-backends=log", "--disable-install-blobs",
+    # multifd's zstd compression, what operators migrate with on slow links
+    "--enable-zstd",
 ]
 TARGETS = ["qemu-img", "qemu-io", "qemu-nbd", "storage-daemon/qemu-storage-daemon",
            "qemu-system-x86_64"]
