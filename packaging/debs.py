@@ -20,9 +20,14 @@ Packages (``--list``):
   notebook in ``/usr/share/pageshare/notebooks`` (``pageshare report``),
   manual pages made by help2man from ``--help``, and
   ``pageshare-libvirt-watch.service``, enabled but run only where libvirtd
-  and python3-libvirt are installed.  The wheels are downloaded before the
-  build (into the source tree's ``vendor/``, pip's cache in the package
-  cache), so dpkg-buildpackage runs offline.
+  and python3-libvirt are installed, the libvirt qemu hook
+  ``/etc/libvirt/hooks/qemu.d/pageshare`` (the filter on a live migration's
+  destination; the postinst reloads a running libvirtd, which looks for
+  hooks only when it starts or reloads) and their configuration
+  ``/etc/pageshare/libvirt.toml`` (every key commented out: the defaults).
+  The wheels are downloaded before the build (into the source tree's
+  ``vendor/``, pip's cache in the package cache), so dpkg-buildpackage runs
+  offline.
 - ``pageshare-server``: ``/usr/bin/pageshare-server``, its systemd unit
   (``page-server/pageshare-server.service``, enabled on install but with
   ``ConditionPathExists=/etc/pageshare/server.toml``, so nothing runs until
@@ -53,7 +58,7 @@ Packages (``--list``):
   or a script's command.  Its version is Debian's QEMU version with
   ``+pageshare<N>`` (``debian/changelog``'s revision: bump it when the
   series changes), so a rebuild on a newer Debian QEMU upgrades hosts.
-  Built on Debian 12 against its libc, GLib, pixman and zlib, it also
+  Built on Debian 12 against its libc, GLib, pixman, zlib and zstd, it also
   installs and runs on Debian 13, whose ``libglib2.0-0t64`` provides
   ``libglib2.0-0``.
 
@@ -223,6 +228,8 @@ PACKAGES: dict[str, Package] = {
         sources={
             "analyzer/pageshare": "analyzer/pageshare",
             "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
+            "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
+            "analyzer/libvirt.toml": "libvirt.toml",
             "crash-ext/pagescan.c": "crash-ext/pagescan.c",
             "crash-ext/Makefile": "crash-ext/Makefile",
             "notebooks/analysis.ipynb": "notebooks/analysis.ipynb",
@@ -241,11 +248,13 @@ PACKAGES: dict[str, Package] = {
             *(f"usr/lib/pageshare/python{v}/redis/__init__.py" for v in VENDOR_PYTHONS),
             "usr/share/pageshare/notebooks/analysis.ipynb",
             "lib/systemd/system/pageshare-libvirt-watch.service",
+            "etc/libvirt/hooks/qemu.d/pageshare",
+            "etc/pageshare/libvirt.toml",
             "usr/share/man/man1/pageshare.1.gz",
             "usr/share/man/man1/analyze-image.1.gz",
             "usr/share/doc/pageshare/copyright",
         ),
-        conffiles=(),
+        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"),
         needs_cargo=False,
         prepare=_pageshare_prepare,
         tools=("crash", "help2man", "python3-pip", "gcc"),

@@ -424,12 +424,25 @@ def record_bytes(test: str, refs: bool, info: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
+# QEMU features used together with block-refs: capabilities and parameters
+# set on both sides (references go on the main channel beside multifd's,
+# and keep xbzrle's cache right)
+WITH: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "plain": ([], {}),
+    "refs": ([], {}),
+    "refs-multifd": (["multifd"], {"multifd-channels": 2, "multifd-compression": "zstd"}),
+    "refs-xbzrle": (["xbzrle"], {"xbzrle-cache-size": 64 << 20}),
+}
+
+
+@pytest.mark.parametrize("variant", list(WITH))
 def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[[str], Rig],
-                                      refs: bool) -> None:
+                                      variant: str) -> None:
     """The filter in both graphs from the start; the guest dirties pages
     while it migrates and goes on on the destination, whose filter serves
-    its reads of the files after the migration."""
+    its reads of the files after the migration.  With block-refs alone and
+    together with multifd (zstd) and with xbzrle."""
+    refs = variant != "plain"
     if refs:
         require_refs(base.q)
     r = rig(workload(base.listed.files))
@@ -443,6 +456,13 @@ def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[
     assert src_before["merged"] > 0, src_before
 
     dst = r.vm("dst", graph, "-incoming", "defer")
+    caps, params = WITH[variant]
+    for vm in (src, dst):
+        if caps:
+            vm.qmp.command("migrate-set-capabilities",
+                           capabilities=[{"capability": c, "state": True} for c in caps])
+        if params:
+            vm.qmp.command("migrate-set-parameters", **params)
     first = max(heartbeats(src.text()), default=0)
     t0 = time.monotonic()
     start_migration(src, dst, f"unix:{tmp_path / 'mig.sock'}", refs=refs)
@@ -464,7 +484,35 @@ def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[
     assert dst_ps["merged"] > 0 and dst_ps["connected"] == 1, dst_ps
     if refs:
         refs_checks(info, src_ps, dst_ps)
-    record_bytes("filter-attached", refs, info)
+    if "multifd" in caps:
+        assert info["ram"]["multifd-bytes"] > 0, info
+    if "xbzrle" in caps:
+        assert "xbzrle-cache" in info, info
+    if variant in ("plain", "refs"):
+        record_bytes("filter-attached", refs, info)
+
+
+def test_refs_refused_with_features_that_place_pages() -> None:
+    """Postcopy, background snapshots and mapped-ram put pages in place by
+    their contents: QEMU refuses each together with block-refs, in either
+    order, and says which."""
+    q = qemu_build()
+    require_refs(q)
+    cmds: list[dict[str, Any]] = [{"execute": "qmp_capabilities"}]
+    for other in ("postcopy-ram", "background-snapshot", "mapped-ram"):
+        for pair in ((REFS, other), (other, REFS)):
+            cmds.append({"execute": "migrate-set-capabilities", "arguments": {
+                "capabilities": [{"capability": c, "state": True} for c in pair]}})
+    cmds.append({"execute": "quit"})
+    p = subprocess.run([q.qemu_system, "-M", "none", "-nodefaults", "-display", "none",
+                        "-qmp", "stdio"], input="".join(json.dumps(c) + "\n" for c in cmds),
+                       capture_output=True, text=True, timeout=60)
+    errors = [json.loads(ln)["error"]["desc"] for ln in p.stdout.splitlines()
+              if '"error"' in ln]
+    assert len(errors) == 6, p.stdout
+    for other, err in zip(("postcopy-ram", "background-snapshot", "mapped-ram"),
+                          errors[::2], strict=True):
+        assert REFS in err and other in err, err
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
@@ -656,8 +704,12 @@ def test_source_page_server_killed_mid_migration(tmp_path: Path, base: Base,
     killed: list[dict[str, Any]] = []
 
     def kill_server(info: dict[str, Any]) -> None:
-        if not killed and info.get("status") == "active" and \
-                info.get("ram", {}).get("transferred", 0) > 16 << 20:
+        # with refs: once some pages went as references, so that the
+        # migration has both kinds; without: after 16 MiB
+        ram = info.get("ram", {})
+        due = ram.get("block-ref-pages", 0) >= 2000 if refs else \
+            ram.get("transferred", 0) > 16 << 20
+        if not killed and info.get("status") == "active" and due:
             server.stop(signal.SIGKILL)
             killed.append(info)
 
@@ -707,6 +759,7 @@ def test_migrate_to_file_and_load(tmp_path: Path, base: Base, rig: Callable[[str
     assert src.exit_code() == 0
 
     if refs:
+        bad_streams(r, graph, state, base.raw.stat().st_size // 4096)
         dst = r.vm("dst", graph, "-incoming", "defer")
         dst.set_refs()
         dst.qmp.command("migrate-incoming", uri=f"file:{state}")
@@ -719,3 +772,61 @@ def test_migrate_to_file_and_load(tmp_path: Path, base: Base, rig: Callable[[str
     assert dst_ps["merged"] > 0, dst_ps
     if refs:
         refs_checks(info, src_ps, dst_ps)
+
+
+# A page sent as a reference: its header (page offset | RAM_SAVE_FLAG_BLOCK_REF
+# 0x100 | RAM_SAVE_FLAG_CONTINUE 0x20: same RAMBlock as the page before), the
+# be32 index of its image in the stream's table, the be64 block.
+REF_RECORD = 8 + 4 + 8
+
+
+def ref_records(data: bytes, nblocks: int) -> list[int]:
+    """Offsets of reference records in a migration stream: runs of at least
+    three back to back, each a CONTINUE header with the BLOCK_REF flag,
+    image 0 and a block of the image (a run of page data that looks like
+    that is practically impossible)."""
+    def looks(o: int) -> bool:
+        return (o + REF_RECORD <= len(data)
+                and int.from_bytes(data[o:o + 8], "big") & 0xfff == 0x120
+                and int.from_bytes(data[o + 8:o + 12], "big") == 0
+                and int.from_bytes(data[o + 12:o + 20], "big") < nblocks)
+    found = []
+    o = data.find(b"\x01\x20\x00\x00\x00\x00")   # low header bytes + index 0
+    while o >= 0:
+        start = o - 6
+        if start >= 0 and all(looks(start + k * REF_RECORD) for k in range(3)):
+            found.append(start)
+        o = data.find(b"\x01\x20\x00\x00\x00\x00", o + 1)
+    return found
+
+
+def bad_streams(r: Rig, graph: Sequence[str], state: Path, nblocks: int) -> None:
+    """A stream with a reference out of the image, one to an image the
+    stream did not name, and one cut in the middle of a reference: QEMU
+    loading each exits with an error that says what is wrong, and loads
+    nothing into a running guest."""
+    data = state.read_bytes()
+    refs = ref_records(data, nblocks)
+    assert len(refs) > 100, f"found {len(refs)} reference records in {state}"
+    o = refs[len(refs) // 2]
+    beyond = bytearray(data)
+    beyond[o + 12:o + 20] = (nblocks + 5).to_bytes(8, "big")
+    other = bytearray(data)
+    other[o + 8:o + 12] = (7).to_bytes(4, "big")
+    cases = {
+        "beyond-the-image": (bytes(beyond), f"refers to block {nblocks + 5} of disk image"),
+        "unnamed-image": (bytes(other), "refers to disk image 7; the stream named 1"),
+        "cut-short": (data[:o + 14], "load of migration failed"),
+    }
+    for name, (stream, want) in cases.items():
+        path = state.with_name(f"{name}.mig")
+        path.write_bytes(stream)
+        vm = r.vm(f"load-{name}", graph, "-incoming", "defer")
+        vm.set_refs()
+        vm.qmp.command("migrate-incoming", uri=f"file:{path}")
+        rc = vm.exit_code(timeout=120)
+        out = vm.log_text()
+        print(f"{name}: exit {rc}: {out.strip()[-400:]}")
+        assert rc != 0, out
+        assert want in out, out
+        path.unlink()
