@@ -35,7 +35,8 @@ QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin",   # what -M pc -nodefaults loa
 # The booted guest of the test (a guest kernel reading through the filter in
 # merge mode, nested under TCG): a small kernel of its own (config/guest.config:
 # Debian's generic kernel took over 7 minutes to boot nested) and an init that
-# reads the disk, checks what it read, writes a block and reads it back.
+# reads the disk, checks what it read (again after the test migrated it to a
+# second QEMU), writes a block and reads it back.
 GUEST_READ_BLOCKS = 1024         # the listed part of the payload image (blocks 0-1023)
 GUEST_WRITE_BLOCK = 5            # a listed block the guest overwrites with zeros
 GUEST_INIT = r"""#!/bin/busybox sh
@@ -56,6 +57,11 @@ dd if=/dev/vda of=/dev/null bs=4096 count=__BLOCKS__ 2>/dev/null
 sum=$(dd if=/dev/vda bs=4096 count=__BLOCKS__ 2>/dev/null | sha256sum)
 echo "GUEST-SHA256 ${sum%% *}"
 echo "GUEST-PHASE2 $(up)"
+# the test migrates the guest to a second QEMU now and says go there: the
+# checksum is then of the page cache pages the migration filled
+read -r -t 600 go
+sum=$(dd if=/dev/vda bs=4096 count=__BLOCKS__ 2>/dev/null | sha256sum)
+echo "GUEST-MIGRATED ${sum%% *} $(up)"
 read -r -t 600 go
 # a write into a merged block, then the block read back from the disk
 dd if=/dev/zero of=/dev/vda bs=4096 seek=__WBLOCK__ count=1 conv=fsync 2>/dev/null
