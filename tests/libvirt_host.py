@@ -9,9 +9,10 @@ driver (QEMU_CONF), or as Debian's libvirt runs it by default, as the
 libvirt-qemu user with the DAC driver (QEMU_CONF_UNPRIVILEGED); no cgroups
 either way: this host has no systemd to delegate cgroups.  Every domain is destroyed and libvirtd
 stopped when the test ends, on every exit path.  With it, the domain XML an
-operator would write (domain_xml, disk) and the filter's statistics through
-libvirt (filter_stats), for test_libvirt_watch.py and
-test_libvirt_unprivileged.py.
+operator would write (domain_xml, disk), the filter's statistics through
+libvirt (filter_stats) and `pageshare libvirt-watch` run from the checkout
+(start_watcher, WatchLog), for test_libvirt_watch.py,
+test_libvirt_unprivileged.py and test_libvirt_migrate.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from xml.sax.saxutils import escape
 
 from pageshare.workload import FW_CFG_NAME
 
+REPO = Path(__file__).resolve().parents[1]
 DIRS = {"etc": "/etc/libvirt", "run": "/run/libvirt", "lib": "/var/lib/libvirt",
         "log": "/var/log/libvirt", "cache": "/var/cache/libvirt"}
 
@@ -54,9 +57,11 @@ auth_unix_ro = "none"
 
 
 class PrivateLibvirtd:
-    def __init__(self, root: Path, qemu_conf: str = QEMU_CONF) -> None:
+    def __init__(self, root: Path, qemu_conf: str = QEMU_CONF,
+                 libvirtd_conf: str = LIBVIRTD_CONF) -> None:
         self.root = root
         self.qemu_conf = qemu_conf
+        self.libvirtd_conf = libvirtd_conf
         self.sock = root / "run" / "libvirt-sock"
         self.uri = f"qemu:///system?socket={self.sock}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -66,7 +71,7 @@ class PrivateLibvirtd:
         for d in DIRS:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "etc" / "qemu.conf").write_text(self.qemu_conf)
-        (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        (self.root / "etc" / "libvirtd.conf").write_text(self.libvirtd_conf)
         binds = "; ".join(f"mkdir -p {dst} && mount --bind {self.root / src} {dst}"
                           for src, dst in DIRS.items())
         script = (f"set -e; mount --make-rprivate /; {binds}; exec /usr/sbin/libvirtd "
@@ -121,11 +126,15 @@ def disk(path: Path, fmt: str, dev: str) -> str:
 
 
 def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
-               boot: dict[str, str] | None = None, fwcfg: Path | None = None) -> str:
-    """A domain an operator would define: TCG (type qemu), q35, virtio disks."""
+               boot: dict[str, str] | None = None, fwcfg: Path | None = None,
+               serial_append: bool = False) -> str:
+    """A domain an operator would define: TCG (type qemu), q35, virtio disks.
+    SERIAL_APPEND: QEMU appends to the serial log instead of truncating it
+    (a migration's destination on this host writes the same file)."""
     os_boot = ""
     if boot:
         os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
+    append = " append='on'" if serial_append else ""
     sysinfo = (f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' "
                f"file='{escape(str(fwcfg))}'/></sysinfo>" if fwcfg else "")
     return f"""<domain type='qemu'>
@@ -140,11 +149,53 @@ def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
   <devices>
     <emulator>{escape(emulator)}</emulator>
     {''.join(disks)}
-    <serial type='file'><source path='{escape(str(serial))}'/><target port='0'/></serial>
+    <serial type='file'><source path='{escape(str(serial))}'{append}/><target port='0'/></serial>
     <memballoon model='none'/>
   </devices>
 </domain>
 """
+
+
+class WatchLog:
+    """`pageshare libvirt-watch --json`'s lines, one attach (or note) each."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()
+                if line.startswith("{")]
+
+    def wait(self, domain: str, event: str, after: int = 0, timeout: float = 120
+             ) -> tuple[int, dict[str, Any]]:
+        """The first record for DOMAIN and EVENT after the first AFTER
+        records, and the number of records up to it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recs = self.records()
+            for i, r in enumerate(recs[after:], after):
+                if r["domain"] == domain and r["event"] == event:
+                    return i + 1, r
+            time.sleep(0.5)
+        raise AssertionError(f"no {event} record for {domain}: {self.records()}")
+
+
+def start_watcher(uri: str, out: Path, err: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`pageshare libvirt-watch --json ARGS` from the checkout, once it
+    listens to libvirt's events."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
+    seen = err.read_text().count("watching") if err.exists() else 0
+    with open(out, "ab") as o, open(err, "ab") as e:
+        w = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "libvirt-watch",
+                              "--connect", uri, "--json", *args], stdout=o, stderr=e, env=env,
+                             start_new_session=True)
+    deadline = time.monotonic() + 60
+    while err.read_text().count("watching") == seen:
+        assert w.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.2)
+    return w
 
 
 def filter_stats(lv: PrivateLibvirtd, domain: str, node: str) -> dict[str, Any]:

@@ -212,6 +212,24 @@ def has_driver(qmp: Monitor) -> bool:
     return False
 
 
+# The migration capability of qemu-patches 0006: pages that hold a listed
+# block travel as references to it (docs/ARCHITECTURE.md, "Live migration").
+BLOCK_REFS = "block-refs"
+
+
+def block_refs_state(qmp: Monitor) -> bool | None:
+    """Is the block-refs migration capability on (None: this QEMU has none)?"""
+    for c in qmp.command("query-migrate-capabilities"):
+        if c.get("capability") == BLOCK_REFS:
+            return bool(c.get("state"))
+    return None
+
+
+def set_block_refs(qmp: Monitor, on: bool) -> None:
+    qmp.command("migrate-set-capabilities", None,
+                capabilities=[{"capability": BLOCK_REFS, "state": on}])
+
+
 def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
     """-blockdev JSON definitions on a QEMU's command line, by node name."""
     if pid is None:
@@ -431,9 +449,10 @@ def connect_socket(path: Path, timeout: float) -> Iterator[QMP]:
         q.close()
 
 
-def attach(opts: Options) -> dict[str, Any]:
+def attach(opts: Options, monitor: Monitor | None = None) -> dict[str, Any]:
+    """Attach as OPTS say, over MONITOR if given (else a connection of its own)."""
     result: dict[str, Any] = {"action": "attach", "qmp": opts.target, "drives": []}
-    with connect(opts) as q:
+    with contextlib.nullcontext(monitor) if monitor is not None else connect(opts) as q:
         if not has_driver(q):
             raise AttachError(
                 "no-driver", "this QEMU has no pageshare block driver; nothing changed",
@@ -621,11 +640,30 @@ def detach(opts: Options) -> dict[str, Any]:
                 for d in result["drives"]:
                     if d["filter"] == f:
                         d.setdefault("warnings", []).append(f"filter node {f} not deleted: {e}")
+        # no filter left: no block references either (a QEMU without pageshare
+        # refuses a stream that has them), and libvirt's domain loses its mark
+        if not any(n.drv == "pageshare" for n in read_graph(q).nodes.values()):
+            _unmark(q, result)
     failed = [d for d in result["drives"] if d["result"] == "failed"]
     result["ok"] = not failed
     if failed:
         result["error"] = failed[0]["error"]
     return result
+
+
+def _unmark(q: Monitor, result: dict[str, Any]) -> None:
+    try:
+        if block_refs_state(q):
+            set_block_refs(q, False)
+            result["block_refs"] = "turned off"
+        if isinstance(q, LibvirtQMP):
+            q.set_metadata(None)
+    except QMPError as e:
+        result.setdefault("warnings", []).append(
+            f"block-refs not turned off: {e}; a migration to a host without pageshare "
+            "fails (the guest stays here): `virsh qemu-monitor-command DOMAIN "
+            "'{\"execute\": \"migrate-set-capabilities\", \"arguments\": "
+            "{\"capabilities\": [{\"capability\": \"block-refs\", \"state\": false}]}}'`")
 
 
 def status(opts: Options) -> dict[str, Any]:
@@ -697,6 +735,10 @@ def render_text(r: dict[str, Any]) -> str:
                 lines.append(f"  hint: {e['hint']}")
         for w in d.get("warnings", []):
             lines.append(f"  warning: {w}")
+    if r.get("block_refs") == "turned off":
+        lines.append("no filter left: the migration capability block-refs is off again")
+    for w in r.get("warnings", []):
+        lines.append(f"warning: {w}")
     if not r["drives"] and r["ok"]:
         lines.append("no overlay over a base image in this QEMU")
     if not r["ok"]:
@@ -753,8 +795,11 @@ what it does:
   node, printing what the filter did while attached.  Pages already merged
   stay in guest RAM as ordinary copy-on-write pages.  Run it before migrating
   the VM to a host without pageshare (the destination QEMU must be able to
-  open the same graph).  Idempotent: a drive without the filter is left as
-  it is.
+  open the same graph).  Once no filter is left, the migration capability
+  block-refs is turned off too (a QEMU without pageshare refuses a stream
+  with it), and a libvirt domain loses the mark libvirt-watch gave it (its
+  <metadata>), so that no destination's hook attaches the filter again.
+  Idempotent: a drive without the filter is left as it is.
 
 exit status: 0 every selected drive detached (or had no filter), 1 QEMU
 refused (the filter stays, the VM keeps running), 2 usage.

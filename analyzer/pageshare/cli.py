@@ -179,6 +179,7 @@ commands:
   detach QMP [--json]   take it out again (e.g. before migrating to a host without pageshare)
   attach --libvirt DOMAIN    the same for a libvirt domain (through libvirtd)
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
+  libvirt-hook ...      libvirt's qemu hook: the filter on a migration's destination
   report [--analysis ID]     run the results notebook headless on analyze-image's results
 
 Run `pageshare COMMAND --help` for details.
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "libvirt-watch":
         from . import libvirt_watch
         return libvirt_watch.main(rest)
+    if cmd == "libvirt-hook":
+        from . import libvirt_hook
+        return libvirt_hook.main(rest)
     print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -25,6 +25,14 @@ from .qmp import QMPError
 
 DEFAULT_URI = "qemu:///system"
 
+# The element libvirt-watch keeps in a domain's <metadata> (live definition
+# only) once the filter is attached: <pageshare:filter block-refs="on|off"/>.
+# It travels with the domain when it migrates; the destination's hook
+# (libvirt_hook.py) reads it.
+METADATA_NS = "https://pageshare.invalid/libvirt/1"
+METADATA_KEY = "pageshare"
+METADATA_ELEMENT = "filter"
+
 
 class LibvirtUnavailable(PageshareError, RuntimeError):
     """The binding is missing, or libvirtd or the domain cannot be reached."""
@@ -105,6 +113,20 @@ class LibvirtQMP:
 
     def peer_pid(self) -> int | None:
         return qemu_pid(self._dom.UUIDString())
+
+    def set_metadata(self, block_refs: bool | None) -> None:
+        """Mark the running domain (its live definition) as one whose filter
+        pageshare attached, with block references on or off; None removes
+        the mark."""
+        libvirt, _ = load_libvirt()
+        xml = (None if block_refs is None else
+               f'<{METADATA_ELEMENT} block-refs="{"on" if block_refs else "off"}"/>')
+        try:
+            self._dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, xml,
+                                  METADATA_KEY, METADATA_NS,
+                                  libvirt.VIR_DOMAIN_AFFECT_LIVE)
+        except self._error as e:
+            raise QMPError(f"setting the domain's metadata: {e.get_error_message()}") from None
 
     def close(self) -> None:
         self._conn.close()

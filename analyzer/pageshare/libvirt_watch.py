@@ -18,6 +18,19 @@ disk: their pages stay private copies until read again).
 
 Attaches run one at a time in a worker thread, so the event loop keeps
 reading events while QEMU answers; each opens its own connection.
+
+Live migration.  After each attach the watcher sets the migration
+capability block-refs as this host's configuration says (block_refs in
+/etc/pageshare/libvirt.toml, or --block-refs; off by default: a destination
+without pageshare refuses such a stream) and marks the domain in its live
+<metadata> (libvirt_qmp.METADATA_NS) with that setting.  The mark travels
+with the domain, and the destination's libvirt hook (libvirt_hook.py) reads
+it to attach the filter there before the guest runs, with block-refs on if
+the source has it.  A domain that migrates in raises STARTED/MIGRATED while
+libvirt still holds it for the migration (monitor passthrough would wait
+for the migration's end): nothing is done then; on RESUMED/MIGRATED the
+attach runs as on a start (normally "already-attached": the hook did it),
+and the domain gets this host's block-refs setting for its next migration.
 """
 
 from __future__ import annotations
@@ -35,9 +48,15 @@ from typing import Any
 
 from . import attach
 from .errors import print_error
-from .hostcheck import DEFAULT_CONTROL
-from .libvirt_qmp import DEFAULT_URI, LibvirtUnavailable, load_libvirt, running_domains
-from .qmp import QMPError
+from .libvirt_config import DEFAULT_CONFIG, ConfigError, load
+from .libvirt_qmp import (
+    DEFAULT_URI,
+    LibvirtQMP,
+    LibvirtUnavailable,
+    load_libvirt,
+    running_domains,
+)
+from .qmp import Monitor, QMPError
 
 RECONNECT_SECONDS = 5.0
 STOP = ""                              # the worker's end-of-queue mark
@@ -45,6 +64,8 @@ STOP = ""                              # the worker's end-of-queue mark
 
 def _line(domain: str, why: str, r: dict[str, Any]) -> str:
     """One line per drive, as an operator reads it in the journal."""
+    if r.get("action") == "note":
+        return f"pageshare libvirt-watch: {domain}: {r['note']} [{why}]"
     parts = []
     for d in r.get("drives", []):
         res = d.get("result", "?")
@@ -63,13 +84,21 @@ def _line(domain: str, why: str, r: dict[str, Any]) -> str:
         err = r.get("error") or {}
         parts.append(f"{domain}: not attached: {err.get('message', 'no drive')}"
                      + (f" (hint: {err['hint']})" if err.get("hint") else ""))
+    mig = r.get("migration")
+    if mig:
+        refs = mig.get("block-refs")
+        parts.append(f"{domain}: for migrations: block-refs "
+                     + ("not in this QEMU" if refs is None else "on" if refs else "off")
+                     + (f"; not set: {mig['error']}" if mig.get("error") else ""))
     return "\n".join(f"pageshare libvirt-watch: {p} [{why}]" for p in parts)
 
 
 class Watcher:
     def __init__(self, uri: str, control: Path, mode: str | None, timeout: float,
-                 emit: Callable[[str, str, dict[str, Any]], None]) -> None:
+                 emit: Callable[[str, str, dict[str, Any]], None],
+                 block_refs: bool = False) -> None:
         self.uri, self.control, self.mode, self.timeout = uri, control, mode, timeout
+        self.block_refs = block_refs
         self.emit = emit
         self.todo: queue.Queue[tuple[str, str]] = queue.Queue()
         self.stopping = threading.Event()
@@ -79,7 +108,10 @@ class Watcher:
         opts = attach.Options(None, [], self.control, mode=self.mode, timeout=self.timeout,
                               libvirt=domain, uri=self.uri)
         try:
-            r = attach.attach(opts)
+            with attach.connect(opts) as q:
+                r = attach.attach(opts, q)
+                if r["ok"]:
+                    r["migration"] = self.prepare_migration(q)
         except attach.AttachError as e:
             r = {"action": "attach", "qmp": opts.target, "drives": [], "ok": False,
                  "error": e.to_json()}
@@ -89,6 +121,25 @@ class Watcher:
                            "hint": "nothing was changed; the message is QEMU's own"}}
         self.emit(domain, why, r)
         return r
+
+    def prepare_migration(self, q: Monitor) -> dict[str, Any]:
+        """block-refs as this host says, and the domain's mark that the
+        destination's hook reads (libvirt_hook.py)."""
+        out: dict[str, Any] = {"block-refs": None}
+        try:
+            state = attach.block_refs_state(q)
+            if state is not None and state != self.block_refs:
+                attach.set_block_refs(q, self.block_refs)
+                state = self.block_refs
+            out["block-refs"] = state
+            if isinstance(q, LibvirtQMP):
+                q.set_metadata(bool(state))
+        except QMPError as e:
+            out["error"] = str(e)
+        return out
+
+    def note(self, domain: str, why: str, text: str) -> None:
+        self.emit(domain, why, {"action": "note", "drives": [], "ok": True, "note": text})
 
     def _work(self) -> None:
         while True:
@@ -118,9 +169,18 @@ class Watcher:
                 continue
             closed = threading.Event()
 
-            def on_event(_conn: Any, dom: Any, event: int, _detail: int, _opaque: Any) -> None:
+            def on_event(_conn: Any, dom: Any, event: int, detail: int, _opaque: Any) -> None:
                 if event == libvirt.VIR_DOMAIN_EVENT_STARTED:
-                    self.todo.put((dom.name(), "started"))
+                    if detail == libvirt.VIR_DOMAIN_EVENT_STARTED_MIGRATED:
+                        # libvirt holds the domain until the migration ends
+                        self.note(dom.name(), "started-migrated",
+                                  "migrating in: the libvirt hook attaches the filter "
+                                  "before the guest runs here; checked once it resumes")
+                    else:
+                        self.todo.put((dom.name(), "started"))
+                elif (event == libvirt.VIR_DOMAIN_EVENT_RESUMED
+                      and detail == libvirt.VIR_DOMAIN_EVENT_RESUMED_MIGRATED):
+                    self.todo.put((dom.name(), "resumed-migrated"))
 
             def on_close(_conn: Any, _reason: int, flag: threading.Event) -> None:
                 flag.set()
@@ -128,7 +188,9 @@ class Watcher:
             conn.registerCloseCallback(on_close, closed)
             cb = conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE,
                                              on_event, None)
-            print(f"pageshare libvirt-watch: watching {self.uri}", file=sys.stderr, flush=True)
+            print(f"pageshare libvirt-watch: watching {self.uri} (block-refs "
+                  f"{'on' if self.block_refs else 'off'} for migrations from here)",
+                  file=sys.stderr, flush=True)
             try:
                 for name in running_domains(self.uri):
                     self.todo.put((name, "running"))
@@ -161,6 +223,21 @@ what it does:
   JSON object per attach).  It reconnects when libvirtd restarts.  Run by
   systemd as pageshare-libvirt-watch.service.
 
+live migration: after each attach block-refs is set as configured (block_refs
+in /etc/pageshare/libvirt.toml, or --block-refs; default off) and the domain
+is marked in its <metadata>; the mark travels with the domain, and the libvirt
+hook of the destination host (/etc/libvirt/hooks/qemu.d/pageshare) attaches
+the filter there before the guest runs, with block-refs on if the source
+uses it.  Turn block_refs on only where every host a domain may migrate to
+runs pageshare and its hook (else the migration fails, and the guest stays
+on the source); and not where domains are saved with `virsh save`,
+managedsave (libvirt-guests) or memory snapshots: libvirt restores those
+with the stream already flowing, before any hook can add the filter, so an
+image with references cannot be restored.  `pageshare detach --libvirt
+DOMAIN` turns block-refs off for that domain.  A domain migrating in is
+left alone until it resumes (libvirt holds it); then the attach runs as on
+a start ("already-attached": the hook did it).
+
 requirements: QEMU must be the patched one (<emulator> in the domain XML),
 and allowed to read the page server's memory.  QEMU run as root (qemu.conf
 user) is, with the server's default unit.  QEMU run as libvirt's unprivileged
@@ -175,6 +252,7 @@ examples:
   pageshare libvirt-watch                 # in the foreground, one line per drive
   pageshare libvirt-watch --json          # the same as JSON objects, for scripts
   pageshare libvirt-watch --mode copy     # hosts without the kernel series
+  pageshare libvirt-watch --block-refs    # migrations from here send block references
   pageshare libvirt-watch --connect 'qemu:///system?socket=/run/libvirt/libvirt-sock'
 """
 
@@ -186,11 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--connect", metavar="URI", default=DEFAULT_URI,
                    help=f"libvirt's URI (default {DEFAULT_URI})")
-    p.add_argument("--control", type=Path, default=DEFAULT_CONTROL, metavar="PATH",
-                   help=f"the page server's control socket (default {DEFAULT_CONTROL})")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help=f"the host's pageshare libvirt configuration, shared with the libvirt "
+                        f"hook (default {DEFAULT_CONFIG}, if it exists); the options below "
+                        "override it")
+    p.add_argument("--control", type=Path, metavar="PATH",
+                   help="the page server's control socket (default /run/pageshare/control.sock)")
     p.add_argument("--mode", choices=("merge", "copy"),
                    help="the filter's mode: merge (default) or copy (testing, stock kernels)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per QMP command")
+    p.add_argument("--block-refs", action=argparse.BooleanOptionalAction, default=None,
+                   help="live migrations from this host send listed pages as block "
+                        "references (QEMU capability block-refs; default off)")
+    p.add_argument("--timeout", type=float, help="seconds per QMP command (default 30)")
     p.add_argument("--json", action="store_true", help="one JSON object per attach on stdout")
     return p
 
@@ -206,7 +291,14 @@ def main(argv: list[str]) -> int:
             print(_line(domain, why, r), flush=True)
 
     try:
-        w = Watcher(args.connect, args.control, args.mode, args.timeout, emit)
+        cfg = load(args.config or DEFAULT_CONFIG, required=args.config is not None)
+    except ConfigError as e:
+        print_error(str(e), prog="pageshare libvirt-watch")
+        return 1
+    try:
+        w = Watcher(args.connect, args.control or cfg.control, args.mode or cfg.mode,
+                    args.timeout or cfg.timeout, emit,
+                    cfg.block_refs if args.block_refs is None else args.block_refs)
 
         def stop(_sig: int, _frame: object) -> None:
             w.stopping.set()

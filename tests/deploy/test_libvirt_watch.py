@@ -16,18 +16,22 @@ already attached; SIGTERM ends the watcher.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from guest_phases import hashes, list_files, phase, signal_guest, wait_for
-from libvirt_host import PrivateLibvirtd, disk, domain_xml, filter_stats
+from libvirt_host import (
+    PrivateLibvirtd,
+    WatchLog,
+    disk,
+    domain_xml,
+    filter_stats,
+    start_watcher,
+)
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.image_inspect import inspect_image
@@ -35,47 +39,6 @@ from pageshare.workload import Markers, Workload, kernel_cmdline, script
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-class WatchLog:
-    """The watcher's --json lines, one attach each."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()
-                if line.startswith("{")]
-
-    def wait(self, domain: str, event: str, after: int = 0, timeout: float = 120
-             ) -> tuple[int, dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            recs = self.records()
-            for i, r in enumerate(recs[after:], after):
-                if r["domain"] == domain and r["event"] == event:
-                    return i + 1, r
-            time.sleep(0.5)
-        raise AssertionError(f"no {event} attach for {domain}: {self.records()}")
-
-
-def start_watcher(uri: str, control: Path, out: Path, err: Path) -> subprocess.Popen[bytes]:
-    """The watcher, once it listens to libvirt's events."""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    seen = err.read_text().count("watching") if err.exists() else 0
-    with open(out, "ab") as o, open(err, "ab") as e:
-        w = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "libvirt-watch",
-                              "--connect", uri, "--control", str(control), "--mode", "copy",
-                              "--json"], stdout=o, stderr=e, env=env, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while err.read_text().count("watching") == seen:
-        assert w.poll() is None and time.monotonic() < deadline, err.read_text()
-        time.sleep(0.2)
-    return w
 
 
 def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
@@ -114,6 +77,7 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
     lv = PrivateLibvirtd(tmp_path / "libvirt")
     watchers: list[subprocess.Popen[bytes]] = []
     out, err = tmp_path / "watch.jsonl", tmp_path / "watch.err"
+    watch_args = ("--control", str(server.control), "--mode", "copy")
     log = WatchLog(out)
     server.start()
     try:
@@ -122,7 +86,7 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
         for name, xml in (("ps-guest", guest), ("ps-other", other)):
             (tmp_path / f"{name}.xml").write_text(xml)
             lv.virsh("define", str(tmp_path / f"{name}.xml"))
-        watchers.append(start_watcher(lv.uri, server.control, out, err))
+        watchers.append(start_watcher(lv.uri, out, err, *watch_args))
 
         def boot_and_check(after: int) -> int:
             serial.unlink(missing_ok=True)
@@ -167,7 +131,7 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
         watchers[0].send_signal(signal.SIGTERM)
         assert watchers[0].wait(30) == 0, err.read_text()
         n = len(log.records())
-        watchers.append(start_watcher(lv.uri, server.control, out, err))
+        watchers.append(start_watcher(lv.uri, out, err, *watch_args))
         _, r = log.wait("ps-guest", "running", n)
         assert r["ok"] and r["drives"][0]["result"] == "already-attached", r
         _, r = log.wait("ps-other", "running", n)

@@ -16,7 +16,9 @@ a real dump in test_drgn_backend.py.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +43,17 @@ def test_the_package_holds_what_it_should() -> None:
     assert "Recommends:" in control and "python3-libvirt" in control
     unit = debs.deb_member(deb, "lib/systemd/system/pageshare-libvirt-watch.service")
     assert "ExecStart=/usr/bin/pageshare libvirt-watch" in unit
+    # the libvirt hook and the configuration it shares with libvirt-watch:
+    # conffiles, the hook executable, calling the installed pageshare
+    conffiles = debs.deb_control_file(deb, "conffiles").split()
+    assert {"/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"} \
+        <= set(conffiles), conffiles
+    hook = debs.deb_member(deb, "etc/libvirt/hooks/qemu.d/pageshare")
+    assert "PAGESHARE=/usr/bin/pageshare" in hook and "libvirt-hook" in hook
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True,
+                             check=True).stdout
+    assert re.search(r"^-rwxr-xr-x .* \./etc/libvirt/hooks/qemu\.d/pageshare$", listing, re.M)
+    assert "try-reload-or-restart" in debs.deb_control_file(deb, "postinst")
     assert (deb.parent / "lintian.txt").exists()
 
 
@@ -84,6 +97,15 @@ def test_installed_by_apt_and_run_from_the_package(
     r = json.loads(p.stdout)
     assert not r["ok"] and r["error"]["kind"] == "qemu-refused", r
     assert "Traceback" not in p.stderr, p.stderr
+
+    # the libvirt hook as libvirtd runs it: a call that is not pageshare's
+    # returns at once; a migrating domain pageshare never marked is left
+    # as it is (nothing printed: libvirt keeps its XML)
+    hook = "/etc/libvirt/hooks/qemu.d/pageshare"
+    p = root.run(f"{hook} vm1 prepare begin - </dev/null && echo '<domain><name>vm1</name>"
+                 f"</domain>' | {hook} vm1 migrate begin - && pageshare libvirt-hook --help")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("usage: pageshare libvirt-hook"), p.stdout
 
     # the host check: no server here, so it exits 2, with JSON that says so
     p = root.run("pageshare host check --json")
