@@ -382,8 +382,14 @@ def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Pat
         assert after["last-merge-errno"] != 0, after
 
         proxy.release.set()                # the filter hears TABLE 2 and BYE, reconnects
-        wait_for(lambda: vm.stats()["connected"] and vm.stats().get("generation") == 2, 30,
-                 "the filter reconnects and gets generation 2")
+
+        def reconnected() -> bool:
+            # a new connection: TABLE 2 arrives on the old one too, just
+            # before its BYE, and reads in between go to disk
+            now = vm.stats()
+            return bool(now["connected"] and now.get("generation") == 2
+                        and now["connects"] > after["connects"])
+        wait_for(reconnected, 30, "the filter reconnects and gets generation 2")
         assert vm.wrong_blocks(expect("A")) == []
         assert vm.stats()["merged"] == after["merged"] + len(kept)
     finally:
