@@ -75,11 +75,20 @@ def export(cover: Path | None) -> None:
     text = cl.read_text()
     text = text.replace("*** SUBJECT HERE ***", subject)
     text = text.replace("*** BLURB HERE ***", blurb.rstrip("\n"))
+    # The cover letter's date is the newest commit's, not the export's.
+    date = git("log", "-1", "--format=%ad", "--date=rfc", capture=True).strip()
+    text = re.sub(r"^Date: .*$", f"Date: {date}", text, count=1, flags=re.M)
     cl.write_text(text)
+    # format-patch puts the time of the export into every Message-Id; the
+    # newest commit's time instead keeps an unchanged series byte for byte
+    # the same (and so build.py's key, and the diff).
+    stamp = git("log", "-1", "--format=%ct", capture=True).strip()
     for p in HERE.glob("0*.patch"):
         p.unlink()
     for p in sorted(out.glob("*.patch")):
-        (HERE / p.name).write_text(p.read_text())
+        text = re.sub(r"\.\d+\.git\.build@pageshare\.invalid>",
+                      f".{stamp}.git.build@pageshare.invalid>", p.read_text())
+        (HERE / p.name).write_text(text)
         print(p.name)
 
 
