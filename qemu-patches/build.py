@@ -3,6 +3,7 @@
 
     qemu-patches/build.py            # prints the directory holding bin/
     qemu-patches/build.py --print-env  # QEMU_IMG=... lines for tests
+    qemu-patches/build.py --stock    # the same source and configuration, no series
     qemu-patches/build.py --iotests [TEST ...]
 
 Steps, each resumable (a step's result is made under a temporary name and
@@ -15,15 +16,26 @@ renamed, or marked by a stamp written last; all of it under one lock):
    patches.  The tree becomes the single commit of a git repository: the
    base the series is applied to.
 2. series: ``git am`` of ``qemu-patches/0*.patch`` (the cover letter
-   excluded) in a throwaway clone of the base.
+   excluded) in a throwaway clone of the base.  With ``--stock`` there is
+   no series: the commit built is the base itself.
 3. build: one long-lived work tree per source version and configuration is
-   moved to the series commit with ``git checkout`` (only files that differ
-   are rewritten, so ninja rebuilds only what the series changed), configured
-   once (small build: x86_64-softmmu + tools, default features off) and built
-   with ninja for the five binaries the tests and iotests need.
+   moved to the series commit (or, ``--stock``, the base commit) with ``git
+   checkout`` (only files that differ are rewritten, so ninja rebuilds only
+   what the series changed), configured once (small build: x86_64-softmmu +
+   tools, default features off) and built with ninja for the five binaries
+   the tests and iotests need.  A stock build after a patched one thus
+   rebuilds only what the series touched, and the next patched build that
+   compiles checks the series out again in the same tree (about the same
+   cost back, once: warm runs of either do not touch the tree).
 4. install: the binaries are copied to ``<cache>/qemu/<key>/bin`` where key
-   hashes the source version, the configuration and the series.  A warm run
-   finds ``<key>/stamp`` and does nothing else.
+   hashes the source version, the configuration and the series (an empty
+   one for ``--stock``, so the stock build has a key of its own).  A warm
+   run finds ``<key>/stamp`` and does nothing else.
+
+``--stock`` is what the migration compatibility test runs against (a
+pageshare QEMU migrating to and from a QEMU without the series): the same
+Debian source, patches and configuration, so the series is the only
+difference; it is not Debian's binary package (other configuration).
 
 Cache: ``${PAGESHARE_CACHE:-~/.cache/pageshare}/qemu``.  Nothing is written
 to the git tree this script lives in.
@@ -258,7 +270,11 @@ def key_for(version: str, patches: list[Path]) -> str:
 
 def apply_series(base: Path, patches: list[Path], key: str) -> str:
     """git am the series in a throwaway clone; returns the commit id (the
-    objects are fetched into the base repo, so the clone can go)."""
+    objects are fetched into the base repo, so the clone can go).  No
+    patches (the stock build): the base commit."""
+    if not patches:
+        return run(["git", "-C", str(base), "rev-parse", "base^{commit}"],
+                   capture_output=True).stdout.strip()
     ref = f"refs/series/{key}"
     p = subprocess.run(["git", "-C", str(base), "rev-parse", "-q", "--verify", ref],
                        capture_output=True, text=True)
@@ -341,7 +357,7 @@ def install(work: Path, out: Path, version: str, commit: str, patches: list[Path
             if not (fw / f.name).exists():
                 (fw / f.name).symlink_to(f)
     info = {"version": version, "commit": commit, "work": str(work),
-            "series": [p.name for p in patches], "configure": CONFIGURE,
+            "series": [p.name for p in patches], "stock": not patches, "configure": CONFIGURE,
             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")
     (tmp / "stamp").write_text(commit + "\n")
@@ -350,12 +366,14 @@ def install(work: Path, out: Path, version: str, commit: str, patches: list[Path
 
 
 def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
-                 jobs: int | None = None) -> Path:
+                 jobs: int | None = None, stock: bool = False) -> Path:
+    """The install directory of the build (the series, or with STOCK none:
+    the base commit alone), built first unless a stamped one is there."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)
         apt = PrivateApt(CACHE / "apt")
-        patches = series()
+        patches = [] if stock else series()
         # Warm path: the newest source we already built this series for.
         if not refresh and not version:
             for info in sorted(CACHE.glob("*/info.json"), key=lambda p: p.stat().st_mtime,
@@ -370,6 +388,8 @@ def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
         if (out / "stamp").exists():
             return out
         t0 = time.monotonic()
+        if stock:
+            log(f"stock build: qemu {version} without the series")
         ensure_deps()
         python = ensure_pyvenv()
         base = ensure_base(apt, version)
@@ -402,12 +422,15 @@ def main() -> int:
     ap.add_argument("--refresh", action="store_true",
                     help="apt-get update the private index and re-resolve the version")
     ap.add_argument("-j", "--jobs", type=int)
+    ap.add_argument("--stock", action="store_true",
+                    help="build the same source and configuration without the series "
+                         "(the base commit; its own key, in the same work tree)")
     ap.add_argument("--print-env", action="store_true",
                     help="print QEMU_*=path lines (shell syntax) instead of the directory")
     ap.add_argument("--worktree", action="store_true",
                     help="print the source/build work tree of this build")
     a = ap.parse_args()
-    out = ensure_built(a.qemu_version, a.refresh, a.jobs)
+    out = ensure_built(a.qemu_version, a.refresh, a.jobs, stock=a.stock)
     if a.print_env:
         b = out / "bin"
         for var, name in [("QEMU_IMG", "qemu-img"), ("QEMU_IO", "qemu-io"),
