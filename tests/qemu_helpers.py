@@ -52,19 +52,20 @@ class QemuBuild:
         return data
 
 
-_build: QemuBuild | None = None
+_builds: dict[bool, QemuBuild] = {}
 
 
-def qemu_build() -> QemuBuild:
-    """The patched QEMU (qemu-patches/build.py; cached, a warm run is instant)."""
-    global _build
-    if _build is None:
-        p = subprocess.run([sys.executable, str(BUILD_PY)], capture_output=True, text=True,
-                           timeout=3 * 3600)
+def qemu_build(*, stock: bool = False) -> QemuBuild:
+    """The patched QEMU (qemu-patches/build.py; cached, a warm run is
+    instant); with STOCK the same source and configuration without the
+    series (build.py --stock)."""
+    if stock not in _builds:
+        argv = [sys.executable, str(BUILD_PY), *(["--stock"] if stock else [])]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=3 * 3600)
         if p.returncode != 0:
-            pytest.fail(f"qemu-patches/build.py failed:\n{p.stderr[-4000:]}")
-        _build = QemuBuild(Path(p.stdout.strip().splitlines()[-1]))
-    return _build
+            pytest.fail(f"{' '.join(argv[1:])} failed:\n{p.stderr[-4000:]}")
+        _builds[stock] = QemuBuild(Path(p.stdout.strip().splitlines()[-1]))
+    return _builds[stock]
 
 
 def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
@@ -90,14 +91,16 @@ def ps_stats(qmp: QMP) -> dict[str, int]:
 
 
 def guest_cmd(q: QemuBuild, insp: Inspection, accel: str, *, serial: Path, qmp: Path,
-              workload: Path, disks: Sequence[str]) -> list[str]:
+              workload: Path, disks: Sequence[str], machine: str = "q35") -> list[str]:
     """qemu-system for a golden image booted with its own kernel, running
     WORKLOAD (fw_cfg, pageshare.workload) and writing its console to
     SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
     virtio-blk reads land in buffers the filter accepts as guest RAM (no
     x-any-buffer).  DISKS: the -blockdev (and other) arguments of its disks;
-    the guest's disks are the "-device" entries among them."""
-    cmd = [q.qemu_system, "-machine", f"q35,accel={accel},memory-backend=pc.ram",
+    the guest's disks are the "-device" entries among them.  MACHINE: the
+    machine type (q35 is the newest pc-q35-*; a migration between two
+    builds names one)."""
+    cmd = [q.qemu_system, "-machine", f"{machine},accel={accel},memory-backend=pc.ram",
            "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
            "-m", "1024M", "-smp", "1",
            "-cpu", "host" if accel == "kvm" else "max,la57=off",
