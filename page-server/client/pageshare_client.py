@@ -21,7 +21,7 @@ import mmap
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -269,9 +269,13 @@ class PageshareClient:
         self.sock.sendall(frame(MSG_SWITCHED, struct.pack("<Q", generation)))
 
     def stats(self, generation: int, lookups: int, hits: int, merged: int, merge_errors: int,
-              fallbacks: int) -> None:
-        self.sock.sendall(frame(MSG_STATS, struct.pack(
-            "<6Q", generation, lookups, hits, merged, merge_errors, fallbacks)))
+              fallbacks: int, migration_refs: Sequence[int] | None = None) -> None:
+        """STATS; MIGRATION_REFS: sent, refused, merged, copied, read, failed
+        (None: the 48-byte message of a client without them)."""
+        payload = struct.pack("<6Q", generation, lookups, hits, merged, merge_errors, fallbacks)
+        if migration_refs is not None:
+            payload += struct.pack("<6Q", *migration_refs)
+        self.sock.sendall(frame(MSG_STATS, payload))
 
     def reads(self, generation: int, counts: list[tuple[int, int]] | dict[int, int],
               truncated: bool = False) -> None:

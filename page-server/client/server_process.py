@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,13 @@ class Server:
         assert k == psc.MSG_STATUS_REPLY
         data: dict[str, Any] = json.loads(body)
         return data
+
+    def metrics(self) -> str:
+        """The Prometheus text of its metrics endpoint."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text: str = r.read().decode()
+        return text
 
     def image(self, name: str) -> dict[str, Any]:
         img: dict[str, Any] = next(i for i in self.status()["images"] if i["name"] == name)

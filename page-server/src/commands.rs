@@ -220,6 +220,17 @@ fn human_status(v: &serde_json::Value) -> String {
             "  clients {} (waiting to switch {}), live generations {}; lookups {} hits {} merged {} merge errors {} fallbacks {}\n",
             i["clients"], i["clients_waiting_to_switch"], i["live_generations"], cs["lookups"], cs["hits"], cs["merged"], cs["merge_errors"], cs["fallbacks"]
         ));
+        // Only where a client migrated a guest by block reference: on most
+        // hosts they stay 0 and would only lengthen the status.
+        let refs = ["sent", "refused", "merged", "copied", "read", "failed"]
+            .map(|k| (k, cs[format!("migration_refs_{k}")].as_u64().unwrap_or(0)));
+        if refs.iter().any(|(_, n)| *n > 0) {
+            o.push_str("  migration references:");
+            for (k, n) in refs {
+                o.push_str(&format!(" {k} {n}"));
+            }
+            o.push('\n');
+        }
         if let Some(e) = i["last_error"].as_str().filter(|e| !e.is_empty()) {
             o.push_str(&format!("  last error: {e}\n"));
         }
@@ -292,5 +303,30 @@ mod tests {
             assert!(text.contains(want), "{want:?} not in:\n{text}");
         }
         assert!(!text.contains("last error: \n"), "an empty last error is not shown:\n{text}");
+    }
+
+    #[test]
+    fn human_status_shows_migration_references_where_there_were_any() {
+        let mut v = json!({
+            "version": "0.1.0", "pid": 42, "host": "h1", "uptime_seconds": 1.0, "degraded": false,
+            "memory": {"rss_bytes": 0, "loaded_bytes": 0}, "clients": 1,
+            "images": [{
+                "name": "deb", "state": "serving", "message": "", "path": "/img/deb.qcow2",
+                "socket": "/run/pageshare/deb.sock", "list_source": "file /l.pcsl",
+                "clients": 1, "clients_waiting_to_switch": 0, "live_generations": [1],
+                "client_stats": {"lookups": 5, "hits": 4, "merged": 3, "merge_errors": 0, "fallbacks": 1,
+                                 "migration_refs_sent": 0, "migration_refs_refused": 0,
+                                 "migration_refs_merged": 0, "migration_refs_copied": 0,
+                                 "migration_refs_read": 0, "migration_refs_failed": 0},
+            }],
+        });
+        let text = human_status(&v);
+        assert!(!text.contains("migration"), "{text}");
+        let cs = &mut v["images"][0]["client_stats"];
+        cs["migration_refs_copied"] = json!(700);
+        cs["migration_refs_read"] = json!(12);
+        let text = human_status(&v);
+        let want = "  migration references: sent 0 refused 0 merged 0 copied 700 read 12 failed 0";
+        assert!(text.contains(want), "{text}");
     }
 }

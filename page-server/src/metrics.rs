@@ -174,11 +174,43 @@ pub fn render(st: &Value) -> String {
     for (k, help) in [
         ("lookups", "Table lookups reported by clients."),
         ("hits", "Lookups that found the block."),
-        ("merged", "Pages merged into guests (merge_pages successes)."),
+        (
+            "merged",
+            "Pages merged into guests (merge_pages successes).",
+        ),
         ("merge_errors", "merge_pages failures."),
         ("fallbacks", "Reads that went to disk instead."),
+        (
+            "migration_refs_sent",
+            "Guest pages an outgoing migration sent as block references.",
+        ),
+        (
+            "migration_refs_refused",
+            "Guest pages an outgoing migration sent in full instead.",
+        ),
+        (
+            "migration_refs_merged",
+            "Block references an incoming migration merged.",
+        ),
+        (
+            "migration_refs_copied",
+            "Block references an incoming migration copied.",
+        ),
+        (
+            "migration_refs_read",
+            "Block references an incoming migration read from the base image.",
+        ),
+        (
+            "migration_refs_failed",
+            "Block references an incoming migration could not fill.",
+        ),
     ] {
-        metric(&format!("pageshare_client_{k}_total"), help, "counter", per(&|i| num(&i["client_stats"][k])));
+        metric(
+            &format!("pageshare_client_{k}_total"),
+            help,
+            "counter",
+            per(&|i| num(&i["client_stats"][k])),
+        );
     }
     if st["feedback"]["enabled"].as_bool().unwrap_or(false) {
         metric("pageshare_feedback_blocks", "Blocks in the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["blocks"])));
@@ -201,4 +233,43 @@ pub fn render(st: &Value) -> String {
         metric("pageshare_feedback_last_publish_time_seconds", "Unix time of the last feedback publish.", "gauge", per(&|i| num(&i["feedback"]["publish"]["last_publish"])));
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn client_counters_are_per_image_counters_with_help() {
+        let st = json!({
+            "version": "0.1.0", "host": "h1", "images": [{
+                "name": "deb", "generation": 3,
+                "client_stats": {"lookups": 5, "hits": 4, "merged": 3, "merge_errors": 0, "fallbacks": 1,
+                                 "migration_refs_sent": 900, "migration_refs_refused": 7,
+                                 "migration_refs_merged": 0, "migration_refs_copied": 850,
+                                 "migration_refs_read": 50, "migration_refs_failed": 0},
+            }],
+        });
+        let text = super::render(&st);
+        for want in [
+            "pageshare_client_lookups_total{image=\"deb\"} 5\n",
+            "# TYPE pageshare_client_migration_refs_sent_total counter\n",
+            "pageshare_client_migration_refs_sent_total{image=\"deb\"} 900\n",
+            "pageshare_client_migration_refs_refused_total{image=\"deb\"} 7\n",
+            "pageshare_client_migration_refs_merged_total{image=\"deb\"} 0\n",
+            "pageshare_client_migration_refs_copied_total{image=\"deb\"} 850\n",
+            "pageshare_client_migration_refs_read_total{image=\"deb\"} 50\n",
+            "pageshare_client_migration_refs_failed_total{image=\"deb\"} 0\n",
+        ] {
+            assert!(text.contains(want), "{want:?} not in:\n{text}");
+        }
+        // Every metric has its HELP and TYPE, once.
+        let types = text.lines().filter_map(|l| l.strip_prefix("# TYPE "));
+        for name in types.map(|l| l.split(' ').next().unwrap()) {
+            for what in ["HELP", "TYPE"] {
+                let line = format!("# {what} {name} ");
+                assert_eq!(text.matches(&line).count(), 1, "{line}");
+            }
+        }
+    }
 }

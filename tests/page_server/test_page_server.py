@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,15 +123,32 @@ def test_serves_exactly_the_listed_bytes_of_a_golden_image(
         listed = len(blocks) * 4096
         rss = rss_bytes(msg.server_pid)
         assert listed <= rss < listed + 24 * (1 << 20), (rss, listed)
-        # Client stats reach status and metrics.
+        # Client stats reach status and metrics: from a client without the
+        # migration counters (48 bytes: they are 0) ...
         c.stats(msg.generation, 100, 60, 0, 3, 40)
         wait_for(lambda: s.image("small")["client_stats"]["lookups"] == 100, 5, "stats")
-        def metrics() -> str | None:
-            url = f"http://127.0.0.1:{s.metrics_port}/metrics"
-            t: str = urllib.request.urlopen(url, timeout=5).read().decode()
-            return t if 'pageshare_client_lookups_total{image="small"} 100' in t else None
-        text = wait_for(metrics, 5, "metrics")
+        assert s.image("small")["client_stats"]["migration_refs_copied"] == 0
+        def metrics(want: str) -> str | None:
+            t = s.metrics()
+            return t if want in t else None
+        text = wait_for(lambda: metrics('pageshare_client_lookups_total{image="small"} 100'),
+                        5, "metrics")
         assert f'pageshare_image_blocks{{image="small"}} {len(blocks)}' in text
+        # ... and from one with them (96 bytes); the latest STATS counts.
+        c.stats(msg.generation, 110, 60, 0, 3, 50, migration_refs=[5, 1, 0, 700, 12, 0])
+        wait_for(lambda: s.image("small")["client_stats"]["lookups"] == 110, 5, "stats")
+        got = s.image("small")["client_stats"]
+        assert [got[f"migration_refs_{k}"] for k in
+                ("sent", "refused", "merged", "copied", "read", "failed")] == [5, 1, 0, 700, 12, 0]
+        text = wait_for(lambda: metrics(
+            'pageshare_client_migration_refs_copied_total{image="small"} 700'), 5, "metrics")
+        assert 'pageshare_client_migration_refs_read_total{image="small"} 12' in text
+        # A STATS of another length is a protocol error.
+        bad, _ = first_table(s.sock("small"))
+        with bad:
+            bad.sock.sendall(psc.frame(psc.MSG_STATS, bytes(56)))
+            bye = bad.recv()
+            assert isinstance(bye, psc.ByeMsg) and "STATS of 56 bytes" in bye.text, bye
     # The content hash is cached: a restart does not read the whole image again.
     s.stop()
     s.start()

@@ -11,31 +11,104 @@ use crate::feedback::tally::GuestId;
 use crate::proto::{self, *};
 use crate::table;
 use serde_json::{json, Value};
+use std::fmt;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-#[derive(Default, Clone, Copy)]
+/// STATS as clients from before the migration counters send it.
+const STATS_LEN_V1: usize = 48;
+/// STATS with the migration counters.  Longer ones are read too: what
+/// follows is for counters a later client may add.
+const STATS_LEN: usize = 96;
+
+/// What a client's latest STATS says: its counters since it connected.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct ClientCounters {
     pub(super) lookups: u64,
     pub(super) hits: u64,
     pub(super) merged: u64,
     pub(super) merge_errors: u64,
     pub(super) fallbacks: u64,
+    /// Live migration by block reference: guest pages sent as references
+    /// and sent in full instead (on a source), references filled by
+    /// merging, by copying, from the base image, and not at all (on a
+    /// destination).
+    pub(super) migration_refs_sent: u64,
+    pub(super) migration_refs_refused: u64,
+    pub(super) migration_refs_merged: u64,
+    pub(super) migration_refs_copied: u64,
+    pub(super) migration_refs_read: u64,
+    pub(super) migration_refs_failed: u64,
 }
 
+/// A STATS payload of a length no client sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BadStats {
+    pub(super) len: usize,
+}
+
+impl fmt::Display for BadStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "STATS of {} bytes (must be {STATS_LEN_V1}, or at least {STATS_LEN})",
+            self.len
+        )
+    }
+}
+
+impl std::error::Error for BadStats {}
+
 impl ClientCounters {
+    /// The counters of a STATS payload (PROTOCOL.md): the first 48 bytes
+    /// are those of every client; the migration counters that follow are
+    /// 0 for a client that does not send them.
+    pub(super) fn from_stats(p: &[u8]) -> Result<Self, BadStats> {
+        if p.len() != STATS_LEN_V1 && p.len() < STATS_LEN {
+            return Err(BadStats { len: p.len() });
+        }
+        // Field 0 is the generation the client uses, not a counter.
+        let field = |i: usize| u64_at(p, 8 * i).unwrap_or(0);
+        Ok(ClientCounters {
+            lookups: field(1),
+            hits: field(2),
+            merged: field(3),
+            merge_errors: field(4),
+            fallbacks: field(5),
+            migration_refs_sent: field(6),
+            migration_refs_refused: field(7),
+            migration_refs_merged: field(8),
+            migration_refs_copied: field(9),
+            migration_refs_read: field(10),
+            migration_refs_failed: field(11),
+        })
+    }
+
     pub(super) fn add(&mut self, o: &ClientCounters) {
         self.lookups += o.lookups;
         self.hits += o.hits;
         self.merged += o.merged;
         self.merge_errors += o.merge_errors;
         self.fallbacks += o.fallbacks;
+        self.migration_refs_sent += o.migration_refs_sent;
+        self.migration_refs_refused += o.migration_refs_refused;
+        self.migration_refs_merged += o.migration_refs_merged;
+        self.migration_refs_copied += o.migration_refs_copied;
+        self.migration_refs_read += o.migration_refs_read;
+        self.migration_refs_failed += o.migration_refs_failed;
     }
+
     pub(super) fn json(&self) -> Value {
         json!({"lookups": self.lookups, "hits": self.hits, "merged": self.merged,
-               "merge_errors": self.merge_errors, "fallbacks": self.fallbacks})
+               "merge_errors": self.merge_errors, "fallbacks": self.fallbacks,
+               "migration_refs_sent": self.migration_refs_sent,
+               "migration_refs_refused": self.migration_refs_refused,
+               "migration_refs_merged": self.migration_refs_merged,
+               "migration_refs_copied": self.migration_refs_copied,
+               "migration_refs_read": self.migration_refs_read,
+               "migration_refs_failed": self.migration_refs_failed})
     }
 }
 
@@ -304,22 +377,11 @@ impl Server {
                 c.held.retain(|g| g.number == gen);
                 c.waiting_since = None;
             }
-            MSG_STATS => {
-                let vals: Vec<u64> = (0..6).filter_map(|i| u64_at(p, 8 * i)).collect();
-                if vals.len() != 6 {
-                    self.bye(id, "protocol error: STATS needs 48 bytes");
-                    return true;
-                }
-                let c = self.clients.get_mut(&id).expect("present");
+            MSG_STATS => match ClientCounters::from_stats(p) {
                 // Cumulative per connection; keep the latest.
-                c.counters = ClientCounters {
-                    lookups: vals[1],
-                    hits: vals[2],
-                    merged: vals[3],
-                    merge_errors: vals[4],
-                    fallbacks: vals[5],
-                };
-            }
+                Ok(counters) => self.clients.get_mut(&id).expect("present").counters = counters,
+                Err(e) => self.bye(id, &format!("protocol error: {e}")),
+            },
             MSG_READS | MSG_LISTED_READ => self.feedback_message(id, kind, p),
             _ => return false,
         }
@@ -340,5 +402,79 @@ impl Server {
                 "did not acknowledge the new generation in time (limits.client_switch_timeout_secs); reconnect",
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BadStats, ClientCounters};
+
+    /// A STATS payload of `n` u64 fields 100, 101, ... (generation first).
+    fn stats(n: u64) -> Vec<u8> {
+        (100..100 + n).flat_map(u64::to_le_bytes).collect()
+    }
+
+    #[test]
+    fn stats_from_a_client_without_migration_counters_counts_them_as_0() {
+        let c = ClientCounters::from_stats(&stats(6)).unwrap();
+        let want = ClientCounters {
+            lookups: 101,
+            hits: 102,
+            merged: 103,
+            merge_errors: 104,
+            fallbacks: 105,
+            ..Default::default()
+        };
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn stats_with_migration_counters_and_fields_a_later_client_adds() {
+        let want = ClientCounters {
+            lookups: 101,
+            hits: 102,
+            merged: 103,
+            merge_errors: 104,
+            fallbacks: 105,
+            migration_refs_sent: 106,
+            migration_refs_refused: 107,
+            migration_refs_merged: 108,
+            migration_refs_copied: 109,
+            migration_refs_read: 110,
+            migration_refs_failed: 111,
+        };
+        assert_eq!(ClientCounters::from_stats(&stats(12)), Ok(want));
+        // Unknown trailing bytes, whole fields or not, are left alone.
+        assert_eq!(ClientCounters::from_stats(&stats(13)), Ok(want));
+        let mut odd = stats(12);
+        odd.push(7);
+        assert_eq!(ClientCounters::from_stats(&odd), Ok(want));
+        let j = want.json();
+        assert_eq!(j["migration_refs_sent"], 106);
+        assert_eq!(j["migration_refs_failed"], 111);
+    }
+
+    #[test]
+    fn stats_of_any_other_length_is_refused() {
+        for len in [0, 8, 40, 47, 49, 56, 88, 95] {
+            let p = vec![1u8; len];
+            assert_eq!(ClientCounters::from_stats(&p), Err(BadStats { len }));
+        }
+        assert_eq!(
+            BadStats { len: 56 }.to_string(),
+            "STATS of 56 bytes (must be 48, or at least 96)"
+        );
+    }
+
+    #[test]
+    fn counters_add_up_field_by_field() {
+        let one = ClientCounters::from_stats(&stats(12)).unwrap();
+        let mut sum = ClientCounters::default();
+        sum.add(&one);
+        sum.add(&one);
+        assert_eq!(sum.lookups, 202);
+        assert_eq!(sum.migration_refs_sent, 212);
+        assert_eq!(sum.migration_refs_copied, 218);
+        assert_eq!(sum.migration_refs_failed, 222);
     }
 }
