@@ -406,6 +406,46 @@ def refs_checks(src_info: dict[str, Any], src_ps: dict[str, int], dst_ps: dict[s
         assert dst_ps["migration-refs-copied"] == 0, dst_ps
 
 
+# The filter's migration-refs-* that a destination's page server hears of
+# (STATS): how the references were filled.
+FILLS = ("merged", "copied", "read", "failed")
+
+
+def server_heard_fills(server: Server, dst: Vm, dst_ps: dict[str, int]) -> None:
+    """The destination filter's next STATS (every 5 s) tells its page server
+    how it filled the references: in the server's status the client that is
+    the destination QEMU has the filter's migration-refs-merged/-copied/
+    -read/-failed, and the image's Prometheus counters (every client of the
+    image, those gone too) match the status' sums for the image."""
+    want = {k: dst_ps[f"migration-refs-{k}"] for k in FILLS}
+    deadline = time.monotonic() + 20
+    while True:
+        img = server.image("small")
+        heard = [{k: c["stats"][f"migration_refs_{k}"] for k in FILLS}
+                 for c in img["client_list"] if c["pid"] == dst.proc.pid]
+        if heard == [want]:
+            break
+        assert time.monotonic() < deadline, f"the server heard {heard}, not {want}: {img}"
+        time.sleep(0.5)
+    totals = {k: img["client_stats"][f"migration_refs_{k}"] for k in FILLS}
+    assert all(totals[k] >= want[k] for k in FILLS), (totals, want)
+    while (got := metric_counters(server.metrics(), FILLS)) != totals:
+        assert time.monotonic() < deadline + 5, f"metrics {got}, status {totals}"
+        time.sleep(0.5)
+
+
+def metric_counters(text: str, fills: Sequence[str]) -> dict[str, int]:
+    """pageshare_client_migration_refs_<fill>_total of image "small" in
+    Prometheus text."""
+    got = {}
+    for k in fills:
+        m = re.search(rf'^pageshare_client_migration_refs_{k}_total{{image="small"}} (\S+)$',
+                      text, re.M)
+        assert m, f"no migration_refs_{k} in the metrics:\n{text}"
+        got[k] = int(float(m.group(1)))
+    return got
+
+
 def record_bytes(test: str, refs: bool, info: dict[str, Any]) -> None:
     """Keep the bytes the migration sent; with both parametrizations run in
     this session, refs must have sent fewer.  Loosely: without refs the
@@ -484,6 +524,7 @@ def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[
     assert dst_ps["merged"] > 0 and dst_ps["connected"] == 1, dst_ps
     if refs:
         refs_checks(info, src_ps, dst_ps)
+        server_heard_fills(server, dst, dst_ps)
     if "multifd" in caps:
         assert info["ram"]["multifd-bytes"] > 0, info
     if "xbzrle" in caps:
@@ -561,6 +602,7 @@ def test_migrate_after_pageshare_attach(tmp_path: Path, base: Base, rig: Callabl
     assert dst_ps["merged"] > 0, dst_ps
     if refs:
         refs_checks(info, src_ps, dst_ps)
+        server_heard_fills(server, dst, dst_ps)
     record_bytes("pageshare-attach", refs, info)
 
 
@@ -728,6 +770,60 @@ def test_source_page_server_killed_mid_migration(tmp_path: Path, base: Base,
         # pages the source could no longer check against its server's copy
         refs_checks(info, src_ps, dst_ps)
         assert src_ps["migration-refs-refused"] > 0, src_ps
+        server_heard_fills(server_b, dst, dst_ps)
+
+
+@pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
+def test_destination_page_server_killed_mid_migration(tmp_path: Path, base: Base,
+                                                      rig: Callable[[str], Rig],
+                                                      refs: bool) -> None:
+    """Each side has a page server of its own (two hosts); the destination's
+    is killed (SIGKILL) while the migration runs, slowed down so that it is
+    still running then: with refs once the destination filled 1000
+    references from it, without after 16 MiB.  Asserted: the migration
+    completes; the guest's files hash right on the destination, whose
+    filter is no longer connected and read them from its base
+    (fallback-no-table); with refs, every reference the source sent was
+    filled on the destination and none failed, some copied from its server
+    before the kill and some read from its base after it."""
+    if refs:
+        require_refs(base.q)
+    r = rig(workload(base.listed.files))
+    server = r.server("a", base.image, base.lst)
+    server_b = r.server("b", base.image, base.lst)
+    ovl = r.overlay()
+    src = r.vm("src", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
+    src.serial_until("writer-start")
+    dst = r.vm("dst", blockdev_args(base.image, ovl, server_b.sock("small"), mode="copy"),
+               "-incoming", "defer")
+    killed: list[dict[str, Any]] = []
+
+    def kill_server(info: dict[str, Any]) -> None:
+        if killed or info.get("status") != "active":
+            return
+        if refs:
+            # the incoming side answers QMP while it loads the stream
+            due = ps_stats(dst.qmp)["migration-refs-copied"] >= 1000
+        else:
+            due = info.get("ram", {}).get("transferred", 0) > 16 << 20
+        if due:
+            server_b.stop(signal.SIGKILL)
+            killed.append({"source": info, "destination filter": ps_stats(dst.qmp)})
+
+    start_migration(src, dst, f"unix:{tmp_path / 'mig.sock'}", refs=refs, bandwidth=SLOW)
+    info = wait_migration(src, kill_server)
+    assert killed, f"the migration ended before the server was killed: {info}"
+    print(f"server killed at {json.dumps(killed[0])}\nmigration: {json.dumps(info)}")
+    migrated(src, dst, info)
+    src_ps = ps_stats(src.qmp)
+    finish(r, dst, "after")
+    dst_ps = ps_stats(dst.qmp)
+    print(f"source filter: {src_ps}\ndestination filter: {dst_ps}")
+    assert dst_ps["connected"] == 0 and dst_ps["fallback-no-table"] > 0, dst_ps
+    if refs:
+        refs_checks(info, src_ps, dst_ps)
+        assert dst_ps["migration-refs-copied"] >= 1000, dst_ps
+        assert dst_ps["migration-refs-read"] > 0, dst_ps
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
@@ -772,6 +868,7 @@ def test_migrate_to_file_and_load(tmp_path: Path, base: Base, rig: Callable[[str
     assert dst_ps["merged"] > 0, dst_ps
     if refs:
         refs_checks(info, src_ps, dst_ps)
+        server_heard_fills(server, dst, dst_ps)
 
 
 # A page sent as a reference: its header (page offset | RAM_SAVE_FLAG_BLOCK_REF
