@@ -86,18 +86,34 @@ impl ClientCounters {
         })
     }
 
+    /// Add `o` field by field, saturating at u64::MAX: the counters are
+    /// what clients say in STATS, and one that says u64::MAX must not
+    /// overflow the sums of an image (a panic in a debug build, a wrap to
+    /// small numbers in a release one).
     pub(super) fn add(&mut self, o: &ClientCounters) {
-        self.lookups += o.lookups;
-        self.hits += o.hits;
-        self.merged += o.merged;
-        self.merge_errors += o.merge_errors;
-        self.fallbacks += o.fallbacks;
-        self.migration_refs_sent += o.migration_refs_sent;
-        self.migration_refs_refused += o.migration_refs_refused;
-        self.migration_refs_merged += o.migration_refs_merged;
-        self.migration_refs_copied += o.migration_refs_copied;
-        self.migration_refs_read += o.migration_refs_read;
-        self.migration_refs_failed += o.migration_refs_failed;
+        self.lookups = self.lookups.saturating_add(o.lookups);
+        self.hits = self.hits.saturating_add(o.hits);
+        self.merged = self.merged.saturating_add(o.merged);
+        self.merge_errors = self.merge_errors.saturating_add(o.merge_errors);
+        self.fallbacks = self.fallbacks.saturating_add(o.fallbacks);
+        self.migration_refs_sent = self
+            .migration_refs_sent
+            .saturating_add(o.migration_refs_sent);
+        self.migration_refs_refused = self
+            .migration_refs_refused
+            .saturating_add(o.migration_refs_refused);
+        self.migration_refs_merged = self
+            .migration_refs_merged
+            .saturating_add(o.migration_refs_merged);
+        self.migration_refs_copied = self
+            .migration_refs_copied
+            .saturating_add(o.migration_refs_copied);
+        self.migration_refs_read = self
+            .migration_refs_read
+            .saturating_add(o.migration_refs_read);
+        self.migration_refs_failed = self
+            .migration_refs_failed
+            .saturating_add(o.migration_refs_failed);
     }
 
     pub(super) fn json(&self) -> Value {
@@ -476,5 +492,46 @@ mod tests {
         assert_eq!(sum.migration_refs_sent, 212);
         assert_eq!(sum.migration_refs_copied, 218);
         assert_eq!(sum.migration_refs_failed, 222);
+    }
+
+    #[test]
+    fn counters_near_u64_max_saturate() {
+        // Every field of a hostile client's STATS near u64::MAX, summed
+        // with another client's: u64::MAX, not a panic or a wrap.
+        let near: Vec<u8> = (0..12u64)
+            .flat_map(|i| (u64::MAX - i).to_le_bytes())
+            .collect();
+        let big = ClientCounters::from_stats(&near).unwrap();
+        assert_eq!(big.lookups, u64::MAX - 1);
+        let mut sum = ClientCounters::default();
+        sum.add(&big);
+        sum.add(&big);
+        let all = ClientCounters {
+            lookups: u64::MAX,
+            hits: u64::MAX,
+            merged: u64::MAX,
+            merge_errors: u64::MAX,
+            fallbacks: u64::MAX,
+            migration_refs_sent: u64::MAX,
+            migration_refs_refused: u64::MAX,
+            migration_refs_merged: u64::MAX,
+            migration_refs_copied: u64::MAX,
+            migration_refs_read: u64::MAX,
+            migration_refs_failed: u64::MAX,
+        };
+        assert_eq!(sum, all);
+        sum.add(&ClientCounters::from_stats(&stats(12)).unwrap());
+        assert_eq!(sum, all);
+        // Below the top, a sum is exact.
+        let mut exact = ClientCounters {
+            lookups: u64::MAX - 10,
+            ..Default::default()
+        };
+        exact.add(&ClientCounters {
+            lookups: 10,
+            ..Default::default()
+        });
+        assert_eq!(exact.lookups, u64::MAX);
+        assert_eq!(exact.json()["lookups"], u64::MAX);
     }
 }
