@@ -75,7 +75,11 @@ SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
 GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
                 "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
-                "on_server", "stale", "stale_shared"]
+                "on_server", "stale", "stale_shared", "unshared_server", "unshared_replaced",
+                "unshared_thp", "unshared_never"]
+# E2E-U: a listed guest page found replaced by another PFN after a sample saw
+# it shared (e2e_sampler.c: follow_listed)
+REPLACED_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "was_pfn"]
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
@@ -291,8 +295,10 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
     qemu = kt.build_patched_qemu()
     server = kt.build_page_server()
     sampler = out.parent / "e2e_sampler"
-    kt.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(sampler),
-            str(REPO / "kernel-syscall/tests/e2e_sampler.c")])
+    lib = REPO / "kernel-syscall/lib"
+    kt.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(lib), "-o",
+            str(sampler), str(REPO / "kernel-syscall/tests/e2e_sampler.c"),
+            str(lib / "ksm_sysfs.c")])
     bins = [qemu / "bin" / b for b in kt.QEMU_BINARIES] + [server]
     with tempfile.TemporaryDirectory(prefix="e2e-payload-", dir="/var/tmp") as td:
         top = Path(td)
@@ -333,9 +339,12 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
     rows: dict[str, list[list[str]]] = defaultdict(list)
     for line in lines:
         line = line.strip()
-        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR ", "E2E-GLOG "):
+        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR ", "E2E-GLOG ",
+                     "E2E-U "):
             if line.startswith(kind):
-                if kind == "E2E-GLOG ":
+                if kind == "E2E-U ":
+                    rows["replaced"].append(line.split()[1:])
+                elif kind == "E2E-GLOG ":
                     rows["glog"].append([*line.split(" ", 3), ""][1:4])
                 elif kind == "E2E-EV ":
                     parts = line.split(" ", 4)
@@ -678,6 +687,7 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
     system_map (or known_symbols, a recorded run's)."""
     rows = parse(lines)
     write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
+    write_csv(out / "replaced.csv", REPLACED_FIELDS, rows["replaced"])
     write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
     write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])

@@ -24,6 +24,10 @@
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server stale stale_shared
+ *         unshared_server unshared_replaced unshared_thp unshared_never
+ *   E2E-U cfg t guest offset pfn kpageflags was_pfn
+ *         (the first MAX_TRACE listed pages per guest found replaced: see
+ *         below)
  *
  * t is CLOCK_BOOTTIME in ms, the clock of /proc/uptime, so the driver's
  * shell can stamp its own events on the same axis.
@@ -45,6 +49,19 @@
  * "zero" (all such pages, shared or not) over from the last full sample.
  * on_server counts the listed, shared guest pages whose PFN is one the
  * page server maps: the server's own physical page, as merge_pages makes.
+ *
+ * Where the listed pages that are not shared come from (full samples only):
+ * unshared_server counts those whose PFN is the server's (the server's page
+ * itself is no longer a KSM page); unshared_replaced those at a guest
+ * address where an earlier sample saw a shared listed page, now another
+ * PFN (a private copy took the place of the shared page: a CoW, a
+ * collapse...), unshared_thp those of them in a huge page (a collapse made
+ * it); unshared_never the rest, where no sample saw a shared listed page
+ * (a guest copy, a merge that did not hold until the next sample, or a
+ * read that was never merged).  E2E-U lines name the first MAX_TRACE
+ * replaced pages of each guest, with the PFN they had when last seen
+ * shared.
+ *
  * khugepaged_collapsed and khugepaged_full_scans are khugepaged's own
  * counters (sysfs; the host kernel has no VM event counters): khugepaged
  * collapsing a 2 MiB range of guest RAM into a huge page copies the KSM
@@ -79,6 +96,10 @@
 #define BATCH 256
 #define MAX_GUESTS 16
 #define FULL_EVERY 5
+#define MAX_TRACE 64
+#define KPF_COMPOUND_HEAD 15
+#define KPF_COMPOUND_TAIL 16
+#define KPF_THP 22
 
 enum cls { C_UNKNOWN, C_LISTED, C_ZERO, C_OTHER, C_STALE, NCLS };
 
@@ -89,6 +110,9 @@ struct guest {
 	uint64_t ram, ram_len;	/* QEMU's mapping of guest RAM */
 	int pagemap;
 	long last_listed, last_zero, last_stale;	/* of the last full sample */
+	uint64_t *shared_pfn;	/* per guest page: PFN last seen shared and listed, or 0 */
+	int traced;		/* E2E-U lines printed */
+	int index;
 	char qbuf[1 << 16];
 	size_t qlen;
 };
@@ -507,6 +531,8 @@ struct counts {
 	long present, ksm, listed, listed_shared, zero, zero_shared, other_shared;
 	long stale, stale_shared;	/* freed stale memory ($E2E_STALE_HASHES) */
 	long on_server;		/* listed and shared: the server's own page */
+	/* listed, not shared (full samples): see the comment at the top */
+	long unshared_server, unshared_replaced, unshared_thp, unshared_never;
 };
 
 static bool is_server_pfn(uint64_t pfn)
@@ -595,13 +621,45 @@ static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
 		mark(k, pfn);
 }
 
-static void scan_guest(struct guest *g, struct counts *c, bool full)
+/* Follow guest page @idx, listed, at @pfn: shared or not (see the top). */
+static void follow_listed(struct guest *g, struct counts *c, uint64_t idx, uint64_t pfn,
+			  bool shared, const char *cfg, uint64_t t)
+{
+	uint64_t f;
+
+	if (shared) {
+		g->shared_pfn[idx] = pfn;
+		return;
+	}
+	if (is_server_pfn(pfn)) {
+		c->unshared_server++;
+		return;
+	}
+	if (!g->shared_pfn[idx]) {
+		c->unshared_never++;
+		return;
+	}
+	c->unshared_replaced++;
+	f = kflag(pfn);
+	if (f & ((1ULL << KPF_THP) | (1ULL << KPF_COMPOUND_HEAD) | (1ULL << KPF_COMPOUND_TAIL)))
+		c->unshared_thp++;
+	if (g->traced < MAX_TRACE) {
+		g->traced++;
+		printf("E2E-U %s %" PRIu64 " %d %#" PRIx64 " %#" PRIx64 " %#" PRIx64 " %#" PRIx64 "\n",
+		       cfg, t, g->index, idx * PS, pfn, f, g->shared_pfn[idx]);
+	}
+	g->shared_pfn[idx] = 0;
+}
+
+static void scan_guest(struct guest *g, struct counts *c, bool full, const char *cfg,
+		       uint64_t t)
 {
 	static uint64_t pm[BATCH];
 	static uint64_t buf[BATCH][PS / 8];
 	static struct iovec local[BATCH], remote[BATCH];
 	static uint64_t pfns[BATCH];
 	static bool ksm[BATCH];
+	static uint64_t idxs[BATCH];
 
 	memset(c, 0, sizeof(*c));
 	for (uint64_t off = 0; off < g->ram_len; off += BATCH * PS) {
@@ -626,6 +684,8 @@ static void scan_guest(struct guest *g, struct counts *c, bool full)
 				c->ksm++;
 				if (pfn < nkflags && pfn_class[pfn] != C_UNKNOWN) {
 					account(c, pfn_class[pfn], true, pfn);
+					if (pfn_class[pfn] == C_LISTED)
+						g->shared_pfn[off / PS + i] = pfn;
 					continue;
 				}
 			} else {
@@ -639,6 +699,7 @@ static void scan_guest(struct guest *g, struct counts *c, bool full)
 			remote[nr].iov_base = (void *)(uintptr_t)(g->ram + off + i * PS);
 			remote[nr].iov_len = PS;
 			pfns[nr] = pfn;
+			idxs[nr] = (off / PS) + i;
 			ksm[nr] = f & (1ULL << KPF_KSM);
 			nr++;
 		}
@@ -653,6 +714,8 @@ static void scan_guest(struct guest *g, struct counts *c, bool full)
 			if (ksm[i] && pfns[i] < nkflags)
 				pfn_class[pfns[i]] = (uint8_t)k;
 			account(c, k, ksm[i], pfns[i]);
+			if (k == C_LISTED && full)
+				follow_listed(g, c, idxs[i], pfns[i], ksm[i], cfg, t);
 		}
 	}
 	if (full) {
@@ -722,6 +785,10 @@ int main(int argc, char **argv)
 		g[ng].pid = atoi(argv[i]);
 		g[ng].qmp_path = colon + 1;
 		find_ram(&g[ng], (uint64_t)guest_mib << 20);
+		g[ng].index = ng;
+		g[ng].shared_pfn = calloc(g[ng].ram_len / PS, sizeof(uint64_t));
+		if (!g[ng].shared_pfn)
+			die("out of memory for %s", "shared_pfn");
 		qmp_connect(&g[ng]);
 	}
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -738,14 +805,16 @@ int main(int argc, char **argv)
 			struct counts c;
 			long rss, pss, fs[5];
 
-			scan_guest(&g[i], &c, full);
+			scan_guest(&g[i], &c, full, cfg, t0);
 			rss_pss(g[i].pid, &rss, &pss);
 			filter_stats(&g[i], fs);
 			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-			       "%ld %ld %ld %ld %ld %d %ld %ld %ld\n", cfg, t0, i, cpu_ms(g[i].pid),
+			       "%ld %ld %ld %ld %ld %d %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0, i,
+			       cpu_ms(g[i].pid),
 			       rss, pss, c.present, c.ksm, c.listed, c.listed_shared, c.zero,
 			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4],
-			       full, c.on_server, c.stale, c.stale_shared);
+			       full, c.on_server, c.stale, c.stale_shared, c.unshared_server,
+			       c.unshared_replaced, c.unshared_thp, c.unshared_never);
 		}
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
