@@ -1,23 +1,30 @@
 """Live migration of a booted golden-image guest between two qemu-system
-processes on this host (shared storage: the same overlay file), for the
-migration tests.  (No tests here.)
+processes on this host (shared storage: the same overlay file): the rig,
+base, guest workload and migration steps of test_migration.py and
+test_migration_compat.py.  (No tests here.)
 
 The guest (workload over fw_cfg, pageshare.workload) hashes a set of
 binaries and libraries after dropping its caches (phase "before"), reads
 the first WARM_MIB of its disk (listed: RAM the filter fills, when there is
 one), then runs a writer that keeps dirtying pages (/dev/shm) and prints
 heartbeats while the host migrates it, until the host writes GO2 into the
-first sector of a small second disk (vdb, the same file on both sides);
-then it drops its caches and hashes the files again (phase "after", on the
-destination's serial log).  Every hash must equal the image's.
+first sector of a small second disk (vdb, polled with O_DIRECT reads; the
+same file on both sides); then it drops its caches and hashes the files
+again (phase "after", on the destination's serial log).  Every hash must
+equal the image's.
 
-Each guest of a Rig may be of another QEMU build (QemuBuild) and its own
--blockdev graph; the devices (virtio-blk-pci disk0 on node "ovl", disk1 on
-the signal disk) and the machine type (Rig.machine) are the same on both
-sides, as a migration needs.
+Each guest of a Rig may be of another QEMU build (QemuBuild; the base's
+unless told) and its own -blockdev graph; the devices (virtio-blk-pci
+disk0 on node "ovl", disk1 on the signal disk) and the machine type
+(Rig.machine) are the same on both sides, as a migration needs.
 
-These are test_migration.py's rig, base and migration steps under the same
-names, with the build per guest and the machine type added.
+Here: Base and make_base (the module fixtures' body), refs_supported,
+Vm, Rig and make_rig, workload (WARM, WRITER, GO_TEST), plain_graph,
+heartbeats, and the steps start_migration, wait_migration, migrated,
+finish and failed_before_switchover.  What only one test module checks
+stays in it: test_migration.py has the block-refs checks (refs_checks,
+server_heard_fills, bad_streams, record_bytes, ...), test_migration_compat.py
+the stock build, its workload with the "cached" phase and its steps.
 """
 
 from __future__ import annotations
@@ -65,15 +72,20 @@ REFS = "block-refs"                  # the series' migration capability
 BANDWIDTH = 64 << 20
 MIGRATION_TIMEOUT = 480.0
 
-# The guest's writer: 512 KiB of new bytes in /dev/shm every half second,
-# a heartbeat each time, until the host writes GO2 into vdb.
+# The guest's writer: 512 KiB of new bytes in /dev/shm every half second
+# (few enough that the bytes a migration sends vary by little more than
+# that from run to run), a heartbeat each time, until the host writes GO2
+# into vdb.
 GO_TEST = ('[ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 3)" '
            '= "GO2" ]')
 WRITER = ("i=0; echo writer-start; until " + GO_TEST + "; do i=$((i+1)); "
           "dd if=/dev/urandom of=/dev/shm/dirty bs=64K count=8 conv=notrunc status=none; "
           "echo heartbeat-$i; sleep 0.5; done; echo writer-end-$i")
 # Before it migrates, the guest also reads the first WARM_MIB of its disk
-# (buffered: into its page cache), every non-zero block of which is listed.
+# (buffered: into its page cache), every non-zero block of which is
+# listed: some 100 MB of guest RAM filled by the filter, that block-refs
+# sends as references, far more than the bytes a migration sends vary by
+# from run to run (some 20 MB: the guest's own activity, the writer).
 WARM_MIB = 128
 WARM = f"dd if=/dev/vda of=/dev/null bs=1M count={WARM_MIB} status=none; echo warm-done"
 

@@ -10,15 +10,14 @@ defer`, its own serial log and QMP socket, then `migrate-incoming` on a
 Unix socket URI, then `migrate` on the source, and query-migrate until it
 ends.
 
-The guest (workload over fw_cfg, pageshare.workload) hashes a set of
-binaries and libraries after dropping its caches (phase "before", on the
-source's serial log), reads the first 128 MiB of its disk (listed: RAM the
-filter fills), then runs a writer that keeps dirtying pages
-(/dev/shm) and prints heartbeats while the host migrates it, until the
-host writes GO2 into the first sector of a small second disk (vdb, polled
-with O_DIRECT reads; the same file on both sides); then it drops its caches
-and hashes the files again (phase "after", on the destination's serial
-log).  Every hash must equal the image's.
+The rig, the base, the guest's workload (hash its files "before", read
+128 MiB of listed disk, a writer dirtying pages during the migration, hash
+them again "after" on the destination: every hash must equal the image's)
+and the migration steps are migration_helpers', shared with
+test_migration_compat.py; here are the fixtures and what only these tests
+check: the block-refs counters on both sides (refs_checks), what the
+destination's page server hears of them (server_heard_fills), the bytes
+sent with and without refs (record_bytes), and bad streams (bad_streams).
 
 `refs`: with True both sides get the `block-refs` migration capability
 (pages that hold base-image blocks travel as references that the
@@ -32,7 +31,6 @@ file loads in a new QEMU.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -40,249 +38,58 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from guest_phases import (
-    ListedFiles,
-    file_sha256,
-    hashes,
-    nonzero_file_blocks,
-    phase,
-    regular_files,
-    signal_guest,
-    wait_for,
+from guest_phases import ListedFiles, hashes
+from migration_helpers import (
+    BANDWIDTH,
+    REFS,
+    Base,
+    Rig,
+    Vm,
+    failed_before_switchover,
+    finish,
+    heartbeats,
+    make_base,
+    make_rig,
+    migrated,
+    plain_graph,
+    refs_supported,
+    start_migration,
+    wait_migration,
+    workload,
 )
-from page_server_helpers import (
-    ImageSpec,
-    Server,
-    content_sha256,
-    make_list,
-    nonzero_blocks,
-    raw_copy,
-)
-from pageshare import golden, sectorlist
-from pageshare.image_inspect import Inspection, inspect_image
+from page_server_helpers import Server, content_sha256, make_list
+from pageshare import sectorlist
 from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import Markers, Workload, script
-from qemu_helpers import QemuBuild, blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
+from qemu_helpers import QemuBuild, blockdev_args, ps_stats, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
-REFS = "block-refs"                  # the migration capability under test
-# max-bandwidth (bytes/s): the 300 MB of the guest's non-zero RAM take
-# 5 s, long enough for its writer to dirty pages that must be sent again
-BANDWIDTH = 64 << 20
-SLOW = 32 << 20                      # ... a migration that must still run when the server dies
-MIGRATION_TIMEOUT = 480.0
+# max-bandwidth (bytes/s) of a migration that must still run when a page
+# server dies (migration_helpers.BANDWIDTH: of the others)
+SLOW = 32 << 20
 # transferred bytes per (test, refs), to compare the two when both ran
 TRANSFERRED: dict[tuple[str, bool], int] = {}
 
-# The guest's writer: 512 KiB of new bytes in /dev/shm every half second
-# (few enough that the bytes a migration sends vary by little more than
-# that from run to run), a heartbeat each time, until the host writes GO2
-# into vdb.
-GO_TEST = ('[ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 3)" '
-           '= "GO2" ]')
-WRITER = ("i=0; echo writer-start; until " + GO_TEST + "; do i=$((i+1)); "
-          "dd if=/dev/urandom of=/dev/shm/dirty bs=64K count=8 conv=notrunc status=none; "
-          "echo heartbeat-$i; sleep 0.5; done; echo writer-end-$i")
-# Before it migrates, the guest also reads the first WARM_MIB of its disk
-# (buffered: into its page cache), every non-zero block of which is
-# listed: some 100 MB of guest RAM filled by the filter, that block-refs
-# sends as references, far more than the bytes a migration sends vary by
-# from run to run (some 20 MB: the guest's own activity, the writer).
-WARM_MIB = 128
-WARM = f"dd if=/dev/vda of=/dev/null bs=1M count={WARM_MIB} status=none; echo warm-done"
 
-
-# --------------------------------------------------------------------------- the base
-
-
-@dataclass(frozen=True)
-class Base:
-    """The small golden image, its raw copy, content sha256, kernel and
-    its list (LST): every non-zero block of the hashed files and of the
-    disk's first WARM_MIB (LISTED.blocks)."""
-
-    q: QemuBuild
-    image: Path
-    raw: Path
-    sha: str
-    insp: Inspection
-    listed: ListedFiles
-    lst: Path
-    accel: str
+# --------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Base:
     q = qemu_build()
-    d = tmp_path_factory.mktemp("migration-base")
-    image = golden.build_image("small").path
-    raw = raw_copy(image, d / "small.raw")
-    insp = inspect_image(image, "qcow2", raw.stat().st_size)
-    files = regular_files(raw)
-    assert len(files) >= 6, files
-    want = {f: file_sha256(raw, f, d) for f in files}
-    blocks = {s: h for s, h in nonzero_blocks(raw, 1 << 20).items()
-              if s * 512 < WARM_MIB << 20}
-    blocks.update({b * 8: h for b, h in nonzero_file_blocks(raw, files).items()})
-    sha = content_sha256(raw)
-    lst = d / "small.pcsl"
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name), blocks, lst)
-    accel, _ = choose_accel("auto", insp.kernel)
-    return Base(q, image, raw, sha, insp, ListedFiles(files, want, blocks), lst, accel)
-
-
-def refs_supported(q: QemuBuild) -> bool:
-    """Does this QEMU know the block-refs migration capability?"""
-    lines = [{"execute": "qmp_capabilities"}, {"execute": "query-migrate-capabilities"},
-             {"execute": "quit"}]
-    p = subprocess.run([q.qemu_system, "-M", "none", "-nodefaults", "-display", "none",
-                        "-qmp", "stdio"], input="".join(json.dumps(x) + "\n" for x in lines),
-                       capture_output=True, text=True, timeout=60)
-    for line in p.stdout.splitlines():
-        msg = json.loads(line)
-        if isinstance(msg.get("return"), list):
-            return any(c.get("capability") == REFS for c in msg["return"])
-    raise AssertionError(f"no query-migrate-capabilities reply:\n{p.stdout}\n{p.stderr}")
+    return make_base(tmp_path_factory.mktemp("migration-base"), q)
 
 
 def require_refs(q: QemuBuild) -> None:
     if not refs_supported(q):
         pytest.fail(f"this QEMU ({q.dir}) has no {REFS!r} migration capability")
-
-
-# --------------------------------------------------------------------------- the guests
-
-
-@dataclass
-class Vm:
-    """One qemu-system process of the guest: its serial log, QEMU's own
-    output (stderr: error messages), a QMP socket for the test."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    serial: Path
-    log: Path
-    qmp: QMP
-
-    def serial_until(self, marker: str, timeout: float = 300) -> str:
-        return serial_until(self.proc, self.serial, self.log, marker, timeout)
-
-    def text(self) -> str:
-        return self.serial.read_text(errors="replace") if self.serial.exists() else ""
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def status(self) -> str:
-        st: str = self.qmp.command("query-status")["status"]
-        return st
-
-    def wait_status(self, want: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while (st := self.status()) != want:
-            assert time.monotonic() < deadline, f"{self.name}: status {st}, not {want}"
-            time.sleep(0.5)
-
-    def set_refs(self) -> None:
-        self.qmp.command("migrate-set-capabilities",
-                         capabilities=[{"capability": REFS, "state": True}])
-
-    def exit_code(self, timeout: float = 60) -> int:
-        """QEMU's exit code, once it exits (which it must, within TIMEOUT)."""
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} still runs:\n{self.log_text()[-2000:]}") from None
-
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.qmp.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@dataclass
-class Rig:
-    """What a test starts (guests, page servers), killed by the fixture on
-    every way out of the test."""
-
-    tmp: Path
-    base: Base
-    workload: Path
-    go: Path
-    markers: Markers
-    vms: list[Vm] = field(default_factory=list)
-    servers: list[Server] = field(default_factory=list)
-
-    def server(self, name: str, image: Path, lst: Path) -> Server:
-        s = Server(self.tmp / f"server-{name}", [ImageSpec("small", image, list_file=lst)])
-        self.servers.append(s)
-        s.start()
-        s.wait_generation("small", 1)
-        return s
-
-    def overlay(self) -> Path:
-        ovl = self.tmp / "ovl.qcow2"
-        subprocess.run([self.base.q.qemu_img, "create", "-q", "-f", "qcow2", "-b",
-                        str(self.base.image), "-F", "qcow2", str(ovl)], check=True)
-        return ovl
-
-    def vm(self, name: str, graph: Sequence[str], *extra: str) -> Vm:
-        """A guest of GRAPH (the -blockdev arguments of the overlay "ovl"
-        and what is under it), the signal disk added; EXTRA: more QEMU
-        arguments (-incoming ...)."""
-        b = self.base
-        serial, qmp, log = (self.tmp / f"{name}.{x}" for x in ("serial", "qmp", "log"))
-        go = [{"driver": "file", "node-name": "go-file", "filename": str(self.go)},
-              {"driver": "raw", "node-name": "go", "file": "go-file"}]
-        disks = [*graph, *(a for n in go for a in ("-blockdev", json.dumps(n))),
-                 "-device", "virtio-blk-pci,drive=ovl,id=disk0",
-                 "-device", "virtio-blk-pci,drive=go,id=disk1"]
-        cmd = [*guest_cmd(b.q, b.insp, b.accel, serial=serial, qmp=qmp,
-                          workload=self.workload, disks=disks), *extra]
-        with open(log, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
-        try:
-            q = QMP(qmp, timeout=30)
-        except Exception:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"{name}: no QMP (rc {proc.returncode}):\n"
-                                 + log.read_text(errors="replace")[-3000:]) from None
-        vm = Vm(name, proc, serial, log, q)
-        self.vms.append(vm)
-        return vm
-
-    def signal(self, word: bytes) -> None:
-        signal_guest(self.go, word)
-
-    def close(self) -> None:
-        for vm in self.vms:
-            vm.kill()
-        for s in self.servers:
-            s.stop(signal.SIGKILL)
-
-
-def make_rig(tmp: Path, base: Base, command: str) -> Rig:
-    markers = Markers.new()
-    wl = tmp / "workload.sh"
-    wl.write_text(script(Workload(command), markers))
-    go = tmp / "go.raw"
-    go.write_bytes(bytes(1 << 20))
-    return Rig(tmp, base, wl, go, markers)
 
 
 @pytest.fixture
@@ -300,27 +107,7 @@ def rig(tmp_path: Path, base: Base, host_guard: None) -> Iterator[Callable[[str]
             r.close()
 
 
-def workload(files: list[str], *, attach: bool = False) -> str:
-    """Hash FILES ("before"); with ATTACH wait for GO1 and hash them again
-    ("attached"); read the disk's first WARM_MIB; run the writer until GO2,
-    then hash them ("after")."""
-    steps = [phase(files, "before")]
-    if attach:
-        steps += [wait_for("GO1"), phase(files, "attached")]
-    steps += [WARM, WRITER, phase(files, "after")]
-    return "; ".join(steps)
-
-
-def plain_graph(image: Path, ovl: Path) -> list[str]:
-    """overlay "ovl" over the qcow2 base "base", no filter (what a
-    management stack starts before `pageshare attach`)."""
-    nodes = [
-        {"driver": "file", "node-name": "base-file", "filename": str(image), "read-only": True},
-        {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
-        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"},
-    ]
-    return [a for n in nodes for a in ("-blockdev", json.dumps(n))]
+# --------------------------------------------------------------------------- checks
 
 
 def node_stats(qmp: QMP, node: str) -> dict[str, int]:
@@ -331,64 +118,6 @@ def node_stats(qmp: QMP, node: str) -> dict[str, int]:
             assert ds.get("driver") == "pageshare", s
             return {k: int(v) for k, v in ds.items() if k != "driver"}
     raise AssertionError(f"no stats for node {node}")
-
-
-def heartbeats(text: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^heartbeat-(\d+)\s*$", text, re.M)]
-
-
-# --------------------------------------------------------------------------- migration
-
-
-def wait_migration(src: Vm, during: Callable[[dict[str, Any]], None] | None = None,
-                   timeout: float = MIGRATION_TIMEOUT) -> dict[str, Any]:
-    """query-migrate on the source until the migration ends; DURING sees
-    every intermediate answer."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info: dict[str, Any] = src.qmp.command("query-migrate")
-        if info.get("status") in ("completed", "failed", "cancelled"):
-            return info
-        assert time.monotonic() < deadline, f"migration still {info} after {timeout} s"
-        if during:
-            during(info)
-        time.sleep(0.5)
-
-
-def start_migration(src: Vm, dst: Vm, uri: str, *, refs: bool, dst_refs: bool | None = None,
-                    bandwidth: int = BANDWIDTH) -> None:
-    if refs:
-        src.set_refs()
-    if refs if dst_refs is None else dst_refs:
-        dst.set_refs()
-    src.qmp.command("migrate-set-parameters", **{"max-bandwidth": bandwidth})
-    dst.qmp.command("migrate-incoming", uri=uri)
-    src.qmp.command("migrate", uri=uri)
-
-
-def migrated(src: Vm, dst: Vm, info: dict[str, Any]) -> None:
-    """The migration completed: the source is paused for good, the guest
-    runs on the destination."""
-    assert info["status"] == "completed", \
-        f"{info}\ndestination:\n{dst.log_text()[-3000:]}\nsource:\n{src.log_text()[-3000:]}"
-    assert src.status() == "postmigrate"
-    dst.wait_status("running")
-
-
-def finish(rig: Rig, vm: Vm, after: str) -> str:
-    """Once the guest's writer goes on on VM (a heartbeat in its serial
-    log), let it stop and hash the files again; its serial log, whose AFTER
-    phase must hold the image's hashes."""
-    deadline = time.monotonic() + 120
-    while not heartbeats(vm.text()):
-        assert vm.proc.poll() is None, vm.log_text()[-3000:]
-        assert time.monotonic() < deadline, f"{vm.name}: no heartbeat:\n{vm.text()[-3000:]}"
-        time.sleep(0.5)
-    rig.signal(b"GO2")
-    text = vm.serial_until(rig.markers.ready)
-    assert hashes(text, after) == rig.base.listed.want
-    assert f"{rig.markers.ready} rc=0" in text
-    return text
 
 
 def refs_checks(src_info: dict[str, Any], src_ps: dict[str, int], dst_ps: dict[str, int],
@@ -604,25 +333,6 @@ def test_migrate_after_pageshare_attach(tmp_path: Path, base: Base, rig: Callabl
         refs_checks(info, src_ps, dst_ps)
         server_heard_fills(server, dst, dst_ps)
     record_bytes("pageshare-attach", refs, info)
-
-
-def failed_before_switchover(r: Rig, src: Vm, dst: Vm, info: dict[str, Any]) -> str:
-    """The migration failed: the guest still runs on the source, which is
-    as good as before (it writes on and hashes right); the destination
-    exited with an error.  Returns the destination's output."""
-    assert info["status"] == "failed", info
-    src.wait_status("running")
-    rc = dst.exit_code()
-    err = dst.log_text()
-    print(f"source: {json.dumps(info)}\ndestination (rc {rc}):\n{err[-2000:]}")
-    assert rc != 0, err
-    beats = max(heartbeats(src.text()))
-    deadline = time.monotonic() + 60
-    while max(heartbeats(src.text())) <= beats:
-        assert time.monotonic() < deadline, "the source guest does not run on"
-        time.sleep(1)
-    finish(r, src, "after")
-    return err
 
 
 def test_refs_on_the_source_only(tmp_path: Path, base: Base, rig: Callable[[str], Rig]) -> None:

@@ -6,7 +6,10 @@ without the series; not Debian's binary package.  Both sides run the same
 machine type, pinned (MACHINE), and the same devices; the block graphs
 differ: the pageshare side has the filter (node "ps", copy mode, a page
 server) between the overlay and the base, the stock side the overlay
-straight over the base (migration_helpers.plain_graph).
+straight over the base (migration_helpers.plain_graph).  The rig, the
+base and the migration steps are migration_helpers', shared with
+test_migration.py; here are the stock build's fixture, the workload with
+its "cached" phase and the steps only these tests take.
 
 The guest (migration_helpers) hashes its files after dropping its caches
 ("before": their pages in its page cache, on a pageshare source RAM the
