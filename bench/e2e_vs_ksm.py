@@ -66,6 +66,9 @@ sys.path.insert(0, str(REPO / "analyzer"))
 
 from pageshare import cache, golden, sectorlist  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+import e2e_migration  # noqa: E402
+
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 PAGE = 4096
 MIB = 2**20
@@ -232,6 +235,10 @@ class Settings:
     # (defaults: what runs recorded before these existed did)
     boot_timeout: int = 0       # a guest not booted by then: its configuration runs again
     stale_mib: int = 0          # stale memory each guest frees after its reads
+    # --migrate: the migration phase after the pageshare configuration
+    migrate: bool = False
+    migrate_ksm_cap: int = 300  # s a destination is followed until KSM shares as much
+    migrate_mbit: int = 1000    # max-bandwidth of each migration
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -329,9 +336,25 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             f"INTERVAL_MS={st.interval_ms}\nWORK_TIMEOUT={st.work_timeout}\n"
             f"BOOT_TIMEOUT={st.boot_timeout}\n"
             f"CONFIGS='{' '.join(st.configs)}'\n")
+        with open(pd / "e2e.env", "a") as env:
+            env.write(migrate_env(st))
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
         cpio_gz(top, out)
+
+
+def migrate_env(st: Settings) -> str:
+    """driver.sh's settings of its migration phase (migrate_phase)."""
+    if not st.migrate:
+        return "MIGRATE=0\n"
+    return (f"MIGRATE=1\nMIG_KSM_CAP={st.migrate_ksm_cap}\n"
+            f"MIG_BW={st.migrate_mbit * 1_000_000 // 8}\n")
+
+
+def migrate_budget(st: Settings) -> int:
+    """Seconds the migration phase may take: per method the census, the
+    migration (up to 900 s in the driver), the destination followed."""
+    return len(e2e_migration.METHODS) * (st.migrate_ksm_cap + 300) if st.migrate else 0
 
 
 def parse(lines: list[str]) -> dict[str, list[list[str]]]:
@@ -700,8 +723,9 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
         elif known_symbols and (h["cfg"], h["t_ms"]) in known_symbols:
             h["symbols"] = known_symbols[(h["cfg"], h["t_ms"])]
     summary.update(command=cmdline, facts=facts, settings=st.__dict__)
+    mig_md = e2e_migration.write_results(out, lines, GUEST_FIELDS, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    md = markdown(summary, cmdline, facts)
+    md = markdown(summary, cmdline, facts) + mig_md
     (out / "summary.md").write_text(md)
     print(md)
     if rows["error"]:
@@ -754,6 +778,16 @@ def main() -> int:
     ap.add_argument("--stale-mib", type=int, default=64,
                     help="MiB of stale memory each guest frees after its reads (what "
                          "free page reporting hands back)")
+    ap.add_argument("--migrate", action="store_true",
+                    help="after the pageshare configuration's workload, migrate guest 1 "
+                         "in the pageshare host with each of precopy, xbzrle, multifd-zstd "
+                         "and block-refs from the same state (migration.csv and a table "
+                         "in summary.md)")
+    ap.add_argument("--migrate-ksm-cap", type=int, default=300,
+                    help="seconds a destination is followed until KSM shares as much of "
+                         "it as block-refs' does right after switchover")
+    ap.add_argument("--migrate-mbit", type=int, default=1000,
+                    help="max-bandwidth of each migration, Mbit/s")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--reparse", type=Path, metavar="RUN_DIR",
                     help="only recompute a recorded run's CSVs and summaries from its "
@@ -765,6 +799,9 @@ def main() -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}")
+    if args.migrate and "pageshare" not in configs:
+        ap.error("--migrate migrates a guest of the pageshare configuration: "
+                 "--configs must include pageshare")
     if os.geteuid() != 0:
         ap.error("run as root (analyze-image drives host KSM)")
     for given in (args.image, args.list):
@@ -772,7 +809,8 @@ def main() -> int:
             ap.error(f"{given}: no such file")
     st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
                   configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
-                  args.boot_timeout, args.stale_mib)
+                  args.boot_timeout, args.stale_mib, args.migrate, args.migrate_ksm_cap,
+                  args.migrate_mbit)
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built
@@ -802,7 +840,8 @@ def main() -> int:
             # KSM in merge mode from boot on, as on a pageshare host (the
             # driver refuses a host with KSM off)
             test = kt.GuestTest("e2e", ["/bin/sh", "/pageshare/driver.sh"],
-                                (st.work_timeout + st.boot_timeout) * len(configs) + 600,
+                                (st.work_timeout + st.boot_timeout) * len(configs) + 600
+                                + migrate_budget(st),
                                 pre="echo 1 > /sys/kernel/mm/ksm/run")
             empty = Path(td) / "tests"
             empty.mkdir()
@@ -813,7 +852,7 @@ def main() -> int:
             lines = kt.boot(kdir, initramfs, out / "serial.log", test.timeout + 300,
                             mem=f"{st.host_mib}M",
                             show=lambda s: s.startswith(("E2E-EV", "E2E-GUEST", "E2E-ERROR",
-                                                         "KTEST-")))
+                                                         "E2E-M ", "KTEST-")))
         vm_s = time.monotonic() - t_boot
     except kt.KtestError as e:
         raise BenchError(str(e)) from e

@@ -373,7 +373,243 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     sleep "$OBSERVE"
     ev end
     for i in $(seq 1 "$GUESTS"); do dump_guest_log "$i"; done
+    [ "${MIGRATE:-0}" = 1 ] && [ "$cfg" = pageshare ] && migrate_phase
     stop_all
+}
+
+# ------------------------------------------------------------------------
+# Live migration of guest 1 after the workload (MIGRATE=1, the bench's
+# --migrate; issue 21 in merge mode): for each of MIG_METHODS, from the
+# same guest state, guest 1 migrates over a Unix socket at MIG_BW bytes/s
+# to a new QEMU with its own command line (read from /proc) plus
+# -incoming defer; then that destination is stopped and guest 1, paused
+# after the migration, runs on ("cont") for the next method.  Lines:
+#   E2E-MQ method JSON          the source's last query-migrate reply
+#   E2E-M  method key=value ... status, times, both QEMUs' CPU (ms, from
+#                               migrate to completion), the filters'
+#                               migration-refs-* counters, census times
+#   E2E-MS method side <E2E-G fields from t_ms on>
+#                               e2e_sampler's samples of the source (side
+#                               src, one, before the migration) and of the
+#                               destination (dst, every second from right
+#                               after switchover: for block-refs a few, for
+#                               the others until the share of listed pages
+#                               it holds that are KSM pages reaches
+#                               block-refs' first one, or MIG_KSM_CAP s)
+# A method that fails is an E2E-M line with status=failed and the next
+# one runs; the phase never fails the run.
+MIG_METHODS=${MIG_METHODS:-block-refs precopy xbzrle multifd-zstd}
+MIG_BW=${MIG_BW:-125000000}
+MIG_KSM_CAP=${MIG_KSM_CAP:-300}
+mig_target=""
+
+mig_q() { # socket json: the reply line
+    $P/bin/e2e_sampler --qmp "$1" "$2" 2>&1
+}
+mig_field() { # json key: the first number after "key":
+    echo "$1" | sed -n "s/.*\"$2\": *\([0-9-]*\).*/\1/p" | head -n 1
+}
+mig_str() { # json key: the first string after "key":
+    echo "$1" | sed -n "s/.*\"$2\": *\"\([^\"]*\)\".*/\1/p" | head -n 1
+}
+mig_cpu_ms() { # pid: utime + stime, ms
+    awk '{ printf "%d", ($14 + $15) * 10 }' /proc/$1/stat 2>/dev/null || echo -1
+}
+# The filter's migration-refs-* counters, "sent refused merged copied read
+# failed" (only the pageshare node has them)
+mig_refs() { # socket
+    r=$(mig_q "$1" '{"execute": "query-blockstats", "arguments": {"query-nodes": true}}')
+    out=""
+    for k in sent refused merged copied read failed; do
+        v=$(mig_field "$r" "migration-refs-$k")
+        out="$out ${v:--1}"
+    done
+    echo $out
+}
+# Capabilities and parameters of a method, the same on both sides; every
+# capability is set each time (a source keeps what the last method set).
+mig_configure() { # socket method
+    x=false mf=false br=false
+    case $2 in
+    xbzrle) x=true ;;
+    multifd-zstd) mf=true ;;
+    block-refs) br=true ;;
+    esac
+    mig_q "$1" '{"execute": "migrate-set-capabilities", "arguments": {"capabilities": [{"capability": "xbzrle", "state": '$x'}, {"capability": "multifd", "state": '$mf'}, {"capability": "block-refs", "state": '$br'}]}}' |
+        grep -q '"return"' || return 1
+    mig_q "$1" '{"execute": "migrate-set-parameters", "arguments": {"xbzrle-cache-size": 268435456, "multifd-channels": 2}}' |
+        grep -q '"return"' || return 1
+    [ "$2" = multifd-zstd ] || return 0
+    mig_q "$1" '{"execute": "migrate-set-parameters", "arguments": {"multifd-compression": "zstd"}}' |
+        grep -q '"return"'
+}
+mig_wait_status() { # socket status seconds
+    n=0
+    until mig_q "$1" '{"execute": "query-status"}' | grep -q "\"status\": \"$2\""; do
+        [ $n -ge $(($3 * 5)) ] && return 1
+        sleep 0.2
+        n=$((n + 1))
+    done
+}
+# e2e_sampler on one QEMU in the background, its lines in $W/mig-$2.samples
+mig_sampler() { # pid side
+    rm -f $W/mig-$2.samples
+    $P/bin/e2e_sampler mig $P/listed.hashes 1000 "$server_pid" "$GUEST_MIB" "$1:-" \
+        > $W/mig-$2.samples 2>&1 &
+    mig_sampler_pid=$!
+}
+mig_samples() { # file: its E2E-G lines
+    grep '^E2E-G ' "$1" 2>/dev/null
+}
+mig_emit_samples() { # method side (of the source, its first sample)
+    if [ "$2" = src ]; then n=1; else n=100000; fi
+    mig_samples $W/mig-$2.samples | head -n $n | sed "s/^E2E-G [^ ]* /E2E-MS $1 $2 /"
+    grep -v '^E2E-' $W/mig-$2.samples 2>/dev/null | head -n 5 | sed "s/^/E2E-EV $cfg $(ms) mig-sampler $1 $2: /"
+}
+mig_stop_sampler() {
+    # (never "kill 0": that is the driver's whole process group)
+    [ "$mig_sampler_pid" != 0 ] || return 0
+    kill "$mig_sampler_pid" 2>/dev/null
+    wait "$mig_sampler_pid" 2>/dev/null
+    mig_sampler_pid=0
+}
+# the last E2E-G line's listed pages, in permille shared (-1: none yet)
+mig_share() { # file
+    mig_samples "$1" | tail -n 1 | awk '{ print ($10 > 0) ? int($11 * 1000 / $10) : -1 }'
+}
+mig_start_dst() { # source pid
+    rm -f $W/migq.sock $W/migh.sock $W/mig-g.log
+    # one argument a line (none holds a newline), its sockets and serial log renamed
+    tr '\0' '\n' < /proc/$1/cmdline |
+        sed -e "s#^file:$W/g[0-9]*[.]log\$#file:$W/mig-g.log#" \
+            -e "s#^unix:$W/qmp[0-9]*[.]sock,#unix:$W/migq.sock,#" \
+            -e "s#^unix:$W/hmp[0-9]*[.]sock,#unix:$W/migh.sock,#" > $W/mig-cmdline
+    set --
+    while IFS= read -r a; do set -- "$@" "$a"; done < $W/mig-cmdline
+    "$@" -incoming defer > $W/mig-qemu.log 2>&1 &
+    mig_dst_pid=$!
+    wait_file $W/migq.sock 120
+}
+mig_stop_dst() {
+    [ "$mig_dst_pid" != 0 ] || return 0
+    kill "$mig_dst_pid" 2>/dev/null
+    wait "$mig_dst_pid" 2>/dev/null
+    mig_dst_pid=0
+}
+mig_failed() { # method why
+    echo "E2E-M $1 status=failed why=$(echo "$2" | tr ' ' '_' | cut -c1-300)"
+    tail -n 5 $W/mig-qemu.log 2>/dev/null | grep -v pageshare_merge |
+        sed "s/^/E2E-EV $cfg $(ms) mig-dst-log $1: /"
+    mig_stop_sampler
+    mig_stop_dst
+    mig_q $W/hmp1.sock '{"execute": "migrate_cancel"}' > /dev/null
+    # the source runs on for the next method (after a failed migration it
+    # is running already)
+    mig_q $W/hmp1.sock '{"execute": "cont"}' > /dev/null
+    return 1
+}
+
+mig_one() { # method
+    m=$1
+    ssock=$W/hmp1.sock dsock=$W/migq.sock uri=unix:$W/mig.sock
+    src_pid=$(echo $qemu_pids | cut -d' ' -f1)
+    ev mig-begin "$m"
+    mig_wait_status $ssock running 60 || { mig_failed "$m" "the source is not running"; return 1; }
+    # the source's census: one full sample
+    mig_sampler "$src_pid" src
+    n=0
+    until [ -n "$(mig_samples $W/mig-src.samples)" ] || [ $n -ge 120 ]; do sleep 0.5; n=$((n + 1)); done
+    mig_stop_sampler
+    mig_emit_samples "$m" src
+    rm -f $W/mig.sock
+    mig_start_dst "$src_pid" || { mig_failed "$m" "the destination has no QMP socket"; return 1; }
+    mig_configure $ssock "$m" || { mig_failed "$m" "source: capabilities refused"; return 1; }
+    mig_configure $dsock "$m" || { mig_failed "$m" "destination: capabilities refused"; return 1; }
+    mig_q $ssock '{"execute": "migrate-set-parameters", "arguments": {"max-bandwidth": '$MIG_BW'}}' |
+        grep -q '"return"' || { mig_failed "$m" "max-bandwidth refused"; return 1; }
+    if [ "$m" = block-refs ]; then
+        # the destination names the source's image by its server's table:
+        # connected, with a table (a generation)
+        n=0
+        until r=$(mig_q $dsock '{"execute": "query-blockstats", "arguments": {"query-nodes": true}}') &&
+            case $r in *'"connected": true'*'"generation": '[0-9]*) true ;; *) false ;; esac; do
+            [ $n -ge 300 ] && { mig_failed "$m" "the destination's filter has no server"; return 1; }
+            sleep 0.2
+            n=$((n + 1))
+        done
+    fi
+    r=$(mig_q $dsock '{"execute": "migrate-incoming", "arguments": {"uri": "'$uri'"}}')
+    case $r in *'"return"'*) ;; *) mig_failed "$m" "migrate-incoming: $r"; return 1 ;; esac
+    set -- $(mig_refs $ssock)
+    src_sent0=$1 src_refused0=$2
+    c0s=$(mig_cpu_ms "$src_pid") c0d=$(mig_cpu_ms "$mig_dst_pid")
+    t0=$(ms)
+    r=$(mig_q $ssock '{"execute": "migrate", "arguments": {"uri": "'$uri'"}}')
+    case $r in *'"return"'*) ;; *) mig_failed "$m" "migrate: $r"; return 1 ;; esac
+    while :; do
+        r=$(mig_q $ssock '{"execute": "query-migrate"}')
+        st=$(mig_str "$r" status)
+        case $st in completed | failed | cancelled) break ;; esac
+        [ $(($(ms) - t0)) -gt 900000 ] && break
+        sleep 0.2
+    done
+    t1=$(ms)
+    c1s=$(mig_cpu_ms "$src_pid") c1d=$(mig_cpu_ms "$mig_dst_pid")
+    # the census right after switchover, before anything else
+    [ "$st" = completed ] && mig_sampler "$mig_dst_pid" dst
+    echo "E2E-MQ $m $r"
+    [ "$st" = completed ] || { mig_failed "$m" "status $st: $(mig_str "$r" error-desc)"; return 1; }
+    mig_wait_status $dsock running 60 || { mig_failed "$m" "the destination is not running"; return 1; }
+    t_run=$(ms)
+    set -- $(mig_refs $ssock)
+    src_sent=$(($1 - src_sent0)) src_refused=$(($2 - src_refused0))
+    set -- $(mig_refs $dsock)
+    echo "E2E-M $m status=completed t_migrate_ms=$t0 t_done_ms=$t1 t_running_ms=$t_run" \
+        "src_cpu_ms=$((c1s - c0s)) dst_cpu_ms=$((c1d - c0d)) bandwidth=$MIG_BW" \
+        "refs_sent=$src_sent refs_refused=$src_refused refs_merged=$3 refs_copied=$4" \
+        "refs_read=$5 refs_failed=$6"
+    # the destination's share of listed pages shared, until block-refs' (or the cap)
+    target=${mig_target:-950}
+    n=0
+    while :; do
+        sleep 1
+        n=$((n + 1))
+        kill -0 "$mig_dst_pid" 2>/dev/null || break
+        kill -0 "$mig_sampler_pid" 2>/dev/null || break
+        share=$(mig_share $W/mig-dst.samples)
+        [ -n "$share" ] || share=-1
+        if [ "$m" = block-refs ]; then
+            # a few samples after the first
+            [ "$(mig_samples $W/mig-dst.samples | wc -l)" -ge 6 ] && break
+        else
+            [ "$share" -ge "$target" ] && break
+        fi
+        [ $(($(ms) - t1)) -ge $((MIG_KSM_CAP * 1000)) ] && break
+    done
+    mig_stop_sampler
+    if [ "$m" = block-refs ]; then
+        mig_target=$(mig_samples $W/mig-dst.samples | head -n 1 |
+            awk '{ print ($10 > 0) ? int($11 * 1000 / $10) : "" }')
+    fi
+    echo "E2E-M $m census_end_ms=$(ms) ksm_target_permille=$target ksm_cap_s=$MIG_KSM_CAP"
+    mig_emit_samples "$m" dst
+    mig_stop_dst
+    r=$(mig_q $ssock '{"execute": "cont"}')
+    case $r in *'"return"'*) ;; *) ev mig-cont-failed "$m: $r" ;; esac
+    ev mig-end "$m"
+}
+
+migrate_phase() {
+    ev mig-phase "methods=$MIG_METHODS bandwidth=$MIG_BW ksm_cap_s=$MIG_KSM_CAP"
+    # the configuration's sampler and marks are done: they would take CPU
+    # from the migrations and the census
+    [ "$marks_pid" != 0 ] && kill "$marks_pid" 2>/dev/null && wait "$marks_pid" 2>/dev/null
+    [ "$sampler_pid" != 0 ] && kill "$sampler_pid" 2>/dev/null && wait "$sampler_pid" 2>/dev/null
+    marks_pid=0 sampler_pid=0 mig_sampler_pid=0 mig_dst_pid=0
+    for m in $MIG_METHODS; do
+        mig_one "$m" || true
+    done
+    ev mig-phase-end
 }
 
 # A configuration, run again from the start once if a guest did not boot

@@ -12,6 +12,10 @@
  *                             runs a monitor command (human-monitor-command)
  *                             and prints its output: the driver's look at a
  *                             guest that does not boot ("info registers")
+ *   e2e_sampler --qmp QMP_SOCKET JSON
+ *                             sends one QMP command and prints its reply line
+ *                             (exit status 1 on an error reply): the driver's
+ *                             migration phase (migrate, query-migrate ...)
  *
  * Runs until SIGTERM.  Every line it prints starts with E2E-H (the host)
  * or E2E-G (one guest):
@@ -496,6 +500,26 @@ static int hmp(const char *sock, const char *cmdline)
 	return 0;
 }
 
+/*
+ * One QMP command's reply, as --qmp prints it: the whole line ("return" or
+ * "error"), for the driver's migration phase to pick fields from.
+ */
+static int qmp_passthrough(const char *sock, const char *json)
+{
+	static char cmd[4096];
+	struct guest g = { .qmp_path = sock };
+	const char *r;
+
+	qmp_connect(&g);
+	snprintf(cmd, sizeof(cmd), "%s\n", json);
+	r = qmp(&g, cmd);
+	if (!r)
+		die("no answer to %s", json);
+	fputs(r, stdout);
+	close(g.qmp);
+	return strstr(r, "\"error\"") ? 1 : 0;
+}
+
 /* The pageshare node's counters, or -1s without a filter. */
 static void filter_stats(struct guest *g, long out[5])
 {
@@ -759,6 +783,8 @@ int main(int argc, char **argv)
 	}
 	if (argc == 4 && !strcmp(argv[1], "--hmp"))
 		return hmp(argv[2], argv[3]);
+	if (argc == 4 && !strcmp(argv[1], "--qmp"))
+		return qmp_passthrough(argv[2], argv[3]);
 	if (argc < 7 || argc - 6 > MAX_GUESTS) {
 		fprintf(stderr, "usage: e2e_sampler CONFIG HASHFILE INTERVAL_MS SERVER_PID "
 			"GUEST_MIB PID:QMP|PID:- ...\n");
