@@ -83,6 +83,15 @@ GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "pres
 # E2E-U: a listed guest page found replaced by another PFN after a sample saw
 # it shared (e2e_sampler.c: follow_listed)
 REPLACED_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "was_pfn"]
+# E2E-F: the filter's fallback counters, and the listed pages not shared by
+# what the merge trace says of their address (e2e_sampler.c: follow_listed)
+FALLBACK_FIELDS = ["cfg", "t_ms", "guest", "partial", "unaligned", "no_table", "not_ram",
+                   "merge_failed", "unsupported", "unproven", "merges_traced",
+                   "unshared_unmerged", "unshared_unseen"]
+# E2E-L: a listed page not shared at an address merged since a sample last
+# saw it shared
+LOST_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "block",
+               "ms_since_merge"]
 HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
@@ -363,10 +372,14 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
     for line in lines:
         line = line.strip()
         for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR ", "E2E-GLOG ",
-                     "E2E-U "):
+                     "E2E-U ", "E2E-F ", "E2E-L "):
             if line.startswith(kind):
                 if kind == "E2E-U ":
                     rows["replaced"].append(line.split()[1:])
+                elif kind == "E2E-F ":
+                    rows["fallback"].append(line.split()[1:])
+                elif kind == "E2E-L ":
+                    rows["lost"].append(line.split()[1:])
                 elif kind == "E2E-GLOG ":
                     rows["glog"].append([*line.split(" ", 3), ""][1:4])
                 elif kind == "E2E-EV ":
@@ -711,6 +724,8 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
     rows = parse(lines)
     write_csv(out / "samples_guest.csv", GUEST_FIELDS, rows["E2E-G"])
     write_csv(out / "replaced.csv", REPLACED_FIELDS, rows["replaced"])
+    write_csv(out / "fallback.csv", FALLBACK_FIELDS, rows["fallback"])
+    write_csv(out / "lost.csv", LOST_FIELDS, rows["lost"])
     write_csv(out / "samples_host.csv", HOST_FIELDS, rows["E2E-H"])
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
     write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])

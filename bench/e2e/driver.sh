@@ -169,7 +169,7 @@ start_guest() { # index filter(0/1) balloon(0/1)
     rm -f $ovl $W/g$i.log $W/qmp$i.sock $W/hmp$i.sock
     $P/bin/qemu-img create -q -f qcow2 -F qcow2 -b $P/base.qcow2 $ovl ||
         fail "qemu-img create $ovl"
-    backing=base
+    backing=base trace=
     set -- -blockdev \
         '{"driver":"file","node-name":"base-file","filename":"'$P'/base.qcow2","read-only":true}' \
         -blockdev '{"driver":"qcow2","node-name":"base","file":"base-file","read-only":true}'
@@ -177,6 +177,8 @@ start_guest() { # index filter(0/1) balloon(0/1)
         # exactly qemu-patches/README.md's -blockdev graph, in merge mode
         set -- "$@" -blockdev '{"driver":"pageshare","node-name":"ps","file":"base","read-only":true,"server":"/tmp/pageshare/run/base.sock","mode":"merge"}'
         backing=ps
+        # each merge's guest address, for the sampler (its TRACE_LOG)
+        trace="-trace pageshare_merge"
     fi
     set -- "$@" -blockdev '{"driver":"file","node-name":"ovl-file","filename":"'$ovl'"}' \
         -blockdev '{"driver":"qcow2","node-name":"ovl","file":"ovl-file","backing":"'$backing'"}' \
@@ -199,7 +201,7 @@ start_guest() { # index filter(0/1) balloon(0/1)
         -kernel $P/guest/vmlinuz -initrd $P/guest/initramfs.cpio.gz \
         -append "console=ttyS0 no_timer_check panic=-1 page_reporting.page_reporting_order=9" \
         -serial file:$W/g$i.log -qmp unix:$W/qmp$i.sock,server=on,wait=off \
-        -qmp unix:$W/hmp$i.sock,server=on,wait=off "$@" > $W/qemu$i.log 2>&1 &
+        -qmp unix:$W/hmp$i.sock,server=on,wait=off $trace "$@" > $W/qemu$i.log 2>&1 &
     qemu_pids="$qemu_pids $!"
 }
 
@@ -267,7 +269,7 @@ qemu_gone() {
         kill -0 "$p" 2>/dev/null && continue
         grep -q GUEST-BOOTED $W/g$i.log 2>/dev/null ||
             { ev boot-failed "$i: its QEMU exited before the guest booted"; dump_guest_log "$i"; return 0; }
-        cat $W/qemu*.log
+        grep -hv pageshare_merge $W/qemu*.log   # its errors, not the trace
         fail "guest $i's QEMU exited"
     done
     return 1
@@ -348,7 +350,11 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     for p in $qemu_pids; do
         i=$((i + 1))
         wait_file $W/qmp$i.sock 120 || fail "guest $i: no QMP socket"
-        if [ "$c_filter" = 1 ]; then set -- "$@" "$p:$W/qmp$i.sock"; else set -- "$@" "$p:-"; fi
+        if [ "$c_filter" = 1 ]; then
+            set -- "$@" "$p:$W/qmp$i.sock:$W/qemu$i.log"
+        else
+            set -- "$@" "$p:-"
+        fi
     done
     E2E_STALE_HASHES=$P/stale.hashes $P/bin/e2e_sampler "$cfg" $P/listed.hashes \
         "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" "$@" &

@@ -4,7 +4,11 @@
  * in the pageshare host VM, once per interval, from outside the guests.
  *
  *   e2e_sampler CONFIG HASHFILE INTERVAL_MS SERVER_PID GUEST_MIB \
- *               PID:QMP_SOCKET|PID:- ...
+ *               PID:QMP_SOCKET[:TRACE_LOG]|PID:- ...
+ *
+ * TRACE_LOG: the guest's QEMU's log with its pageshare_merge trace events
+ * (-trace pageshare_merge), read as it grows: which guest addresses the
+ * filter merged, and when.
  *
  *   e2e_sampler --hash FILE   prints page_hash() of each 4 KiB page of FILE
  *                             (the benchmark's test compares it with Python's)
@@ -32,6 +36,15 @@
  *   E2E-U cfg t guest offset pfn kpageflags was_pfn
  *         (the first MAX_TRACE listed pages per guest found replaced: see
  *         below)
+ *   E2E-F cfg t guest partial unaligned no_table not_ram merge_failed
+ *         unsupported unproven merges_traced unshared_unmerged
+ *         unshared_unseen
+ *         (the filter's fallback counters; with a TRACE_LOG, the merges
+ *         read from it so far, and of the listed pages not shared, those
+ *         at an address the filter never merged and those merged there
+ *         that no sample has seen shared since their merge)
+ *   E2E-L cfg t guest offset pfn kpageflags block ms_since_merge
+ *         (the first MAX_TRACE of the latter per guest)
  *
  * t is CLOCK_BOOTTIME in ms, the clock of /proc/uptime, so the driver's
  * shell can stamp its own events on the same axis.
@@ -43,9 +56,17 @@
  * the stale memory the guests write and free: free pages that still hold
  * identical data), "other" otherwise.  "Shared" means mapped from a KSM page
  * (/proc/kpageflags), which is what both ksmd and merge_pages() produce, or
- * the zero page.  Only present pages are read (process_vm_readv on a page
- * that is not present would fault it in).  A KSM page's content cannot
- * change while it is one, so its class is cached by PFN.
+ * the zero page.  Only present pages are read (a read of a page that is
+ * not present would fault it in).  A KSM page's content cannot change while
+ * it is one, so its class is cached by PFN.
+ *
+ * Pages are read through /proc/PID/mem, never process_vm_readv(2): that
+ * one pins the pages it reads (FOLL_PIN), and a read-only pin of a KSM page
+ * must unshare it first (gup_must_unshare(): a KSM page is never exclusive),
+ * so it gave the guest a private copy of every KSM page it read, the very
+ * sharing it measures undone until ksmd merged the copy again.  Reads of
+ * /proc/PID/mem take a plain reference (FOLL_FORCE, no pin) and leave the
+ * page as it is.
  *
  * Reading every present page is slow under TCG (seconds for three guests),
  * so only every FULL_EVERY-th sample (full=1) reads the pages that are not
@@ -113,8 +134,17 @@ struct guest {
 	int qmp;		/* -1: no filter, or not connected */
 	uint64_t ram, ram_len;	/* QEMU's mapping of guest RAM */
 	int pagemap;
+	int mem;		/* /proc/PID/mem */
 	long last_listed, last_zero, last_stale;	/* of the last full sample */
 	uint64_t *shared_pfn;	/* per guest page: PFN last seen shared and listed, or 0 */
+	uint64_t *merged_at;	/* per guest page: t of the last merge traced there, or 0 */
+	uint64_t *shared_at;	/* per guest page: t it was last seen shared and listed */
+	uint32_t *merged_block;	/* per guest page: the block of that merge */
+	FILE *trace;		/* the QEMU log with pageshare_merge events, or NULL */
+	char tline[512];	/* a trace line read in part */
+	size_t tlen;
+	long merges_traced;
+	int lost_traced;	/* E2E-L lines printed */
 	int traced;		/* E2E-U lines printed */
 	int index;
 	char qbuf[1 << 16];
@@ -392,6 +422,41 @@ static void find_ram(struct guest *g, uint64_t min_len)
 	g->pagemap = open(path, O_RDONLY);
 	if (g->pagemap < 0)
 		die("cannot open %s", path);
+	snprintf(path, sizeof(path), "/proc/%d/mem", g->pid);
+	g->mem = open(path, O_RDONLY);
+	if (g->mem < 0)
+		die("cannot open %s", path);
+}
+
+/*
+ * Read the @nr pages at @remote into @local from @g's /proc/PID/mem, a run
+ * of consecutive addresses per pread.  Returns the bytes read (whole pages
+ * from the first on), short where a read failed (QEMU exited).
+ */
+static ssize_t read_guest_pages(struct guest *g, const struct iovec *local,
+				const struct iovec *remote, size_t nr)
+{
+	size_t done = 0;
+
+	while (done < nr) {
+		size_t run = 1;
+		ssize_t got;
+
+		while (done + run < nr &&
+		       (char *)remote[done + run].iov_base ==
+		       (char *)remote[done].iov_base + run * PS &&
+		       (char *)local[done + run].iov_base ==
+		       (char *)local[done].iov_base + run * PS)
+			run++;
+		got = pread(g->mem, local[done].iov_base, run * PS,
+			    (off_t)(uintptr_t)remote[done].iov_base);
+		if (got < 0)
+			break;
+		done += (size_t)got / PS;
+		if ((size_t)got != run * PS)
+			break;
+	}
+	return (ssize_t)(done * PS);
 }
 
 /* --------------------------------------------------------------- QMP */
@@ -521,16 +586,21 @@ static int qmp_passthrough(const char *sock, const char *json)
 }
 
 /* The pageshare node's counters, or -1s without a filter. */
-static void filter_stats(struct guest *g, long out[5])
+#define NSTATS 12
+static void filter_stats(struct guest *g, long out[NSTATS])
 {
-	static const char *const keys[5] = {
+	static const char *const keys[NSTATS] = {
 		"requests", "merged", "merge-ns", "fallback-merge-failed",
-		"fallback-not-listed" };
+		"fallback-not-listed",
+		/* E2E-F */
+		"fallback-partial", "fallback-unaligned", "fallback-no-table",
+		"fallback-not-guest-ram", "fallback-merge-failed", "fallback-unsupported",
+		"fallback-unproven" };
 	const char *r, *d, *p;
 	char obj[4096];
 	const char *e;
 
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < NSTATS; i++)
 		out[i] = -1;
 	if (g->qmp < 0)
 		return;
@@ -545,7 +615,7 @@ static void filter_stats(struct guest *g, long out[5])
 		return;
 	memcpy(obj, p, (size_t)(e - p));
 	obj[e - p] = 0;
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < NSTATS; i++)
 		out[i] = num(obj, keys[i]);
 }
 
@@ -557,6 +627,7 @@ struct counts {
 	long on_server;		/* listed and shared: the server's own page */
 	/* listed, not shared (full samples): see the comment at the top */
 	long unshared_server, unshared_replaced, unshared_thp, unshared_never;
+	long unshared_unmerged, unshared_unseen;	/* with a trace log */
 };
 
 static bool is_server_pfn(uint64_t pfn)
@@ -645,6 +716,42 @@ static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
 		mark(k, pfn);
 }
 
+/*
+ * Read what the guest's QEMU logged since the last sample: each
+ * "pageshare_merge bs B offset O host H" line records a merge at host
+ * address H (guest page (H - ram) / PS) of the block at byte offset O, at
+ * about @t (the log is read once per sample).
+ */
+static void read_merge_trace(struct guest *g, uint64_t t)
+{
+	int ch;
+
+	if (!g->trace)
+		return;
+	clearerr(g->trace);
+	while ((ch = getc(g->trace)) != EOF) {
+		const char *m;
+		unsigned long long off, host;
+
+		if (ch != '\n') {
+			if (g->tlen < sizeof(g->tline) - 1)
+				g->tline[g->tlen++] = (char)ch;
+			continue;
+		}
+		g->tline[g->tlen] = 0;
+		g->tlen = 0;
+		m = strstr(g->tline, "pageshare_merge ");
+		if (!m || !(m = strstr(m, " offset ")) ||
+		    sscanf(m, " offset %llu host %llx", &off, &host) != 2)
+			continue;
+		if (host < g->ram || host >= g->ram + g->ram_len)
+			continue;
+		g->merged_at[(host - g->ram) / PS] = t;
+		g->merged_block[(host - g->ram) / PS] = (uint32_t)(off / PS);
+		g->merges_traced++;
+	}
+}
+
 /* Follow guest page @idx, listed, at @pfn: shared or not (see the top). */
 static void follow_listed(struct guest *g, struct counts *c, uint64_t idx, uint64_t pfn,
 			  bool shared, const char *cfg, uint64_t t)
@@ -653,7 +760,21 @@ static void follow_listed(struct guest *g, struct counts *c, uint64_t idx, uint6
 
 	if (shared) {
 		g->shared_pfn[idx] = pfn;
+		g->shared_at[idx] = t;
 		return;
+	}
+	if (g->trace) {
+		if (!g->merged_at[idx]) {
+			c->unshared_unmerged++;
+		} else if (g->shared_at[idx] < g->merged_at[idx]) {
+			c->unshared_unseen++;
+			if (g->lost_traced < MAX_TRACE) {
+				g->lost_traced++;
+				printf("E2E-L %s %" PRIu64 " %d %#" PRIx64 " %#" PRIx64 " %#" PRIx64
+				       " %" PRIu32 " %" PRIu64 "\n", cfg, t, g->index, idx * PS, pfn,
+				       kflag(pfn), g->merged_block[idx], t - g->merged_at[idx]);
+			}
+		}
 	}
 	if (is_server_pfn(pfn)) {
 		c->unshared_server++;
@@ -708,8 +829,10 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 				c->ksm++;
 				if (pfn < nkflags && pfn_class[pfn] != C_UNKNOWN) {
 					account(c, pfn_class[pfn], true, pfn);
-					if (pfn_class[pfn] == C_LISTED)
+					if (pfn_class[pfn] == C_LISTED) {
 						g->shared_pfn[off / PS + i] = pfn;
+						g->shared_at[off / PS + i] = t;
+					}
 					continue;
 				}
 			} else {
@@ -729,8 +852,8 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 		}
 		if (!nr)
 			continue;
-		got = process_vm_readv(g->pid, local, nr, remote, nr, 0);
-		if (got < 0)
+		got = read_guest_pages(g, local, remote, nr);
+		if (got <= 0)
 			return;
 		for (size_t i = 0; i < (size_t)got / PS; i++) {
 			enum cls k = classify(buf[i]);
@@ -810,10 +933,21 @@ int main(int argc, char **argv)
 		memset(&g[ng], 0, sizeof(g[ng]));
 		g[ng].pid = atoi(argv[i]);
 		g[ng].qmp_path = colon + 1;
+		colon = strchr(colon + 1, ':');
+		if (colon) {
+			*colon = 0;
+			g[ng].trace = fopen(colon + 1, "r");
+			if (!g[ng].trace)
+				die("cannot open the trace log %s", colon + 1);
+		}
 		find_ram(&g[ng], (uint64_t)guest_mib << 20);
 		g[ng].index = ng;
 		g[ng].shared_pfn = calloc(g[ng].ram_len / PS, sizeof(uint64_t));
-		if (!g[ng].shared_pfn)
+		g[ng].shared_at = calloc(g[ng].ram_len / PS, sizeof(uint64_t));
+		g[ng].merged_at = calloc(g[ng].ram_len / PS, sizeof(uint64_t));
+		g[ng].merged_block = calloc(g[ng].ram_len / PS, sizeof(uint32_t));
+		if (!g[ng].shared_pfn || !g[ng].shared_at || !g[ng].merged_at ||
+		    !g[ng].merged_block)
 			die("out of memory for %s", "shared_pfn");
 		qmp_connect(&g[ng]);
 	}
@@ -829,8 +963,9 @@ int main(int argc, char **argv)
 		read_server_pfns(server);
 		for (int i = 0; i < ng; i++) {
 			struct counts c;
-			long rss, pss, fs[5];
+			long rss, pss, fs[NSTATS];
 
+			read_merge_trace(&g[i], t0);
 			scan_guest(&g[i], &c, full, cfg, t0);
 			rss_pss(g[i].pid, &rss, &pss);
 			filter_stats(&g[i], fs);
@@ -841,6 +976,10 @@ int main(int argc, char **argv)
 			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4],
 			       full, c.on_server, c.stale, c.stale_shared, c.unshared_server,
 			       c.unshared_replaced, c.unshared_thp, c.unshared_never);
+			if (full && g[i].qmp >= 0)
+				printf("E2E-F %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld\n",
+				       cfg, t0, i, fs[5], fs[6], fs[7], fs[8], fs[9], fs[10], fs[11],
+				       g[i].merges_traced, c.unshared_unmerged, c.unshared_unseen);
 		}
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
