@@ -112,6 +112,7 @@
 #include <unistd.h>
 
 #include "ksm_sysfs.h"
+#include "page_hash.h"
 
 #define PS 4096UL
 #define PM_PRESENT (1ULL << 63)
@@ -183,22 +184,6 @@ static uint64_t now_ms(void)
 
 	clock_gettime(CLOCK_BOOTTIME, &ts);
 	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-/*
- * 64-bit FNV-1a over the page's little-endian 64-bit words; the benchmark
- * computes the same in Python (bench/e2e_vs_ksm.py: page_hash).  A
- * classifier, not a proof: a collision only moves a page between classes.
- */
-static uint64_t page_hash(const uint64_t *w)
-{
-	uint64_t h = 0xcbf29ce484222325ULL;
-
-	for (size_t i = 0; i < PS / 8; i++) {
-		h ^= w[i];
-		h *= 0x100000001b3ULL;
-	}
-	return h;
 }
 
 static bool in_set(const struct hashset *set, uint64_t h)

@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "ksm_sysfs.h"
+#include "page_hash.h"
 #include "pageshare_table.h"
 
 #define PS 4096UL
@@ -101,6 +102,7 @@ static pid_t server_pid = -1;
  */
 static pid_t qemu_pids[3] = { -1, -1, -1 };
 static pid_t stall_pids[2] = { -1, -1 };	/* the stalled-client case's server, proxy */
+static pid_t sampler_pid = -1;		/* bench/e2e_vs_ksm.py's sampler, run on the guest */
 
 static void kill_child(pid_t *pid)
 {
@@ -121,6 +123,7 @@ static void cleanup(void)
 	kill_child(&server_pid);
 	kill_child(&stall_pids[0]);
 	kill_child(&stall_pids[1]);
+	kill_child(&sampler_pid);
 }
 
 static void on_signal(int sig)
@@ -1398,6 +1401,84 @@ static void khugepaged_as_on_a_pageshare_host(void)
 	khugepaged_set("max_ptes_shared", 0);
 }
 
+/*
+ * What measures sharing must not undo it.  The end-to-end benchmark's
+ * sampler (e2e_sampler, built with these tests) reads guest pages from
+ * outside to classify them by content; run here on the booted guest for
+ * at least two full passes, it must leave every listed page the server's.
+ * When it read them with process_vm_readv(2) it did not: that call pins
+ * what it reads, and a read-only pin of a KSM page must unshare it first
+ * (gup_must_unshare()), so each KSM page it read, the guest got a private
+ * copy of.  The end-to-end runs counted those as listed pages unshared
+ * right after their merge (up to 38 % of a guest's, for minutes, until
+ * ksmd merged the copies again).  The sampler reads /proc/PID/mem now.
+ */
+static void sampler_keeps_sharing(struct qemu *q, const struct census *before)
+{
+	char hashes[] = WORK "/listed.hashes", spid[16], gpid[32], line[512];
+	char *argv[] = { "/tests/e2e_sampler", "census", hashes, "100", spid, "128", gpid,
+			 NULL };
+	long samples = 0, full = 0, listed = -1, shared = -1;
+	struct census c;
+	double deadline;
+	FILE *f;
+
+	f = fopen(hashes, "wb");
+	if (!f)
+		bail("%s: %s", hashes, strerror(errno));
+	for (uint64_t b = 0; b < image_size / PS; b++) {
+		uint64_t h;
+
+		if (!srv_addr(b))
+			continue;
+		h = page_hash((const uint64_t *)(image + b * PS));
+		if (fwrite(&h, sizeof(h), 1, f) != 1)
+			bail("%s: %s", hashes, strerror(errno));
+	}
+	if (fclose(f))
+		bail("%s: %s", hashes, strerror(errno));
+	snprintf(spid, sizeof(spid), "%d", (int)server_pid);
+	snprintf(gpid, sizeof(gpid), "%d:-", (int)q->pid);
+	sampler_pid = spawn(argv, WORK "/sampler.log");
+	/* the sampler's lines: "E2E-G cfg t guest ... listed listed_shared ... full ..." */
+	deadline = now() + 180;
+	while (full < 3 && now() < deadline && alive(sampler_pid)) {
+		usleep(500000);
+		samples = full = 0;
+		f = fopen(WORK "/sampler.log", "r");
+		while (f && fgets(line, sizeof(line), f)) {
+			long v[20];
+
+			if (strncmp(line, "E2E-G ", 6))
+				continue;
+			samples++;
+			/* after "E2E-G cfg": t guest cpu rss pss present ksm listed shared ... full */
+			if (sscanf(line, "E2E-G %*s %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
+				   "%ld %ld %ld %ld %ld", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+				   &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13],
+				   &v[14], &v[15], &v[16], &v[17]) == 18 && v[17] == 1) {
+				full++;
+				listed = v[7];
+				shared = v[8];
+			}
+		}
+		if (f)
+			fclose(f);
+	}
+	kill(sampler_pid, SIGTERM);
+	waitpid(sampler_pid, NULL, 0);
+	sampler_pid = -1;
+	c = guest_census(q, 0, 512);
+	ok(full >= 3 && listed > 0 && c.held == before->held && c.private == 0 &&
+	   c.other_ksm == 0,
+	   "booted guest: after the end-to-end sampler read its pages (%ld samples, %ld full, "
+	   "the last full one: %ld listed, %ld shared), all %u are still the server's pages "
+	   "(%u private; %u before)", samples, full, listed, shared, c.held, c.private,
+	   before->held);
+	if (full < 3)
+		show_log(WORK "/sampler.log");
+}
+
 static void census_soak(struct qemu *q)
 {
 	struct census c = guest_census(q, 0, 512);
@@ -1409,6 +1490,7 @@ static void census_soak(struct qemu *q)
 	   "pages after the reads (%u private, %u of them THP subpages, first at %#" PRIx64
 	   "; %u other KSM pages)", c.held, c.private, c.private_thp, c.first_private_hva,
 	   c.other_ksm);
+	sampler_keeps_sharing(q, &c);
 
 	khp_saved_sleep = khugepaged_get("scan_sleep_millisecs");
 	khp_saved_pages = khugepaged_get("pages_to_scan");
@@ -1742,7 +1824,8 @@ static struct qemu *migrate_guest(struct qemu *src, int *con, uint64_t *whva)
 	struct fstats fs0, fs1, fd;
 	struct counters k0, k1;
 	long migrated0, stalls0;
-	unsigned int bad, arrived = 0, dbad, shown = 0, first = 0, moved = 0;
+	unsigned int bad, arrived = 0, dbad, shown = 0, first = 0, moved = 0, kept = 0;
+	uint64_t *spfn0;
 	char status[64], desc[256], state[64];
 	long brp = -1, ms = 0, down = 0, bytes = 0;
 	uint64_t slo, shi, dlo, dhi;
@@ -1783,6 +1866,12 @@ static struct qemu *migrate_guest(struct qemu *src, int *con, uint64_t *whva)
 	}
 	diag("migration: %zu merged pages on the source, %u of them the first server's "
 	     "(%u moved since the restart)", nheld, first, moved);
+	/* the server's pages the source will check the references against */
+	spfn0 = calloc(nheld ? nheld : 1, sizeof(*spfn0));
+	if (!spfn0)
+		bail("out of memory");
+	for (size_t i = 0; i < nheld; i++)
+		spfn0[i] = pfn_of(&server, srv_addr(held[i].block));
 	fs0 = filter_stats(src);
 	k0 = ksm_counters();
 	migrated0 = vmstat("pgmigrate_success");
@@ -1813,6 +1902,7 @@ static struct qemu *migrate_guest(struct qemu *src, int *con, uint64_t *whva)
 		stop_qemu(d);
 		free(d);
 		free(held);
+		free(spfn0);
 		return src;
 	}
 
@@ -1856,6 +1946,22 @@ static struct qemu *migrate_guest(struct qemu *src, int *con, uint64_t *whva)
 			     pfn && pfn_is_ksm(pfn), memcmp(buf, image + b * PS, PS) ? "WRONG" :
 			     "right", spfn, spfn && pfn_is_ksm(spfn));
 	}
+	/*
+	 * The source read the server's copy of each block it sent as a
+	 * reference, to compare it with the guest's page.  Read so that it
+	 * pins (process_vm_readv(2)), a KSM page is unshared first: the server
+	 * would now map a private copy of each, and the next merge of that
+	 * block make a second KSM page of the same bytes.
+	 */
+	for (size_t i = 0; i < nheld; i++) {
+		uint64_t now_pfn = pfn_of(&server, srv_addr(held[i].block));
+
+		kept += now_pfn && now_pfn == spfn0[i] && pfn_is_ksm(now_pfn);
+	}
+	ok(kept == nheld, "migration: the source's checks left the server's pages in place: "
+	   "%u of the %zu it sent as references are still the same KSM page in the server",
+	   kept, nheld);
+	free(spfn0);
 	dheld = guest_server_pages(d, false, &ndst, &dbad);
 	ok(nheld > 0 && bad == 0 && arrived == nheld && ndst == nheld && dbad == 0,
 	   "migration: all %zu guest pages the filter had merged on the source (%u not KSM or "
