@@ -211,20 +211,33 @@ def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
     assert p.stderr is not None
     seen = []
     deadline = time.monotonic() + 900
-    for line in p.stderr:
-        seen.append(line)
-        if "host KSM merging" in line:
-            break
-        assert time.monotonic() < deadline, "".join(seen)
-    time.sleep(3)
-    ksm_run = Path("/sys/kernel/mm/ksm/run").read_text().strip()
-    assert ksm_run == "1", "KSM should be running during the analysis"
-    p.send_signal(signal.SIGINT)
-    rest = p.stderr.read()
-    assert p.wait(timeout=120) == 130, "".join(seen) + rest
-    assert "interrupted" in rest
-    assert list(workdir.iterdir()) == []
-    assert shutil.which("qemu-img")
+    try:
+        for line in p.stderr:
+            seen.append(line)
+            if "host KSM merging" in line:
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        time.sleep(3)
+        ksm_run = Path("/sys/kernel/mm/ksm/run").read_text().strip()
+        assert ksm_run == "1", (f"KSM should be running during the analysis (run = {ksm_run})\n"
+                                + "".join(seen))
+        p.send_signal(signal.SIGINT)
+        rest = p.stderr.read()
+        assert p.wait(timeout=120) == 130, "".join(seen) + rest
+        assert "interrupted" in rest
+        assert list(workdir.iterdir()) == []
+        assert shutil.which("qemu-img")
+    finally:
+        # A failed check must not leave the analysis running (its guests and
+        # host KSM merging) under the tests that follow: interrupt it, so
+        # that it restores host KSM, and kill what is left.
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 @pytest.mark.usefixtures("host_guard")
