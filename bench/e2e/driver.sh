@@ -42,6 +42,7 @@ fail() {
         stop_all
         restore_ksm
     fi
+    restore_khp
     exit 1
 }
 
@@ -88,6 +89,25 @@ restore_ksm() {
     saved_ksm=""
 }
 
+# A pageshare host's khugepaged setting (the pageshare-server package sets
+# it at boot): max_ptes_shared = 0, so that khugepaged never collapses a
+# 2 MiB range of guest RAM holding a shared page, which copies (unshares)
+# its KSM pages.  It is the host's, so every configuration runs with it,
+# KSM's too; the value found is restored on every way out.
+KHP=/sys/kernel/mm/transparent_hugepage/khugepaged
+saved_khp=""
+pageshare_khp() {
+    [ -w "$KHP/max_ptes_shared" ] || return 0
+    saved_khp=$(cat "$KHP/max_ptes_shared")
+    echo 0 > "$KHP/max_ptes_shared"
+}
+restore_khp() {
+    [ -n "$saved_khp" ] || return 0
+    echo "$saved_khp" > "$KHP/max_ptes_shared" ||
+        echo "E2E-EV $cfg $(ms) khugepaged-restore-failed max_ptes_shared=$saved_khp"
+    saved_khp=""
+}
+
 if [ "${1:-}" = --preflight ]; then
     preflight
     echo "E2E-PREFLIGHT ok"
@@ -96,6 +116,7 @@ fi
 . $P/e2e.env
 preflight
 save_ksm
+pageshare_khp
 
 ksm_defaults() {
     # 6.12's boot defaults; the "none" configuration stops ksmd instead
@@ -128,7 +149,7 @@ stop_all() {
     echo 2 > $K/run
     echo 0 > $K/run
 }
-trap 'echo "E2E-ERROR the driver was stopped (signal)"; stop_all; restore_ksm; exit 1' INT TERM
+trap 'echo "E2E-ERROR the driver was stopped (signal)"; stop_all; restore_ksm; restore_khp; exit 1' INT TERM
 
 wait_file() { # path seconds
     n=0
@@ -630,6 +651,7 @@ run_once_more() { # run_config's arguments
 
 mkdir -p $W
 ev ksm-saved "$saved_ksm"
+ev khugepaged-max-ptes-shared "0 (was ${saved_khp:-not settable})"
 for c in $CONFIGS; do
     case $c in
     none) run_once_more none 0 off 0 ;;
@@ -643,5 +665,6 @@ for c in $CONFIGS; do
 done
 cfg=all
 restore_ksm
+restore_khp
 ev ksm-restored "$(cat $K/run)"
 ev finished

@@ -265,6 +265,24 @@ static uint64_t kflag(uint64_t pfn)
 	return pfn < nkflags ? kflags[pfn] : 0;
 }
 
+/*
+ * @pfn's flags now, not at the start of the sample: the one snapshot of
+ * /proc/kpageflags is up to a pass old by the time a page is looked at,
+ * and a server page that merge_pages() made a KSM page since (its first
+ * merge) is not one in it.  0 if it cannot be read.
+ */
+static uint64_t kflag_now(uint64_t pfn)
+{
+	static int fd = -1;
+	uint64_t f;
+
+	if (fd < 0)
+		fd = open("/proc/kpageflags", O_RDONLY | O_CLOEXEC);
+	if (fd < 0 || pread(fd, &f, sizeof(f), (off_t)(pfn * 8)) != sizeof(f))
+		return 0;
+	return f;
+}
+
 /* "Rss:" and "Pss:" of /proc/PID/smaps_rollup, in kB. */
 static void rss_pss(pid_t pid, long *rss, long *pss)
 {
@@ -842,6 +860,12 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 			return;
 		for (size_t i = 0; i < (size_t)got / PS; i++) {
 			enum cls k = classify(buf[i]);
+
+			/* not shared in the snapshot: maybe merged since (see kflag_now()) */
+			if (k == C_LISTED && !ksm[i] && (kflag_now(pfns[i]) & (1ULL << KPF_KSM))) {
+				ksm[i] = true;
+				c->ksm++;
+			}
 
 			if (ksm[i] && pfns[i] < nkflags)
 				pfn_class[pfns[i]] = (uint8_t)k;
