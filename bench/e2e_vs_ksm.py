@@ -45,9 +45,11 @@ import dataclasses
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import struct
@@ -70,6 +72,13 @@ sys.path.insert(0, str(REPO / "bench"))
 import e2e_migration  # noqa: E402
 
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
+# ksm-ptsN, pageshare-ptsN: "ksm" or "pageshare" with ksmd's pages_to_scan N
+SCAN_RATE = re.compile(r"(ksm|pageshare)-pts(\d+)")
+# --frontier: KSM alone at several scan rates and the advisor, pageshare with
+# ksmd at the default and much lower, and "none" (the baseline the
+# kworkers' and the machine's CPU are taken against)
+FRONTIER = ["none", "ksm", "ksm-pts1000", "ksm-pts5000", "ksm-advisor", "pageshare",
+            "pageshare-pts10", "pageshare-pts0"]
 PAGE = 4096
 MIB = 2**20
 GREP_DIRS = ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/systemd "
@@ -96,7 +105,8 @@ HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "se
                "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
                "distinct_other", "sample_ms", "khugepaged_collapsed",
-               "khugepaged_full_scans", "distinct_stale"]
+               "khugepaged_full_scans", "distinct_stale", "kworker_cpu_ms", "busy_cpu_ms",
+               "sampler_cpu_ms", "mem_pages", "distinct_pages", "server_unused"]
 # The guests' workload as analyze-image runs it in its Debian guests
 # (--list-from workload): the same grep over the same directories.
 LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
@@ -588,8 +598,86 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
                                        / len(freed) / 1024 if freed else None),
             "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
+        c.update(census(hs, series, gids, at))
+        c.update(cpu_beyond(hs))
         out["configs"][cfg] = c
+    sharing_costs(out["configs"])
     return out
+
+
+def census(hs: list[dict[str, int]], series: dict[int, list[dict[str, int]]],
+           gids: list[int], at: Any) -> dict[str, Any]:
+    """Memory that sharing could still save, from the sampler's census (its
+    full samples): duplicates not yet shared (distinct physical pages of
+    the guests' RAM and the server's listed pages, less their distinct
+    contents) integrated over the configuration's samples, MiB*s, and at
+    the end; what sharing saved at the end net of everything the server
+    preloads (the guests' present pages less the distinct physical pages,
+    the server's among them); the server's pages no guest maps.  None for
+    a sampler without the census."""
+    cs = [h for h in hs if h["mem_pages"] >= 0 and h["distinct_pages"] >= 0]
+    if not cs:
+        return {"dup_mib_s": None, "dup_mib_end": None, "net_saved_mib_end": None,
+                "server_unused_mib_end": None}
+    dup = [(h["t_ms"], max(0, h["mem_pages"] - h["distinct_pages"])) for h in cs]
+    pages_ms = sum((t1 - t0) * (d0 + d1) / 2 for (t0, d0), (t1, d1) in itertools.pairwise(dup))
+    last = cs[-1]
+    present = sum(at(last["t_ms"], g)["present"] for g in gids)
+    return {
+        "dup_mib_s": pages_ms / 1000 * PAGE / MIB,
+        "dup_mib_end": dup[-1][1] * PAGE / MIB,
+        "net_saved_mib_end": (present - last["mem_pages"]) * PAGE / MIB,
+        "server_unused_mib_end": (max(0, last["server_unused"]) * PAGE / MIB),
+    }
+
+
+def cpu_beyond(hs: list[dict[str, int]]) -> dict[str, Any]:
+    """CPU over the configuration's samples beyond ksmd's and the server's:
+    all kworkers (merge_pages' prune work runs there), and the whole
+    machine's busy time less the sampler's own (None for a sampler without
+    them)."""
+    def delta(key: str) -> float | None:
+        a, b = hs[0][key], hs[-1][key]
+        return (b - a) / 1000 if a >= 0 and b >= a else None
+
+    busy, sampler = delta("busy_cpu_ms"), delta("sampler_cpu_ms")
+    return {
+        "sampled_s": (hs[-1]["t_ms"] - hs[0]["t_ms"]) / 1000,
+        "kworker_cpu_s": delta("kworker_cpu_ms"),
+        "machine_cpu_s": busy - sampler if busy is not None and sampler is not None else None,
+    }
+
+
+def sharing_costs(configs: dict[str, dict[str, Any]]) -> None:
+    """Each configuration's whole sharing CPU and what it bought, against
+    "none" when it ran: ksmd, the filter's time in merge_pages (wall time in
+    the guests' QEMU), the server (start-up hash and after) and the kworkers
+    beyond none's rate; memory saved beyond none's (its guests' zero-page
+    mappings); the machine's busy time beyond none's (noisy: the guests'
+    emulation dominates it)."""
+    base = configs.get("none", {})
+    if "error" in base or base.get("kworker_cpu_s") is None or not base.get("sampled_s"):
+        base = {}
+    for c in configs.values():
+        if "error" in c:
+            continue
+        kw = c.get("kworker_cpu_s")
+        if kw is not None and base:
+            kw = max(0.0, kw - base["kworker_cpu_s"] / base["sampled_s"] * c["sampled_s"])
+        c["kworker_excess_cpu_s"] = kw
+        parts = [c["ksmd_cpu_s"], c["filter_merge_s"], c["server_startup_cpu_s"],
+                 c["server_cpu_s"] if c["filter_merged"] else 0.0, kw]
+        c["sharing_cpu_s"] = (None if any(p is None for p in parts)
+                              else sum(p for p in parts if p is not None))
+        saved = c.get("net_saved_mib_end")
+        if saved is not None and base.get("net_saved_mib_end") is not None:
+            saved -= base["net_saved_mib_end"]
+        c["sharing_saved_mib_end"] = saved
+        c["sharing_cpu_s_per_gib_saved"] = (
+            c["sharing_cpu_s"] / (saved / 1024)
+            if c["sharing_cpu_s"] is not None and saved and saved > 0 else None)
+        m, mb = c.get("machine_cpu_s"), base.get("machine_cpu_s")
+        c["machine_cpu_beyond_none_s"] = m - mb if m is not None and mb is not None else None
 
 
 def cpu_since(hs: list[dict[str, int]], first: dict[str, int]) -> int | None:
@@ -679,6 +767,20 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
          "stale_resident_mib_end", ".1f"),
         ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
+        ("duplicates not yet shared, integrated over the run, MiB*s", "dup_mib_s", ".0f"),
+        ("duplicates not yet shared at the end, MiB", "dup_mib_end", ".1f"),
+        ("saved at the end net of the server's pages, MiB", "net_saved_mib_end", ".1f"),
+        ("the same beyond none's (its zero-page mappings), MiB", "sharing_saved_mib_end",
+         ".1f"),
+        ("server's pages no guest maps at the end, MiB", "server_unused_mib_end", ".1f"),
+        ("kworkers' CPU, s", "kworker_cpu_s", ".1f"),
+        ("the same beyond none's rate (all of it if none did not run), s",
+         "kworker_excess_cpu_s", ".1f"),
+        ("sharing CPU: ksmd + merge_pages + server + those kworkers, s",
+         "sharing_cpu_s", ".1f"),
+        ("sharing CPU s per GiB saved (beyond none)", "sharing_cpu_s_per_gib_saved", ".1f"),
+        ("machine's busy CPU less the sampler's, s", "machine_cpu_s", ".0f"),
+        ("the same beyond none's (noisy), s", "machine_cpu_beyond_none_s", ".0f"),
     ]
     cfgs = list(summary["configs"])
     out = [f"- command: `{cmdline}`", f"- {facts}",
@@ -696,7 +798,55 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             v = d[key[0]][key[1]] if isinstance(key, tuple) else d.get(key)
             vals.append(fmt(v, spec))
         out.append(f"| {label} | " + " | ".join(vals) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + frontier(summary["configs"])) + "\n"
+
+
+def frontier(configs: dict[str, dict[str, Any]]) -> list[str]:
+    """The CPU/memory frontier as markdown lines, and issue 20's targets
+    read from it: a pageshare configuration that ends with at least
+    KSM-default's savings (within 5 %) for at least 5x less sharing CPU and
+    10x fewer MiB*s of duplicates not yet shared, and pageshare points that
+    dominate every KSM-only point on those two axes.  Empty without at
+    least one of each with the census."""
+    def ok(name: str) -> bool:
+        c = configs[name]
+        return ("error" not in c and c.get("sharing_cpu_s") is not None
+                and c.get("dup_mib_s") is not None
+                and c.get("sharing_saved_mib_end") is not None)
+
+    ksm = [n for n in configs if ok(n) and (n.startswith("ksm") and n != "ksm-fpr")]
+    ps = [n for n in configs if ok(n) and n.startswith("pageshare") and n != "pageshare-faults"]
+    if not ksm or not ps:
+        return []
+    out = ["", "Frontier: sharing CPU (all costs) against memory not yet shared", "",
+           "| configuration | sharing CPU, s | duplicates not yet shared, MiB*s "
+           "| saved at the end beyond none, MiB | CPU s per GiB saved |",
+           "|---|---:|---:|---:|---:|"]
+    for n in ksm + ps:
+        c = configs[n]
+        out.append(f"| {n} | {c['sharing_cpu_s']:.1f} | {c['dup_mib_s']:.0f} | "
+                   f"{c['sharing_saved_mib_end']:.1f} | "
+                   f"{fmt(c['sharing_cpu_s_per_gib_saved'])} |")
+    out.append("")
+    if "ksm" in ksm:
+        k = configs["ksm"]
+        best = None
+        for n in ps:
+            c = configs[n]
+            if (c["sharing_saved_mib_end"] >= 0.95 * k["sharing_saved_mib_end"]
+                    and c["sharing_cpu_s"] * 5 <= k["sharing_cpu_s"]
+                    and c["dup_mib_s"] * 10 <= k["dup_mib_s"]):
+                best = n
+                break
+        out.append("- a pageshare configuration with KSM-default's savings (within 5 %), "
+                   "5x less sharing CPU and 10x fewer MiB*s: "
+                   + (f"met by {best}" if best else "MISSED (no configuration meets all three)"))
+    beaten = [n for n in ksm if not any(
+        configs[p]["sharing_cpu_s"] <= configs[n]["sharing_cpu_s"]
+        and configs[p]["dup_mib_s"] <= configs[n]["dup_mib_s"] for p in ps)]
+    out.append("- pageshare dominating every KSM-only point on CPU and MiB*s: "
+               + ("met" if not beaten else f"MISSED at {', '.join(beaten)}"))
+    return out
 
 
 def symbolize(rips: list[int], system_map: Path) -> list[str]:
@@ -783,7 +933,12 @@ def main() -> int:
                     help="seconds sampled after the guests' workload is done")
     ap.add_argument("--interval-ms", type=int, default=1000)
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, in order (default {','.join(CONFIGS)})")
+                    help=f"comma-separated, in order (default {','.join(CONFIGS)}); also "
+                         "ksm-ptsN and pageshare-ptsN: ksmd's pages_to_scan N instead of "
+                         "100")
+    ap.add_argument("--frontier", action="store_true",
+                    help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} "
+                         "(about 90 min of VM time)")
     ap.add_argument("--grep-dirs", default=GREP_DIRS)
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
@@ -810,10 +965,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.reparse:
         return reparse(args.reparse)
-    configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
+    configs = FRONTIER if args.frontier else [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS and not SCAN_RATE.fullmatch(c)]
     if bad:
-        ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}")
+        ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}, "
+                 "and ksm-ptsN or pageshare-ptsN (pages_to_scan N)")
+    if len(set(configs)) != len(configs):
+        ap.error("a configuration is named twice in --configs")
     if args.migrate and "pageshare" not in configs:
         ap.error("--migrate migrates a guest of the pageshare configuration: "
                  "--configs must include pageshare")

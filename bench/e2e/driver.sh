@@ -14,6 +14,10 @@
 #   pageshare-faults
 #                "pageshare" while the server is killed and restarted, reloads
 #                a list of half the blocks and ksmd is switched off and on
+#   ksm-ptsN, pageshare-ptsN
+#                "ksm" or "pageshare" with ksmd's pages_to_scan = N instead
+#                of 100 (points of KSM's CPU/sharing frontier; N = 0 keeps
+#                KSM in merge mode, as merge_pages needs, with ksmd idle)
 #
 # Every line the outer script reads starts with E2E-: E2E-EV (an event),
 # E2E-G/E2E-H (e2e_sampler's samples), E2E-GUEST (a guest's own marks),
@@ -348,6 +352,8 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     cfg=$1 c_filter=$2 c_ksm=$3 c_balloon=$4
     ev begin "filter=$c_filter ksm=$c_ksm balloon=$c_balloon guests=$GUESTS guest_mib=$GUEST_MIB"
     ksm_defaults
+    case $cfg in *-pts[0-9]*) echo "${cfg##*-pts}" > $K/pages_to_scan ;; esac
+    ev ksm-knobs "pages_to_scan=$(cat $K/pages_to_scan) sleep_millisecs=$(cat $K/sleep_millisecs)"
     if [ "$c_ksm" = off ]; then
         echo 0 > $K/run
     else
@@ -660,6 +666,8 @@ for c in $CONFIGS; do
     pageshare) run_once_more pageshare 1 default 0 ;;
     pageshare-faults) run_once_more pageshare-faults 1 default 0 ;;
     ksm-fpr) run_once_more ksm-fpr 0 default 1 ;;
+    ksm-pts[0-9]*) run_once_more "$c" 0 default 0 ;;
+    pageshare-pts[0-9]*) run_once_more "$c" 1 default 0 ;;
     *) fail "unknown configuration $c" ;;
     esac
 done

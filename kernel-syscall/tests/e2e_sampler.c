@@ -28,7 +28,8 @@
  *         server_pss_kb pages_shared pages_sharing ksm_zero_pages
  *         merge_page_merged full_scans distinct_listed distinct_zero
  *         distinct_other sample_ms khugepaged_collapsed khugepaged_full_scans
- *         distinct_stale
+ *         distinct_stale kworker_cpu_ms busy_cpu_ms sampler_cpu_ms mem_pages
+ *         distinct_pages server_unused
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server stale stale_shared
@@ -86,6 +87,23 @@
  * read that was never merged).  E2E-U lines name the first MAX_TRACE
  * replaced pages of each guest, with the PFN they had when last seen
  * shared.
+ *
+ * The census (full samples; -1 in the others), for the memory that
+ * sharing could still save: mem_pages is the number of distinct physical
+ * pages the guests' RAM maps plus the server's pages of listed content,
+ * distinct_pages the number of distinct contents among them (all-zero
+ * content and the zero page count as one).  mem_pages - distinct_pages is
+ * the duplicates not yet shared: 0 when every content is held once.
+ * server_unused counts the server's pages of listed content that no guest
+ * maps: preloaded memory that backs nothing (yet).  The server's pages are
+ * read once per PFN through its /proc/PID/mem (it never writes them).
+ *
+ * CPU beyond ksmd's and the server's: kworker_cpu_ms sums the CPU of every
+ * kworker thread seen since the start (one that exits keeps its last
+ * reading: merge_pages' prune work runs there, among all else kworkers
+ * do); busy_cpu_ms is the whole machine's non-idle time (/proc/stat:
+ * user, nice, system, irq, softirq, steal); sampler_cpu_ms the sampler's
+ * own, to take out of it.
  *
  * khugepaged_collapsed and khugepaged_full_scans are khugepaged's own
  * counters (sysfs; the host kernel has no VM event counters): khugepaged
@@ -159,6 +177,7 @@ struct hashset {
 };
 static struct hashset listed_set, stale_set;
 static uint8_t *pfn_class;	/* per PFN: enum cls of a KSM page, cached */
+static uint64_t *pfn_hash;	/* per PFN: its content's census hash, with pfn_class */
 static uint8_t *seen[NCLS];	/* per PFN bitmaps, per class: distinct shared PFNs */
 static uint8_t *server_pfns;	/* per PFN bitmap: mapped by the page server */
 static uint64_t *kflags;
@@ -255,7 +274,8 @@ static void read_kpageflags(void)
 		for (int c = 0; c < NCLS; c++)
 			seen[c] = calloc(nkflags / 8 + 1, 1);
 		server_pfns = calloc(nkflags / 8 + 1, 1);
-		if (!pfn_class || !seen[C_OTHER] || !seen[C_STALE] || !server_pfns)
+		pfn_hash = calloc(nkflags + 1, sizeof(*pfn_hash));
+		if (!pfn_class || !seen[C_OTHER] || !seen[C_STALE] || !server_pfns || !pfn_hash)
 			die("out of memory for %s", "PFN maps");
 	}
 }
@@ -685,16 +705,19 @@ static void mark(int c, uint64_t pfn)
 		seen[c][pfn / 8] |= (uint8_t)(1u << (pfn % 8));
 }
 
-static enum cls classify(const uint64_t *w)
+/* A page's class, and its census hash in *@hash (0: all zeros). */
+static enum cls classify(const uint64_t *w, uint64_t *hash)
 {
 	bool zero = true;
 	uint64_t h;
 
 	for (size_t i = 0; i < PS / 8 && zero; i++)
 		zero = !w[i];
+	*hash = 0;
 	if (zero)
 		return C_ZERO;
 	h = page_hash(w);
+	*hash = h;
 	if (in_set(&listed_set, h))
 		return C_LISTED;
 	return in_set(&stale_set, h) ? C_STALE : C_OTHER;
@@ -717,6 +740,205 @@ static void account(struct counts *c, enum cls k, bool shared, uint64_t pfn)
 	}
 	if (shared)
 		mark(k, pfn);
+}
+
+/* ------------------------------------------------------------ census */
+
+static uint8_t *census_pfns;	/* per PFN bitmap: counted in this census */
+static uint64_t *census_hashes;	/* one hash per counted PFN */
+static size_t census_n, census_cap;
+
+static void census_reset(void)
+{
+	if (!census_pfns && !(census_pfns = calloc(nkflags / 8 + 1, 1)))
+		die("out of memory for %s", "the census");
+	memset(census_pfns, 0, nkflags / 8 + 1);
+	census_n = 0;
+}
+
+static bool census_has(uint64_t pfn)
+{
+	return pfn < nkflags && (census_pfns[pfn / 8] & (1u << (pfn % 8)));
+}
+
+/* Physical page @pfn holds content @hash: counted once per PFN. */
+static void census_add(uint64_t pfn, uint64_t hash)
+{
+	if (pfn >= nkflags || census_has(pfn))
+		return;
+	census_pfns[pfn / 8] |= (uint8_t)(1u << (pfn % 8));
+	if (census_n == census_cap) {
+		census_cap = census_cap ? census_cap * 2 : 1 << 18;
+		census_hashes = realloc(census_hashes, census_cap * sizeof(*census_hashes));
+		if (!census_hashes)
+			die("out of memory for %s", "the census");
+	}
+	census_hashes[census_n++] = hash;
+}
+
+/* The census's distinct contents (sorts the hashes). */
+static long census_distinct(void)
+{
+	long d = 0;
+
+	qsort(census_hashes, census_n, sizeof(*census_hashes), cmp_u64);
+	for (size_t i = 0; i < census_n; i++)
+		d += !i || census_hashes[i] != census_hashes[i - 1];
+	return d;
+}
+
+/*
+ * The server's pages of listed content into the census, after the guests'
+ * (so that those no guest maps can be counted): its present pages, each
+ * read once per PFN through /proc/PID/mem and its class kept (the server
+ * never writes them; a new server process starts a new cache).  Returns
+ * how many no guest maps, or -1 if the server cannot be read.
+ */
+static long census_server(pid_t pid)
+{
+	static pid_t cached_pid;
+	static int mem = -1;
+	static uint8_t *scls;		/* per PFN: 0 unknown, 1 listed, 2 other */
+	static uint64_t *shash;
+	char path[64], line[512];
+	uint64_t page[PS / 8];
+	long unused = 0;
+	FILE *maps;
+	int pm;
+
+	if (pid <= 0)
+		return 0;
+	if (!scls) {
+		scls = calloc(nkflags + 1, 1);
+		shash = calloc(nkflags + 1, sizeof(*shash));
+		if (!scls || !shash)
+			die("out of memory for %s", "the server's census");
+	}
+	if (pid != cached_pid) {
+		memset(scls, 0, nkflags + 1);
+		if (mem >= 0)
+			close(mem);
+		snprintf(path, sizeof(path), "/proc/%d/mem", pid);
+		mem = open(path, O_RDONLY | O_CLOEXEC);
+		cached_pid = pid;
+	}
+	snprintf(path, sizeof(path), "/proc/%d/maps", pid);
+	maps = fopen(path, "r");
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", pid);
+	pm = open(path, O_RDONLY | O_CLOEXEC);
+	if (!maps || pm < 0 || mem < 0) {
+		if (maps)
+			fclose(maps);
+		if (pm >= 0)
+			close(pm);
+		return -1;
+	}
+	while (fgets(line, sizeof(line), maps)) {
+		uint64_t start, end, e[512];
+
+		if (sscanf(line, "%" SCNx64 "-%" SCNx64, &start, &end) != 2)
+			continue;
+		for (uint64_t a = start; a < end; a += 512 * PS) {
+			size_t n = (end - a) / PS < 512 ? (end - a) / PS : 512;
+
+			if (pread(pm, e, n * 8, a / PS * 8) != (ssize_t)(n * 8))
+				break;
+			for (size_t i = 0; i < n; i++) {
+				uint64_t pfn = e[i] & PM_PFN_MASK;
+
+				if (!(e[i] & PM_PRESENT) || pfn >= nkflags)
+					continue;
+				if (!scls[pfn]) {
+					if (pread(mem, page, PS, (off_t)(a + i * PS)) != (ssize_t)PS)
+						continue;
+					scls[pfn] = classify(page, &shash[pfn]) == C_LISTED ? 1 : 2;
+				}
+				if (scls[pfn] != 1)
+					continue;
+				unused += !census_has(pfn);
+				census_add(pfn, shash[pfn]);
+			}
+		}
+	}
+	fclose(maps);
+	close(pm);
+	return unused;
+}
+
+/* ------------------------------------------------------- CPU, beyond */
+
+/*
+ * The CPU of every kworker seen so far, ms: the live ones' readings plus
+ * the last readings of those gone (a reading that drops is a new thread
+ * of a reused pid; the old one's last reading is kept).
+ */
+static long kworker_cpu_ms(void)
+{
+	static struct kw_cpu { pid_t pid; long ms; } kw[8192];
+	static size_t nkw;
+	static long gone;
+	DIR *d = opendir("/proc");
+	struct dirent *e;
+	long total;
+
+	while (d && (e = readdir(d))) {
+		char path[300], comm[64] = "";
+		pid_t pid;
+		size_t i;
+		FILE *f;
+		long ms;
+
+		if (e->d_name[0] < '0' || e->d_name[0] > '9')
+			continue;
+		snprintf(path, sizeof(path), "/proc/%s/comm", e->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (!fgets(comm, sizeof(comm), f))
+			comm[0] = 0;
+		fclose(f);
+		if (strncmp(comm, "kworker/", 8))
+			continue;
+		pid = atoi(e->d_name);
+		ms = cpu_ms(pid);
+		if (ms < 0)
+			continue;
+		for (i = 0; i < nkw && kw[i].pid != pid; i++)
+			;
+		if (i == nkw) {
+			if (nkw == sizeof(kw) / sizeof(kw[0]))
+				continue;
+			kw[nkw++] = (struct kw_cpu){ pid, 0 };
+		}
+		if (ms < kw[i].ms)
+			gone += kw[i].ms;
+		kw[i].ms = ms;
+	}
+	if (d)
+		closedir(d);
+	total = gone;
+	for (size_t i = 0; i < nkw; i++)
+		total += kw[i].ms;
+	return total;
+}
+
+/* The machine's non-idle CPU time, ms (the "cpu" line of /proc/stat). */
+static long busy_cpu_ms(void)
+{
+	unsigned long long v[8] = { 0 };
+	FILE *f = fopen("/proc/stat", "r");
+	int n = 0;
+
+	if (f) {
+		n = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1],
+			   &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]);
+		fclose(f);
+	}
+	if (n < 8)
+		return -1;
+	/* user nice system [idle iowait] irq softirq steal; guest is in user */
+	return (long)((v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) * 1000 /
+		      (unsigned long long)sysconf(_SC_CLK_TCK));
 }
 
 /*
@@ -826,12 +1048,16 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 			f = kflag(pfn);
 			if (f & (1ULL << KPF_ZERO_PAGE)) {
 				account(c, C_ZERO, true, pfn);
+				if (full)
+					census_add(pfn, 0);
 				continue;
 			}
 			if (f & (1ULL << KPF_KSM)) {
 				c->ksm++;
 				if (pfn < nkflags && pfn_class[pfn] != C_UNKNOWN) {
 					account(c, pfn_class[pfn], true, pfn);
+					if (full)
+						census_add(pfn, pfn_hash[pfn]);
 					if (pfn_class[pfn] == C_LISTED) {
 						g->shared_pfn[off / PS + i] = pfn;
 						g->shared_at[off / PS + i] = t;
@@ -859,7 +1085,8 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 		if (got <= 0)
 			return;
 		for (size_t i = 0; i < (size_t)got / PS; i++) {
-			enum cls k = classify(buf[i]);
+			uint64_t h;
+			enum cls k = classify(buf[i], &h);
 
 			/* not shared in the snapshot: maybe merged since (see kflag_now()) */
 			if (k == C_LISTED && !ksm[i] && (kflag_now(pfns[i]) & (1ULL << KPF_KSM))) {
@@ -867,9 +1094,13 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 				c->ksm++;
 			}
 
-			if (ksm[i] && pfns[i] < nkflags)
+			if (ksm[i] && pfns[i] < nkflags) {
 				pfn_class[pfns[i]] = (uint8_t)k;
+				pfn_hash[pfns[i]] = h;
+			}
 			account(c, k, ksm[i], pfns[i]);
+			if (full)
+				census_add(pfns[i], h);
 			if (k == C_LISTED && full)
 				follow_listed(g, c, idxs[i], pfns[i], ksm[i], cfg, t);
 		}
@@ -964,9 +1195,11 @@ int main(int argc, char **argv)
 	for (long n = 0; !stop; n++) {
 		uint64_t t0 = now_ms(), t1;
 		bool full = n % FULL_EVERY == 0;
-		long srss, spss;
+		long srss, spss, mem_pages = -1, distinct = -1, unused = -1;
 
 		read_kpageflags();
+		if (full)
+			census_reset();
 		for (int c = 0; c < NCLS; c++)
 			memset(seen[c], 0, nkflags / 8 + 1);
 		read_server_pfns(server);
@@ -990,17 +1223,24 @@ int main(int argc, char **argv)
 				       cfg, t0, i, fs[5], fs[6], fs[7], fs[8], fs[9], fs[10], fs[11],
 				       g[i].merges_traced, c.unshared_unmerged, c.unshared_unseen);
 		}
+		if (full) {
+			unused = census_server(server);
+			mem_pages = (long)census_n;
+			distinct = census_distinct();
+		}
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-		       "%ld %" PRIu64 " %ld %ld %ld\n", cfg, t0, memavailable_kb(), cpu_ms(ksmd),
+		       "%ld %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0,
+		       memavailable_kb(), cpu_ms(ksmd),
 		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
 		       ksm_sysfs_get("pages_shared"), ksm_sysfs_get("pages_sharing"),
 		       ksm_sysfs_get("ksm_zero_pages"), ksm_sysfs_get("merge_page_merged"),
 		       ksm_sysfs_get("full_scans"), popcount_map(seen[C_LISTED]),
 		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
 		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"),
-		       popcount_map(seen[C_STALE]));
+		       popcount_map(seen[C_STALE]), kworker_cpu_ms(), busy_cpu_ms(),
+		       cpu_ms(getpid()), mem_pages, distinct, unused);
 		if ((long)(t1 - t0) < interval)
 			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
 	}

@@ -99,6 +99,69 @@ def test_summary_stale_class() -> None:
     assert c["stale_resident_mib_end"] == pytest.approx(1000 * 4096 / 2**20)
 
 
+# A process holding pages of known content, for the sampler's census: its
+# argument names the pages (ROLE:...), it prints its pid and sleeps.
+HOLDER = r"""
+import mmap, os, random, sys, time
+role, seed = sys.argv[1], int(sys.argv[2])
+listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
+if role == "guest":
+    m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = ([b"A" * 4096] * 1000 + [os.urandom(4096) for _ in range(100)]
+             + [bytes(4096)] * 100 + listed[:20])
+else:
+    m = mmap.mmap(-1, 50 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = listed
+for i, p in enumerate(pages):
+    m[i * 4096:(i + 1) * 4096] = b"x" * 4096   # written, so private even if zero
+    m[i * 4096:(i + 1) * 4096] = p
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_sampler_census_counts_duplicates_and_the_servers_pages(
+        sampler: Path, tmp_path: Path) -> None:
+    """The census on two real processes whose pages are known: a "guest"
+    with 16 MiB of RAM holding 1000 copies of one page, 100 random pages,
+    100 written zero pages and private copies of 20 of the server's 50
+    listed pages; a "server" holding the 50.  Distinct physical pages
+    1220 + 50, distinct contents 1 + 100 + 1 + 50, all 50 server pages
+    backing no guest page; and the CPU columns are there."""
+    seed = 20261128
+    listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
+    hashes = tmp_path / "listed.hashes"
+    hashes.write_bytes(b"".join(e2e.struct.pack("<Q", e2e.page_hash(p)) for p in listed))
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, role, str(seed)],
+                              stdout=subprocess.PIPE, text=True)
+             for role in ("guest", "server")]
+    sam = None
+    try:
+        guest, server = (int(p.stdout.readline()) for p in procs if p.stdout)
+        sam = subprocess.Popen([str(sampler), "t", str(hashes), "200", str(server), "16",
+                                f"{guest}:-"], stdout=subprocess.PIPE, text=True)
+        assert sam.stdout is not None
+        g = h = None
+        for line in sam.stdout:
+            if line.startswith("E2E-G "):
+                g = dict(zip(e2e.GUEST_FIELDS[1:], map(int, line.split()[2:]), strict=True))
+            if line.startswith("E2E-H "):
+                h = dict(zip(e2e.HOST_FIELDS[1:], map(int, line.split()[2:]), strict=True))
+                break
+    finally:
+        for p in [*procs, *([sam] if sam else [])]:
+            p.kill()
+            p.wait()
+    assert g is not None and h is not None
+    assert g["full"] == 1 and g["listed"] == 20 and g["listed_shared"] == 0
+    assert g["present"] == 1220
+    assert h["mem_pages"] == 1220 + 50
+    assert h["distinct_pages"] == 1 + 100 + 1 + 50
+    assert h["server_unused"] == 50
+    # kworkers have run since boot; the machine has been busy; the sampler too
+    assert h["kworker_cpu_ms"] > 0 and h["busy_cpu_ms"] > 0 and h["sampler_cpu_ms"] >= 0
+
+
 def test_sampler_usage_error(sampler: Path) -> None:
     p = subprocess.run([str(sampler)], capture_output=True, text=True)
     assert p.returncode == 2
@@ -348,6 +411,77 @@ def test_summary_takes_the_last_start_of_a_configuration() -> None:
     assert c["resident_mib_end"] == pytest.approx(2 * 5000 * 4096 / 2**20)
     md = e2e.markdown(s, "x", "y")
     assert "| huge pages collapsed by khugepaged in the pageshare host | 2 |" in md
+
+
+def test_summary_frontier_counts_every_cost() -> None:
+    """Sharing CPU is ksmd + merge_pages + the server (start-up too) + the
+    kworkers beyond none's rate; duplicates not yet shared integrate over
+    the census samples; savings are net of the server's pages and of
+    none's; the targets are read from the frontier, misses as misses."""
+    def h(cfg: str, t: int, ksmd: int, server: int, kw: int, mem: int, dist: int,
+          unused: int = 0) -> str:
+        return (_h(cfg, t, ksmd, 0, 0, 0, 0, server_ms=server)
+                + f" 0 0 0 {kw} {2 * t} {t // 10} {mem} {dist} {unused}")
+
+    lines = []
+    for cfg in ("none", "ksm", "pageshare-pts0"):
+        lines += [f"E2E-EV {cfg} 0 begin filter=0", f"E2E-EV {cfg} 500 work-done"]
+    lines += [
+        # none: 1000 duplicates all along; kworkers at 0.1 s/s
+        _g("none", 1000, 1, 10, 0), h("none", 1000, 0, 0, 0, 5000, 4000),
+        _g("none", 11000, 1, 10, 0), h("none", 11000, 0, 0, 1000, 5000, 4000),
+        # ksm: 10 s of ksmd, 0.5 s of kworkers beyond none's, 900 pages saved
+        _g("ksm", 1000, 1, 10, 0), h("ksm", 1000, 0, 0, 0, 5000, 4000),
+        _g("ksm", 11000, 1, 10, 10), h("ksm", 11000, 10_000, 0, 1500, 4100, 4000),
+        # pageshare, ksmd idle: 0.1 s ksmd, 1 s merge_pages, the server's 5 s
+        # start-up and 0.5 s after; 880 saved net of 20 unused server pages
+        _g("pageshare-pts0", 1000, 1, 10, 10, merged=100, merge_ns=0),
+        h("pageshare-pts0", 1000, 0, 5000, 0, 4150, 4100),
+        _g("pageshare-pts0", 11000, 1, 10, 10, merged=200, merge_ns=10**9),
+        h("pageshare-pts0", 11000, 100, 5500, 1000, 4120, 4120, unused=20),
+    ]
+    lines += [f"E2E-GUEST {c} 1 GUEST-SUM abc" for c in ("none", "ksm", "pageshare-pts0")]
+    st = e2e.Settings(1, 384, 6144, 10, 1000, ["none", "ksm", "pageshare-pts0"], "", "",
+                      100)
+    s = e2e.summarize(e2e.parse(lines), st, 10)
+    mib = 4096 / 2**20
+    none, ksm, ps = (s["configs"][c] for c in ("none", "ksm", "pageshare-pts0"))
+    assert none["dup_mib_s"] == pytest.approx(1000 * mib * 10)
+    assert none["net_saved_mib_end"] == 0
+    assert ksm["dup_mib_s"] == pytest.approx((1000 + 100) / 2 * mib * 10)
+    assert ksm["dup_mib_end"] == pytest.approx(100 * mib)
+    assert ksm["kworker_excess_cpu_s"] == pytest.approx(0.5)
+    assert ksm["sharing_cpu_s"] == pytest.approx(10.5)
+    assert ksm["sharing_saved_mib_end"] == pytest.approx(900 * mib)
+    assert ksm["sharing_cpu_s_per_gib_saved"] == pytest.approx(10.5 / (900 * mib / 1024))
+    assert ps["server_startup_cpu_s"] == pytest.approx(5.0)
+    assert ps["kworker_excess_cpu_s"] == 0
+    assert ps["sharing_cpu_s"] == pytest.approx(0.1 + 1 + 5 + 0.5)
+    assert ps["net_saved_mib_end"] == pytest.approx(880 * mib)
+    assert ps["server_unused_mib_end"] == pytest.approx(20 * mib)
+    assert ps["dup_mib_s"] == pytest.approx(50 / 2 * mib * 10)
+    # the machine's busy time less the sampler's: 2 ms/ms less 0.1 ms/ms
+    assert ps["machine_cpu_s"] == pytest.approx(20 - 1)
+    assert ps["machine_cpu_beyond_none_s"] == 0
+    md = e2e.markdown(s, "x", "y")
+    # 6.6 s is not 5x less than 10.5 s: a miss, said so; it dominates ksm
+    assert "10x fewer MiB*s: MISSED" in md
+    assert "dominating every KSM-only point on CPU and MiB*s: met" in md
+    assert "| pageshare-pts0 | 6.6 | 1 | 3.4 |" in md
+
+
+def test_benchmark_names_scan_rates() -> None:
+    """ksm-ptsN and pageshare-ptsN are configurations; other names are
+    refused before anything is built, and the driver knows the same ones."""
+    assert e2e.SCAN_RATE.fullmatch("ksm-pts0") and e2e.SCAN_RATE.fullmatch("pageshare-pts5000")
+    assert not e2e.SCAN_RATE.fullmatch("ksm-ptsx")
+    assert all(c in e2e.CONFIGS or e2e.SCAN_RATE.fullmatch(c) for c in e2e.FRONTIER)
+    p = subprocess.run([sys.executable, str(REPO / "bench/e2e_vs_ksm.py"), "--configs",
+                        "ksm,ksm-pts12x"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "unknown configuration(s) ksm-pts12x" in p.stderr
+    driver = (REPO / "bench/e2e/driver.sh").read_text()
+    assert "ksm-pts[0-9]*) run_once_more" in driver
+    assert "pageshare-pts[0-9]*) run_once_more" in driver
 
 
 def test_symbolize(tmp_path: Path) -> None:
