@@ -75,8 +75,9 @@ def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
             "RAM: every listed block is copied instead, and guests share nothing",
         fix="install and boot the series' kernel package: `make kernel-package` in a "
             "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
-            "patches in kernel-syscall/ (about an hour on 2 cores), then `apt install` the "
-            ".deb it prints and reboot into it (README, \"Installing the patched kernel\"); "
+            "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
+            "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
+            "and reboot into it (README, \"Installing the patched kernel\"); "
             "on 6.13+ the syscall numbers belong to other calls, so a stock kernel is never "
             "used",
         details={"release": rel, "missing": str(counter)})

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,38 @@ def test_kernel_series_is_reported() -> None:
     # The full check (every part) exits 2 on this host as well.
     rc_all, out = host_check("--control", "/nonexistent/control.sock")
     assert rc_all == 2 and "merge_page_merged" in out
+
+
+def makefile_recipes(path: Path) -> dict[str, str]:
+    """The Makefile's explicit targets and their recipes (a rule's tab-indented
+    lines; variable assignments and special targets such as .PHONY left out)."""
+    recipes: dict[str, str] = {}
+    current: list[str] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("\t"):
+            for t in current:
+                recipes[t] += line.strip() + "\n"
+            continue
+        m = re.match(r"([A-Za-z0-9_. -]+?)\s*:(?![:=])", line)
+        current = [t for t in m.group(1).split() if not t.startswith(".")] if m else []
+        for t in current:
+            recipes.setdefault(t, "")
+    return recipes
+
+
+def test_kernel_fix_names_the_package_target(tmp_path: Path) -> None:
+    """Whatever kernel this host runs, the fix for one without the series
+    names `make` targets that exist, among them the one that builds the
+    kernel's Debian package (packaging/kernel_deb.py), and no test target."""
+    recipes = makefile_recipes(REPO / "Makefile")
+    builds_deb = [t for t, r in recipes.items() if "packaging/kernel_deb.py" in r]
+    assert builds_deb, recipes
+    [k] = hostcheck.check_kernel(tmp_path)      # no merge_page_merged there
+    named = re.findall(r"`make ([\w.-]+)`", k.fix)
+    assert named and all(t in recipes for t in named), (named, sorted(recipes))
+    assert set(named) & set(builds_deb), (named, builds_deb)
+    tests = [t for t, r in recipes.items() if "run-tests.sh" in r or "pytest" in r]
+    assert not set(named) & set(tests), (named, tests)
 
 
 def test_ksm_run_state() -> None:
