@@ -239,20 +239,27 @@ left alone until it resumes (libvirt holds it); then the attach runs as on
 a start ("already-attached": the hook did it).
 
 requirements: QEMU must be the patched one (<emulator> in the domain XML),
-and allowed to read the page server's memory.  QEMU run as root (qemu.conf
-user) is, with the server's default unit.  QEMU run as libvirt's unprivileged
-user (Debian: libvirt-qemu) is once the server runs as that user and group:
-install the drop-in /usr/share/doc/pageshare-server/examples/
-unprivileged-qemu.conf (README, "Installing the page server on a host").
-Without it QEMU logs "may not read the page server's memory" and reads
-every block from disk: right bytes, no sharing.
+and the kernel must let it read the page server's memory: QEMU must run as
+the server's user and group with capabilities that cover the server's (or
+hold CAP_SYS_PTRACE).  QEMU run as root (user = "root" in qemu.conf) does
+with the pageshare-server package's unit (root, CAP_DAC_READ_SEARCH only)
+as long as it keeps that capability.  QEMU run as libvirt's unprivileged
+user (Debian's default, libvirt-qemu) does once the server runs as that
+user and group with no capability, which the shipped drop-in does: copy
+/usr/share/doc/pageshare-server/examples/unprivileged-qemu.conf into
+/etc/systemd/system/pageshare-server.service.d/, `systemctl daemon-reload`
+and restart pageshare-server (README, "Installing the page server on a
+host").  Otherwise QEMU logs "may not read the page server's memory" once
+and reads every block from disk: right bytes, nothing shared; `pageshare
+host check` names such guests and why.
 
 examples:
-  systemctl enable --now pageshare-libvirt-watch   # as installed: at every boot
-  pageshare libvirt-watch                 # in the foreground, one line per drive
-  pageshare libvirt-watch --json          # the same as JSON objects, for scripts
-  pageshare libvirt-watch --mode copy     # hosts without the kernel series
-  pageshare libvirt-watch --block-refs    # migrations from here send block references
+  systemctl status pageshare-libvirt-watch    # the packaged unit (libvirtd, python3-libvirt)
+  systemctl restart pageshare-libvirt-watch   # after editing /etc/pageshare/libvirt.toml
+  pageshare libvirt-watch                  # in the foreground, one line per drive
+  pageshare libvirt-watch --json           # one JSON object per attach, for scripts
+  pageshare libvirt-watch --mode copy      # hosts without the kernel series
+  pageshare libvirt-watch --block-refs     # migrations from here send block references
   pageshare libvirt-watch --connect 'qemu:///system?socket=/run/libvirt/libvirt-sock'
 """
 

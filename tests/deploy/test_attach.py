@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 from page_server_helpers import ImageSpec, Server, make_list, wait_for
-from pageshare import sectorlist
+from pageshare import libvirt_watch, sectorlist
 from pageshare.qmp import QMP
 from qemu_helpers import qemu_build
 
@@ -614,6 +615,14 @@ def test_no_qmp_and_usage(tmp_path: Path) -> None:
     examples = text.split("examples:", 1)[1].strip().splitlines()
     assert len(examples) >= 3 and all(e.lstrip().startswith(("pageshare", "systemctl"))
                                       for e in examples), examples
+    # Each example works as written: every flag is the watcher's, every unit is shipped.
+    for e in examples:
+        cmd = shlex.split(e, comments=True)
+        if cmd[0] == "pageshare":
+            assert cmd[1] == "libvirt-watch", e
+            libvirt_watch.build_parser().parse_args(cmd[2:])     # exits 2 on a wrong flag
+        else:
+            assert (REPO / "analyzer" / f"{cmd[-1]}.service").is_file(), e
 
 
 def test_qemu_refuses_and_nothing_changes(images: dict[str, Path], tmp_path: Path,
