@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,7 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     seed = 20261128
     listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
     hashes = tmp_path / "listed.hashes"
-    hashes.write_bytes(b"".join(e2e.struct.pack("<Q", e2e.page_hash(p)) for p in listed))
+    hashes.write_bytes(b"".join(struct.pack("<Q", e2e.page_hash(p)) for p in listed))
     procs = [subprocess.Popen([sys.executable, "-c", HOLDER, role, str(seed)],
                               stdout=subprocess.PIPE, text=True)
              for role in ("guest", "server")]
