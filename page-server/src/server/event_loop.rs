@@ -6,7 +6,7 @@ use super::{Event, Server, ServerError};
 use crate::loader::ListSource;
 use crate::proto::NT_SHUTDOWN;
 use crate::redis_watch::{self, RedisList};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -14,13 +14,6 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
-}
-
-/// Wake the main loop from another thread (the loader, Redis).
-pub(super) fn wake(fd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writing 8 bytes to an eventfd.
-    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
 /// What a polled descriptor is: the one place that says what to do when it

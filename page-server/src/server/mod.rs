@@ -49,7 +49,7 @@ use sockets::SocketError;
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -113,6 +113,14 @@ enum Event {
     Redis(RedisList),
     /// What this host published about an image before (feedback).
     ReadBack(ReadBack),
+}
+
+/// Wake the main loop from another thread (the loader, Redis), after
+/// sending it an [`Event`].
+fn wake(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes to an eventfd.
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
 /// Where an image is, as `status` shows it.

@@ -1,9 +1,8 @@
 //! Setting the server up: directories, sockets, the loader and Redis
 //! threads, the metrics endpoint and the kernel probe.
 
-use super::event_loop::wake;
 use super::sockets::bind_socket;
-use super::{Event, ImageState, Server, ServerError};
+use super::{wake, Event, ImageState, Server, ServerError};
 use crate::config::Config;
 use crate::identity::IdentityCache;
 use crate::loader::{FailKind, Job, Loaded, Loader};
