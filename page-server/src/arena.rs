@@ -108,14 +108,29 @@ pub enum Acquire {
 /// Why the arena cannot do what a list asks.
 #[derive(Debug)]
 pub enum ArenaError {
-    Map { len: usize, source: std::io::Error },
+    Map {
+        len: usize,
+        source: std::io::Error,
+    },
     /// A loaded block whose verified bytes hash to something else.
-    Contradicts { sector: u64, listed: [u8; 32], verified: [u8; 32] },
-    BeingLoaded { sector: u64 },
-    Unreserved { sector: u64 },
-    AlreadyLoaded { sector: u64 },
+    Contradicts {
+        sector: u64,
+        listed: [u8; 32],
+        verified: [u8; 32],
+    },
+    BeingLoaded {
+        sector: u64,
+    },
+    Unreserved {
+        sector: u64,
+    },
+    AlreadyLoaded {
+        sector: u64,
+    },
     /// A fill of blocks whose addresses the arena lost (Arena::lost).
-    Lost { sector: u64 },
+    Lost {
+        sector: u64,
+    },
     Vm(VmError),
 }
 
@@ -174,7 +189,8 @@ impl VmError {
     fn new(what: impl Into<String>, source: std::io::Error) -> VmError {
         let map_count = (source.raw_os_error() == Some(libc::ENOMEM)).then(|| {
             let max = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap_or_default();
-            let have = std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0);
+            let have =
+                std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0);
             (have, max.trim().to_string())
         });
         VmError { what: what.into(), source, map_count, then: None }
@@ -374,7 +390,9 @@ impl Arena {
                 s.refs += 1;
                 Ok(Acquire::Reused)
             }
-            Some(s) if s.loaded => Err(ArenaError::Contradicts { sector: block * 8, listed: *hash, verified: s.hash }),
+            Some(s) if s.loaded => {
+                Err(ArenaError::Contradicts { sector: block * 8, listed: *hash, verified: s.hash })
+            }
             Some(_) => Err(ArenaError::BeingLoaded { sector: block * 8 }),
             None => {
                 slots.map.insert(block, Slot { hash: *hash, refs: 1, loaded: false });
@@ -390,7 +408,10 @@ impl Arena {
     pub fn fill_run(&self, start: u64, data: &[u8]) -> Result<(), ArenaError> {
         assert!(!data.is_empty() && data.len() & (PAGE_SIZE - 1) == 0);
         let n = (data.len() / PAGE_SIZE) as u64;
-        assert!(start.checked_add(n).is_some_and(|end| end <= self.blocks()), "fill outside the arena");
+        assert!(
+            start.checked_add(n).is_some_and(|end| end <= self.blocks()),
+            "fill outside the arena"
+        );
         let dst = self.addr(start) as usize;
         let what = |op: &str| format!("{op} for {n} blocks at sector {} of the arena", start * 8);
         // Nobody can see the staging area: put it together without the lock.
@@ -407,7 +428,9 @@ impl Arena {
             }
         }
         if let Err(e) = staging.move_to(dst) {
-            return Err(VmError::new(what("mremap(MREMAP_FIXED)"), e).then(self.rereserve(dst, data.len())).into());
+            return Err(VmError::new(what("mremap(MREMAP_FIXED)"), e)
+                .then(self.rereserve(dst, data.len()))
+                .into());
         }
         for b in start..start + n {
             slots.map.get_mut(&b).expect("checked above").loaded = true;
@@ -417,7 +440,8 @@ impl Arena {
         if self.merge_mode == MergeMode::Allowed {
             // The bytes are verified and in place: readable is right even
             // if this fails (the load fails and releases them).
-            advise(dst, data.len(), MADV_ALLOWMERGED).map_err(|e| VmError::new(what("madvise(MADV_ALLOWMERGED)"), e))?;
+            advise(dst, data.len(), MADV_ALLOWMERGED)
+                .map_err(|e| VmError::new(what("madvise(MADV_ALLOWMERGED)"), e))?;
         }
         Ok(())
     }
@@ -437,7 +461,10 @@ impl Arena {
                 addr as *mut libc::c_void,
                 len,
                 libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
+                libc::MAP_PRIVATE
+                    | libc::MAP_ANONYMOUS
+                    | libc::MAP_NORESERVE
+                    | libc::MAP_FIXED_NOREPLACE,
                 -1,
                 0,
             )
@@ -445,7 +472,10 @@ impl Arena {
         if p == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EEXIST) {
-                return Some(VmError::plain(format!("re-reserving the unmapped arena range at {addr:#x}"), e));
+                return Some(VmError::plain(
+                    format!("re-reserving the unmapped arena range at {addr:#x}"),
+                    e,
+                ));
             }
             if still_reserved(addr, len) {
                 return None;
@@ -511,7 +541,8 @@ impl Arena {
         // can run).
         for (addr, len) in self.unlost(addr, len) {
             if let Err(e) = map_reservation(addr, len) {
-                let what = format!("mmap(MAP_FIXED, PROT_NONE) of {len} bytes at {addr:#x} of the arena");
+                let what =
+                    format!("mmap(MAP_FIXED, PROT_NONE) of {len} bytes at {addr:#x} of the arena");
                 let e = VmError::new(what, e);
                 // Before Linux 6.12 a failed MAP_FIXED mapping can leave a hole.
                 return Err(e.then(self.rereserve(addr, len)));
@@ -569,7 +600,10 @@ impl Arena {
                 Err(e) => {
                     // Never discard a readable page (it would read as
                     // zeros): keep the verified bytes, retry later.
-                    failed.push(VmError::new(format!("{} blocks at sector {}", j - i, free[i] * 8), e).to_string());
+                    failed.push(
+                        VmError::new(format!("{} blocks at sector {}", j - i, free[i] * 8), e)
+                            .to_string(),
+                    );
                     slots.stuck.extend(free[i..j].iter().copied());
                 }
             }
@@ -677,7 +711,9 @@ fn still_reserved(addr: usize, len: usize) -> bool {
         }
         let mut it = l.split_whitespace();
         let Some((a, b)) = it.next().and_then(|r| r.split_once('-')) else { continue };
-        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else { continue };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
+            continue;
+        };
         let Some(perms) = it.next() else { continue };
         inside = a < end && b > addr;
         if inside {
@@ -751,7 +787,10 @@ pub(crate) mod tests {
             std::io::Read::read_to_string(&mut out, &mut msg).unwrap();
             let mut status = 0;
             assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
-            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "in the child: {msg}");
+            assert!(
+                libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                "in the child: {msg}"
+            );
         }
     }
 
@@ -789,17 +828,25 @@ pub(crate) mod tests {
         for l in std::fs::read_to_string("/proc/self/smaps").unwrap().lines() {
             if let Some(f) = l.strip_prefix("VmFlags:") {
                 if inside {
-                    out.last_mut().unwrap().flags = f.split_whitespace().map(String::from).collect();
+                    out.last_mut().unwrap().flags =
+                        f.split_whitespace().map(String::from).collect();
                 }
                 continue;
             }
             let mut it = l.split_whitespace();
             let Some((a, b)) = it.next().and_then(|r| r.split_once('-')) else { continue };
-            let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+            let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+                continue;
+            };
             let Some(perms) = it.next() else { continue };
             inside = a < base + len && b > base;
             if inside {
-                out.push(Vma { start: a.max(base), end: b.min(base + len), perms: perms.into(), flags: Vec::new() });
+                out.push(Vma {
+                    start: a.max(base),
+                    end: b.min(base + len),
+                    perms: perms.into(),
+                    flags: Vec::new(),
+                });
             }
         }
         out
@@ -812,8 +859,12 @@ pub(crate) mod tests {
             .unwrap()
             .lines()
             .filter(|l| {
-                let Some((a, b)) = l.split_whitespace().next().and_then(|r| r.split_once('-')) else { return false };
-                let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+                let Some((a, b)) = l.split_whitespace().next().and_then(|r| r.split_once('-'))
+                else {
+                    return false;
+                };
+                let (a, b) =
+                    (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
                 a < base + len && b > base
             })
             .count()
@@ -846,7 +897,12 @@ pub(crate) mod tests {
     fn assert_arena_flags(a: &Arena, v: &Vma) {
         assert!(v.flags.iter().any(|f| f == "nh"), "MADV_NOHUGEPAGE lost: {v:?}");
         let am = v.flags.iter().any(|f| f == "am");
-        assert_eq!(am, a.merge_mode == MergeMode::Allowed, "MADV_ALLOWMERGED vs {:?}: {v:?}", a.merge_mode);
+        assert_eq!(
+            am,
+            a.merge_mode == MergeMode::Allowed,
+            "MADV_ALLOWMERGED vs {:?}: {v:?}",
+            a.merge_mode
+        );
     }
 
     #[test]
@@ -938,7 +994,11 @@ pub(crate) mod tests {
                     match vm_read(a.addr(b), PAGE_SIZE) {
                         Ok(got) if got == page(b as u8) => whole += 1,
                         Ok(got) => {
-                            let good = got.iter().zip(page(b as u8)).take_while(|(x, y)| **x == *y).count();
+                            let good = got
+                                .iter()
+                                .zip(page(b as u8))
+                                .take_while(|(x, y)| **x == *y)
+                                .count();
                             let zeros = got.iter().filter(|x| **x == 0).count();
                             return Err(format!(
                                 "block {b}: read a page that is not its verified bytes: first {good} bytes right, {zeros} zero bytes (after {whole} good reads)"
@@ -966,9 +1026,13 @@ pub(crate) mod tests {
             }
         }
         stop.store(true, Ordering::Relaxed);
-        let (whole, faults) = reader.join().unwrap().unwrap_or_else(|e| panic!("after {rounds} refills: {e}"));
+        let (whole, faults) =
+            reader.join().unwrap().unwrap_or_else(|e| panic!("after {rounds} refills: {e}"));
         eprintln!("{rounds} refills: {whole} whole pages read, {faults} faults");
-        assert!(whole > 0 && faults > 0, "the reader saw both states ({whole} whole, {faults} faults)");
+        assert!(
+            whole > 0 && faults > 0,
+            "the reader saw both states ({whole} whole, {faults} faults)"
+        );
     }
 
     #[test]
@@ -1049,8 +1113,11 @@ pub(crate) mod tests {
     /// then runs of at most `max_run` consecutive blocks to read, one
     /// fill_run() each.  Returns the runs filled.
     fn load(a: &Arena, blocks: &[u64], max_run: usize) -> Vec<(u64, usize)> {
-        let to_load: Vec<u64> =
-            blocks.iter().copied().filter(|b| matches!(a.acquire(*b, &[0; 32]).unwrap(), Acquire::MustLoad)).collect();
+        let to_load: Vec<u64> = blocks
+            .iter()
+            .copied()
+            .filter(|b| matches!(a.acquire(*b, &[0; 32]).unwrap(), Acquire::MustLoad))
+            .collect();
         let mut runs = Vec::new();
         let mut i = 0;
         while i < to_load.len() {
@@ -1128,9 +1195,13 @@ pub(crate) mod tests {
 
     #[test]
     fn enomem_names_max_map_count() {
-        let m = VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::ENOMEM)).to_string();
+        let m =
+            VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::ENOMEM))
+                .to_string();
         assert!(m.contains("vm.max_map_count"), "{m}");
-        let m = VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::EINVAL)).to_string();
+        let m =
+            VmError::new("mremap(MREMAP_FIXED)", std::io::Error::from_raw_os_error(libc::EINVAL))
+                .to_string();
         assert!(!m.contains("vm.max_map_count"), "{m}");
     }
 
@@ -1138,17 +1209,28 @@ pub(crate) mod tests {
     /// limit, which would make the other tests' mmap()s fail).
     #[test]
     fn load_past_max_map_count_fails_cleanly() {
-        let max: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
+        let max: usize =
+            std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
         if max > 1_000_000 {
             eprintln!("vm.max_map_count is {max}: too many mappings to run into, skipped");
             return;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "arena::tests::enomem_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "arena::tests::enomem_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("PAGESHARE_ENOMEM_CHILD", "1")
             .output()
             .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(out.status.success() && text.contains("ENOMEM CHILD OK"), "{text}");
     }
 
@@ -1158,7 +1240,8 @@ pub(crate) mod tests {
         if std::env::var_os("PAGESHARE_ENOMEM_CHILD").is_none() {
             return;
         }
-        let max: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
+        let max: u64 =
+            std::fs::read_to_string("/proc/sys/vm/max_map_count").unwrap().trim().parse().unwrap();
         // Every other block: each filled block is a mapping, and so is each gap.
         let a = arena(max + 64);
         let (base, len) = a.range();
@@ -1217,7 +1300,8 @@ pub(crate) mod tests {
         }
         let mut next = rng(1);
         // 10,000 random blocks of a 1 GiB image, three successive lists.
-        let lists: Vec<Vec<u64>> = (0..3).map(|_| random_blocks(&mut next, 10_000, 1 << 18)).collect();
+        let lists: Vec<Vec<u64>> =
+            (0..3).map(|_| random_blocks(&mut next, 10_000, 1 << 18)).collect();
         one("random", 1 << 18, &lists);
         // Demo-like: 6,728 blocks in 375 runs of a 3 GiB image.
         let demo = |next: &mut dyn FnMut() -> u64| {

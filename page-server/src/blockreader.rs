@@ -18,36 +18,80 @@ use std::time::{Duration, Instant};
 /// The image cannot be read through qemu-storage-daemon.
 #[derive(Debug)]
 pub enum ReadError {
-    Magic { path: PathBuf, source: io::Error },
-    PrivateDir { base: PathBuf, source: io::Error },
-    Log { path: PathBuf, source: io::Error },
-    Spawn { qsd: PathBuf, source: io::Error },
+    Magic {
+        path: PathBuf,
+        source: io::Error,
+    },
+    PrivateDir {
+        base: PathBuf,
+        source: io::Error,
+    },
+    Log {
+        path: PathBuf,
+        source: io::Error,
+    },
+    Spawn {
+        qsd: PathBuf,
+        source: io::Error,
+    },
     /// qemu-storage-daemon exited: what it logged, and how it ended.
-    Exited { path: PathBuf, format: String, log: String, status: ExitStatus },
+    Exited {
+        path: PathBuf,
+        format: String,
+        log: String,
+        status: ExitStatus,
+    },
     StartTimeout,
     Handshake(io::Error),
-    PastEnd { len: usize, offset: u64, size: u64 },
-    Seek { offset: u64, source: io::Error },
-    Read { len: usize, offset: u64, source: io::Error },
+    PastEnd {
+        len: usize,
+        offset: u64,
+        size: u64,
+    },
+    Seek {
+        offset: u64,
+        source: io::Error,
+    },
+    Read {
+        len: usize,
+        offset: u64,
+        source: io::Error,
+    },
 }
 
 impl fmt::Display for ReadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ReadError::Magic { path, source } => write!(f, "cannot read image {}: {source}", path.display()),
-            ReadError::PrivateDir { base, source } => write!(f, "mkdtemp in {}: {source}", base.display()),
-            ReadError::Log { path, source } => write!(f, "{}: {source}", path.display()),
-            ReadError::Spawn { qsd, source } => write!(f, "cannot start {}: {source}", qsd.display()),
-            ReadError::Exited { path, format, log, status } => {
-                write!(f, "qemu-storage-daemon could not open {} ({format}): {log} ({status})", path.display())
+            ReadError::Magic { path, source } => {
+                write!(f, "cannot read image {}: {source}", path.display())
             }
-            ReadError::StartTimeout => write!(f, "qemu-storage-daemon did not start its NBD export within 30 s"),
+            ReadError::PrivateDir { base, source } => {
+                write!(f, "mkdtemp in {}: {source}", base.display())
+            }
+            ReadError::Log { path, source } => write!(f, "{}: {source}", path.display()),
+            ReadError::Spawn { qsd, source } => {
+                write!(f, "cannot start {}: {source}", qsd.display())
+            }
+            ReadError::Exited { path, format, log, status } => {
+                write!(
+                    f,
+                    "qemu-storage-daemon could not open {} ({format}): {log} ({status})",
+                    path.display()
+                )
+            }
+            ReadError::StartTimeout => {
+                write!(f, "qemu-storage-daemon did not start its NBD export within 30 s")
+            }
             ReadError::Handshake(e) => write!(f, "NBD handshake: {e}"),
             ReadError::PastEnd { len, offset, size } => {
                 write!(f, "read of {len} bytes at {offset} is past the image end ({size})")
             }
-            ReadError::Seek { offset, source } => write!(f, "NBD seek to offset {offset}: {source}"),
-            ReadError::Read { len, offset, source } => write!(f, "NBD read of {len} bytes at offset {offset}: {source}"),
+            ReadError::Seek { offset, source } => {
+                write!(f, "NBD seek to offset {offset}: {source}")
+            }
+            ReadError::Read { len, offset, source } => {
+                write!(f, "NBD read of {len} bytes at offset {offset}: {source}")
+            }
         }
     }
 }
@@ -81,7 +125,9 @@ pub fn detect_format(file: &File, path: &Path, configured: &str) -> Result<Strin
         return Ok(configured.to_string());
     }
     let mut magic = [0u8; 4];
-    let n = file.read_at(&mut magic, 0).map_err(|source| ReadError::Magic { path: path.into(), source })?;
+    let n = file
+        .read_at(&mut magic, 0)
+        .map_err(|source| ReadError::Magic { path: path.into(), source })?;
     Ok(if n == 4 && &magic == b"QFI\xfb" { "qcow2" } else { "raw" }.to_string())
 }
 
@@ -90,7 +136,12 @@ impl BlockReader {
     /// messages) and connect to its NBD export.  The daemon opens
     /// /proc/self/fd/N of a descriptor it inherits, so it reads exactly the
     /// file the caller opened and stamped, whatever the path names now.
-    pub fn open(qsd: &Path, file: &File, path: &Path, format: &str) -> Result<BlockReader, ReadError> {
+    pub fn open(
+        qsd: &Path,
+        file: &File,
+        path: &Path,
+        format: &str,
+    ) -> Result<BlockReader, ReadError> {
         let fd = file.as_raw_fd();
         let dir = make_private_dir()?;
         let sock = dir.join("nbd.sock");
@@ -143,7 +194,12 @@ impl BlockReader {
             if let Ok(Some(status)) = child.try_wait() {
                 let msg = std::fs::read_to_string(&log).unwrap_or_default();
                 let _ = std::fs::remove_dir_all(&dir);
-                return Err(ReadError::Exited { path: path.into(), format: format.into(), log: msg.trim().into(), status });
+                return Err(ReadError::Exited {
+                    path: path.into(),
+                    format: format.into(),
+                    log: msg.trim().into(),
+                    status,
+                });
             }
             if let Ok(s) = UnixStream::connect(&sock) {
                 break s;
@@ -177,7 +233,9 @@ impl BlockReader {
         if offset.checked_add(len as u64).is_none_or(|end| end > self.size) {
             return Err(ReadError::PastEnd { len, offset, size: self.size });
         }
-        self.client.seek(SeekFrom::Start(offset)).map_err(|source| ReadError::Seek { offset, source })?;
+        self.client
+            .seek(SeekFrom::Start(offset))
+            .map_err(|source| ReadError::Seek { offset, source })?;
         self.client.read_exact(buf).map_err(|source| ReadError::Read { len, offset, source })
     }
 }
@@ -203,9 +261,8 @@ impl Drop for BlockReader {
 }
 
 fn make_private_dir() -> Result<PathBuf, ReadError> {
-    let base = std::env::var_os("RUNTIME_DIRECTORY")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
+    let base =
+        std::env::var_os("RUNTIME_DIRECTORY").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let template = base.join("pageshare-qsd-XXXXXX");
     let mut bytes = template.to_string_lossy().into_owned().into_bytes();
     bytes.push(0);

@@ -45,12 +45,25 @@ pub enum Command {
     /// `-h`, `--help`, `help`: the usage on stdout.
     Help,
     Version,
-    Run { config: PathBuf },
-    CheckConfig { file: PathBuf },
-    Status { socket: ControlSocket, json: bool },
+    Run {
+        config: PathBuf,
+    },
+    CheckConfig {
+        file: PathBuf,
+    },
+    Status {
+        socket: ControlSocket,
+        json: bool,
+    },
     /// `image` is empty for all images.
-    Reload { socket: ControlSocket, image: String },
-    CheckList { files: Vec<String>, json: bool },
+    Reload {
+        socket: ControlSocket,
+        image: String,
+    },
+    CheckList {
+        files: Vec<String>,
+        json: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,7 +107,12 @@ struct Args {
 
 /// Read `args` of command `cmd`, which takes the options in `takes` and at
 /// most `max_operands` operands.
-fn scan(cmd: &'static str, args: &[String], takes: &[&str], max_operands: usize) -> Result<Args, UsageError> {
+fn scan(
+    cmd: &'static str,
+    args: &[String],
+    takes: &[&str],
+    max_operands: usize,
+) -> Result<Args, UsageError> {
     let mut out = Args::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -144,7 +162,9 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         "run" => Command::Run { config: scan("run", rest, &["--config"], 0)?.config() },
         "check-config" => {
             let a = scan("check-config", rest, &[], 1)?;
-            Command::CheckConfig { file: a.operands.first().ok_or(UsageError::CheckConfigNeedsFile)?.into() }
+            Command::CheckConfig {
+                file: a.operands.first().ok_or(UsageError::CheckConfigNeedsFile)?.into(),
+            }
         }
         "status" => {
             let a = scan("status", rest, &["--config", "--socket", "--json"], 0)?;
@@ -152,7 +172,10 @@ pub fn parse(args: &[String]) -> Result<Command, UsageError> {
         }
         "reload" => {
             let a = scan("reload", rest, &["--config", "--socket"], 1)?;
-            Command::Reload { socket: a.control_socket(), image: a.operands.first().cloned().unwrap_or_default() }
+            Command::Reload {
+                socket: a.control_socket(),
+                image: a.operands.first().cloned().unwrap_or_default(),
+            }
         }
         "check-list" => {
             let a = scan("check-list", rest, &["--json"], usize::MAX)?;
@@ -186,24 +209,48 @@ mod tests {
     #[test]
     fn run_takes_a_config_or_the_default() {
         assert_eq!(p(&["run"]), Ok(Command::Run { config: DEFAULT_CONFIG.into() }));
-        assert_eq!(p(&["run", "--config", "/x.toml"]), Ok(Command::Run { config: "/x.toml".into() }));
+        assert_eq!(
+            p(&["run", "--config", "/x.toml"]),
+            Ok(Command::Run { config: "/x.toml".into() })
+        );
     }
 
     #[test]
     fn what_a_command_does_not_take_is_refused() {
         // A misspelt option must not run the daemon with the default config.
-        assert_eq!(p(&["run", "--confg", "x.toml"]), Err(UsageError::UnknownOption("run", "--confg".into())));
-        assert_eq!(p(&["run", "--config"]), Err(UsageError::MissingValue("run", "--config".into())));
-        assert_eq!(p(&["run", "x.toml"]), Err(UsageError::UnexpectedOperand("run", "x.toml".into())));
-        assert_eq!(p(&["status", "--socket"]), Err(UsageError::MissingValue("status", "--socket".into())));
+        assert_eq!(
+            p(&["run", "--confg", "x.toml"]),
+            Err(UsageError::UnknownOption("run", "--confg".into()))
+        );
+        assert_eq!(
+            p(&["run", "--config"]),
+            Err(UsageError::MissingValue("run", "--config".into()))
+        );
+        assert_eq!(
+            p(&["run", "x.toml"]),
+            Err(UsageError::UnexpectedOperand("run", "x.toml".into()))
+        );
+        assert_eq!(
+            p(&["status", "--socket"]),
+            Err(UsageError::MissingValue("status", "--socket".into()))
+        );
         assert_eq!(p(&["status", "-j"]), Err(UsageError::UnknownOption("status", "-j".into())));
-        assert_eq!(p(&["reload", "a", "b"]), Err(UsageError::UnexpectedOperand("reload", "b".into())));
-        assert_eq!(p(&["reload", "--json"]), Err(UsageError::UnknownOption("reload", "--json".into())));
+        assert_eq!(
+            p(&["reload", "a", "b"]),
+            Err(UsageError::UnexpectedOperand("reload", "b".into()))
+        );
+        assert_eq!(
+            p(&["reload", "--json"]),
+            Err(UsageError::UnknownOption("reload", "--json".into()))
+        );
         assert_eq!(
             p(&["check-config", "a.toml", "b.toml"]),
             Err(UsageError::UnexpectedOperand("check-config", "b.toml".into()))
         );
-        assert_eq!(p(&["check-list", "--all"]), Err(UsageError::UnknownOption("check-list", "--all".into())));
+        assert_eq!(
+            p(&["check-list", "--all"]),
+            Err(UsageError::UnknownOption("check-list", "--all".into()))
+        );
         let text = p(&["run", "--confg", "x"]).unwrap_err().to_string();
         assert!(text.contains("run does not take the option \"--confg\""), "{text}");
         assert_eq!(p(&["run", "--config"]).unwrap_err().to_string(), "run: --config needs a value");
@@ -211,7 +258,10 @@ mod tests {
 
     #[test]
     fn check_config_needs_a_file() {
-        assert_eq!(p(&["check-config", "a.toml"]), Ok(Command::CheckConfig { file: "a.toml".into() }));
+        assert_eq!(
+            p(&["check-config", "a.toml"]),
+            Ok(Command::CheckConfig { file: "a.toml".into() })
+        );
         let e = p(&["check-config"]).unwrap_err();
         assert_eq!(e, UsageError::CheckConfigNeedsFile);
         assert_eq!(e.to_string(), "check-config needs a FILE");
@@ -219,7 +269,10 @@ mod tests {
 
     #[test]
     fn status_socket_wins_over_config() {
-        assert_eq!(p(&["status"]), Ok(Command::Status { socket: from_config(DEFAULT_CONFIG), json: false }));
+        assert_eq!(
+            p(&["status"]),
+            Ok(Command::Status { socket: from_config(DEFAULT_CONFIG), json: false })
+        );
         assert_eq!(
             p(&["status", "--json", "--config", "c.toml"]),
             Ok(Command::Status { socket: from_config("c.toml"), json: true })
@@ -232,10 +285,16 @@ mod tests {
 
     #[test]
     fn reload_image_is_the_first_operand_not_an_option_value() {
-        assert_eq!(p(&["reload"]), Ok(Command::Reload { socket: from_config(DEFAULT_CONFIG), image: String::new() }));
+        assert_eq!(
+            p(&["reload"]),
+            Ok(Command::Reload { socket: from_config(DEFAULT_CONFIG), image: String::new() })
+        );
         assert_eq!(
             p(&["reload", "--socket", "/run/s", "debian"]),
-            Ok(Command::Reload { socket: ControlSocket::Path("/run/s".into()), image: "debian".into() })
+            Ok(Command::Reload {
+                socket: ControlSocket::Path("/run/s".into()),
+                image: "debian".into()
+            })
         );
         assert_eq!(
             p(&["reload", "fedora", "--config", "c.toml"]),
@@ -257,12 +316,17 @@ mod tests {
         let e = p(&["serve"]).unwrap_err();
         assert_eq!(e, UsageError::UnknownCommand("serve".into()));
         let text = e.to_string();
-        assert!(text.starts_with("unknown command \"serve\"\nusage: pageshare-server COMMAND"), "{text}");
+        assert!(
+            text.starts_with("unknown command \"serve\"\nusage: pageshare-server COMMAND"),
+            "{text}"
+        );
     }
 
     #[test]
     fn usage_names_every_command() {
-        for c in ["run", "status", "reload", "check-config", "check-list", "--version", DEFAULT_CONFIG] {
+        for c in
+            ["run", "status", "reload", "check-config", "check-list", "--version", DEFAULT_CONFIG]
+        {
             assert!(USAGE.contains(c), "{c}");
         }
     }

@@ -15,7 +15,10 @@ pub enum CommandError {
     Request(RequestError),
     UnexpectedReply(u32),
     /// The daemon's reply is not the JSON it should be.
-    BadReply { what: &'static str, source: serde_json::Error },
+    BadReply {
+        what: &'static str,
+        source: serde_json::Error,
+    },
 }
 
 impl fmt::Display for CommandError {
@@ -80,7 +83,8 @@ pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, CommandError
     if kind != proto::MSG_STATUS_REPLY {
         return Err(CommandError::UnexpectedReply(kind));
     }
-    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|source| CommandError::BadReply { what: "status", source })?;
+    let v: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|source| CommandError::BadReply { what: "status", source })?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else {
@@ -92,8 +96,8 @@ pub fn status(socket: &ControlSocket, as_json: bool) -> Result<i32, CommandError
 pub fn reload(socket: &ControlSocket, image: &str) -> Result<i32, CommandError> {
     let path = control_path(socket)?;
     let (_, body) = proto::request(&path, proto::MSG_RELOAD_REQ, image.as_bytes())?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|source| CommandError::BadReply { what: "reload reply", source })?;
+    let v: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|source| CommandError::BadReply { what: "reload reply", source })?;
     println!("{v}");
     Ok(if v["ok"].as_bool().unwrap_or(false) { 0 } else { 1 })
 }
@@ -155,7 +159,9 @@ fn feedback_line(c: &config::Config) -> String {
 fn human_feedback(f: &serde_json::Value) -> String {
     let (c, p) = (&f["counters"], &f["publish"]);
     let published = match p["last_publish"].as_f64() {
-        Some(t) if t > 0.0 => format!("last published at {t:.0} ({} bytes)", p["last_publish_bytes"]),
+        Some(t) if t > 0.0 => {
+            format!("last published at {t:.0} ({} bytes)", p["last_publish_bytes"])
+        }
         _ => "not published yet".into(),
     };
     let mut o = format!(
@@ -202,8 +208,17 @@ fn human_status(v: &serde_json::Value) -> String {
         ));
     }
     for i in v["images"].as_array().into_iter().flatten() {
-        o.push_str(&format!("image {}: {} - {}\n", i["name"].as_str().unwrap_or("?"), i["state"].as_str().unwrap_or("?"), i["message"].as_str().unwrap_or("")));
-        o.push_str(&format!("  base {}  socket {}\n", i["path"].as_str().unwrap_or("?"), i["socket"].as_str().unwrap_or("?")));
+        o.push_str(&format!(
+            "image {}: {} - {}\n",
+            i["name"].as_str().unwrap_or("?"),
+            i["state"].as_str().unwrap_or("?"),
+            i["message"].as_str().unwrap_or("")
+        ));
+        o.push_str(&format!(
+            "  base {}  socket {}\n",
+            i["path"].as_str().unwrap_or("?"),
+            i["socket"].as_str().unwrap_or("?")
+        ));
         o.push_str(&format!("  list from {}\n", i["list_source"].as_str().unwrap_or("?")));
         if !i["generation"].is_null() {
             o.push_str(&format!(
@@ -255,7 +270,10 @@ mod tests {
         };
         let redis = "[redis]\nurl = \"redis://127.0.0.1/\"\n";
         assert_eq!(line(""), "feedback: off (no [redis] section)");
-        assert_eq!(line(&format!("{redis}[feedback]\nenabled = false\n")), "feedback: off (feedback.enabled = false)");
+        assert_eq!(
+            line(&format!("{redis}[feedback]\nenabled = false\n")),
+            "feedback: off (feedback.enabled = false)"
+        );
         assert!(line(redis).contains("every 60 s, at most 1048576 blocks per image"));
         std::fs::remove_file(&path).unwrap();
     }

@@ -248,10 +248,17 @@ pub enum Problem {
     ImageName(String),
     DuplicateImageName(String),
     /// Neither or both of list_file and list_redis.
-    ListSource { image: String },
+    ListSource {
+        image: String,
+    },
     /// list_redis without a [redis] section.
-    NoRedis { image: String },
-    Format { image: String, format: String },
+    NoRedis {
+        image: String,
+    },
+    Format {
+        image: String,
+        format: String,
+    },
     NoClients,
     /// feedback.enabled = true without a [redis] section.
     FeedbackNoRedis,
@@ -323,8 +330,12 @@ fn executable(p: &Path) -> bool {
 /// qemu-utils on Debian 13, qemu-system-common on Debian 12; any version
 /// from 7.2 reads what the server needs) comes first: the patched QEMU of
 /// the pageshare-qemu package is used when it is the only one.
-pub fn find_qemu_storage_daemon(path_var: Option<&OsStr>, fallback_dirs: &[&Path]) -> Option<PathBuf> {
-    let on_path = path_var.map(|v| std::env::split_paths(v).collect::<Vec<_>>()).unwrap_or_default();
+pub fn find_qemu_storage_daemon(
+    path_var: Option<&OsStr>,
+    fallback_dirs: &[&Path],
+) -> Option<PathBuf> {
+    let on_path =
+        path_var.map(|v| std::env::split_paths(v).collect::<Vec<_>>()).unwrap_or_default();
     on_path
         .iter()
         .filter(|d| d.is_absolute())
@@ -343,20 +354,24 @@ impl Config {
             return Ok(p.clone());
         }
         let path_var = std::env::var_os("PATH");
-        find_qemu_storage_daemon(path_var.as_deref(), &[Path::new(PAGESHARE_QEMU_BIN)]).ok_or_else(|| {
-            NoQemuStorageDaemon { path_var: path_var.unwrap_or_default().to_string_lossy().into_owned() }
-        })
+        find_qemu_storage_daemon(path_var.as_deref(), &[Path::new(PAGESHARE_QEMU_BIN)]).ok_or_else(
+            || NoQemuStorageDaemon {
+                path_var: path_var.unwrap_or_default().to_string_lossy().into_owned(),
+            },
+        )
     }
 
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.into(), source })?;
         Config::parse(path, &text)
     }
 
     /// The configuration `text` of file `path`, validated, with the default
     /// socket paths filled in.
     fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
-        let mut c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse { path: path.into(), source })?;
+        let mut c: Config = toml::from_str(text)
+            .map_err(|source| ConfigError::Parse { path: path.into(), source })?;
         c.validate().map_err(|problem| ConfigError::Invalid { path: path.into(), problem })?;
         if c.control_socket.is_none() {
             c.control_socket = Some(c.socket_dir.join("control.sock"));
@@ -391,7 +406,10 @@ impl Config {
                 return Err(Problem::NoRedis { image: img.name.clone() });
             }
             if !["auto", "qcow2", "raw"].contains(&img.format.as_str()) {
-                return Err(Problem::Format { image: img.name.clone(), format: img.format.clone() });
+                return Err(Problem::Format {
+                    image: img.name.clone(),
+                    format: img.format.clone(),
+                });
             }
         }
         if self.limits.max_clients == 0 {
@@ -432,7 +450,8 @@ impl Config {
 mod tests {
     use super::*;
 
-    const IMAGE: &str = "[[image]]\nname = \"deb\"\npath = \"/img/deb.qcow2\"\nlist_file = \"/lists/deb.pcsl\"\n";
+    const IMAGE: &str =
+        "[[image]]\nname = \"deb\"\npath = \"/img/deb.qcow2\"\nlist_file = \"/lists/deb.pcsl\"\n";
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(Path::new("/etc/ps.toml"), text)
@@ -448,7 +467,8 @@ mod tests {
 
     /// A scratch directory with fake binaries: `(name, mode)`.
     fn bin_dir(name: &str, files: &[(&str, u32)]) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("pageshare-config-{}-{name}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("pageshare-config-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         for (f, mode) in files {
@@ -466,7 +486,9 @@ mod tests {
         let ours = bin_dir("ours", &[(QSD, 0o755)]);
         let other = bin_dir("other", &[("qemu-img", 0o755)]);
         let not_exec = bin_dir("not-exec", &[(QSD, 0o644)]);
-        let find = |path: Option<&std::ffi::OsString>| find_qemu_storage_daemon(path.map(|p| p.as_os_str()), &[ours.as_path()]);
+        let find = |path: Option<&std::ffi::OsString>| {
+            find_qemu_storage_daemon(path.map(|p| p.as_os_str()), &[ours.as_path()])
+        };
         let path = |dirs: &[&Path]| Some(std::env::join_paths(dirs).unwrap());
         // Debian's on PATH is used even when pageshare-qemu is installed.
         assert_eq!(find(path(&[&other, &debian]).as_ref()), Some(debian.join(QSD)));
@@ -475,11 +497,22 @@ mod tests {
         assert_eq!(find(None), Some(ours.join(QSD)));
         // A file without an execute bit, a directory, a relative PATH entry: skipped.
         std::fs::create_dir_all(other.join("sub").join(QSD)).unwrap();
-        assert_eq!(find(path(&[&not_exec, &other.join("sub"), Path::new("rel")]).as_ref()), Some(ours.join(QSD)));
+        assert_eq!(
+            find(path(&[&not_exec, &other.join("sub"), Path::new("rel")]).as_ref()),
+            Some(ours.join(QSD))
+        );
         // Neither: None, and the message says what to install.
-        assert_eq!(find_qemu_storage_daemon(path(&[&other]).as_deref(), &[not_exec.as_path()]), None);
+        assert_eq!(
+            find_qemu_storage_daemon(path(&[&other]).as_deref(), &[not_exec.as_path()]),
+            None
+        );
         let msg = NoQemuStorageDaemon { path_var: "/usr/bin:/bin".into() }.to_string();
-        assert!(msg.contains("(/usr/bin:/bin)") && msg.contains(PAGESHARE_QEMU_BIN) && msg.contains("pageshare-qemu"), "{msg}");
+        assert!(
+            msg.contains("(/usr/bin:/bin)")
+                && msg.contains(PAGESHARE_QEMU_BIN)
+                && msg.contains("pageshare-qemu"),
+            "{msg}"
+        );
         for d in [debian, ours, other, not_exec] {
             std::fs::remove_dir_all(d).unwrap();
         }
@@ -513,7 +546,8 @@ mod tests {
 
     #[test]
     fn explicit_sockets_are_kept() {
-        let c = parse(&format!("control_socket = \"/c.sock\"\n{IMAGE}socket = \"/i.sock\"\n")).unwrap();
+        let c =
+            parse(&format!("control_socket = \"/c.sock\"\n{IMAGE}socket = \"/i.sock\"\n")).unwrap();
         assert_eq!(c.control_socket, Some(PathBuf::from("/c.sock")));
         assert_eq!(c.images[0].socket, Some(PathBuf::from("/i.sock")));
     }
@@ -534,7 +568,10 @@ mod tests {
         }
         for m in ["0999", "rw-rw----", "01777", ""] {
             let msg = refused(&format!("socket_mode = \"{m}\""));
-            assert!(msg.contains(&format!("socket_mode {m:?} is not an octal mode like \"0660\"")), "{msg}");
+            assert!(
+                msg.contains(&format!("socket_mode {m:?} is not an octal mode like \"0660\"")),
+                "{msg}"
+            );
         }
     }
 
@@ -542,7 +579,12 @@ mod tests {
     fn bad_image_names_say_which_characters_to_use() {
         for name in ["", ".hidden", "control", "a/b", "sp ace", &"x".repeat(65)] {
             let msg = refused(&IMAGE.replace("\"deb\"", &format!("{name:?}")));
-            assert!(msg.contains(&format!("image name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ -")), "{msg}");
+            assert!(
+                msg.contains(&format!(
+                    "image name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ -"
+                )),
+                "{msg}"
+            );
         }
         parse(&IMAGE.replace("\"deb\"", "\"Deb_12.1-x\"")).unwrap();
     }
@@ -550,7 +592,10 @@ mod tests {
     #[test]
     fn each_image_needs_its_own_name() {
         let msg = refused(&format!("{IMAGE}{IMAGE}"));
-        assert!(msg.contains("image name \"deb\" appears twice: give each [[image]] its own name"), "{msg}");
+        assert!(
+            msg.contains("image name \"deb\" appears twice: give each [[image]] its own name"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -559,7 +604,10 @@ mod tests {
         let both = format!("{IMAGE}list_redis = \"auto\"\n[redis]\nurl = \"redis://127.0.0.1/\"\n");
         for text in [neither, both] {
             let msg = refused(&text);
-            assert!(msg.contains("image \"deb\": give exactly one of list_file and list_redis"), "{msg}");
+            assert!(
+                msg.contains("image \"deb\": give exactly one of list_file and list_redis"),
+                "{msg}"
+            );
         }
     }
 
@@ -567,7 +615,10 @@ mod tests {
     fn list_redis_needs_a_redis_section() {
         let text = IMAGE.replace("list_file = \"/lists/deb.pcsl\"", "list_redis = \"auto\"");
         let msg = refused(&text);
-        assert!(msg.contains("image \"deb\" uses list_redis but there is no [redis] section: add one"), "{msg}");
+        assert!(
+            msg.contains("image \"deb\" uses list_redis but there is no [redis] section: add one"),
+            "{msg}"
+        );
         let c = parse(&format!("{text}[redis]\nurl = \"redis://127.0.0.1/\"\n")).unwrap();
         let r = c.redis.unwrap();
         assert_eq!((r.prefix.as_str(), r.poll_interval_secs), ("pageshare", 30));
@@ -576,7 +627,10 @@ mod tests {
     #[test]
     fn unknown_formats_are_refused() {
         let msg = refused(&format!("{IMAGE}format = \"vmdk\"\n"));
-        assert!(msg.contains("image \"deb\": format must be auto, qcow2 or raw, not \"vmdk\""), "{msg}");
+        assert!(
+            msg.contains("image \"deb\": format must be auto, qcow2 or raw, not \"vmdk\""),
+            "{msg}"
+        );
         for f in ["auto", "qcow2", "raw"] {
             parse(&format!("{IMAGE}format = \"{f}\"\n")).unwrap();
         }

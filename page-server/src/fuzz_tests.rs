@@ -37,7 +37,20 @@ fn valid_list(n: usize) -> Vec<u8> {
 
 fn mutate(r: &mut Rng, input: &[u8]) -> Vec<u8> {
     let mut v = input.to_vec();
-    let pieces: [&[u8]; 12] = [b"\n", b"\r", b" ", b"---\n", b"0", b"8", b"count: ", b":", b"\xff", b"\xe2\x80\xa8", b"x-", b"# pcsl v1\n"];
+    let pieces: [&[u8]; 12] = [
+        b"\n",
+        b"\r",
+        b" ",
+        b"---\n",
+        b"0",
+        b"8",
+        b"count: ",
+        b":",
+        b"\xff",
+        b"\xe2\x80\xa8",
+        b"x-",
+        b"# pcsl v1\n",
+    ];
     for _ in 0..1 + r.below(4) {
         if v.is_empty() {
             v.push(b'#');
@@ -66,7 +79,8 @@ fn mutate(r: &mut Rng, input: &[u8]) -> Vec<u8> {
             _ => {
                 // duplicate a line
                 let s = v[..at].iter().rposition(|&b| b == b'\n').map(|x| x + 1).unwrap_or(0);
-                let e = v[at..].iter().position(|&b| b == b'\n').map(|x| at + x + 1).unwrap_or(v.len());
+                let e =
+                    v[at..].iter().position(|&b| b == b'\n').map(|x| at + x + 1).unwrap_or(v.len());
                 let line = v[s..e].to_vec();
                 v.splice(e..e, line);
             }
@@ -88,7 +102,8 @@ fn fuzz_list_parser() {
             // Whatever is accepted is internally consistent.
             assert!(l.blocks.windows(2).all(|w| w[0].0 < w[1].0));
             assert!(l.blocks.iter().all(|(s, _)| s % 8 == 0 && s * 512 + 4096 <= l.virtual_size));
-            let body: String = l.blocks.iter().map(|(s, h)| format!("{s} {}\n", crate::sys::hex(h))).collect();
+            let body: String =
+                l.blocks.iter().map(|(s, h)| format!("{s} {}\n", crate::sys::hex(h))).collect();
             assert_eq!(<[u8; 32]>::from(Sha256::digest(body.as_bytes())), l.digest);
         }
     }

@@ -126,20 +126,50 @@ const FUTURE_SLACK_NS: i64 = 1_000_000_000;
 #[derive(Debug)]
 pub enum ImageError {
     NulInPath(PathBuf),
-    Stat { path: PathBuf, source: io::Error },
+    Stat {
+        path: PathBuf,
+        source: io::Error,
+    },
     NotAnImage(PathBuf),
-    Open { path: PathBuf, source: io::Error },
-    Fstat { path: PathBuf, source: io::Error },
+    Open {
+        path: PathBuf,
+        source: io::Error,
+    },
+    Fstat {
+        path: PathBuf,
+        source: io::Error,
+    },
     /// The open descriptor's stamp moved.
-    Changed { path: PathBuf, was: FileStamp, now: FileStamp },
+    Changed {
+        path: PathBuf,
+        was: FileStamp,
+        now: FileStamp,
+    },
     /// The path names another file, or the same one changed.
-    Replaced { path: PathBuf, now: FileStamp, verified: FileStamp },
+    Replaced {
+        path: PathBuf,
+        now: FileStamp,
+        verified: FileStamp,
+    },
     /// Opening and stat() kept disagreeing.
-    Unsettled { path: PathBuf, opened: FileStamp, named: FileStamp },
-    FutureCtime { path: PathBuf, seconds: f64 },
-    KeepsChanging { path: PathBuf, waits: u32 },
+    Unsettled {
+        path: PathBuf,
+        opened: FileStamp,
+        named: FileStamp,
+    },
+    FutureCtime {
+        path: PathBuf,
+        seconds: f64,
+    },
+    KeepsChanging {
+        path: PathBuf,
+        waits: u32,
+    },
     /// On a file system whose changes this host's kernel may not see.
-    NotLocal { path: PathBuf, fs: String },
+    NotLocal {
+        path: PathBuf,
+        fs: String,
+    },
     Cancelled,
     Read(ReadError),
     HashThread(&'static str),
@@ -198,9 +228,9 @@ impl fmt::Display for ImageError {
 impl std::error::Error for ImageError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            ImageError::Stat { source, .. } | ImageError::Open { source, .. } | ImageError::Fstat { source, .. } => {
-                Some(source)
-            }
+            ImageError::Stat { source, .. }
+            | ImageError::Open { source, .. }
+            | ImageError::Fstat { source, .. } => Some(source),
             ImageError::Read(e) => Some(e),
             ImageError::ChangedWhileHashing(e) => Some(e.as_ref()),
             _ => None,
@@ -236,7 +266,8 @@ impl FileStamp {
 
     /// stat() of a path (symlinks followed, like open()).
     pub fn of_path(path: &Path) -> Result<FileStamp, ImageError> {
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| ImageError::NulInPath(path.into()))?;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| ImageError::NulInPath(path.into()))?;
         // SAFETY: plain struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid C string and pointer.
@@ -278,7 +309,8 @@ impl OpenImage {
     /// Err unless the descriptor and the path both still have the stamp
     /// taken at open: same file, not modified since.
     pub fn check_unchanged(&self, path: &Path) -> Result<(), ImageError> {
-        let fd = FileStamp::of_file(&self.file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
+        let fd = FileStamp::of_file(&self.file)
+            .map_err(|source| ImageError::Fstat { path: path.into(), source })?;
         if fd != self.stamp {
             return Err(ImageError::Changed { path: path.into(), was: self.stamp, now: fd });
         }
@@ -306,7 +338,10 @@ pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImag
         }
         let wait = stamp.ctime_ns.saturating_add(RACY_NS).saturating_sub(now);
         if wait > RACY_NS + FUTURE_SLACK_NS {
-            return Err(ImageError::FutureCtime { path: path.into(), seconds: (stamp.ctime_ns - now) as f64 / 1e9 });
+            return Err(ImageError::FutureCtime {
+                path: path.into(),
+                seconds: (stamp.ctime_ns - now) as f64 / 1e9,
+            });
         }
         waits += 1;
         if waits > MAX_RACY_WAITS {
@@ -335,12 +370,15 @@ pub fn open_stable(path: &Path, cancelled: &dyn Fn() -> bool) -> Result<OpenImag
 fn open_matching(path: &Path) -> Result<(File, FileStamp), ImageError> {
     let mut attempt = 0;
     loop {
-        let file = File::open(path).map_err(|source| ImageError::Open { path: path.into(), source })?;
-        let fd = FileStamp::of_file(&file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
+        let file =
+            File::open(path).map_err(|source| ImageError::Open { path: path.into(), source })?;
+        let fd = FileStamp::of_file(&file)
+            .map_err(|source| ImageError::Fstat { path: path.into(), source })?;
         let p = FileStamp::of_path(path)?;
         if fd == p {
             if file.metadata().map(|m| m.file_type().is_file()).unwrap_or(false) {
-                let t = fs_type(&file).map_err(|source| ImageError::Fstat { path: path.into(), source })?;
+                let t = fs_type(&file)
+                    .map_err(|source| ImageError::Fstat { path: path.into(), source })?;
                 check_local_fs(t).map_err(|fs| ImageError::NotLocal { path: path.into(), fs })?;
             }
             return Ok((file, fd));
@@ -393,13 +431,24 @@ impl IdentityCache {
 
     pub fn lookup(&self, path: &Path, format: &str, stamp: &FileStamp) -> Option<Identity> {
         let entries = self.entries.lock().expect("identity cache lock");
-        let e = entries.iter().find(|e| e.path == path && e.format == format && e.stamp == *stamp)?;
-        Some(Identity { virtual_size: e.virtual_size, content_sha256: crate::sys::unhex32(&e.content_sha256)? })
+        let e =
+            entries.iter().find(|e| e.path == path && e.format == format && e.stamp == *stamp)?;
+        Some(Identity {
+            virtual_size: e.virtual_size,
+            content_sha256: crate::sys::unhex32(&e.content_sha256)?,
+        })
     }
 
     /// Remember `id` for the file with `stamp`, taken at `taken_ns`; a racy
     /// stamp is never stored (it could match a later, different content).
-    fn store(&self, path: &Path, format: &str, stamp: &FileStamp, taken_ns: i64, id: &Identity) -> bool {
+    fn store(
+        &self,
+        path: &Path,
+        format: &str,
+        stamp: &FileStamp,
+        taken_ns: i64,
+        id: &Identity,
+    ) -> bool {
         if is_racy(stamp, taken_ns) {
             return false;
         }
@@ -457,7 +506,10 @@ impl IdentityCache {
 
 /// sha256 of the whole virtual disk, read in 4 MiB chunks; the hashing runs
 /// in a second thread so that reading and hashing overlap.
-pub fn content_hash(reader: &mut BlockReader, cancelled: &dyn Fn() -> bool) -> Result<Identity, ImageError> {
+pub fn content_hash(
+    reader: &mut BlockReader,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Identity, ImageError> {
     const CHUNK: usize = 4 << 20;
     let size = reader.size;
     let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
@@ -503,7 +555,8 @@ mod tests {
     use std::io::Write;
 
     fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("pageshare-identity-{}-{name}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("pageshare-identity-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
@@ -589,7 +642,10 @@ mod tests {
         // Any later change is caught, through the descriptor or the path.
         std::fs::OpenOptions::new().append(true).open(&f).unwrap().write_all(b"!").unwrap();
         let e = img.check_unchanged(&f).unwrap_err();
-        assert!(matches!(e, ImageError::Changed { .. }) && e.to_string().contains("changed"), "{e}");
+        assert!(
+            matches!(e, ImageError::Changed { .. }) && e.to_string().contains("changed"),
+            "{e}"
+        );
         let img2 = open_stable(&f, &|| false).unwrap();
         let other = d.join("other");
         std::fs::write(&other, b"first second!").unwrap();
@@ -644,7 +700,8 @@ mod tests {
         let text = std::fs::read_to_string(d.join("content-hash.json")).unwrap();
         assert!(text.contains("\"ctime_ns\"") && text.contains("\"version\": 2"), "{text}");
         // The old string-keyed format is ignored (hashed again once).
-        std::fs::write(d.join("content-hash.json"), r#"{"/a|1|2|3|4.5|6.7": [4096, "00"]}"#).unwrap();
+        std::fs::write(d.join("content-hash.json"), r#"{"/a|1|2|3|4.5|6.7": [4096, "00"]}"#)
+            .unwrap();
         assert_eq!(IdentityCache::new(&d).entries.lock().unwrap().len(), 0);
         std::fs::remove_dir_all(&d).unwrap();
     }

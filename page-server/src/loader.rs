@@ -145,17 +145,28 @@ impl Loader {
         let md = match std::fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return fail(FailKind::NoList, format!("list file {} does not exist", path.display()))
+                return fail(
+                    FailKind::NoList,
+                    format!("list file {} does not exist", path.display()),
+                )
             }
-            Err(e) => return fail(FailKind::Refused, format!("cannot read list {}: {e}", path.display())),
+            Err(e) => {
+                return fail(FailKind::Refused, format!("cannot read list {}: {e}", path.display()))
+            }
         };
         if md.len() > self.cfg.limits.max_list_bytes {
             return fail(
                 FailKind::Limit,
-                format!("list {} is {} bytes, over limits.max_list_bytes", path.display(), md.len()),
+                format!(
+                    "list {} is {} bytes, over limits.max_list_bytes",
+                    path.display(),
+                    md.len()
+                ),
             );
         }
-        std::fs::read(path).map_err(|e| FailKind::Refused.with(format!("cannot read list {}: {e}", path.display())))
+        std::fs::read(path).map_err(|e| {
+            FailKind::Refused.with(format!("cannot read list {}: {e}", path.display()))
+        })
     }
 
     fn load(
@@ -171,7 +182,13 @@ impl Loader {
             ListSource::File(p) => (Some(Arc::new(self.read_list(p)?)), p.display().to_string()),
             ListSource::Redis(k, t) => {
                 if t.len() as u64 > self.cfg.limits.max_list_bytes {
-                    return fail(FailKind::Limit, format!("list in redis key {k} is {} bytes, over limits.max_list_bytes", t.len()));
+                    return fail(
+                        FailKind::Limit,
+                        format!(
+                            "list in redis key {k} is {} bytes, over limits.max_list_bytes",
+                            t.len()
+                        ),
+                    );
                 }
                 (Some(t.clone()), format!("redis key {k}"))
             }
@@ -180,7 +197,8 @@ impl Loader {
         let mut cached_text: Option<Arc<Vec<u8>>> = None;
         let mut list = match &text {
             Some(t) => Some(
-                sectorlist::parse_bytes(t).map_err(|e| FailKind::Refused.with(format!("list refused: {origin}: {e}")))?,
+                sectorlist::parse_bytes(t)
+                    .map_err(|e| FailKind::Refused.with(format!("list refused: {origin}: {e}")))?,
             ),
             None => None,
         };
@@ -188,7 +206,10 @@ impl Loader {
             if l.blocks.len() as u64 > self.cfg.limits.max_blocks_per_image {
                 return fail(
                     FailKind::Limit,
-                    format!("list {origin} has {} blocks, over limits.max_blocks_per_image", l.blocks.len()),
+                    format!(
+                        "list {origin} has {} blocks, over limits.max_blocks_per_image",
+                        l.blocks.len()
+                    ),
                 );
             }
         }
@@ -196,13 +217,21 @@ impl Loader {
         // 2. The image, opened once: its stamp (not racy), its format, and
         // its identity (cached by path, format and stamp, else hashed).
         let cancel = || self.cancelled(job);
-        let cancel_or = |kind: FailKind| move |e: ImageError| if cancel() { FailKind::Cancelled } else { kind }.with(e.to_string());
+        let cancel_or = |kind: FailKind| {
+            move |e: ImageError| {
+                if cancel() { FailKind::Cancelled } else { kind }.with(e.to_string())
+            }
+        };
         let image = open_stable(&img.path, &cancel).map_err(cancel_or(FailKind::Image))?;
-        let format = detect_format(&image.file, &img.path, &img.format).map_err(|e| FailKind::Image.with(e.to_string()))?;
+        let format = detect_format(&image.file, &img.path, &img.format)
+            .map_err(|e| FailKind::Image.with(e.to_string()))?;
         let mut reader: Option<BlockReader> = None;
         let open = |r: &mut Option<BlockReader>| -> Result<(), LoadError> {
             if r.is_none() {
-                let qsd = self.cfg.qemu_storage_daemon().map_err(|e| FailKind::Image.with(e.to_string()))?;
+                let qsd = self
+                    .cfg
+                    .qemu_storage_daemon()
+                    .map_err(|e| FailKind::Image.with(e.to_string()))?;
                 *r = Some(
                     BlockReader::open(&qsd, &image.file, &img.path, &format)
                         .map_err(|e| FailKind::Image.with(e.to_string()))?,
@@ -216,9 +245,18 @@ impl Loader {
                 open(&mut reader)?;
                 let r = reader.as_mut().expect("opened");
                 if r.size > self.cfg.limits.max_image_virtual_size {
-                    return fail(FailKind::Limit, format!("image {} is larger than limits.max_image_virtual_size", img.path.display()));
+                    return fail(
+                        FailKind::Limit,
+                        format!(
+                            "image {} is larger than limits.max_image_virtual_size",
+                            img.path.display()
+                        ),
+                    );
                 }
-                self.ids.identity(&img.path, &format, &image, r, &cancel).map_err(cancel_or(FailKind::Image))?.0
+                self.ids
+                    .identity(&img.path, &format, &image, r, &cancel)
+                    .map_err(cancel_or(FailKind::Image))?
+                    .0
             }
         };
         *identity_out = Some(identity);
@@ -231,8 +269,9 @@ impl Loader {
                 Ok(t) => t,
                 Err(_) => return fail(FailKind::NoList, "no list yet (waiting for Redis)"),
             };
-            let l = sectorlist::parse_bytes(&t)
-                .map_err(|e| FailKind::Refused.with(format!("cached list {} refused: {e}", p.display())))?;
+            let l = sectorlist::parse_bytes(&t).map_err(|e| {
+                FailKind::Refused.with(format!("cached list {} refused: {e}", p.display()))
+            })?;
             list = Some(l);
             cached_text = Some(Arc::new(t));
         }
@@ -244,7 +283,9 @@ impl Loader {
         let origin = if origin.is_empty() { "cached list".to_string() } else { origin };
 
         // 3. The list must name exactly this image.
-        if list.virtual_size != identity.virtual_size || list.content_sha256 != identity.content_sha256 {
+        if list.virtual_size != identity.virtual_size
+            || list.content_sha256 != identity.content_sha256
+        {
             return fail(
                 FailKind::Refused,
                 format!(
@@ -261,7 +302,10 @@ impl Loader {
         // 4. Reserve slots; reuse blocks already loaded and verified.
         let arena = match &job.arena {
             Some(a) if a.identity == identity => a.clone(),
-            _ => Arc::new(Arena::new(identity, self.global_loaded.clone()).map_err(|e| FailKind::Limit.with(e.to_string()))?),
+            _ => Arc::new(
+                Arena::new(identity, self.global_loaded.clone())
+                    .map_err(|e| FailKind::Limit.with(e.to_string()))?,
+            ),
         };
         let mut held: Vec<u64> = Vec::with_capacity(list.blocks.len());
         let mut to_load: Vec<(u64, [u8; 32])> = Vec::new();
@@ -318,7 +362,10 @@ impl Loader {
         // the path still have the stamp taken before anything was read.
         if let Err(e) = image.check_unchanged(&img.path) {
             release(&held);
-            return fail(FailKind::Image, format!("image {} changed while the list was loaded: {e}", img.path.display()));
+            return fail(
+                FailKind::Image,
+                format!("image {} changed while the list was loaded: {e}", img.path.display()),
+            );
         }
         Ok(LoadOk {
             arena,
@@ -360,7 +407,8 @@ impl Loader {
             let n = j - i;
             let start = to_load[i].0;
             let bytes = &mut buf[..n * BLOCK_SIZE as usize];
-            r.read_at(start * BLOCK_SIZE, bytes).map_err(|e| FailKind::Image.with(format!("reading the image: {e}")))?;
+            r.read_at(start * BLOCK_SIZE, bytes)
+                .map_err(|e| FailKind::Image.with(format!("reading the image: {e}")))?;
             for k in 0..n {
                 let (block, want) = &to_load[i + k];
                 let data = &bytes[k * BLOCK_SIZE as usize..(k + 1) * BLOCK_SIZE as usize];
@@ -409,10 +457,13 @@ mod tests {
 
     /// A raw image of BLOCKS distinct blocks in a directory of its own.
     fn setup(name: &str) -> Setup {
-        let dir = std::env::temp_dir().join(format!("pageshare-loader-{}-{name}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("pageshare-loader-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let data: Vec<u8> = (0..BLOCKS * BLOCK_SIZE).map(|i| ((i / BLOCK_SIZE) as u8).wrapping_mul(37) ^ (i as u8)).collect();
+        let data: Vec<u8> = (0..BLOCKS * BLOCK_SIZE)
+            .map(|i| ((i / BLOCK_SIZE) as u8).wrapping_mul(37) ^ (i as u8))
+            .collect();
         let image = dir.join("base.raw");
         std::fs::write(&image, &data).unwrap();
         Setup { dir, image, data }
@@ -426,8 +477,10 @@ mod tests {
         /// A list of `blocks` of this image, or of an image with content
         /// hash `content` instead.
         fn list(&self, blocks: &[u64], content: Option<[u8; 32]>) -> String {
-            let hashed: Vec<(u64, [u8; 32])> =
-                blocks.iter().map(|&b| (b * SECTORS_PER_BLOCK, Sha256::digest(self.block(b)).into())).collect();
+            let hashed: Vec<(u64, [u8; 32])> = blocks
+                .iter()
+                .map(|&b| (b * SECTORS_PER_BLOCK, Sha256::digest(self.block(b)).into()))
+                .collect();
             let content = content.unwrap_or_else(|| Sha256::digest(&self.data).into());
             test_list_text(self.data.len() as u64, &content, &hashed)
         }
@@ -439,7 +492,8 @@ mod tests {
         }
 
         fn loader(&self, limits: &str) -> Loader {
-            let cfg: Config = toml::from_str(&format!("cache_dir = {:?}\n[limits]\n{limits}", self.dir)).unwrap();
+            let cfg: Config =
+                toml::from_str(&format!("cache_dir = {:?}\n[limits]\n{limits}", self.dir)).unwrap();
             std::fs::create_dir_all(cfg.cache_dir.join("lists")).unwrap();
             Loader {
                 ids: IdentityCache::new(&cfg.cache_dir),
@@ -483,14 +537,25 @@ mod tests {
         assert_eq!(ok.list.blocks.len(), 3);
         assert_eq!(ok.text_sha, <[u8; 32]>::from(Sha256::digest(std::fs::read(&list).unwrap())));
         for b in [1, 2, 9] {
-            assert_eq!(vm_read(ok.arena.addr(b), BLOCK_SIZE as usize).unwrap(), s.block(b), "block {b}");
+            assert_eq!(
+                vm_read(ok.arena.addr(b), BLOCK_SIZE as usize).unwrap(),
+                s.block(b),
+                "block {b}"
+            );
         }
-        assert_eq!(vm_read(ok.arena.addr(3), BLOCK_SIZE as usize), Err(libc::EFAULT), "not listed, not readable");
+        assert_eq!(
+            vm_read(ok.arena.addr(3), BLOCK_SIZE as usize),
+            Err(libc::EFAULT),
+            "not listed, not readable"
+        );
         assert_eq!(loader.global_loaded.load(Ordering::Relaxed), 3);
 
         // The next list, on the same arena: only the new block is read.
         let text = s.list(&[2, 9, 10], None);
-        let job = s.job(ListSource::Redis("k".into(), Arc::new(text.into_bytes())), Some(ok.arena.clone()));
+        let job = s.job(
+            ListSource::Redis("k".into(), Arc::new(text.into_bytes())),
+            Some(ok.arena.clone()),
+        );
         let ok2 = loader.run(job).result.unwrap();
         assert!(Arc::ptr_eq(&ok.arena, &ok2.arena));
         assert_eq!((ok2.read_blocks, ok2.reused_blocks), (1, 2));
@@ -505,7 +570,11 @@ mod tests {
         let s = setup("nolist");
         let e = failure(s.loader("").run(s.job(ListSource::File(s.dir.join("absent.pcsl")), None)));
         assert_eq!(e.kind, FailKind::NoList);
-        assert!(e.message.starts_with("list file ") && e.message.ends_with("absent.pcsl does not exist"), "{e}");
+        assert!(
+            e.message.starts_with("list file ")
+                && e.message.ends_with("absent.pcsl does not exist"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -530,15 +599,23 @@ mod tests {
         let e = failure(small.run(s.job(ListSource::File(list.clone()), None)));
         assert_eq!(e.kind, FailKind::Limit);
         assert!(e.message.contains("over limits.max_list_bytes"), "{e}");
-        let e = failure(small.run(s.job(ListSource::Redis("pageshare:list:x".into(), Arc::new(text.into_bytes())), None)));
+        let e = failure(small.run(
+            s.job(ListSource::Redis("pageshare:list:x".into(), Arc::new(text.into_bytes())), None),
+        ));
         assert_eq!(e.kind, FailKind::Limit);
         assert!(e.message.starts_with("list in redis key pageshare:list:x is "), "{e}");
-        let e = failure(s.loader("max_blocks_per_image = 2").run(s.job(ListSource::File(list.clone()), None)));
+        let e = failure(
+            s.loader("max_blocks_per_image = 2").run(s.job(ListSource::File(list.clone()), None)),
+        );
         assert_eq!(e.kind, FailKind::Limit);
         assert!(e.message.contains("has 3 blocks, over limits.max_blocks_per_image"), "{e}");
-        let e = failure(s.loader("max_total_bytes = 8192").run(s.job(ListSource::File(list), None)));
+        let e =
+            failure(s.loader("max_total_bytes = 8192").run(s.job(ListSource::File(list), None)));
         assert_eq!(e.kind, FailKind::Limit);
-        assert!(e.message.contains("loading 3 more blocks would exceed limits.max_total_bytes"), "{e}");
+        assert!(
+            e.message.contains("loading 3 more blocks would exceed limits.max_total_bytes"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -560,10 +637,20 @@ mod tests {
         let blocks = [(8, hash(1)), (16, hash(2)), (24, hash(2))];
         let text = test_list_text(s.data.len() as u64, &Sha256::digest(&s.data).into(), &blocks);
         let loader = s.loader("");
-        let e = failure(loader.run(s.job(ListSource::Redis("k".into(), Arc::new(text.into_bytes())), None)));
+        let e = failure(
+            loader.run(s.job(ListSource::Redis("k".into(), Arc::new(text.into_bytes())), None)),
+        );
         assert_eq!(e.kind, FailKind::Refused);
-        assert!(e.message.starts_with("list refused: redis key k: block at sector 24 hashes to "), "{e}");
-        assert!(e.message.ends_with("the image was modified since its content hash was taken, or the list is wrong"), "{e}");
+        assert!(
+            e.message.starts_with("list refused: redis key k: block at sector 24 hashes to "),
+            "{e}"
+        );
+        assert!(
+            e.message.ends_with(
+                "the image was modified since its content hash was taken, or the list is wrong"
+            ),
+            "{e}"
+        );
         assert_eq!(loader.global_loaded.load(Ordering::Relaxed), 0, "nothing of it stays loaded");
     }
 
@@ -582,7 +669,10 @@ mod tests {
         let loader = s.loader("");
         let e = failure(loader.run(s.job(ListSource::Cached, None)));
         assert_eq!(e, FailKind::NoList.with("no list yet (waiting for Redis)"));
-        let id = Identity { virtual_size: s.data.len() as u64, content_sha256: Sha256::digest(&s.data).into() };
+        let id = Identity {
+            virtual_size: s.data.len() as u64,
+            content_sha256: Sha256::digest(&s.data).into(),
+        };
         std::fs::write(cached_list_path(&loader.cfg, &id), s.list(&[4], None)).unwrap();
         let ok = loader.run(s.job(ListSource::Cached, None)).result.unwrap();
         assert_eq!(ok.blocks, vec![4]);

@@ -69,7 +69,9 @@ fn real_main() -> Result<i32, Error> {
         }
         Command::CheckConfig { file } => commands::check_config(&file).map_err(Error::Config),
         Command::Status { socket, json } => commands::status(&socket, json).map_err(Error::Command),
-        Command::Reload { socket, image } => commands::reload(&socket, &image).map_err(Error::Command),
+        Command::Reload { socket, image } => {
+            commands::reload(&socket, &image).map_err(Error::Command)
+        }
         Command::CheckList { files, json } => Ok(commands::check_list(&files, json)),
     }
 }

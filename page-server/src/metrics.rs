@@ -11,7 +11,10 @@ use std::time::Duration;
 #[derive(Debug)]
 pub enum MetricsError {
     /// `what` names the socket or the `metrics_listen` address.
-    Bind { what: String, source: io::Error },
+    Bind {
+        what: String,
+        source: io::Error,
+    },
     Thread(io::Error),
 }
 
@@ -54,13 +57,19 @@ impl Connection for std::net::TcpStream {
 pub fn spawn(listen: &str, text: Arc<Mutex<String>>) -> Result<(), MetricsError> {
     if let Some(path) = listen.strip_prefix("unix:") {
         let _ = std::fs::remove_file(path);
-        let l = std::os::unix::net::UnixListener::bind(path)
-            .map_err(|source| MetricsError::Bind { what: format!("metrics socket {path}"), source })?;
+        let l = std::os::unix::net::UnixListener::bind(path).map_err(|source| {
+            MetricsError::Bind { what: format!("metrics socket {path}"), source }
+        })?;
         serve_on(move || l.accept().map(|(s, _)| s), text)
     } else {
-        let l = std::net::TcpListener::bind(listen)
-            .map_err(|source| MetricsError::Bind { what: format!("metrics_listen {listen}"), source })?;
-        crate::log::info(&format!("metrics on http://{}/metrics", l.local_addr().map(|a| a.to_string()).unwrap_or_default()));
+        let l = std::net::TcpListener::bind(listen).map_err(|source| MetricsError::Bind {
+            what: format!("metrics_listen {listen}"),
+            source,
+        })?;
+        crate::log::info(&format!(
+            "metrics on http://{}/metrics",
+            l.local_addr().map(|a| a.to_string()).unwrap_or_default()
+        ));
         serve_on(move || l.accept().map(|(s, _)| s), text)
     }
 }
@@ -128,7 +137,14 @@ pub fn render(st: &Value) -> String {
         "pageshare_server_info",
         "Server version and host.",
         "gauge",
-        vec![(format!("{{version=\"{}\",host=\"{}\"}}", esc(st["version"].as_str().unwrap_or("")), esc(st["host"].as_str().unwrap_or(""))), 1.0)],
+        vec![(
+            format!(
+                "{{version=\"{}\",host=\"{}\"}}",
+                esc(st["version"].as_str().unwrap_or("")),
+                esc(st["host"].as_str().unwrap_or(""))
+            ),
+            1.0,
+        )],
     );
     metric(
         "pageshare_degraded",
@@ -136,20 +152,33 @@ pub fn render(st: &Value) -> String {
         "gauge",
         vec![(String::new(), if st["degraded"].as_bool().unwrap_or(false) { 1.0 } else { 0.0 })],
     );
-    metric("pageshare_rss_bytes", "Resident memory of the server.", "gauge", vec![(String::new(), num(&st["memory"]["rss_bytes"]))]);
+    metric(
+        "pageshare_rss_bytes",
+        "Resident memory of the server.",
+        "gauge",
+        vec![(String::new(), num(&st["memory"]["rss_bytes"]))],
+    );
     metric(
         "pageshare_loaded_bytes",
         "Bytes of verified blocks held, all images and generations.",
         "gauge",
         vec![(String::new(), num(&st["memory"]["loaded_bytes"]))],
     );
-    metric("pageshare_clients", "Connected clients on image sockets.", "gauge", vec![(String::new(), num(&st["clients"]))]);
+    metric(
+        "pageshare_clients",
+        "Connected clients on image sockets.",
+        "gauge",
+        vec![(String::new(), num(&st["clients"]))],
+    );
     if !st["redis"].is_null() {
         metric(
             "pageshare_redis_connected",
             "1 while the Redis connection is up.",
             "gauge",
-            vec![(String::new(), if st["redis"]["connected"].as_bool().unwrap_or(false) { 1.0 } else { 0.0 })],
+            vec![(
+                String::new(),
+                if st["redis"]["connected"].as_bool().unwrap_or(false) { 1.0 } else { 0.0 },
+            )],
         );
         metric(
             "pageshare_redis_failures_total",
@@ -160,50 +189,72 @@ pub fn render(st: &Value) -> String {
     }
     let images = st["images"].as_array().cloned().unwrap_or_default();
     let per = |f: &dyn Fn(&Value) -> f64| -> Vec<(String, f64)> {
-        images.iter().map(|i| (format!("{{image=\"{}\"}}", esc(i["name"].as_str().unwrap_or(""))), f(i))).collect()
+        images
+            .iter()
+            .map(|i| (format!("{{image=\"{}\"}}", esc(i["name"].as_str().unwrap_or(""))), f(i)))
+            .collect()
     };
-    metric("pageshare_image_serving", "1 if a table is published for the image.", "gauge", per(&|i| if i["generation"].is_null() { 0.0 } else { 1.0 }));
-    metric("pageshare_image_generation", "Published table generation.", "gauge", per(&|i| num(&i["generation"])));
-    metric("pageshare_image_blocks", "Blocks in the published table.", "gauge", per(&|i| num(&i["blocks"])));
-    metric("pageshare_image_bytes", "Bytes of the published blocks.", "gauge", per(&|i| num(&i["bytes"])));
+    metric(
+        "pageshare_image_serving",
+        "1 if a table is published for the image.",
+        "gauge",
+        per(&|i| if i["generation"].is_null() { 0.0 } else { 1.0 }),
+    );
+    metric(
+        "pageshare_image_generation",
+        "Published table generation.",
+        "gauge",
+        per(&|i| num(&i["generation"])),
+    );
+    metric(
+        "pageshare_image_blocks",
+        "Blocks in the published table.",
+        "gauge",
+        per(&|i| num(&i["blocks"])),
+    );
+    metric(
+        "pageshare_image_bytes",
+        "Bytes of the published blocks.",
+        "gauge",
+        per(&|i| num(&i["bytes"])),
+    );
     metric("pageshare_image_clients", "Connected clients.", "gauge", per(&|i| num(&i["clients"])));
-    metric("pageshare_image_live_generations", "Generations still held by clients or current.", "gauge", per(&|i| i["live_generations"].as_array().map(|a| a.len() as f64).unwrap_or(0.0)));
-    metric("pageshare_image_loads_total", "Successful list loads.", "counter", per(&|i| num(&i["loads_ok"])));
-    metric("pageshare_image_load_failures_total", "Refused or failed list loads.", "counter", per(&|i| num(&i["loads_failed"])));
-    metric("pageshare_image_last_load_seconds", "Duration of the last successful load.", "gauge", per(&|i| num(&i["last_load"]["seconds"])));
+    metric(
+        "pageshare_image_live_generations",
+        "Generations still held by clients or current.",
+        "gauge",
+        per(&|i| i["live_generations"].as_array().map(|a| a.len() as f64).unwrap_or(0.0)),
+    );
+    metric(
+        "pageshare_image_loads_total",
+        "Successful list loads.",
+        "counter",
+        per(&|i| num(&i["loads_ok"])),
+    );
+    metric(
+        "pageshare_image_load_failures_total",
+        "Refused or failed list loads.",
+        "counter",
+        per(&|i| num(&i["loads_failed"])),
+    );
+    metric(
+        "pageshare_image_last_load_seconds",
+        "Duration of the last successful load.",
+        "gauge",
+        per(&|i| num(&i["last_load"]["seconds"])),
+    );
     for (k, help) in [
         ("lookups", "Table lookups reported by clients."),
         ("hits", "Lookups that found the block."),
-        (
-            "merged",
-            "Pages merged into guests (merge_pages successes).",
-        ),
+        ("merged", "Pages merged into guests (merge_pages successes)."),
         ("merge_errors", "merge_pages failures."),
         ("fallbacks", "Reads that went to disk instead."),
-        (
-            "migration_refs_sent",
-            "Guest pages an outgoing migration sent as block references.",
-        ),
-        (
-            "migration_refs_refused",
-            "Guest pages an outgoing migration sent in full instead.",
-        ),
-        (
-            "migration_refs_merged",
-            "Block references an incoming migration merged.",
-        ),
-        (
-            "migration_refs_copied",
-            "Block references an incoming migration copied.",
-        ),
-        (
-            "migration_refs_read",
-            "Block references an incoming migration read from the base image.",
-        ),
-        (
-            "migration_refs_failed",
-            "Block references an incoming migration could not fill.",
-        ),
+        ("migration_refs_sent", "Guest pages an outgoing migration sent as block references."),
+        ("migration_refs_refused", "Guest pages an outgoing migration sent in full instead."),
+        ("migration_refs_merged", "Block references an incoming migration merged."),
+        ("migration_refs_copied", "Block references an incoming migration copied."),
+        ("migration_refs_read", "Block references an incoming migration read from the base image."),
+        ("migration_refs_failed", "Block references an incoming migration could not fill."),
     ] {
         metric(
             &format!("pageshare_client_{k}_total"),
@@ -213,10 +264,30 @@ pub fn render(st: &Value) -> String {
         );
     }
     if st["feedback"]["enabled"].as_bool().unwrap_or(false) {
-        metric("pageshare_feedback_blocks", "Blocks in the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["blocks"])));
-        metric("pageshare_feedback_guests", "Distinct guests in the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["guests"])));
-        metric("pageshare_feedback_memory_bytes", "Estimated memory of the feedback accumulation.", "gauge", per(&|i| num(&i["feedback"]["memory_bytes"])));
-        metric("pageshare_feedback_evicted_blocks_total", "Blocks evicted beyond feedback.max_blocks.", "counter", per(&|i| num(&i["feedback"]["evicted_blocks"])));
+        metric(
+            "pageshare_feedback_blocks",
+            "Blocks in the feedback accumulation.",
+            "gauge",
+            per(&|i| num(&i["feedback"]["blocks"])),
+        );
+        metric(
+            "pageshare_feedback_guests",
+            "Distinct guests in the feedback accumulation.",
+            "gauge",
+            per(&|i| num(&i["feedback"]["guests"])),
+        );
+        metric(
+            "pageshare_feedback_memory_bytes",
+            "Estimated memory of the feedback accumulation.",
+            "gauge",
+            per(&|i| num(&i["feedback"]["memory_bytes"])),
+        );
+        metric(
+            "pageshare_feedback_evicted_blocks_total",
+            "Blocks evicted beyond feedback.max_blocks.",
+            "counter",
+            per(&|i| num(&i["feedback"]["evicted_blocks"])),
+        );
         for (k, help) in [
             ("reads_messages", "READS messages received."),
             ("listed_messages", "LISTED_READ messages received."),
@@ -226,11 +297,31 @@ pub fn render(st: &Value) -> String {
             ("truncated_reports", "READS whose client table had evicted entries."),
             ("ignored_messages", "Feedback messages before the image identity was known."),
         ] {
-            metric(&format!("pageshare_feedback_{k}_total"), help, "counter", per(&|i| num(&i["feedback"]["counters"][k])));
+            metric(
+                &format!("pageshare_feedback_{k}_total"),
+                help,
+                "counter",
+                per(&|i| num(&i["feedback"]["counters"][k])),
+            );
         }
-        metric("pageshare_feedback_publishes_total", "Feedback summaries published to Redis.", "counter", per(&|i| num(&i["feedback"]["publish"]["publishes"])));
-        metric("pageshare_feedback_publish_failures_total", "Feedback publishes or read-backs that failed.", "counter", per(&|i| num(&i["feedback"]["publish"]["failures"])));
-        metric("pageshare_feedback_last_publish_time_seconds", "Unix time of the last feedback publish.", "gauge", per(&|i| num(&i["feedback"]["publish"]["last_publish"])));
+        metric(
+            "pageshare_feedback_publishes_total",
+            "Feedback summaries published to Redis.",
+            "counter",
+            per(&|i| num(&i["feedback"]["publish"]["publishes"])),
+        );
+        metric(
+            "pageshare_feedback_publish_failures_total",
+            "Feedback publishes or read-backs that failed.",
+            "counter",
+            per(&|i| num(&i["feedback"]["publish"]["failures"])),
+        );
+        metric(
+            "pageshare_feedback_last_publish_time_seconds",
+            "Unix time of the last feedback publish.",
+            "gauge",
+            per(&|i| num(&i["feedback"]["publish"]["last_publish"])),
+        );
     }
     o
 }

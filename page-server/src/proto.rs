@@ -127,7 +127,11 @@ pub fn send_msg(fd: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
-            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut RawFd, fds.len());
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c) as *mut RawFd,
+                fds.len(),
+            );
         }
     }
     loop {
@@ -141,7 +145,10 @@ pub fn send_msg(fd: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
             return Err(e);
         }
         if n as usize != msg.len() {
-            return Err(io::Error::new(io::ErrorKind::WouldBlock, "peer is not reading (socket buffer full)"));
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                "peer is not reading (socket buffer full)",
+            ));
         }
         return Ok(());
     }
@@ -177,7 +184,8 @@ pub fn recv_some(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>, 
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c) as *const RawFd;
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
                 for i in 0..count {
                     fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
                 }
@@ -207,7 +215,10 @@ impl std::error::Error for OversizedMessage {}
 
 /// Split complete messages off the front of `buf`.
 /// Err on a header announcing more than `max` bytes.
-pub fn take_messages(buf: &mut Vec<u8>, max: usize) -> Result<Vec<(u32, Vec<u8>)>, OversizedMessage> {
+pub fn take_messages(
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> Result<Vec<(u32, Vec<u8>)>, OversizedMessage> {
     let mut out = Vec::new();
     let mut pos = 0;
     while buf.len() - pos >= HDR {
@@ -253,14 +264,20 @@ impl std::fmt::Display for RequestError {
 impl std::error::Error for RequestError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RequestError::Connect { source: e, .. } | RequestError::Send(e) | RequestError::Read(e) => Some(e),
+            RequestError::Connect { source: e, .. }
+            | RequestError::Send(e)
+            | RequestError::Read(e) => Some(e),
             RequestError::TooLarge(_) => None,
         }
     }
 }
 
 /// Blocking client side: send a request and read one reply (for `status`).
-pub fn request(path: &std::path::Path, kind: u32, payload: &[u8]) -> Result<(u32, Vec<u8>), RequestError> {
+pub fn request(
+    path: &std::path::Path,
+    kind: u32,
+    payload: &[u8],
+) -> Result<(u32, Vec<u8>), RequestError> {
     use std::io::{Read, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)
         .map_err(|source| RequestError::Connect { path: path.into(), source })?;
@@ -318,13 +335,19 @@ mod tests {
         let i64_at = |o: usize| i64::from_le_bytes(p[o..o + 8].try_into().unwrap());
         assert_eq!(p.len(), 136);
         assert_eq!((u32_at(0), u32_at(4)), (2, 1));
-        assert_eq!((u64_at(&p, 8), u64_at(&p, 16), u64_at(&p, 24)), (Some(7), Some(1000), Some(32896)));
+        assert_eq!(
+            (u64_at(&p, 8), u64_at(&p, 16), u64_at(&p, 24)),
+            (Some(7), Some(1000), Some(32896))
+        );
         assert_eq!(u64_at(&p, 32), Some(0x1122_3344_5566));
         assert_eq!(&p[40..72], &[0xab; 32]);
         assert_eq!((u32_at(72), u32_at(76)), (4242, FORMAT_QCOW2));
         assert_eq!(f64::from_bits(u64_at(&p, 80).unwrap()), 1.5);
         assert_eq!((u32_at(88), u32_at(92)), (PROOF_FILE, 0));
-        assert_eq!((u64_at(&p, 96), u64_at(&p, 104), u64_at(&p, 112)), (Some(0x0803), Some(0x00de_adbe_ef01), Some(0x7777_0000)));
+        assert_eq!(
+            (u64_at(&p, 96), u64_at(&p, 104), u64_at(&p, 112)),
+            (Some(0x0803), Some(0x00de_adbe_ef01), Some(0x7777_0000))
+        );
         assert_eq!((i64_at(120), i64_at(128)), (1_795_000_000_123_456_789, -5));
         assert_eq!(format_code("raw"), FORMAT_RAW);
     }

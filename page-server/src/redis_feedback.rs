@@ -129,12 +129,9 @@ impl Publisher {
             let mut done = None;
             for (i, c) in queue.into_iter().enumerate() {
                 match c {
-                    Cmd::ReadBack {
-                        image,
-                        name,
-                        key,
-                        image_blocks,
-                    } => self.read_back(image, &name, &key, image_blocks),
+                    Cmd::ReadBack { image, name, key, image_blocks } => {
+                        self.read_back(image, &name, &key, image_blocks)
+                    }
                     Cmd::Publish(s) if latest.get(&s.image) == Some(&i) => self.publish(*s),
                     Cmd::Publish(_) => {}
                     Cmd::Shutdown { done: d } => done = Some(d),
@@ -181,10 +178,7 @@ impl Publisher {
             redis::cmd("HGETALL")
                 .arg(&hash)
                 .query(con)
-                .map_err(|source| RedisError::Command {
-                    what: format!("HGETALL {hash}"),
-                    source,
-                })
+                .map_err(|source| RedisError::Command { what: format!("HGETALL {hash}"), source })
         });
         let result = match got {
             Ok(fields) => Summary::from_fields(&fields, key, &self.host, image_blocks),
@@ -197,11 +191,7 @@ impl Publisher {
             }
         };
         self.read_back.insert(key.to_string());
-        (self.deliver)(ReadBack {
-            image,
-            key: key.to_string(),
-            result,
-        });
+        (self.deliver)(ReadBack { image, key: key.to_string(), result });
     }
 
     fn publish(&mut self, mut s: Snapshot) {
@@ -225,10 +215,7 @@ impl Publisher {
         pipe.cmd("SADD").arg(&hosts).arg(&self.host).ignore();
         if self.expire_secs > 0 {
             pipe.cmd("EXPIRE").arg(&hash).arg(self.expire_secs).ignore();
-            pipe.cmd("EXPIRE")
-                .arg(&hosts)
-                .arg(self.expire_secs)
-                .ignore();
+            pipe.cmd("EXPIRE").arg(&hosts).arg(self.expire_secs).ignore();
         }
         let sent = self.connection().and_then(|con| {
             pipe.query::<()>(con).map_err(|source| RedisError::Command {
@@ -238,12 +225,7 @@ impl Publisher {
         });
         match sent {
             Ok(()) => {
-                if let Some(st) = self
-                    .status
-                    .lock()
-                    .expect("feedback status")
-                    .get_mut(s.image)
-                {
+                if let Some(st) = self.status.lock().expect("feedback status").get_mut(s.image) {
                     st.publishes += 1;
                     st.last_publish = crate::sys::now_unix();
                     st.last_publish_bytes = bytes as u64;

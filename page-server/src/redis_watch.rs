@@ -28,7 +28,10 @@ use std::time::{Duration, Instant};
 
 pub enum Cmd {
     /// Watch `key` for image number `image`.
-    Watch { image: usize, key: String },
+    Watch {
+        image: usize,
+        key: String,
+    },
     Shutdown,
 }
 
@@ -79,7 +82,10 @@ pub(crate) enum RedisError {
     Connect(redis::RedisError),
     Subscription(redis::RedisError),
     /// A command on a key: what it was, and Redis's answer.
-    Command { what: String, source: redis::RedisError },
+    Command {
+        what: String,
+        source: redis::RedisError,
+    },
     PushStats(redis::RedisError),
 }
 
@@ -228,7 +234,8 @@ impl Watcher {
     fn session(&mut self) -> Result<(), RedisError> {
         let client = redis::Client::open(self.cfg.url.as_str()).map_err(RedisError::BadUrl)?;
         let mut con = connect(&client)?;
-        let mut sub = client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(RedisError::Connect)?;
+        let mut sub =
+            client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(RedisError::Connect)?;
         let channel = format!("{}:events", self.cfg.prefix);
         let mut ps = sub.as_pubsub();
         ps.subscribe(&channel).map_err(RedisError::Connect)?;
@@ -240,7 +247,10 @@ impl Watcher {
             s.last_error.clear();
             s.last_contact = crate::sys::now_unix();
         }
-        crate::log::info(&format!("redis {}: connected, watching channel {channel}", redact(&self.cfg.url)));
+        crate::log::info(&format!(
+            "redis {}: connected, watching channel {channel}",
+            redact(&self.cfg.url)
+        ));
         // Anything we missed while disconnected.
         self.check(&mut con, None)?;
         self.push_stats(&mut con)?;
@@ -285,7 +295,11 @@ impl Watcher {
     }
 
     /// Fetch the watched keys (or one image's) and deliver new texts.
-    fn check(&mut self, con: &mut redis::Connection, only: Option<usize>) -> Result<(), RedisError> {
+    fn check(
+        &mut self,
+        con: &mut redis::Connection,
+        only: Option<usize>,
+    ) -> Result<(), RedisError> {
         let watched = self.watched.clone();
         for (image, key) in watched {
             if only.is_some_and(|o| o != image) {
@@ -301,7 +315,9 @@ impl Watcher {
                     }
                     continue;
                 }
-                Err(source) => return Err(RedisError::Command { what: format!("STRLEN {key}"), source }),
+                Err(source) => {
+                    return Err(RedisError::Command { what: format!("STRLEN {key}"), source })
+                }
             };
             if len == 0 {
                 continue; // no list published (or not a string: reported by GET below)
@@ -318,11 +334,15 @@ impl Watcher {
             }
             let text: Option<Vec<u8>> = match redis::cmd("GET").arg(&key).query(con) {
                 Ok(t) => t,
-                Err(e) if e.kind() == redis::ErrorKind::TypeError || e.code() == Some("WRONGTYPE") => {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::TypeError || e.code() == Some("WRONGTYPE") =>
+                {
                     crate::log::error(&format!("redis key {key} is not a string; ignored"));
                     continue;
                 }
-                Err(source) => return Err(RedisError::Command { what: format!("GET {key}"), source }),
+                Err(source) => {
+                    return Err(RedisError::Command { what: format!("GET {key}"), source })
+                }
             };
             let Some(text) = text else { continue };
             let digest: [u8; 32] = Sha256::digest(&text).into();

@@ -108,7 +108,11 @@ fn is_ext_key(s: &str) -> bool {
 fn bad_text(s: &str) -> Option<char> {
     s.chars().find(|&c| {
         let u = c as u32;
-        (u <= 0x08) || (0x0a..=0x1f).contains(&u) || (0x7f..=0x9f).contains(&u) || u == 0x2028 || u == 0x2029
+        (u <= 0x08)
+            || (0x0a..=0x1f).contains(&u)
+            || (0x7f..=0x9f).contains(&u)
+            || u == 0x2028
+            || u == 0x2029
     })
 }
 
@@ -163,7 +167,10 @@ fn diagnose_body_line(line: &str) -> String {
         return format!("{expected} separated by a single space, got {}", show(line));
     }
     if !is_uint(parts[0]) {
-        return format!("sector {} is not a decimal integer (no sign or leading zeros)", show(parts[0]));
+        return format!(
+            "sector {} is not a decimal integer (no sign or leading zeros)",
+            show(parts[0])
+        );
     }
     if parts[0].len() > MAX_DIGITS {
         return format!("sector {} is too large", show(parts[0]));
@@ -253,7 +260,10 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         }
     }
     let Some(sep_index) = sep_index else {
-        return err(lines.len(), "file ends before the '---' line that ends the header: truncated file?");
+        return err(
+            lines.len(),
+            "file ends before the '---' line that ends the header: truncated file?",
+        );
     };
     let sep_line_no = sep_index + 1;
     let get = |k: &str| values.iter().find(|(key, _, _)| *key == k).map(|&(_, l, v)| (l, v));
@@ -284,7 +294,10 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
     }
     let (hash_line, hash_name) = get("hash").expect("required");
     if hash_name != "sha256" {
-        return err(hash_line, format!("unsupported hash {} (pcsl v1 supports only sha256)", show(hash_name)));
+        return err(
+            hash_line,
+            format!("unsupported hash {} (pcsl v1 supports only sha256)", show(hash_name)),
+        );
     }
     let count_line = get("count").expect("required").0;
     let count = uint_of("count")?;
@@ -294,7 +307,10 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         _ => {
             return err(
                 digest_line,
-                format!("list-digest must be 'sha256:' and 64 lowercase hex digits, got {}", show(digest)),
+                format!(
+                    "list-digest must be 'sha256:' and 64 lowercase hex digits, got {}",
+                    show(digest)
+                ),
             )
         }
     };
@@ -325,7 +341,9 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         let line_no = first_body_line + offset;
         let parsed = line.split_once(' ').and_then(|(s, h)| {
             let ok = is_uint(s) && s.len() <= MAX_DIGITS && is_hex64(h);
-            ok.then(|| (s.parse::<u64>().expect("checked"), crate::sys::unhex32(h).expect("checked")))
+            ok.then(|| {
+                (s.parse::<u64>().expect("checked"), crate::sys::unhex32(h).expect("checked"))
+            })
         });
         let Some((sector, hash)) = parsed else {
             return err(line_no, diagnose_body_line(line));
@@ -337,7 +355,9 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         if s < previous {
             return err(
                 line_no,
-                format!("sector {sector} follows sector {previous}: the body must be sorted ascending"),
+                format!(
+                    "sector {sector} follows sector {previous}: the body must be sorted ascending"
+                ),
             );
         }
         if sector % SECTORS_PER_BLOCK != 0 {
@@ -384,7 +404,11 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
 /// The text of a valid list (for tests): `blocks` are (sector, sha256 of
 /// the block's 4096 bytes), in order.
 #[cfg(test)]
-pub(crate) fn test_list_text(virtual_size: u64, content_sha256: &[u8; 32], blocks: &[(u64, [u8; 32])]) -> String {
+pub(crate) fn test_list_text(
+    virtual_size: u64,
+    content_sha256: &[u8; 32],
+    blocks: &[(u64, [u8; 32])],
+) -> String {
     let mut body = String::new();
     for (s, hash) in blocks {
         body.push_str(&format!("{s} {}\n", crate::sys::hex(hash)));
@@ -425,7 +449,10 @@ mod tests {
     #[test]
     fn rejects_edits() {
         let t = make(&[(0, b"a"), (8, b"b")], 1 << 20);
-        assert!(parse(&t.replace("# pcsl v1", "# pcsl v2")).unwrap_err().reason.contains("unsupported format"));
+        assert!(parse(&t.replace("# pcsl v1", "# pcsl v2"))
+            .unwrap_err()
+            .reason
+            .contains("unsupported format"));
         assert!(parse(&t[..t.len() - 1]).is_err());
         assert!(parse(&t.replace("count: 2", "count: 3")).is_err());
         assert!(parse(&t.replace("\n8 ", "\n9 ")).is_err());

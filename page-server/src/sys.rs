@@ -54,9 +54,8 @@ pub fn pidfd_self() -> io::Result<OwnedFd> {
 pub fn sealed_memfd(name: &str, data: &[u8]) -> io::Result<OwnedFd> {
     let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: cname is a valid C string.
-    let fd = unsafe {
-        libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-    };
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     let fd = cvt(fd)?;
     // SAFETY: fresh descriptor.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -156,12 +155,8 @@ pub fn self_memory_kb() -> (u64, u64) {
     let mut anon = 0;
     if let Ok(s) = std::fs::read_to_string("/proc/self/status") {
         for line in s.lines() {
-            let v = || {
-                line.split_whitespace()
-                    .nth(1)
-                    .and_then(|x| x.parse::<u64>().ok())
-                    .unwrap_or(0)
-            };
+            let v =
+                || line.split_whitespace().nth(1).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
             if line.starts_with("VmRSS:") {
                 rss = v();
             } else if line.starts_with("RssAnon:") {

@@ -102,9 +102,11 @@ mod tests {
     #[test]
     fn build_and_lookup() {
         let id = Identity { virtual_size: 1 << 30, content_sha256: [7; 32] };
-        let info = TableInfo { generation: 3, identity: id, server_pid: 42, flags: 0, arena: (0, 0) };
+        let info =
+            TableInfo { generation: 3, identity: id, server_pid: 42, flags: 0, arena: (0, 0) };
         for n in [0usize, 1, 7, 8, 9, 1000, 4096] {
-            let entries: Vec<(u64, u64)> = (0..n as u64).map(|i| (i * 3 + 5, 0x1000 * (i + 1))).collect();
+            let entries: Vec<(u64, u64)> =
+                (0..n as u64).map(|i| (i * 3 + 5, 0x1000 * (i + 1))).collect();
             let t = build(&info, &entries);
             assert_eq!(&t[..8], MAGIC);
             for &(b, a) in &entries {

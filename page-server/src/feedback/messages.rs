@@ -47,40 +47,22 @@ pub enum BadReport {
     /// Shorter than its 16-byte header.
     Short { what: &'static str, len: usize },
     /// More entries than one message may carry.
-    TooMany {
-        what: &'static str,
-        count: u32,
-        max: usize,
-    },
+    TooMany { what: &'static str, count: u32, max: usize },
     /// The payload is not exactly the header and `count` entries.
-    Length {
-        what: &'static str,
-        count: u32,
-        len: usize,
-        want: usize,
-    },
+    Length { what: &'static str, count: u32, len: usize, want: usize },
 }
 
 impl fmt::Display for BadReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BadReport::Short { what, len } => write!(
-                f,
-                "{what} of {len} bytes is shorter than its 16-byte header"
-            ),
+            BadReport::Short { what, len } => {
+                write!(f, "{what} of {len} bytes is shorter than its 16-byte header")
+            }
             BadReport::TooMany { what, count, max } => {
                 write!(f, "{what} announces {count} entries (at most {max})")
             }
-            BadReport::Length {
-                what,
-                count,
-                len,
-                want,
-            } => {
-                write!(
-                    f,
-                    "{what} of {len} bytes for {count} entries (must be {want})"
-                )
+            BadReport::Length { what, count, len, want } => {
+                write!(f, "{what} of {len} bytes for {count} entries (must be {want})")
             }
         }
     }
@@ -113,12 +95,7 @@ fn header(
     }
     let want = HEADER + entry * count as usize;
     if p.len() != want {
-        return Err(BadReport::Length {
-            what,
-            count,
-            len: p.len(),
-            want,
-        });
+        return Err(BadReport::Length { what, count, len: p.len(), want });
     }
     Ok((generation, count, flags))
 }
@@ -131,19 +108,13 @@ pub fn parse_reads(p: &[u8]) -> Result<Reads, BadReport> {
             (u64_at(p, off), u32_at(p, off + 8))
         })
         .collect();
-    Ok(Reads {
-        generation,
-        truncated: flags & READS_TRUNCATED != 0,
-        entries,
-    })
+    Ok(Reads { generation, truncated: flags & READS_TRUNCATED != 0, entries })
 }
 
 pub fn parse_listed_read(p: &[u8]) -> Result<ListedRead, BadReport> {
     let (generation, count, _reserved) =
         header("LISTED_READ", p, LISTED_ENTRY, MAX_LISTED_ENTRIES)?;
-    let blocks = (0..count as usize)
-        .map(|i| u64_at(p, HEADER + i * LISTED_ENTRY))
-        .collect();
+    let blocks = (0..count as usize).map(|i| u64_at(p, HEADER + i * LISTED_ENTRY)).collect();
     Ok(ListedRead { generation, blocks })
 }
 
@@ -181,14 +152,7 @@ mod tests {
     fn reads_round_trip() {
         let e = vec![(7, 3), (u64::MAX, u32::MAX), (0, 0)];
         let r = parse_reads(&reads_payload(5, READS_TRUNCATED | 0x80, &e)).unwrap();
-        assert_eq!(
-            r,
-            Reads {
-                generation: 5,
-                truncated: true,
-                entries: e
-            }
-        );
+        assert_eq!(r, Reads { generation: 5, truncated: true, entries: e });
         let r = parse_reads(&reads_payload(u64::MAX, 0, &[])).unwrap();
         assert!(!r.truncated && r.entries.is_empty() && r.generation == u64::MAX);
         // The largest message fits the framing's 4096 bytes.
@@ -201,13 +165,7 @@ mod tests {
     #[test]
     fn listed_round_trip() {
         let r = parse_listed_read(&listed_payload(2, &[1, 9, 4])).unwrap();
-        assert_eq!(
-            r,
-            ListedRead {
-                generation: 2,
-                blocks: vec![1, 9, 4]
-            }
-        );
+        assert_eq!(r, ListedRead { generation: 2, blocks: vec![1, 9, 4] });
         let full: Vec<u64> = (0..MAX_LISTED_ENTRIES as u64).collect();
         let p = listed_payload(1, &full);
         assert!(p.len() <= crate::proto::MAX_CLIENT_PAYLOAD);
@@ -216,59 +174,29 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_refused_with_why() {
-        assert_eq!(
-            parse_reads(&[0; 15]),
-            Err(BadReport::Short {
-                what: "READS",
-                len: 15
-            })
-        );
-        assert_eq!(
-            parse_listed_read(&[]),
-            Err(BadReport::Short {
-                what: "LISTED_READ",
-                len: 0
-            })
-        );
+        assert_eq!(parse_reads(&[0; 15]), Err(BadReport::Short { what: "READS", len: 15 }));
+        assert_eq!(parse_listed_read(&[]), Err(BadReport::Short { what: "LISTED_READ", len: 0 }));
         // A count over the limit, whatever the length.
         let mut p = reads_payload(1, 0, &[]);
         p[8..12].copy_from_slice(&255u32.to_le_bytes());
         assert_eq!(
             parse_reads(&p),
-            Err(BadReport::TooMany {
-                what: "READS",
-                count: 255,
-                max: 254
-            })
+            Err(BadReport::TooMany { what: "READS", count: 255, max: 254 })
         );
         let mut p = listed_payload(1, &[]);
         p[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(
-            parse_listed_read(&p),
-            Err(BadReport::TooMany {
-                count: u32::MAX,
-                ..
-            })
-        ));
+        assert!(matches!(parse_listed_read(&p), Err(BadReport::TooMany { count: u32::MAX, .. })));
         // Entries missing, or trailing bytes.
         let mut p = reads_payload(1, 0, &[(1, 1), (2, 2)]);
         p.pop();
         assert_eq!(
             parse_reads(&p),
-            Err(BadReport::Length {
-                what: "READS",
-                count: 2,
-                len: 47,
-                want: 48
-            })
+            Err(BadReport::Length { what: "READS", count: 2, len: 47, want: 48 })
         );
         let mut p = listed_payload(1, &[1]);
         p.push(0);
         let e = parse_listed_read(&p).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "LISTED_READ of 25 bytes for 1 entries (must be 24)"
-        );
+        assert_eq!(e.to_string(), "LISTED_READ of 25 bytes for 1 entries (must be 24)");
         // A READS payload is not a LISTED_READ one (16-byte vs 8-byte entries).
         assert!(parse_listed_read(&reads_payload(1, 0, &[(1, 1)])).is_err());
     }

@@ -100,19 +100,13 @@ impl fmt::Display for BadSummary {
                 write!(f, "blocks is {n} bytes, not a multiple of {RECORD_BYTES}")
             }
             BadSummary::Unsorted { index, block } => {
-                write!(
-                    f,
-                    "record {index} (block {block}) does not follow its predecessor in order"
-                )
+                write!(f, "record {index} (block {block}) does not follow its predecessor in order")
             }
             BadSummary::OutsideImage { block, blocks } => {
                 write!(f, "block {block} is outside the image ({blocks} blocks)")
             }
             BadSummary::TooManyGuests { block, guests } => {
-                write!(
-                    f,
-                    "block {block} has {guests} guests (at most {MAX_GUESTS_PER_BLOCK})"
-                )
+                write!(f, "block {block} has {guests} guests (at most {MAX_GUESTS_PER_BLOCK})")
             }
             BadSummary::SinceAfterUpdated { since, updated } => {
                 write!(f, "since {since} is after updated {updated}")
@@ -152,22 +146,13 @@ pub fn decode(bytes: &[u8], image_blocks: u64) -> Result<Vec<Record>, BadSummary
             flags: u32_at(16),
         };
         if out.last().is_some_and(|p| p.block >= r.block) {
-            return Err(BadSummary::Unsorted {
-                index,
-                block: r.block,
-            });
+            return Err(BadSummary::Unsorted { index, block: r.block });
         }
         if r.block >= image_blocks {
-            return Err(BadSummary::OutsideImage {
-                block: r.block,
-                blocks: image_blocks,
-            });
+            return Err(BadSummary::OutsideImage { block: r.block, blocks: image_blocks });
         }
         if r.guests > MAX_GUESTS_PER_BLOCK {
-            return Err(BadSummary::TooManyGuests {
-                block: r.block,
-                guests: r.guests,
-            });
+            return Err(BadSummary::TooManyGuests { block: r.block, guests: r.guests });
         }
         out.push(r);
     }
@@ -208,8 +193,7 @@ impl Summary {
         };
         let number = |field: &'static str| -> Result<u64, BadSummary> {
             let v = text(field)?;
-            v.parse()
-                .map_err(|_| BadSummary::NotANumber { field, value: v })
+            v.parse().map_err(|_| BadSummary::NotANumber { field, value: v })
         };
         let version = text("version")?;
         if version != VERSION.to_string() {
@@ -218,21 +202,15 @@ impl Summary {
         for (field, want) in [("image", image), ("host", host)] {
             let found = text(field)?;
             if found != want {
-                return Err(BadSummary::Names {
-                    field,
-                    found,
-                    want: want.to_string(),
-                });
+                return Err(BadSummary::Names { field, found, want: want.to_string() });
             }
         }
         let (since, updated) = (number("since")?, number("updated")?);
         if since > updated {
             return Err(BadSummary::SinceAfterUpdated { since, updated });
         }
-        let records = decode(
-            fields.get("blocks").ok_or(BadSummary::Missing("blocks"))?,
-            image_blocks,
-        )?;
+        let records =
+            decode(fields.get("blocks").ok_or(BadSummary::Missing("blocks"))?, image_blocks)?;
         Ok(Some(Summary {
             host: host.to_string(),
             image: image.to_string(),
@@ -249,12 +227,7 @@ mod tests {
     use super::*;
 
     fn rec(block: u64, guests: u32, reads: u32, flags: u32) -> Record {
-        Record {
-            block,
-            guests,
-            reads,
-            flags,
-        }
+        Record { block, guests, reads, flags }
     }
 
     fn sample() -> Summary {
@@ -269,42 +242,27 @@ mod tests {
     }
 
     fn as_map(s: &Summary) -> HashMap<String, Vec<u8>> {
-        s.clone()
-            .fields()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect()
+        s.clone().fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
 
     #[test]
     fn records_are_sorted_little_endian() {
         let b = encode(&mut [rec(0x0102, 3, 4, 1), rec(1, 0xa, 0xb, 0)]);
         assert_eq!(b.len(), 2 * RECORD_BYTES);
-        assert_eq!(
-            &b[..20],
-            &[1, 0, 0, 0, 0, 0, 0, 0, 0xa, 0, 0, 0, 0xb, 0, 0, 0, 0, 0, 0, 0]
-        );
+        assert_eq!(&b[..20], &[1, 0, 0, 0, 0, 0, 0, 0, 0xa, 0, 0, 0, 0xb, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&b[20..30], &[2, 1, 0, 0, 0, 0, 0, 0, 3, 0]);
-        assert_eq!(
-            decode(&b, 0x0103).unwrap(),
-            vec![rec(1, 10, 11, 0), rec(0x102, 3, 4, 1)]
-        );
+        assert_eq!(decode(&b, 0x0103).unwrap(), vec![rec(1, 10, 11, 0), rec(0x102, 3, 4, 1)]);
         assert_eq!(decode(&[], 0).unwrap(), vec![]);
     }
 
     #[test]
     fn a_summary_round_trips_through_its_fields() {
         let s = sample();
-        let back = Summary::from_fields(&as_map(&s), "8192-ab", "h1", 2)
-            .unwrap()
-            .unwrap();
+        let back = Summary::from_fields(&as_map(&s), "8192-ab", "h1", 2).unwrap().unwrap();
         let mut want = s.clone();
         want.records.sort_by_key(|r| r.block);
         assert_eq!(back, want);
-        assert_eq!(
-            Summary::from_fields(&HashMap::new(), "8192-ab", "h1", 2),
-            Ok(None)
-        );
+        assert_eq!(Summary::from_fields(&HashMap::new(), "8192-ab", "h1", 2), Ok(None));
     }
 
     #[test]
@@ -316,48 +274,21 @@ mod tests {
             Summary::from_fields(&m, "8192-ab", "h1", 2).unwrap_err()
         };
         assert_eq!(with("version", b"2"), BadSummary::Version("2".into()));
-        assert!(matches!(
-            with("host", b"h2"),
-            BadSummary::Names { field: "host", .. }
-        ));
-        assert!(matches!(
-            with("image", b"1-cd"),
-            BadSummary::Names { field: "image", .. }
-        ));
-        assert!(matches!(
-            with("since", b"x"),
-            BadSummary::NotANumber { field: "since", .. }
-        ));
+        assert!(matches!(with("host", b"h2"), BadSummary::Names { field: "host", .. }));
+        assert!(matches!(with("image", b"1-cd"), BadSummary::Names { field: "image", .. }));
+        assert!(matches!(with("since", b"x"), BadSummary::NotANumber { field: "since", .. }));
         assert_eq!(
             with("since", b"200"),
-            BadSummary::SinceAfterUpdated {
-                since: 200,
-                updated: 160
-            }
+            BadSummary::SinceAfterUpdated { since: 200, updated: 160 }
         );
         assert_eq!(with("blocks", &[0; 21]), BadSummary::Length(21));
         let mut b = encode(&mut [rec(0, 1, 1, 0), rec(1, 1, 1, 0)]);
         b[20] = 0; // second record's block = 0: a duplicate
-        assert_eq!(
-            with("blocks", &b),
-            BadSummary::Unsorted { index: 1, block: 0 }
-        );
+        assert_eq!(with("blocks", &b), BadSummary::Unsorted { index: 1, block: 0 });
         let b = encode(&mut [rec(2, 1, 1, 0)]);
-        assert_eq!(
-            with("blocks", &b),
-            BadSummary::OutsideImage {
-                block: 2,
-                blocks: 2
-            }
-        );
+        assert_eq!(with("blocks", &b), BadSummary::OutsideImage { block: 2, blocks: 2 });
         let b = encode(&mut [rec(1, 17, 1, 0)]);
-        assert_eq!(
-            with("blocks", &b),
-            BadSummary::TooManyGuests {
-                block: 1,
-                guests: 17
-            }
-        );
+        assert_eq!(with("blocks", &b), BadSummary::TooManyGuests { block: 1, guests: 17 });
         let mut m = good.clone();
         m.remove("guests");
         assert_eq!(

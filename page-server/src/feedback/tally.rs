@@ -310,46 +310,16 @@ mod tests {
     fn reads_add_up_and_guests_are_distinct() {
         let mut t = Tally::new(100, 1000, 5);
         let (a, b) = ((10, 1000), (11, 1000));
-        assert_eq!(
-            t.add_reads(a, &[(1, 3), (2, 1)]),
-            Added {
-                accepted: 2,
-                outside: 0
-            }
-        );
+        assert_eq!(t.add_reads(a, &[(1, 3), (2, 1)]), Added { accepted: 2, outside: 0 });
         t.add_reads(a, &[(1, 2)]);
         t.add_reads(b, &[(1, 1), (3, 0)]); // a zero count is no read
                                            // The same pid started again later is another guest.
         t.add_reads((10, 2000), &[(1, 1)]);
         t.add_listed(b, &[2, 50]);
         let r = by_block(&t);
-        assert_eq!(
-            r[&1],
-            Record {
-                block: 1,
-                guests: 3,
-                reads: 7,
-                flags: 0
-            }
-        );
-        assert_eq!(
-            r[&2],
-            Record {
-                block: 2,
-                guests: 2,
-                reads: 2,
-                flags: FLAG_LISTED
-            }
-        );
-        assert_eq!(
-            r[&50],
-            Record {
-                block: 50,
-                guests: 1,
-                reads: 1,
-                flags: FLAG_LISTED
-            }
-        );
+        assert_eq!(r[&1], Record { block: 1, guests: 3, reads: 7, flags: 0 });
+        assert_eq!(r[&2], Record { block: 2, guests: 2, reads: 2, flags: FLAG_LISTED });
+        assert_eq!(r[&50], Record { block: 50, guests: 1, reads: 1, flags: FLAG_LISTED });
         assert!(!r.contains_key(&3));
         assert_eq!((t.blocks(), t.guests(), t.since), (3, 3, 5));
     }
@@ -359,18 +329,9 @@ mod tests {
         let mut t = Tally::new(8, 1000, 0);
         assert_eq!(
             t.add_reads((1, 1), &[(7, 1), (8, 1), (u64::MAX, 9)]),
-            Added {
-                accepted: 1,
-                outside: 2
-            }
+            Added { accepted: 1, outside: 2 }
         );
-        assert_eq!(
-            t.add_listed((1, 1), &[8, 0]),
-            Added {
-                accepted: 1,
-                outside: 1
-            }
-        );
+        assert_eq!(t.add_listed((1, 1), &[8, 0]), Added { accepted: 1, outside: 1 });
         assert_eq!(t.blocks(), 2);
         // A guest whose every block was refused is not counted.
         t.add_reads((2, 2), &[(9, 1)]);
@@ -409,24 +370,8 @@ mod tests {
         assert!(t.blocks() <= 32);
         assert!(t.evicted >= 500 + 2 - 32, "{}", t.evicted);
         let r = by_block(&t);
-        assert_eq!(
-            r[&1000],
-            Record {
-                block: 1000,
-                guests: 2,
-                reads: 10,
-                flags: 0
-            }
-        );
-        assert_eq!(
-            r[&1001],
-            Record {
-                block: 1001,
-                guests: 2,
-                reads: 2,
-                flags: 0
-            }
-        );
+        assert_eq!(r[&1000], Record { block: 1000, guests: 2, reads: 10, flags: 0 });
+        assert_eq!(r[&1001], Record { block: 1001, guests: 2, reads: 2, flags: 0 });
         // The last flood block is there: a new block is never its own victim.
         assert!(r.contains_key(&499));
         // A table of one block.
@@ -446,47 +391,16 @@ mod tests {
             updated: 400,
             guests: 5,
             records: vec![
-                Record {
-                    block: 1,
-                    guests: 15,
-                    reads: 10,
-                    flags: 0,
-                },
-                Record {
-                    block: 2,
-                    guests: 2,
-                    reads: 3,
-                    flags: FLAG_LISTED,
-                },
-                Record {
-                    block: 200,
-                    guests: 1,
-                    reads: 1,
-                    flags: 0,
-                },
+                Record { block: 1, guests: 15, reads: 10, flags: 0 },
+                Record { block: 2, guests: 2, reads: 3, flags: FLAG_LISTED },
+                Record { block: 200, guests: 1, reads: 1, flags: 0 },
             ],
         };
         assert_eq!(t.merge(&s), 1);
         t.add_reads((2, 2), &[(1, 1), (2, 1)]);
         let r = by_block(&t);
-        assert_eq!(
-            r[&1],
-            Record {
-                block: 1,
-                guests: 16,
-                reads: 13,
-                flags: 0
-            }
-        );
-        assert_eq!(
-            r[&2],
-            Record {
-                block: 2,
-                guests: 3,
-                reads: 4,
-                flags: FLAG_LISTED
-            }
-        );
+        assert_eq!(r[&1], Record { block: 1, guests: 16, reads: 13, flags: 0 });
+        assert_eq!(r[&2], Record { block: 2, guests: 3, reads: 4, flags: FLAG_LISTED });
         assert_eq!((t.since, t.guests()), (100, 7));
         t.start_over(900);
         assert_eq!((t.blocks(), t.guests(), t.since), (0, 0, 900));
@@ -512,25 +426,13 @@ mod tests {
             let e: Vec<(u64, u32)> = batch.iter().map(|&b| (b, 1)).collect();
             t.add_reads((9, 9), &e);
         }
-        assert!(
-            t.blocks() <= MAX && t.blocks() > MAX - MAX / 16 - 1,
-            "{}",
-            t.blocks()
-        );
+        assert!(t.blocks() <= MAX && t.blocks() > MAX - MAX / 16 - 1, "{}", t.blocks());
         assert!(t.evicted >= 1_500_000 + 1002 - MAX as u64, "{}", t.evicted);
         let mem = t.memory_bytes();
         assert!(mem < 64 << 20, "{} MiB", mem >> 20);
         let r = by_block(&t);
         for (b, _) in &real {
-            assert_eq!(
-                r[b],
-                Record {
-                    block: *b,
-                    guests: 4,
-                    reads: 12,
-                    flags: 0
-                }
-            );
+            assert_eq!(r[b], Record { block: *b, guests: 4, reads: 12, flags: 0 });
         }
         assert_eq!(r[&5].guests, 3);
         let mut records = t.records();

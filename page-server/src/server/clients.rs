@@ -51,11 +51,7 @@ pub(super) struct BadStats {
 
 impl fmt::Display for BadStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "STATS of {} bytes (must be {STATS_LEN_V1}, or at least {STATS_LEN})",
-            self.len
-        )
+        write!(f, "STATS of {} bytes (must be {STATS_LEN_V1}, or at least {STATS_LEN})", self.len)
     }
 }
 
@@ -96,24 +92,16 @@ impl ClientCounters {
         self.merged = self.merged.saturating_add(o.merged);
         self.merge_errors = self.merge_errors.saturating_add(o.merge_errors);
         self.fallbacks = self.fallbacks.saturating_add(o.fallbacks);
-        self.migration_refs_sent = self
-            .migration_refs_sent
-            .saturating_add(o.migration_refs_sent);
-        self.migration_refs_refused = self
-            .migration_refs_refused
-            .saturating_add(o.migration_refs_refused);
-        self.migration_refs_merged = self
-            .migration_refs_merged
-            .saturating_add(o.migration_refs_merged);
-        self.migration_refs_copied = self
-            .migration_refs_copied
-            .saturating_add(o.migration_refs_copied);
-        self.migration_refs_read = self
-            .migration_refs_read
-            .saturating_add(o.migration_refs_read);
-        self.migration_refs_failed = self
-            .migration_refs_failed
-            .saturating_add(o.migration_refs_failed);
+        self.migration_refs_sent = self.migration_refs_sent.saturating_add(o.migration_refs_sent);
+        self.migration_refs_refused =
+            self.migration_refs_refused.saturating_add(o.migration_refs_refused);
+        self.migration_refs_merged =
+            self.migration_refs_merged.saturating_add(o.migration_refs_merged);
+        self.migration_refs_copied =
+            self.migration_refs_copied.saturating_add(o.migration_refs_copied);
+        self.migration_refs_read = self.migration_refs_read.saturating_add(o.migration_refs_read);
+        self.migration_refs_failed =
+            self.migration_refs_failed.saturating_add(o.migration_refs_failed);
     }
 
     pub(super) fn json(&self) -> Value {
@@ -186,7 +174,8 @@ impl Server {
             file_ctime_ns: gen.stamp.ctime_ns,
         });
         let msg = frame(MSG_TABLE, &p);
-        match send_msg(c.stream.as_raw_fd(), &msg, &[gen.memfd.as_raw_fd(), self.pidfd.as_raw_fd()]) {
+        match send_msg(c.stream.as_raw_fd(), &msg, &[gen.memfd.as_raw_fd(), self.pidfd.as_raw_fd()])
+        {
             Ok(()) => {
                 if !c.held.is_empty() && c.waiting_since.is_none() {
                     c.waiting_since = Some(Instant::now());
@@ -300,7 +289,10 @@ impl Server {
             if let Kind::Image(i) = c.kind {
                 self.images[i].closed_counters.add(&c.counters);
                 if !why.is_empty() {
-                    let msg = format!("image {}: client pid {} disconnected: {why}", self.images[i].cfg.name, c.pid);
+                    let msg = format!(
+                        "image {}: client pid {} disconnected: {why}",
+                        self.images[i].cfg.name, c.pid
+                    );
                     self.client_log(&msg);
                 }
             }
@@ -498,9 +490,7 @@ mod tests {
     fn counters_near_u64_max_saturate() {
         // Every field of a hostile client's STATS near u64::MAX, summed
         // with another client's: u64::MAX, not a panic or a wrap.
-        let near: Vec<u8> = (0..12u64)
-            .flat_map(|i| (u64::MAX - i).to_le_bytes())
-            .collect();
+        let near: Vec<u8> = (0..12u64).flat_map(|i| (u64::MAX - i).to_le_bytes()).collect();
         let big = ClientCounters::from_stats(&near).unwrap();
         assert_eq!(big.lookups, u64::MAX - 1);
         let mut sum = ClientCounters::default();
@@ -523,14 +513,8 @@ mod tests {
         sum.add(&ClientCounters::from_stats(&stats(12)).unwrap());
         assert_eq!(sum, all);
         // Below the top, a sum is exact.
-        let mut exact = ClientCounters {
-            lookups: u64::MAX - 10,
-            ..Default::default()
-        };
-        exact.add(&ClientCounters {
-            lookups: 10,
-            ..Default::default()
-        });
+        let mut exact = ClientCounters { lookups: u64::MAX - 10, ..Default::default() };
+        exact.add(&ClientCounters { lookups: 10, ..Default::default() });
         assert_eq!(exact.lookups, u64::MAX);
         assert_eq!(exact.json()["lookups"], u64::MAX);
     }

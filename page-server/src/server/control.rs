@@ -29,7 +29,8 @@ impl Server {
                     let src = self.reload_source(*i);
                     self.request_load(*i, src, "reload requested");
                 }
-                let names: Vec<String> = which.iter().map(|i| self.images[*i].cfg.name.clone()).collect();
+                let names: Vec<String> =
+                    which.iter().map(|i| self.images[*i].cfg.name.clone()).collect();
                 let r = json!({"ok": ok, "reloading": names, "error": if ok { "" } else { "no such image" }});
                 self.reply(id, MSG_RELOAD_REPLY, r.to_string().as_bytes());
             }
@@ -145,7 +146,8 @@ impl Server {
             })
             .collect();
         let redis = self.cfg.redis.as_ref().map(|_| {
-            serde_json::to_value(self.redis_status.lock().expect("redis status").clone()).unwrap_or(Value::Null)
+            serde_json::to_value(self.redis_status.lock().expect("redis status").clone())
+                .unwrap_or(Value::Null)
         });
         json!({
             "server": "pageshare-server",

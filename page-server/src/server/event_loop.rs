@@ -76,7 +76,10 @@ impl Server {
         .into();
         let img = &self.images[r.image];
         if img.current.as_ref().is_some_and(|g| g.text_sha == sha) && !img.loading {
-            crate::log::info(&format!("image {}: the list in Redis is the one already served", img.cfg.name));
+            crate::log::info(&format!(
+                "image {}: the list in Redis is the one already served",
+                img.cfg.name
+            ));
         } else if img.redis_key.as_deref() == Some(r.key.as_str()) {
             self.request_load(r.image, ListSource::Redis(r.key, r.text), "new list in Redis");
         }
@@ -108,7 +111,9 @@ impl Server {
         if let Some(d) = &self.degraded {
             crate::log::warn(&format!("DEGRADED MODE: {d}"));
         } else {
-            crate::log::info("kernel supports MADV_ALLOWMERGED: clients can merge_pages() from this server");
+            crate::log::info(
+                "kernel supports MADV_ALLOWMERGED: clients can merge_pages() from this server",
+            );
             if let Some(w) = ksm_run_warning(std::fs::read_to_string(KSM_RUN).ok().as_deref()) {
                 crate::log::warn(&w);
             }
@@ -141,7 +146,8 @@ impl Server {
                 timeout_ms = timeout_ms.min((w.as_millis() as i32 / 2).max(10));
             }
             // SAFETY: pfds is a valid array.
-            let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+            let n =
+                unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
             if n < 0 && crate::sys::errno() != libc::EINTR {
                 return Err(ServerError::Poll(std::io::Error::last_os_error()));
             }
@@ -162,7 +168,8 @@ impl Server {
             self.run_timers();
             if Instant::now() >= self.feedback_due {
                 self.publish_feedback();
-                self.feedback_due = Instant::now() + Duration::from_secs(self.cfg.feedback.interval_secs);
+                self.feedback_due =
+                    Instant::now() + Duration::from_secs(self.cfg.feedback.interval_secs);
             }
             self.expire_waiting();
             if let Some(w) = self.notifier.watchdog_every {

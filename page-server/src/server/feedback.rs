@@ -61,11 +61,7 @@ struct Report {
 /// Why a message was ignored whole.
 enum Rejected {
     Shape(BadReport),
-    Generation {
-        what: &'static str,
-        generation: u64,
-        next: u64,
-    },
+    Generation { what: &'static str, generation: u64, next: u64 },
     ListedWithoutTable,
 }
 
@@ -73,11 +69,7 @@ impl std::fmt::Display for Rejected {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Rejected::Shape(e) => e.fmt(f),
-            Rejected::Generation {
-                what,
-                generation,
-                next,
-            } => {
+            Rejected::Generation { what, generation, next } => {
                 write!(f, "{what} for generation {generation}, which was never published (next is {next})")
             }
             Rejected::ListedWithoutTable => write!(f, "LISTED_READ without a generation"),
@@ -141,59 +133,36 @@ impl Server {
         let next = img.next_generation;
         let known = |what, generation: u64| {
             if generation != NO_GENERATION && generation >= next {
-                Err(Rejected::Generation {
-                    what,
-                    generation,
-                    next,
-                })
+                Err(Rejected::Generation { what, generation, next })
             } else {
                 Ok(())
             }
         };
         let mut unlisted = 0usize;
         let parsed: Result<Report, Rejected> = if kind == MSG_READS {
-            messages::parse_reads(p)
-                .map_err(Rejected::Shape)
-                .and_then(|r| {
-                    known("READS", r.generation)?;
-                    Ok(Report {
-                        reads: r.entries,
-                        listed: Vec::new(),
-                        truncated: r.truncated,
-                    })
-                })
+            messages::parse_reads(p).map_err(Rejected::Shape).and_then(|r| {
+                known("READS", r.generation)?;
+                Ok(Report { reads: r.entries, listed: Vec::new(), truncated: r.truncated })
+            })
         } else {
-            messages::parse_listed_read(p)
-                .map_err(Rejected::Shape)
-                .and_then(|mut r| {
-                    if r.generation == NO_GENERATION {
-                        return Err(Rejected::ListedWithoutTable);
-                    }
-                    known("LISTED_READ", r.generation)?;
-                    // A generation the client still holds (or the current one):
-                    // its blocks must be listed there.
-                    let gen = c
-                        .held
-                        .iter()
-                        .chain(img.current.iter())
-                        .find(|g| g.number == r.generation);
-                    if let Some(g) = gen {
-                        let before = r.blocks.len();
-                        r.blocks.retain(|b| g.blocks.binary_search(b).is_ok());
-                        unlisted = before - r.blocks.len();
-                    }
-                    Ok(Report {
-                        reads: Vec::new(),
-                        listed: r.blocks,
-                        truncated: false,
-                    })
-                })
+            messages::parse_listed_read(p).map_err(Rejected::Shape).and_then(|mut r| {
+                if r.generation == NO_GENERATION {
+                    return Err(Rejected::ListedWithoutTable);
+                }
+                known("LISTED_READ", r.generation)?;
+                // A generation the client still holds (or the current one):
+                // its blocks must be listed there.
+                let gen =
+                    c.held.iter().chain(img.current.iter()).find(|g| g.number == r.generation);
+                if let Some(g) = gen {
+                    let before = r.blocks.len();
+                    r.blocks.retain(|b| g.blocks.binary_search(b).is_ok());
+                    unlisted = before - r.blocks.len();
+                }
+                Ok(Report { reads: Vec::new(), listed: r.blocks, truncated: false })
+            })
         };
-        let Report {
-            reads,
-            listed,
-            truncated,
-        } = match parsed {
+        let Report { reads, listed, truncated } = match parsed {
             Ok(x) => x,
             Err(why) => {
                 img.feedback_counters.rejected_messages += 1;
@@ -241,23 +210,15 @@ impl Server {
             continued: false,
             read_back: "pending".into(),
         });
-        let _ = tx.send(Cmd::ReadBack {
-            image: idx,
-            name: img.cfg.name.clone(),
-            key,
-            image_blocks,
-        });
+        let _ =
+            tx.send(Cmd::ReadBack { image: idx, name: img.cfg.name.clone(), key, image_blocks });
     }
 
     /// What Redis held: continue from it.
     pub(super) fn on_read_back(&mut self, r: ReadBack) {
         let img = &mut self.images[r.image];
         let name = img.cfg.name.clone();
-        let Some(fb) = img
-            .feedback
-            .as_mut()
-            .filter(|f| f.key == r.key && !f.continued)
-        else {
+        let Some(fb) = img.feedback.as_mut().filter(|f| f.key == r.key && !f.continued) else {
             return;
         };
         fb.continued = true;
@@ -302,11 +263,7 @@ impl Server {
                 since: fb.tally.since.min(now),
                 updated: now,
                 guests: fb.tally.guests(),
-                records: if fb.continued {
-                    fb.tally.records()
-                } else {
-                    Vec::new()
-                },
+                records: if fb.continued { fb.tally.records() } else { Vec::new() },
             };
             let s = Snapshot {
                 image: i,

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 /// inotify_add_watch(2): the watch descriptor.
 fn add_watch(fd: RawFd, path: &Path, mask: u32) -> io::Result<i32> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid C string; our inotify fd.
     let wd = unsafe { libc::inotify_add_watch(fd, c.as_ptr(), mask) };
     if wd < 0 {
@@ -81,10 +82,12 @@ impl Server {
             let hdr = std::mem::size_of::<libc::inotify_event>();
             while off + hdr <= n {
                 // SAFETY: the kernel wrote a whole event at off.
-                let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
                 let name_bytes = &buf[off + hdr..off + hdr + ev.len as usize];
                 let end = name_bytes.iter().position(|&b| b == 0).unwrap_or(name_bytes.len());
-                let name: Option<&std::ffi::OsStr> = (end > 0).then(|| std::os::unix::ffi::OsStrExt::from_bytes(&name_bytes[..end]));
+                let name: Option<&std::ffi::OsStr> =
+                    (end > 0).then(|| std::os::unix::ffi::OsStrExt::from_bytes(&name_bytes[..end]));
                 if ev.mask & libc::IN_Q_OVERFLOW != 0 {
                     for img in &mut self.images {
                         img.recheck_image_at = Some(Instant::now() + Duration::from_millis(300));
@@ -100,7 +103,8 @@ impl Server {
                             img.reload_at = Some(Instant::now() + Duration::from_millis(200));
                         }
                         if img.cfg.path == full {
-                            img.recheck_image_at = Some(Instant::now() + Duration::from_millis(300));
+                            img.recheck_image_at =
+                                Some(Instant::now() + Duration::from_millis(300));
                         }
                     }
                 }
@@ -127,7 +131,8 @@ impl Server {
                 // Withdraw at once, no debounce: the bytes below the
                 // published table may be changing right now.
                 let img = &self.images[idx];
-                let what = format!("image {} {} (inode {ino})", img.cfg.path.display(), change_of(mask));
+                let what =
+                    format!("image {} {} (inode {ino})", img.cfg.path.display(), change_of(mask));
                 if img.current.is_some() {
                     crate::log::warn(&format!("{what}: table withdrawn"));
                     self.withdraw(idx, NT_IMAGE_CHANGED, &format!("{what}: table withdrawn"));
@@ -145,12 +150,19 @@ impl Server {
     /// already (called after each load with the stamp it verified).
     pub(super) fn watch_image_inode(&mut self, idx: usize, stamp: &FileStamp) {
         let Some(fd) = self.inotify.as_ref().map(|f| f.as_raw_fd()) else { return };
-        if self.images[idx].inode_watch.is_some_and(|(_, dev, ino)| dev == stamp.dev && ino == stamp.ino) {
+        if self.images[idx]
+            .inode_watch
+            .is_some_and(|(_, dev, ino)| dev == stamp.dev && ino == stamp.ino)
+        {
             return;
         }
         let path = self.images[idx].cfg.path.clone();
         let old = self.images[idx].inode_watch.take();
-        let mask = libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE | libc::IN_DELETE_SELF | libc::IN_MOVE_SELF;
+        let mask = libc::IN_MODIFY
+            | libc::IN_ATTRIB
+            | libc::IN_CLOSE_WRITE
+            | libc::IN_DELETE_SELF
+            | libc::IN_MOVE_SELF;
         let wd = match add_watch(fd, &path, mask) {
             Ok(wd) => wd,
             Err(e) => {
@@ -165,7 +177,9 @@ impl Server {
             self.images[idx].inode_watch = Some((wd, stamp.dev, stamp.ino));
             // The watch is on whatever the path names now: if that is no
             // longer the verified file, re-check at once.
-            if FileStamp::of_path(&path).ok().map(|s| (s.dev, s.ino)) != Some((stamp.dev, stamp.ino)) {
+            if FileStamp::of_path(&path).ok().map(|s| (s.dev, s.ino))
+                != Some((stamp.dev, stamp.ino))
+            {
                 self.images[idx].recheck_image_at = Some(Instant::now());
             }
         }
@@ -218,6 +232,9 @@ mod tests {
         assert_eq!(change_of(libc::IN_MODIFY), "was modified");
         assert_eq!(change_of(libc::IN_MODIFY | libc::IN_ATTRIB), "was modified");
         assert_eq!(change_of(libc::IN_CLOSE_WRITE), "was opened for writing");
-        assert_eq!(change_of(libc::IN_ATTRIB), "had its owner, mode, times or extended attributes changed");
+        assert_eq!(
+            change_of(libc::IN_ATTRIB),
+            "had its owner, mode, times or extended attributes changed"
+        );
     }
 }

@@ -55,7 +55,13 @@ impl Server {
         img.message = format!("loading {} ({why})", source.describe());
         img.last_source = Some(source.clone());
         crate::log::info(&format!("image {}: loading {} ({why})", img.cfg.name, source.describe()));
-        let job = Job { image: idx, seq: img.seq, cfg: img.cfg.clone(), source, arena: img.arena.clone() };
+        let job = Job {
+            image: idx,
+            seq: img.seq,
+            cfg: img.cfg.clone(),
+            source,
+            arena: img.arena.clone(),
+        };
         if self.jobs.send(job).is_err() {
             crate::log::error("loader thread is gone");
         }
@@ -137,7 +143,8 @@ impl Server {
             None => String::new(),
         };
         if kind == FailKind::NoList {
-            img.state = if img.current.is_some() { ImageStatus::Serving } else { ImageStatus::NoList };
+            img.state =
+                if img.current.is_some() { ImageStatus::Serving } else { ImageStatus::NoList };
             img.message = msg.clone();
             crate::log::info(&format!("image {}: {msg}{keep}", img.cfg.name));
             self.broadcast_no_table_if_empty(idx, NT_NO_LIST, &msg);
@@ -172,9 +179,12 @@ impl Server {
 
     fn watch_redis(&mut self, idx: usize) {
         let img = &mut self.images[idx];
-        let (Some(spec), Some(id), Some(rc), Some(tx)) =
-            (img.cfg.list_redis.clone(), img.identity, self.cfg.redis.as_ref(), self.redis_cmds.as_ref())
-        else {
+        let (Some(spec), Some(id), Some(rc), Some(tx)) = (
+            img.cfg.list_redis.clone(),
+            img.identity,
+            self.cfg.redis.as_ref(),
+            self.redis_cmds.as_ref(),
+        ) else {
             return;
         };
         let key = if spec == "auto" { format!("{}:list:{}", rc.prefix, id.key()) } else { spec };
@@ -200,7 +210,10 @@ impl Server {
         let memfd = match crate::sys::sealed_memfd(&name, &bytes) {
             Ok(m) => m,
             Err(e) => {
-                crate::log::error(&format!("image {}: cannot create the table memfd: {e}", self.images[idx].cfg.name));
+                crate::log::error(&format!(
+                    "image {}: cannot create the table memfd: {e}",
+                    self.images[idx].cfg.name
+                ));
                 ok.arena.release(&ok.blocks);
                 return;
             }
@@ -209,7 +222,9 @@ impl Server {
             // Keep the last good Redis list so a restart without Redis serves it.
             let p = cached_list_path(&self.cfg, &id);
             let tmp = p.with_extension("tmp");
-            if let Err(e) = std::fs::write(&tmp, text.as_slice()).and_then(|_| std::fs::rename(&tmp, &p)) {
+            if let Err(e) =
+                std::fs::write(&tmp, text.as_slice()).and_then(|_| std::fs::rename(&tmp, &p))
+            {
                 crate::log::warn(&format!("cannot cache the list in {}: {e}", p.display()));
             }
         }

@@ -34,9 +34,9 @@ mod sockets;
 
 use crate::arena::Arena;
 use crate::config::{Config, ImageConfig, Problem};
-use crate::metrics::MetricsError;
 use crate::identity::{FileStamp, Identity};
 use crate::loader::{Job, ListSource, Loaded};
+use crate::metrics::MetricsError;
 use crate::notify::Notifier;
 use crate::proto::{NT_IMAGE_CHANGED, NT_LOADING, NT_NO_LIST, NT_REFUSED};
 use crate::redis_feedback::{self, PublishStatus, ReadBack};
@@ -74,12 +74,16 @@ pub enum ServerError {
 impl fmt::Display for ServerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ServerError::CacheDir { dir, source } => write!(f, "cache_dir {}: {source}", dir.display()),
+            ServerError::CacheDir { dir, source } => {
+                write!(f, "cache_dir {}: {source}", dir.display())
+            }
             ServerError::Config(p) => p.fmt(f),
             ServerError::Socket(e) => e.fmt(f),
             ServerError::Pidfd(e) => write!(f, "pidfd_open(getpid()): {e}"),
             ServerError::Eventfd(e) => write!(f, "eventfd: {e}"),
-            ServerError::Thread { name, source } => write!(f, "cannot start the {name} thread: {source}"),
+            ServerError::Thread { name, source } => {
+                write!(f, "cannot start the {name} thread: {source}")
+            }
             ServerError::Metrics(e) => e.fmt(f),
             ServerError::Poll(e) => write!(f, "poll: {e}"),
         }

@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::identity::IdentityCache;
 use crate::loader::{FailKind, Job, Loaded, Loader};
 use crate::notify::Notifier;
-use crate::redis_feedback::{Publisher, PublishStatus};
+use crate::redis_feedback::{PublishStatus, Publisher};
 use crate::redis_watch::{self, RedisStatus};
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -63,10 +63,14 @@ pub(super) fn ksm_run_warning(run: Option<&str>) -> Option<String> {
 impl Server {
     pub fn new(cfg: Config) -> Result<Server, ServerError> {
         for dir in [cfg.cache_dir.clone(), cfg.cache_dir.join("lists")] {
-            std::fs::create_dir_all(&dir).map_err(|source| ServerError::CacheDir { dir, source })?;
+            std::fs::create_dir_all(&dir)
+                .map_err(|source| ServerError::CacheDir { dir, source })?;
         }
         let mode = cfg.socket_mode_bits().map_err(ServerError::Config)?;
-        let control = bind_socket(cfg.control_socket.as_ref().expect("set by load"), 0o600.min(mode) | 0o600)?;
+        let control = bind_socket(
+            cfg.control_socket.as_ref().expect("set by load"),
+            0o600.min(mode) | 0o600,
+        )?;
         let mut images = Vec::new();
         for img in &cfg.images {
             let listener = bind_socket(img.socket.as_ref().expect("set by load"), mode)?;
@@ -85,7 +89,8 @@ impl Server {
         let (ev_tx, ev_rx) = channel::<Event>();
         let ev_tx_feedback = ev_tx.clone();
         let (job_tx, job_rx) = channel::<Job>();
-        let latest: Arc<Vec<AtomicU64>> = Arc::new((0..images.len()).map(|_| AtomicU64::new(0)).collect());
+        let latest: Arc<Vec<AtomicU64>> =
+            Arc::new((0..images.len()).map(|_| AtomicU64::new(0)).collect());
         let global_loaded = Arc::new(AtomicU64::new(0));
         let loader = Loader {
             cfg: cfg.clone(),
@@ -112,7 +117,10 @@ impl Server {
                     redis_status.clone(),
                     snapshot.clone(),
                 );
-                std::thread::Builder::new().name("redis".into()).spawn(move || w.run()).map_err(|source| ServerError::Thread { name: "redis", source })?;
+                std::thread::Builder::new()
+                    .name("redis".into())
+                    .spawn(move || w.run())
+                    .map_err(|source| ServerError::Thread { name: "redis", source })?;
                 Some(cmd_tx)
             }
             None => None,
@@ -142,10 +150,12 @@ impl Server {
             _ => None,
         };
         if !cfg.metrics_listen.is_empty() {
-            crate::metrics::spawn(&cfg.metrics_listen, metrics.clone()).map_err(ServerError::Metrics)?;
+            crate::metrics::spawn(&cfg.metrics_listen, metrics.clone())
+                .map_err(ServerError::Metrics)?;
         }
         let degraded = probe_degraded();
-        let feedback_due = Instant::now() + std::time::Duration::from_secs(cfg.feedback.interval_secs);
+        let feedback_due =
+            Instant::now() + std::time::Duration::from_secs(cfg.feedback.interval_secs);
         let mut s = Server {
             cfg,
             images,
@@ -179,7 +189,12 @@ impl Server {
 
 /// The loader thread: runs the jobs one at a time and hands each result to
 /// the main loop.
-fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake_fd: Arc<OwnedFd>) -> Result<(), ServerError> {
+fn spawn_loader(
+    loader: Loader,
+    jobs: Receiver<Job>,
+    events: Sender<Event>,
+    wake_fd: Arc<OwnedFd>,
+) -> Result<(), ServerError> {
     std::thread::Builder::new()
         .name("loader".into())
         .spawn(move || {
@@ -187,14 +202,16 @@ fn spawn_loader(loader: Loader, jobs: Receiver<Job>, events: Sender<Event>, wake
                 let image = job.image;
                 let seq = job.seq;
                 let source = job.source.clone();
-                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.run(job))).unwrap_or_else(|_| Loaded {
-                    image,
-                    seq,
-                    source,
-                    identity: None,
-                    stamp: None,
-                    result: Err(FailKind::Image.with("internal error: loader panicked")),
-                });
+                let out =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader.run(job)))
+                        .unwrap_or_else(|_| Loaded {
+                            image,
+                            seq,
+                            source,
+                            identity: None,
+                            stamp: None,
+                            result: Err(FailKind::Image.with("internal error: loader panicked")),
+                        });
                 if events.send(Event::Loaded(Box::new(out))).is_err() {
                     break;
                 }

@@ -55,7 +55,8 @@ impl std::error::Error for SocketError {
 /// by an earlier run.
 pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, SocketError> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| SocketError::CreateDir { dir: dir.into(), source })?;
+        std::fs::create_dir_all(dir)
+            .map_err(|source| SocketError::CreateDir { dir: dir.into(), source })?;
     }
     // Replace a stale socket from an earlier run, but never another kind of file.
     if let Ok(md) = std::fs::symlink_metadata(path) {
@@ -77,15 +78,20 @@ pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, Socket
     tmp_name.push(format!(".{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp_name);
     let _ = std::fs::remove_file(&tmp);
-    let l = UnixListener::bind(&tmp).map_err(|source| SocketError::Listen { path: path.into(), source })?;
+    let l = UnixListener::bind(&tmp)
+        .map_err(|source| SocketError::Listen { path: path.into(), source })?;
     let published = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
         .map_err(|source| SocketError::Chmod { path: path.into(), source })
-        .and_then(|_| std::fs::rename(&tmp, path).map_err(|source| SocketError::Publish { path: path.into(), source }));
+        .and_then(|_| {
+            std::fs::rename(&tmp, path)
+                .map_err(|source| SocketError::Publish { path: path.into(), source })
+        });
     if let Err(e) = published {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    l.set_nonblocking(true).map_err(|source| SocketError::NonBlocking { path: path.into(), source })?;
+    l.set_nonblocking(true)
+        .map_err(|source| SocketError::NonBlocking { path: path.into(), source })?;
     Ok(l)
 }
 
@@ -103,8 +109,13 @@ mod tests {
         let md = std::fs::symlink_metadata(&path).unwrap();
         assert!(md.file_type().is_socket());
         assert_eq!(md.permissions().mode() & 0o777, 0o660);
-        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert_eq!(names, vec![std::ffi::OsString::from("img.sock")], "no temporary name left behind");
+        let names: Vec<_> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("img.sock")],
+            "no temporary name left behind"
+        );
         UnixStream::connect(&path).expect("the published name accepts connections");
         // A second server on the same path is refused while the first listens.
         let e = bind_socket(&path, 0o660).unwrap_err();
@@ -124,7 +135,12 @@ mod tests {
         let path = dir.join("img.sock");
         std::fs::write(&path, b"data").unwrap();
         let e = bind_socket(&path, 0o660).unwrap_err();
-        assert!(e.to_string().ends_with("img.sock: exists and is not a socket; move it away or choose another socket path"), "{e}");
+        assert!(
+            e.to_string().ends_with(
+                "img.sock: exists and is not a socket; move it away or choose another socket path"
+            ),
+            "{e}"
+        );
         assert_eq!(std::fs::read(&path).unwrap(), b"data");
         std::fs::remove_dir_all(&dir).unwrap();
     }
