@@ -598,11 +598,33 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
                                        / len(freed) / 1024 if freed else None),
             "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
+        c.update(at_reads_end(series, stamps[cfg]))
         c.update(census(hs, series, gids, at))
         c.update(cpu_beyond(hs))
         out["configs"][cfg] = c
     sharing_costs(out["configs"])
     return out
+
+
+def at_reads_end(series: dict[int, list[dict[str, int]]],
+                 stamps: dict[int, dict[str, int]]) -> dict[str, Any]:
+    """Each guest's listed pages shared at its own end of reads (its GREP
+    mark, stamped by the driver, which asks the sampler for a full pass at
+    once): the first full sample at or after the mark, and how long after
+    it that sample was taken.  Guests are the driver's 1, 2, ... and the
+    sampler's 0, 1, ..."""
+    fracs: list[float] = []
+    lags: list[float] = []
+    for gid, ss in sorted(series.items()):
+        t = stamps.get(gid + 1, {}).get("GREP")
+        s = next((s for s in ss if t is not None and s["t_ms"] >= t and s["full"]), None)
+        if t is None or s is None or not s["listed"]:
+            continue
+        fracs.append(s["listed_shared"] / s["listed"])
+        lags.append((s["t_ms"] - t) / 1000)
+    return {"listed_shared_frac_reads_end": fracs or None,
+            "listed_shared_frac_reads_end_min": min(fracs) if fracs else None,
+            "reads_end_sample_after_s_max": max(lags) if lags else None}
 
 
 def census(hs: list[dict[str, int]], series: dict[int, list[dict[str, int]]],
@@ -744,6 +766,10 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("listed pages held by guests shared at the end of the reads",
          "listed_shared_frac_work_done", ".0%"),
         ("listed pages held by guests shared at the end", "listed_shared_frac_end", ".0%"),
+        ("the same at each guest's own end of reads, the lowest",
+         "listed_shared_frac_reads_end_min", ".1%"),
+        ("that sample taken after the guest's end of reads, at most s",
+         "reads_end_sample_after_s_max", ".1f"),
         ("of those, the server's own page (PFN)", "listed_on_server_frac_end", ".0%"),
         ("s after the reads until 90 % of listed pages shared", "t90_after_reads_s", ".0f"),
         ("s from holding to sharing half the listed pages (curve lag)", "lag50_s", ".0f"),

@@ -243,6 +243,9 @@ stamp_marks() {
                 if grep -q "GUEST-$m" $W/g$i.log 2>/dev/null; then
                     seen="$seen$i:$m "
                     ev mark "$i $m"
+                    # the sampler's next pass reads every page (a guest's
+                    # end of reads, GREP, is read at once)
+                    : > $W/marks/$i.$m
                 fi
             done
         done
@@ -383,7 +386,9 @@ run_config() { # name filter ksm(off/default/advisor) balloon
             set -- "$@" "$p:-"
         fi
     done
-    E2E_STALE_HASHES=$P/stale.hashes $P/bin/e2e_sampler "$cfg" $P/listed.hashes \
+    rm -rf $W/marks
+    mkdir -p $W/marks
+    E2E_STALE_HASHES=$P/stale.hashes E2E_MARKS=$W/marks $P/bin/e2e_sampler "$cfg" $P/listed.hashes \
         "$INTERVAL_MS" "$server_pid" "$GUEST_MIB" "$@" &
     sampler_pid=$!
     stamp_marks &

@@ -71,7 +71,8 @@
  *
  * Reading every present page is slow under TCG (seconds for three guests),
  * so only every FULL_EVERY-th sample (full=1) reads the pages that are not
- * shared; the others count shared pages exactly and carry "listed" and
+ * shared, and the first after a new file appears in $E2E_MARKS (the
+ * driver's: a guest's mark, such as the end of its reads, is read then); the others count shared pages exactly and carry "listed" and
  * "zero" (all such pages, shared or not) over from the last full sample.
  * on_server counts the listed, shared guest pages whose PFN is one the
  * page server maps: the server's own physical page, as merge_pages makes.
@@ -1116,6 +1117,20 @@ static void scan_guest(struct guest *g, struct counts *c, bool full, const char 
 	}
 }
 
+/* Entries in directory @dir (0 without one): new ones ask for a full pass. */
+static long count_marks(const char *dir)
+{
+	DIR *d = dir ? opendir(dir) : NULL;
+	struct dirent *e;
+	long n = 0;
+
+	while (d && (e = readdir(d)))
+		n += e->d_name[0] != '.';
+	if (d)
+		closedir(d);
+	return n;
+}
+
 static long popcount_map(const uint8_t *m)
 {
 	long n = 0;
@@ -1192,9 +1207,13 @@ int main(int argc, char **argv)
 		qmp_connect(&g[ng]);
 	}
 	setvbuf(stdout, NULL, _IOLBF, 0);
-	for (long n = 0; !stop; n++) {
+	for (long n = 0, marks = 0, m; !stop; n++) {
 		uint64_t t0 = now_ms(), t1;
 		bool full = n % FULL_EVERY == 0;
+
+		m = count_marks(getenv("E2E_MARKS"));
+		full = full || m > marks;
+		marks = m;
 		long srss, spss, mem_pages = -1, distinct = -1, unused = -1;
 
 		read_kpageflags();

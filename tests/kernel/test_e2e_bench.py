@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import e2e_vs_ksm as e2e  # noqa: E402
 
 KSM = Path("/sys/kernel/mm/ksm")
+GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1     # its column in an E2E-G line
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,41 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     assert h["server_unused"] == 50
     # kworkers have run since boot; the machine has been busy; the sampler too
     assert h["kworker_cpu_ms"] > 0 and h["busy_cpu_ms"] > 0 and h["sampler_cpu_ms"] >= 0
+
+
+def test_sampler_reads_everything_after_a_mark(sampler: Path, tmp_path: Path) -> None:
+    """A new file in $E2E_MARKS (the driver's mark of a guest's end of
+    reads) makes the sampler's next pass a full one, off its schedule of
+    every fifth."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "none.hashes").write_bytes(b"")
+    guest = subprocess.Popen([sys.executable, "-c", HOLDER, "guest", "1"],
+                             stdout=subprocess.PIPE, text=True)
+    sam = None
+    try:
+        assert guest.stdout is not None
+        pid = int(guest.stdout.readline())
+        sam = subprocess.Popen([str(sampler), "t", str(tmp_path / "none.hashes"), "100", "0",
+                                "16", f"{pid}:-"], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "E2E_MARKS": str(marks)})
+        assert sam.stdout is not None
+        full = []
+        for line in sam.stdout:
+            if not line.startswith("E2E-G "):
+                continue
+            full.append(int(line.split()[GUEST_FULL]))
+            if len(full) == 2:
+                (marks / "1.GREP").touch()
+            if len(full) == 4:
+                break
+    finally:
+        for p in [guest, *([sam] if sam else [])]:
+            p.kill()
+            p.wait()
+    # 1st: the schedule's; 2nd: not; 3rd: maybe still the pass under way
+    # when the mark came; 4th at the latest: the mark's
+    assert full[0] == 1 and full[1] == 0 and 1 in full[2:]
 
 
 def test_sampler_usage_error(sampler: Path) -> None:
@@ -329,6 +365,12 @@ def test_summary_arithmetic() -> None:
     assert c["listed_shared_frac_work_done"] == pytest.approx(0.1)
     assert c["listed_shared_frac_end"] == pytest.approx(0.95)
     assert c["t90_after_reads_s"] == 10.0
+    # each guest's own end of reads: the sampler numbers guests from 0, the
+    # driver's marks from 1, so sampler guest 1 is the driver's guest 2
+    # (GREP at 2.4 s; sampler guest 2 has no driver guest 3): the next full
+    # sample, at 3 s, holds 100 of its 1000 listed pages shared
+    assert c["listed_shared_frac_reads_end"] == [pytest.approx(0.1)]
+    assert c["reads_end_sample_after_s_max"] == pytest.approx(0.6)
     # saved = guest mappings of shared pages - distinct shared pages
     assert c["saved_mib"]["listed"] == pytest.approx((1900 - 950) * 4096 / 2**20)
     assert c["saved_mib"]["zero"] == pytest.approx((400 - 1) * 4096 / 2**20)
