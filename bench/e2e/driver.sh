@@ -30,6 +30,12 @@
 #
 #   sh driver.sh              run what /pageshare/e2e.env says
 #   sh driver.sh --preflight  only check that this host can run it
+#
+# Expansions are unquoted where they cannot split or glob: $P, $W and $K
+# are the payload's directory, /tmp/e2e and KSM's sysfs directory (no
+# blanks, no wildcards), the rest numbers, or lists of words split on
+# purpose (the saved KSM settings, mig_refs' six counters).
+# shellcheck disable=SC2086,SC2046
 set -u
 P=${PAGESHARE_PAYLOAD:-/pageshare}
 W=/tmp/e2e
@@ -117,6 +123,7 @@ if [ "${1:-}" = --preflight ]; then
     echo "E2E-PREFLIGHT ok"
     exit 0
 fi
+# shellcheck source=/dev/null  # written by bench/e2e_vs_ksm.py
 . $P/e2e.env
 preflight
 save_ksm
@@ -201,7 +208,7 @@ start_guest() { # index filter(0/1) balloon(0/1)
     if [ "$filter" = 1 ]; then
         # exactly qemu-patches/README.md's -blockdev graph, in merge mode
         set -- "$@" -blockdev '{"driver":"pageshare","node-name":"ps","file":"base","read-only":true,"server":"/tmp/pageshare/run/base.sock","mode":"merge"}'
-        backing=ps
+        backing="ps"
         # each merge's guest address, for the sampler (its TRACE_LOG)
         trace="-trace pageshare_merge"
     fi

@@ -7,6 +7,7 @@
 # file-reading workload), prints a checksum of what it read, frees
 # __STALE_MIB__ MiB of stale memory and idles with its page cache kept,
 # until the driver stops it.
+# shellcheck shell=dash  # busybox sh is an ash, which shellcheck checks as dash
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 up() { cut -d' ' -f1 /proc/uptime; }
@@ -26,6 +27,7 @@ for c in "/bin/bash -c true" "/usr/bin/systemctl --version" \
          "/usr/bin/journalctl --version" "/usr/bin/dpkg -l" \
          "/usr/bin/apt-cache policy" "/usr/bin/perl -e 1" "/sbin/ldconfig -p" \
          "/usr/bin/ls -la /usr/bin" "/usr/bin/find /usr/share/doc -name copyright"; do
+    # shellcheck disable=SC2086  # $c is a command line, split into its words on purpose
     chroot /mnt $c >/dev/null 2>&1
 done
 t1=$(up)
