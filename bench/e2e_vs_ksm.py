@@ -84,6 +84,12 @@ MIB = 2**20
 GREP_DIRS = ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/systemd "
              "/mnt/usr/lib/udev")
 SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
+# --mixed: guests not in lockstep, guest i reading (and checksumming) the
+# directories of MIXED[(i - 1) % 3] after a delay of its seconds; each
+# shares part of its reads with each other guest
+MIXED = [(GREP_DIRS, 0),
+         ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/systemd", 45),
+         ("/mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/udev /mnt/usr/sbin", 90)]
 GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
                 "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
@@ -258,6 +264,7 @@ class Settings:
     migrate: bool = False
     migrate_ksm_cap: int = 300  # s a destination is followed until KSM shares as much
     migrate_mbit: int = 1000    # max-bandwidth of each migration
+    mixed: bool = False         # guests not in lockstep (MIXED)
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -356,10 +363,22 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             f"BOOT_TIMEOUT={st.boot_timeout}\n"
             f"CONFIGS='{' '.join(st.configs)}'\n")
         with open(pd / "e2e.env", "a") as env:
-            env.write(migrate_env(st))
+            env.write(migrate_env(st) + mixed_env(st))
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
         cpio_gz(top, out)
+
+
+def mixed_env(st: Settings) -> str:
+    """driver.sh's GUEST_ARGS_i: each guest's kernel arguments for
+    guest-init.sh with --mixed (its directories, its delay)."""
+    if not st.mixed:
+        return ""
+    out = []
+    for i in range(1, st.guests + 1):
+        dirs, delay = MIXED[(i - 1) % len(MIXED)]
+        out.append(f"GUEST_ARGS_{i}='e2e_grep={dirs.replace(' ', ',')} e2e_delay={delay}'\n")
+    return "".join(out)
 
 
 def migrate_env(st: Settings) -> str:
@@ -449,8 +468,16 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
     for cfg, idx, text in rows["guest"]:
         marks[cfg][int(idx)] = guest_marks(text)
     sums = {m.get("SUM", ["?"])[0] for c in marks.values() for m in c.values()}
+    # each guest read the same bytes in every configuration, and in
+    # lockstep every guest the same as the others
+    by_guest: dict[int, set[str]] = defaultdict(set)
+    for c_marks in marks.values():
+        for idx, m in c_marks.items():
+            by_guest[idx].add(m.get("SUM", ["?"])[0])
+    identical = (all(len(v) == 1 for v in by_guest.values())
+                 and (st.mixed or len(sums) == 1))
 
-    out: dict[str, Any] = {"configs": {}, "bytes_identical": len(sums) == 1,
+    out: dict[str, Any] = {"configs": {}, "bytes_identical": identical,
                            "checksums": sorted(sums), "listed_blocks": nlisted}
     # guests that did not boot (the driver ran their configuration again)
     hangs = [{"cfg": cfg, "t_ms": int(t), "detail": rest}
@@ -966,6 +993,10 @@ def main() -> int:
                     help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} "
                          "(about 90 min of VM time)")
     ap.add_argument("--grep-dirs", default=GREP_DIRS)
+    ap.add_argument("--mixed", action="store_true",
+                    help="guests not in lockstep: each reads its own directories, part "
+                         "of them shared with each other guest, after its own delay "
+                         "(MIXED in the script); the list should cover them all")
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
     ap.add_argument("--boot-timeout", type=int, default=900,
@@ -1009,7 +1040,7 @@ def main() -> int:
     st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
                   configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
                   args.boot_timeout, args.stale_mib, args.migrate, args.migrate_ksm_cap,
-                  args.migrate_mbit)
+                  args.migrate_mbit, args.mixed)
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built

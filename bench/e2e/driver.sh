@@ -216,6 +216,8 @@ start_guest() { # index filter(0/1) balloon(0/1)
         -blockdev '{"driver":"qcow2","node-name":"ovl","file":"ovl-file","backing":"'$backing'"}' \
         -device virtio-blk-pci,drive=ovl
     [ "$balloon" = 1 ] && set -- "$@" -device virtio-balloon-pci,free-page-reporting=on
+    # --mixed: this guest's own reads and start (guest-init.sh)
+    eval "gargs=\${GUEST_ARGS_$i:-}"
     # The kernel's messages are kept (no "quiet"): a guest that does not
     # boot says how far it got.  no_timer_check, as libguestfs boots its
     # TCG appliance: the kernel's boot-time test of the timer interrupt
@@ -231,7 +233,7 @@ start_guest() { # index filter(0/1) balloon(0/1)
     $P/bin/qemu-system-x86_64 -M pc -accel tcg,tb-size=64 -m "${GUEST_MIB}M" -smp 1 \
         -nodefaults -display none -no-reboot -L $P/share/qemu \
         -kernel $P/guest/vmlinuz -initrd $P/guest/initramfs.cpio.gz \
-        -append "console=ttyS0 no_timer_check panic=-1 page_reporting.page_reporting_order=9" \
+        -append "console=ttyS0 no_timer_check panic=-1 page_reporting.page_reporting_order=9 $gargs" \
         -serial file:$W/g$i.log -qmp unix:$W/qmp$i.sock,server=on,wait=off \
         -qmp unix:$W/hmp$i.sock,server=on,wait=off $trace "$@" > $W/qemu$i.log 2>&1 &
     qemu_pids="$qemu_pids $!"

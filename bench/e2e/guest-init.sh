@@ -6,7 +6,10 @@
 # binaries, then reads its programs and libraries the way `grep -r` does (the talk's
 # file-reading workload), prints a checksum of what it read, frees
 # __STALE_MIB__ MiB of stale memory and idles with its page cache kept,
-# until the driver stops it.
+# until the driver stops it.  With --mixed, the kernel command line gives
+# each guest its own directories to read and checksum (e2e_grep=, comma-
+# separated) and a delay before it starts (e2e_delay=, s), so that guests
+# are not in lockstep; the delay counts in the guest's boot time.
 # shellcheck shell=dash  # busybox sh is an ash, which shellcheck checks as dash
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
@@ -18,6 +21,14 @@ if ! mount -t ext4 -o ro /dev/vda /mnt; then
 fi
 mount -t proc proc /mnt/proc 2>/dev/null
 mount -t devtmpfs dev /mnt/dev 2>/dev/null
+grep_dirs="__GREP_DIRS__" sum_dirs="__SUM_DIRS__" delay=0
+for a in $(cat /proc/cmdline); do
+    case $a in
+    e2e_grep=*) grep_dirs=$(echo "${a#e2e_grep=}" | tr , ' '); sum_dirs=$grep_dirs ;;
+    e2e_delay=*) delay=${a#e2e_delay=} ;;
+    esac
+done
+sleep "$delay"
 echo "GUEST-BOOTED $(up)"
 t0=$(up)
 # the image's own binaries, which load its shared libraries
@@ -32,11 +43,11 @@ for c in "/bin/bash -c true" "/usr/bin/systemctl --version" \
 done
 t1=$(up)
 echo "GUEST-BINS $t0 $t1"
-grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND __GREP_DIRS__
+grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND $grep_dirs
 t2=$(up)
 echo "GUEST-GREP $t1 $t2"
 # one tar stream of the same tree is the same bytes only if every file is
-sum=$(tar -cf - __SUM_DIRS__ 2>/dev/null | sha256sum)
+sum=$(tar -cf - $sum_dirs 2>/dev/null | sha256sum)
 echo "GUEST-SUM ${sum%% *}"
 # Memory freed with stale data in it, the same in every guest: what a
 # booted Debian leaves when it frees its unpacked initramfs, and what free

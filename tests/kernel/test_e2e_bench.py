@@ -16,6 +16,7 @@ checked without its 40-minute nested run.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -525,6 +526,42 @@ def test_benchmark_names_scan_rates() -> None:
     driver = (REPO / "bench/e2e/driver.sh").read_text()
     assert "ksm-pts[0-9]*) run_once_more" in driver
     assert "pageshare-pts[0-9]*) run_once_more" in driver
+
+
+def test_mixed_guests_get_their_own_reads() -> None:
+    """--mixed: what the driver puts on guest i's kernel command line (from
+    e2e.env, as driver.sh's start_guest evaluates it) makes guest-init.sh
+    read and checksum MIXED[i - 1]'s directories after its delay."""
+    st = e2e.Settings(3, 384, 6144, 10, 1000, ["ksm"], e2e.GREP_DIRS, e2e.SUM_DIRS, 100,
+                      mixed=True)
+    init = (REPO / "bench/e2e/guest-init.sh").read_text()
+    parse = init[init.index('grep_dirs="__GREP_DIRS__"'):init.index('sleep "$delay"')]
+    parse = (parse.replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs)
+             .replace("$(cat /proc/cmdline)", "$cmdline"))
+    driver = (REPO / "bench/e2e/driver.sh").read_text()
+    assert 'eval "gargs=\\${GUEST_ARGS_$i:-}"' in driver
+    for i in (1, 2, 3):
+        script = (e2e.mixed_env(st) + f"i={i}\n" + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
+                  + 'cmdline="console=ttyS0 panic=-1 $gargs"\n' + parse
+                  + 'echo "$grep_dirs|$sum_dirs|$delay"\n')
+        out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirs, delay = e2e.MIXED[i - 1]
+        assert out == f"{dirs}|{dirs}|{delay}"
+    # without --mixed: no arguments, every guest the default dirs at once
+    assert e2e.mixed_env(dataclasses.replace(st, mixed=False)) == ""
+
+
+def test_bytes_identical_per_guest_when_mixed() -> None:
+    """Mixed guests read different bytes from each other but each the same
+    in every configuration; in lockstep all guests must agree."""
+    lines = [f"E2E-GUEST {c} {g} GUEST-SUM s{g}" for c in ("ksm", "pageshare") for g in (1, 2)]
+    for mixed, want in ((True, True), (False, False)):
+        st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm", "pageshare"], "", "", 100,
+                          mixed=mixed)
+        assert e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"] is want
+    lines[-1] = "E2E-GUEST pageshare 2 GUEST-SUM wrong"
+    assert not e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"]
 
 
 def test_symbolize(tmp_path: Path) -> None:
