@@ -472,8 +472,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
     # lockstep every guest the same as the others
     by_guest: dict[int, set[str]] = defaultdict(set)
     for c_marks in marks.values():
-        for idx, m in c_marks.items():
-            by_guest[idx].add(m.get("SUM", ["?"])[0])
+        for g_idx, g_marks in c_marks.items():
+            by_guest[g_idx].add(g_marks.get("SUM", ["?"])[0])
     identical = (all(len(v) == 1 for v in by_guest.values())
                  and (st.mixed or len(sums) == 1))
 
