@@ -230,6 +230,7 @@ start_guest() { # index filter(0/1) balloon(0/1)
     # (this small kernel has no THP, so its default would be 4 MiB); without
     # a balloon it is unused.  A second monitor (hmp$i.sock) is free for the
     # driver's questions while the sampler holds the first.
+    # shellcheck disable=SC2154  # gargs: set by the eval above
     $P/bin/qemu-system-x86_64 -M pc -accel tcg,tb-size=64 -m "${GUEST_MIB}M" -smp 1 \
         -nodefaults -display none -no-reboot -L $P/share/qemu \
         -kernel $P/guest/vmlinuz -initrd $P/guest/initramfs.cpio.gz \

@@ -10,7 +10,10 @@
 # each guest its own directories to read and checksum (e2e_grep=, comma-
 # separated) and a delay before it starts (e2e_delay=, s), so that guests
 # are not in lockstep; the delay counts in the guest's boot time.
-# shellcheck shell=dash  # busybox sh is an ash, which shellcheck checks as dash
+# (shellcheck: busybox sh is an ash, which it checks as dash; $c, $grep_dirs
+# and $sum_dirs are lists of words, a command line and directories, split
+# on purpose.)
+# shellcheck shell=dash disable=SC2086
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 up() { cut -d' ' -f1 /proc/uptime; }
@@ -22,7 +25,8 @@ fi
 mount -t proc proc /mnt/proc 2>/dev/null
 mount -t devtmpfs dev /mnt/dev 2>/dev/null
 grep_dirs="__GREP_DIRS__" sum_dirs="__SUM_DIRS__" delay=0
-for a in $(cat /proc/cmdline); do
+read -r cmdline < /proc/cmdline
+for a in $cmdline; do
     case $a in
     e2e_grep=*) grep_dirs=$(echo "${a#e2e_grep=}" | tr , ' '); sum_dirs=$grep_dirs ;;
     e2e_delay=*) delay=${a#e2e_delay=} ;;
@@ -38,7 +42,6 @@ for c in "/bin/bash -c true" "/usr/bin/systemctl --version" \
          "/usr/bin/journalctl --version" "/usr/bin/dpkg -l" \
          "/usr/bin/apt-cache policy" "/usr/bin/perl -e 1" "/sbin/ldconfig -p" \
          "/usr/bin/ls -la /usr/bin" "/usr/bin/find /usr/share/doc -name copyright"; do
-    # shellcheck disable=SC2086  # $c is a command line, split into its words on purpose
     chroot /mnt $c >/dev/null 2>&1
 done
 t1=$(up)
