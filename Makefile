@@ -5,6 +5,14 @@
 PY := .venv/bin/python
 export PAGESHARE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pageshare
 
+# cargo as the tests find it (PATH, then rustup's ~/.cargo/bin), building into
+# the tests' target directory, so that lint and tests share one build.
+CARGO := PATH="$$PATH:$(HOME)/.cargo/bin" CARGO_TARGET_DIR="$(PAGESHARE_CACHE)/cargo-target" cargo
+# The project's shell scripts (bench/e2e's run under busybox sh: POSIX).
+SHELL_SCRIPTS := $(shell git ls-files '*.sh') .ci/run analyzer/pageshare-libvirt-hook \
+	packaging/pageshare/debian/pageshare.postinst \
+	packaging/pageshare-server/debian/pageshare-server.postrm
+
 .PHONY: deps demo test lint unit kernel-test packages kernel-package kernel-package-test clean
 
 deps:
@@ -17,6 +25,9 @@ demo: deps
 lint: deps
 	.venv/bin/ruff check analyzer tests bench kernel-syscall qemu-patches page-server packaging
 	.venv/bin/mypy
+	cd page-server && $(CARGO) fmt --check && $(CARGO) fmt --check --manifest-path fuzz/Cargo.toml
+	cd page-server && $(CARGO) clippy --release --locked --all-targets -- -D warnings
+	shellcheck $(SHELL_SCRIPTS)
 	$(MAKE) -s -C crash-ext clean all
 
 unit: deps

@@ -36,6 +36,8 @@ APT_PACKAGES=(
 	libvirt-daemon-system libvirt-clients python3-libvirt
 	# a FUSE file system for the test that an image on one is refused
 	bindfs
+	# `make lint`: the shell scripts
+	shellcheck
 )
 
 if [ "$(id -u)" != 0 ]; then
