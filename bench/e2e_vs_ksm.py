@@ -112,7 +112,8 @@ HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "se
                "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
                "distinct_other", "sample_ms", "khugepaged_collapsed",
                "khugepaged_full_scans", "distinct_stale", "kworker_cpu_ms", "busy_cpu_ms",
-               "sampler_cpu_ms", "mem_pages", "distinct_pages", "server_unused"]
+               "sampler_cpu_ms", "mem_pages", "distinct_pages", "server_unused",
+               "swap_used_kb"]
 # The guests' workload as analyze-image runs it in its Debian guests
 # (--list-from workload): the same grep over the same directories.
 LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
@@ -265,6 +266,7 @@ class Settings:
     migrate_ksm_cap: int = 300  # s a destination is followed until KSM shares as much
     migrate_mbit: int = 1000    # max-bandwidth of each migration
     mixed: bool = False         # guests not in lockstep (MIXED)
+    pressure_mib: int = 0       # host memory pressure: filler MiB (driver.sh pressure_on)
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -363,7 +365,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             f"BOOT_TIMEOUT={st.boot_timeout}\n"
             f"CONFIGS='{' '.join(st.configs)}'\n")
         with open(pd / "e2e.env", "a") as env:
-            env.write(migrate_env(st) + mixed_env(st))
+            env.write(migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n")
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
         cpio_gz(top, out)
@@ -587,6 +589,10 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
                                        if end[0]["stale"] >= 0 else None),
             "server_pss_mib": h_end["server_pss_kb"] / 1024,
             "memavail_mib_end": h_end["memavail_kb"] / 1024,
+            "memavail_mib_min": min(h["memavail_kb"] for h in hs) / 1024,
+            # swap in use (--pressure's zram), the most while sampled
+            "swap_used_mib_max": (max(h["swap_used_kb"] for h in hs) / 1024
+                                  if hs[0]["swap_used_kb"] >= 0 else None),
             "listed_pages_held": listed_end,
             "listed_shared_frac_end": shared_end / listed_end if listed_end else 0.0,
             # listed, shared guest pages that are the server's physical page
@@ -785,6 +791,8 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("guests' QEMU PSS + server PSS at the end, MiB", "pss_mib_end", ".0f"),
         ("guests' QEMU RSS + server RSS at the end, MiB", "rss_mib_end", ".0f"),
         ("MemAvailable at the end, MiB", "memavail_mib_end", ".0f"),
+        ("MemAvailable at its lowest, MiB", "memavail_mib_min", ".0f"),
+        ("swap in use at its most, MiB", "swap_used_mib_max", ".0f"),
         ("guest RAM the host holds (present pages) at the end, MiB", "resident_mib_end", ".0f"),
         ("saved: listed page cache, MiB", ("saved_mib", "listed"), ".1f"),
         ("saved: zero pages, MiB", ("saved_mib", "zero"), ".1f"),
@@ -992,6 +1000,11 @@ def main() -> int:
     ap.add_argument("--frontier", action="store_true",
                     help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} "
                          "(about 90 min of VM time)")
+    ap.add_argument("--pressure", type=int, default=0, metavar="MIB",
+                    help="host memory pressure in every configuration: a never-read "
+                         "tmpfs file of MIB MiB written before the guests start, with a "
+                         "zram swap device in the pageshare host (try host-mib less "
+                         "about 1700)")
     ap.add_argument("--grep-dirs", default=GREP_DIRS)
     ap.add_argument("--mixed", action="store_true",
                     help="guests not in lockstep: each reads its own directories, part "
@@ -1040,7 +1053,7 @@ def main() -> int:
     st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
                   configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
                   args.boot_timeout, args.stale_mib, args.migrate, args.migrate_ksm_cap,
-                  args.migrate_mbit, args.mixed)
+                  args.migrate_mbit, args.mixed, args.pressure)
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built

@@ -53,6 +53,7 @@ fail() {
         restore_ksm
     fi
     restore_khp
+    pressure_off
     exit 1
 }
 
@@ -160,7 +161,41 @@ stop_all() {
     echo 2 > $K/run
     echo 0 > $K/run
 }
-trap 'echo "E2E-ERROR the driver was stopped (signal)"; stop_all; restore_ksm; restore_khp; exit 1' INT TERM
+trap 'echo "E2E-ERROR the driver was stopped (signal)"; stop_all; restore_ksm; restore_khp; pressure_off; exit 1' INT TERM
+
+# --pressure (PRESSURE_MIB > 0): host memory pressure in every
+# configuration.  A tmpfs file of PRESSURE_MIB MiB, written before the
+# guests start and never read again, takes the memory; a zram swap device
+# lets the kernel reclaim anonymous and shmem pages (the filler's first, as
+# the oldest, then the guests' and the server's).  The filler is text, so
+# zram holds it in little memory.  Swap and filler go on every way out.
+pressure_on() {
+    [ "${PRESSURE_MIB:-0}" -gt 0 ] || return 0
+    if ! grep -q '^/dev/zram0 ' /proc/swaps; then
+        [ -e /sys/block/zram0/disksize ] ||
+            fail "--pressure needs zram (CONFIG_ZRAM) in the pageshare host kernel"
+        echo $((PRESSURE_MIB * 2))M > /sys/block/zram0/disksize ||
+            fail "zram0: cannot set its size"
+        mkswap /dev/zram0 > /dev/null || fail "mkswap /dev/zram0 failed"
+        swapon /dev/zram0 || fail "cannot swap on /dev/zram0"
+    fi
+    mkdir -p $W/pressure
+    mount -t tmpfs -o size=$((PRESSURE_MIB + 16))m pressure $W/pressure ||
+        fail "cannot mount the filler's tmpfs"
+    yes "pageshare host memory pressure, a line of filler text" |
+        head -c $((PRESSURE_MIB * 1048576)) > $W/pressure/fill
+    ev pressure "filler_mib=$PRESSURE_MIB $(grep -E '^(MemAvailable|SwapFree):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
+}
+pressure_off() {
+    [ "${PRESSURE_MIB:-0}" -gt 0 ] || return 0
+    rm -f $W/pressure/fill
+    umount $W/pressure 2>/dev/null
+    return 0
+}
+swap_off() {
+    grep -q '^/dev/zram0 ' /proc/swaps || return 0
+    swapoff /dev/zram0 && echo 1 > /sys/block/zram0/reset
+}
 
 wait_file() { # path seconds
     n=0
@@ -381,6 +416,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
         : > $W/server.log
         start_server
     fi
+    pressure_on
     for i in $(seq 1 "$GUESTS"); do start_guest "$i" "$c_filter" "$c_balloon"; done
     ev guests-started "$qemu_pids"
     all_booted=0
@@ -408,6 +444,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     [ "$rc" = 0 ] && { wait_guests "$WORK_TIMEOUT" || rc=$?; }
     if [ "$rc" != 0 ]; then
         stop_all
+        pressure_off
         return "$rc"
     fi
     ev work-done
@@ -423,6 +460,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     for i in $(seq 1 "$GUESTS"); do dump_guest_log "$i"; done
     [ "${MIGRATE:-0}" = 1 ] && [ "$cfg" = pageshare ] && migrate_phase
     stop_all
+    pressure_off
 }
 
 # ------------------------------------------------------------------------
@@ -689,5 +727,6 @@ done
 cfg=all
 restore_ksm
 restore_khp
+swap_off
 ev ksm-restored "$(cat $K/run)"
 ev finished

@@ -29,7 +29,7 @@
  *         merge_page_merged full_scans distinct_listed distinct_zero
  *         distinct_other sample_ms khugepaged_collapsed khugepaged_full_scans
  *         distinct_stale kworker_cpu_ms busy_cpu_ms sampler_cpu_ms mem_pages
- *         distinct_pages server_unused
+ *         distinct_pages server_unused swap_used_kb
  *   E2E-G cfg t guest qemu_cpu_ms rss_kb pss_kb present ksm listed
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server stale stale_shared
@@ -389,15 +389,17 @@ static long khugepaged_stat(const char *name)
 	return v;
 }
 
-static long memavailable_kb(void)
+/* A /proc/meminfo value in kB, or -1. */
+static long meminfo_kb(const char *key)
 {
+	size_t n = strlen(key);
 	char line[256];
 	FILE *f = fopen("/proc/meminfo", "r");
 	long v = -1;
 
 	while (f && fgets(line, sizeof(line), f))
-		if (!strncmp(line, "MemAvailable:", 13))
-			v = strtol(line + 13, NULL, 10);
+		if (!strncmp(line, key, n) && line[n] == ':')
+			v = strtol(line + n + 1, NULL, 10);
 	if (f)
 		fclose(f);
 	return v;
@@ -1250,8 +1252,8 @@ int main(int argc, char **argv)
 		rss_pss(server, &srss, &spss);
 		t1 = now_ms();
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-		       "%ld %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0,
-		       memavailable_kb(), cpu_ms(ksmd),
+		       "%ld %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0,
+		       meminfo_kb("MemAvailable"), cpu_ms(ksmd),
 		       cpu_ms(server), server > 0 ? srss : 0, server > 0 ? spss : 0,
 		       ksm_sysfs_get("pages_shared"), ksm_sysfs_get("pages_sharing"),
 		       ksm_sysfs_get("ksm_zero_pages"), ksm_sysfs_get("merge_page_merged"),
@@ -1259,7 +1261,8 @@ int main(int argc, char **argv)
 		       popcount_map(seen[C_ZERO]), popcount_map(seen[C_OTHER]), t1 - t0,
 		       khugepaged_stat("pages_collapsed"), khugepaged_stat("full_scans"),
 		       popcount_map(seen[C_STALE]), kworker_cpu_ms(), busy_cpu_ms(),
-		       cpu_ms(getpid()), mem_pages, distinct, unused);
+		       cpu_ms(getpid()), mem_pages, distinct, unused,
+		       meminfo_kb("SwapTotal") - meminfo_kb("SwapFree"));
 		if ((long)(t1 - t0) < interval)
 			usleep((useconds_t)(interval - (long)(t1 - t0)) * 1000);
 	}

@@ -163,6 +163,9 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     assert h["server_unused"] == 50
     # kworkers have run since boot; the machine has been busy; the sampler too
     assert h["kworker_cpu_ms"] > 0 and h["busy_cpu_ms"] > 0 and h["sampler_cpu_ms"] >= 0
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    swap_used = int(meminfo["SwapTotal"].split()[0]) - int(meminfo["SwapFree"].split()[0])
+    assert abs(h["swap_used_kb"] - swap_used) <= 64 * 1024
 
 
 def test_sampler_reads_everything_after_a_mark(sampler: Path, tmp_path: Path) -> None:
@@ -528,7 +531,7 @@ def test_benchmark_names_scan_rates() -> None:
     assert "pageshare-pts[0-9]*) run_once_more" in driver
 
 
-def test_mixed_guests_get_their_own_reads() -> None:
+def test_mixed_guests_get_their_own_reads(tmp_path: Path) -> None:
     """--mixed: what the driver puts on guest i's kernel command line (from
     e2e.env, as driver.sh's start_guest evaluates it) makes guest-init.sh
     read and checksum MIXED[i - 1]'s directories after its delay."""
@@ -537,12 +540,12 @@ def test_mixed_guests_get_their_own_reads() -> None:
     init = (REPO / "bench/e2e/guest-init.sh").read_text()
     parse = init[init.index('grep_dirs="__GREP_DIRS__"'):init.index('sleep "$delay"')]
     parse = (parse.replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs)
-             .replace("$(cat /proc/cmdline)", "$cmdline"))
+             .replace("/proc/cmdline", str(tmp_path / "cmdline")))
     driver = (REPO / "bench/e2e/driver.sh").read_text()
     assert 'eval "gargs=\\${GUEST_ARGS_$i:-}"' in driver
     for i in (1, 2, 3):
         script = (e2e.mixed_env(st) + f"i={i}\n" + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
-                  + 'cmdline="console=ttyS0 panic=-1 $gargs"\n' + parse
+                  + f'echo "console=ttyS0 panic=-1 $gargs" > {tmp_path / "cmdline"}\n' + parse
                   + 'echo "$grep_dirs|$sum_dirs|$delay"\n')
         out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
                              check=True).stdout.strip()
