@@ -198,6 +198,14 @@ def test_guest_that_never_boots(tmp_path: Path, small_image: Path) -> None:
     assert list(r.workdir.iterdir()) == []
 
 
+def _default_sigint() -> None:
+    """Ctrl-C's default action in the analysis, whatever this test inherited:
+    a non-interactive shell starts its background jobs with SIGINT ignored
+    (POSIX), so `make test &` would pass the analysis an ignored SIGINT,
+    and Python installs no KeyboardInterrupt then."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
 def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
@@ -207,7 +215,7 @@ def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
     p = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "analyze", "--settle", "600",
                           "--lists-dir", str(tmp_path), "--db", str(tmp_path / "r.sqlite"),
                           str(small_image)], stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_default_sigint)
     assert p.stderr is not None
     seen = []
     deadline = time.monotonic() + 900
