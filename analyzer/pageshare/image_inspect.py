@@ -84,6 +84,12 @@ class ImageInfo:
                       "skipped": tuple(SkippedFs(**f) for f in d["skipped"])})
 
 
+# What the probe accepts, as its refusals say.
+ACCEPTED = ("a qcow2 image without a backing file, or a raw disk image that starts with a "
+            "partition table (MBR or GPT) or holds an ext2, ext3, ext4, XFS or btrfs file "
+            "system on the whole disk")
+
+
 def probe_format(path: Path) -> tuple[str, int]:
     """(format, virtual size) from qemu-img, with a clear error for non-images."""
     if not path.exists():
@@ -92,49 +98,92 @@ def probe_format(path: Path) -> tuple[str, int]:
         raise UserError(f"{path}: not a regular file", "give the path of a golden image file")
     if not os.access(path, os.R_OK):
         raise UserError(f"{path}: not readable", "check the file's permissions")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    # Raw images have no magic; qemu-img would call anything "raw".  Only
-    # accept raw when a partition table or a file system analyze-image maps
-    # (ext2/3/4, XFS, btrfs) starts the disk.
-    if magic != b"QFI\xfb" and not _looks_like_raw_disk(path):
-        raise UserError(f"{path}: not a disk image (neither qcow2 nor a raw disk with a "
-                        "partition table or an ext4, XFS or btrfs file system)",
-                        "analyze-image takes a qcow2 or raw golden image")
-    out = subprocess.run(["qemu-img", "info", "--output=json", str(path)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise UserError(f"{path}: qemu-img cannot read it: {out.stderr.strip()}",
+    info, error = _qemu_img_info(path)
+    if info is None:
+        raise UserError(f"{path}: qemu-img cannot read it: {error}",
                         "check that the file is a complete, uncorrupted image")
-    info = json.loads(out.stdout)
     fmt = info["format"]
+    # Raw images have no magic; qemu-img calls anything it does not know
+    # "raw".  Only accept raw when a partition table or a file system
+    # analyze-image maps (ext2/3/4, XFS, btrfs) starts the disk.
+    if fmt == "raw" and not _looks_like_raw_disk(path):
+        raise UserError(f"{path}: not a disk image (neither qcow2 nor another format qemu-img "
+                        "knows, nor a raw disk with a partition table or an ext2/3/4, XFS or "
+                        "btrfs file system on the whole disk)", f"analyze-image takes {ACCEPTED}")
     if fmt not in ("qcow2", "raw"):
-        raise UserError(f"{path}: image format {fmt} is not supported", "convert it with "
-                        "qemu-img convert -O qcow2")
+        raise UserError(f"{path}: image format {fmt} is not supported",
+                        f"analyze-image takes {ACCEPTED}: convert it with `qemu-img convert "
+                        f"-O qcow2 {path} IMAGE.qcow2` and analyze IMAGE.qcow2")
     if info.get("backing-filename"):
         raise _backing_file_error(path, info)
     check_damage(path, fmt)
     return fmt, int(info["virtual-size"])
 
 
-def _backing_file_error(path: Path, info: dict[str, object]) -> UserError:
-    """An overlay is refused; the hint depends on whether its backing file is there,
-    since `qemu-img convert` needs it to make a standalone image."""
-    named = str(info["backing-filename"])
-    full = Path(str(info.get("full-backing-filename") or named))
-    if not full.is_absolute():
-        full = path.parent / full
-    if not full.exists():
-        return UserError(f"{path}: has a backing file, {named}, and it is missing "
-                         f"(looked for {full})",
-                         "a golden image must be self-contained, and this one is an overlay "
-                         "whose base is not there: analyze the base image itself, or put it "
-                         f"back at {full} and run `qemu-img convert -O qcow2 {path} "
-                         "STANDALONE.qcow2`")
-    return UserError(f"{path}: has a backing file ({named})",
-                     "a golden image must be self-contained: `qemu-img convert -O qcow2 "
-                     f"{path} STANDALONE.qcow2` makes one from the overlay and its backing "
-                     "file, or analyze the base image itself")
+def _qemu_img_info(path: Path, fmt: str = "") -> tuple[dict[str, Any] | None, str]:
+    """qemu-img info's answer for one image (not its backing chain), or None
+    and why qemu-img could not read it."""
+    out = subprocess.run(["qemu-img", "info", "--output=json", *(["-f", fmt] if fmt else []),
+                          str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None, out.stderr.strip() or f"exit status {out.returncode}"
+    info: dict[str, Any] = json.loads(out.stdout)
+    return info, ""
+
+
+def _not_a_local_file(name: str) -> bool:
+    """A backing file qemu reaches through a protocol (nbd://..., json:{...}):
+    as qemu's path_has_protocol, a colon before any slash."""
+    return ":" in name.split("/", 1)[0]
+
+
+def _backing_file_error(path: Path, info: dict[str, Any]) -> UserError:
+    """An overlay is refused.  The hint depends on whether its backing chain
+    is all there, since `qemu-img convert` needs every file of it to make a
+    standalone image: a missing file is named as the image that records it
+    names it, with where qemu looks for it and what to do."""
+    first = str(info["backing-filename"])
+    convert = (f"`qemu-img convert -O qcow2 {path} STANDALONE.qcow2` makes a standalone "
+               "image of the overlay and its backing chain, to analyze instead (or analyze "
+               "the base image itself)")
+    holder, current, seen = path, info, {path.resolve()}
+    while current.get("backing-filename"):
+        named = str(current["backing-filename"])
+        # qemu resolves a relative name against the directory of the image that
+        # records it, as that image was named to qemu-img: the result is
+        # relative to our working directory, as path is.
+        full_name = str(current.get("full-backing-filename") or "")
+        if _not_a_local_file(full_name or named):
+            break           # on the network or in a json: spec; qemu-img reaches it or says why
+        full = Path(full_name) if full_name else holder.parent / named
+        where = os.path.abspath(full)
+        lead = f"{path}: has a backing file, {first}," + (
+            "" if holder == path else
+            f" whose backing chain is broken: {holder} has a backing file, {named},")
+        if not full.exists():
+            fmt = current.get("backing-filename-format")
+            return UserError(
+                f"{lead} and it is missing (looked for {where})",
+                f"a golden image must be self-contained, and {holder} is an overlay whose "
+                f"base is not there: put {named} back at {where} (or, if it was moved, point "
+                f"{holder} at it with `qemu-img rebase -u {f'-F {fmt} ' if fmt else ''}"
+                f"-b NEW_PATH {holder}`); then {convert}")
+        if full.resolve() in seen:
+            return UserError(f"{lead} and the backing chain loops back to {where}",
+                             "a golden image must be self-contained, and no qemu tool can "
+                             "read this overlay: analyze the base image itself")
+        seen.add(full.resolve())
+        next_info, error = _qemu_img_info(full, str(current.get("backing-filename-format")
+                                                     or ""))
+        if next_info is None:
+            return UserError(
+                f"{lead} and qemu-img cannot read it ({where}): {error}",
+                "a golden image must be self-contained, and making one from this overlay "
+                f"needs its whole backing chain: make {where} readable and complete; then "
+                f"{convert}")
+        holder, current = full, next_info
+    return UserError(f"{path}: has a backing file ({first})",
+                     f"a golden image must be self-contained: {convert}")
 
 
 def _damaged(path: Path, what: str, fmt: str) -> UserError:
@@ -150,8 +199,9 @@ def check_damage(path: Path, fmt: str) -> None:
 
     qcow2: `qemu-img check` (metadata only, well under a second); corruptions
     such as clusters past the end of a truncated file are fatal, leaked
-    clusters are not.  raw: a partition (MBR or GPT), or an ext file system on
-    the whole disk, that ends past the end of the file means it was cut short.
+    clusters are not.  raw: a partition (MBR or GPT), or an ext, XFS or btrfs
+    file system on the whole disk, that ends past the end of the file means it
+    was cut short.
     """
     if fmt == "qcow2":
         out = subprocess.run(["qemu-img", "check", str(path)], capture_output=True, text=True)
@@ -176,8 +226,8 @@ def check_damage(path: Path, fmt: str) -> None:
 
 def _data_end(path: Path) -> int:
     """Where a raw disk's content must reach: the end in bytes of the last
-    partition in the MBR or GPT, or of an ext file system on the whole disk;
-    0 if neither is there."""
+    partition in the MBR or GPT, or of an ext, XFS or btrfs file system on the
+    whole disk; 0 if none is there."""
     with open(path, "rb") as f:
         head = f.read(2048)
         if len(head) < 2048:

@@ -32,7 +32,24 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_not_an_image(tmp_path: Path) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("this is not a disk image\n" * 200)
-    assert_clean_failure(run_analyze(tmp_path, str(f)), "not a disk image")
+    r = run_analyze(tmp_path, str(f))
+    assert_clean_failure(r, "not a disk image")
+    # The refusal says what analyze-image takes.
+    assert "raw disk image that starts with a partition table (MBR or GPT) or holds an ext2, " \
+           "ext3, ext4, XFS or btrfs file system on the whole disk" in " ".join(r.stderr.split())
+
+
+def test_an_image_format_analyze_image_does_not_take_is_named(tmp_path: Path) -> None:
+    """A VMDK is a disk image, not "not a disk image": its format is named, and
+    the conversion the hint gives makes an image the probe takes."""
+    vmdk = tmp_path / "golden.vmdk"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "vmdk", str(vmdk), "64M"], check=True)
+    with pytest.raises(UserError, match="image format vmdk is not supported") as e:
+        probe_format(vmdk)
+    convert = f"qemu-img convert -O qcow2 {vmdk} IMAGE.qcow2"
+    assert convert in e.value.hint
+    subprocess.run(convert.split(), check=True, cwd=tmp_path)
+    assert probe_format(tmp_path / "IMAGE.qcow2") == ("qcow2", 64 << 20)
 
 
 def cut(src: Path, dest: Path, size: int) -> Path:
@@ -111,6 +128,84 @@ def test_image_whose_backing_file_is_missing(tmp_path: Path) -> None:
     assert "analyze the base image itself" in r.stderr
     error = json_error(run_analyze(tmp_path, "--json", str(f)), "user-error", "missing")
     assert str(base) in str(error["hint"])
+
+
+def qcow2(path: Path, backing: str = "", fmt: str = "qcow2", unsafe: bool = False) -> Path:
+    """A 64 MiB qcow2 (an overlay of BACKING, named as given, if any)."""
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *(["-u"] if unsafe else []),
+                    *(["-b", backing, "-F", fmt] if backing else []), str(path), "64M"],
+                   check=True)
+    return path
+
+
+@pytest.mark.usefixtures("host_guard")
+def test_an_overlay_given_by_a_relative_path_finds_its_base(tmp_path: Path) -> None:
+    """qemu-img gives a relative backing file already joined to the overlay's
+    directory: a base that is there is not called missing."""
+    (tmp_path / "images").mkdir()
+    qcow2(tmp_path / "images/base.qcow2")
+    qcow2(tmp_path / "images/overlay.qcow2", "base.qcow2")
+    r = run_analyze(tmp_path, "images/overlay.qcow2")       # run in tmp_path
+    assert_clean_failure(r, "images/overlay.qcow2: has a backing file (base.qcow2)")
+    assert "missing" not in r.stderr
+    assert "qemu-img convert -O qcow2 images/overlay.qcow2 STANDALONE.qcow2" in " ".join(
+        r.stderr.split())
+
+
+def test_a_missing_file_further_down_the_backing_chain_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """base <- mid <- top, base gone: `qemu-img convert` of top cannot work, so
+    the error names the missing file as mid records it, and what the hint
+    says to do makes an image the probe takes."""
+    monkeypatch.chdir(tmp_path)
+    qcow2(tmp_path / "base.qcow2")
+    qcow2(tmp_path / "mid.qcow2", "base.qcow2")
+    top = qcow2(tmp_path / "top.qcow2", "mid.qcow2")
+    (tmp_path / "base.qcow2").rename(tmp_path / "moved.qcow2")
+    with pytest.raises(UserError) as e:
+        probe_format(top)
+    mid, base = tmp_path / "mid.qcow2", tmp_path / "base.qcow2"
+    assert e.value.message == (f"{top}: has a backing file, mid.qcow2, whose backing chain "
+                               f"is broken: {mid} has a backing file, base.qcow2, and it is "
+                               f"missing (looked for {base})")
+    assert f"put base.qcow2 back at {base}" in e.value.hint
+    rebase = f"qemu-img rebase -u -F qcow2 -b NEW_PATH {mid}"
+    assert rebase in e.value.hint
+    # Do as the hint says: point mid at the moved base, then convert.
+    subprocess.run(rebase.replace("NEW_PATH", str(tmp_path / "moved.qcow2")).split(),
+                   check=True)
+    convert = f"qemu-img convert -O qcow2 {top} STANDALONE.qcow2"
+    assert convert in e.value.hint
+    subprocess.run(convert.split(), check=True)
+    assert probe_format(tmp_path / "STANDALONE.qcow2") == ("qcow2", 64 << 20)
+
+
+def test_a_backing_file_qemu_img_cannot_read(tmp_path: Path) -> None:
+    (tmp_path / "base.qcow2").write_text("not an image\n")
+    f = qcow2(tmp_path / "overlay.qcow2", str(tmp_path / "base.qcow2"), unsafe=True)
+    with pytest.raises(UserError, match=r"has a backing file, .*base.qcow2, and qemu-img cannot "
+                                        r"read it \(.*base.qcow2\): .*not in qcow2 format") as e:
+        probe_format(f)
+    assert f"make {tmp_path / 'base.qcow2'} readable and complete" in e.value.hint
+
+
+def test_a_backing_chain_that_loops(tmp_path: Path) -> None:
+    a = qcow2(tmp_path / "a.qcow2", "b.qcow2", unsafe=True)
+    qcow2(tmp_path / "b.qcow2", "a.qcow2", unsafe=True)
+    with pytest.raises(UserError, match=f"{tmp_path / 'b.qcow2'} has a backing file, a.qcow2, "
+                                        f"and the backing chain loops back to {a}"):
+        probe_format(a)
+
+
+def test_a_backing_file_that_is_no_local_file_is_not_called_missing(tmp_path: Path) -> None:
+    """nbd://, json:{...}: qemu reaches those itself; nothing to look for here."""
+    for name in ("nbd://127.0.0.1:10809/golden", 'json:{"driver":"file","filename":"/x"}'):
+        f = qcow2(tmp_path / "overlay.qcow2", name, fmt="raw", unsafe=True)
+        with pytest.raises(UserError, match="has a backing file") as e:
+            probe_format(f)
+        assert e.value.message == f"{f}: has a backing file ({name})"
+        assert f"qemu-img convert -O qcow2 {f} STANDALONE.qcow2" in e.value.hint
+        f.unlink()
 
 
 @pytest.mark.parametrize("mkfs", [["mkfs.xfs", "-q", "-f"], ["mkfs.btrfs", "-q", "-f"]],
