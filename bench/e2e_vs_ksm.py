@@ -102,7 +102,9 @@ REPLACED_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "was_p
 # what the merge trace says of their address (e2e_sampler.c: follow_listed)
 FALLBACK_FIELDS = ["cfg", "t_ms", "guest", "partial", "unaligned", "no_table", "not_ram",
                    "merge_failed", "unsupported", "unproven", "merges_traced",
-                   "unshared_unmerged", "unshared_unseen"]
+                   "unshared_unmerged", "unshared_unseen", "batch1", "batch2", "batch4",
+                   "batch8", "batch16", "batch32", "batch64"]
+BATCH_FIELDS = FALLBACK_FIELDS[-7:]
 # E2E-L: a listed page not shared at an address merged since a sample last
 # saw it shared
 LOST_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "block",
@@ -408,7 +410,8 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
                 if kind == "E2E-U ":
                     rows["replaced"].append(line.split()[1:])
                 elif kind == "E2E-F ":
-                    rows["fallback"].append(line.split()[1:])
+                    r = line.split()[1:]
+                    rows["fallback"].append(r + ["-1"] * (len(FALLBACK_FIELDS) - len(r)))
                 elif kind == "E2E-L ":
                     rows["lost"].append(line.split()[1:])
                 elif kind == "E2E-GLOG ":
@@ -632,11 +635,27 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
         c.update(at_reads_end(series, stamps[cfg]))
+        c["merge_batches"] = merge_batches(rows["fallback"], cfg, t_begin, t_end)
         c.update(census(hs, series, gids, at))
         c.update(cpu_beyond(hs))
         out["configs"][cfg] = c
     sharing_costs(out["configs"])
     return out
+
+
+def merge_batches(fallback: list[list[str]], cfg: str, t_begin: int, t_end: int
+                  ) -> list[int] | None:
+    """The filters' merge_pages calls by the blocks each carried (1, 2-3,
+    4-7 ... 64 or more), summed over the guests' last readings in the
+    configuration; None without them (no filter, or an older sampler)."""
+    last: dict[str, list[int]] = {}
+    for r in fallback:
+        d = dict(zip(FALLBACK_FIELDS, r, strict=True))
+        if d["cfg"] == cfg and t_begin <= int(d["t_ms"]) <= t_end and int(d["batch1"]) >= 0:
+            last[d["guest"]] = [int(d[k]) for k in BATCH_FIELDS]
+    if not last:
+        return None
+    return [sum(v[i] for v in last.values()) for i in range(len(BATCH_FIELDS))]
 
 
 def at_reads_end(series: dict[int, list[dict[str, int]]],
@@ -783,7 +802,11 @@ def share_lag(series: dict[int, list[dict[str, int]]], gids: list[int],
 
 
 def fmt(v: Any, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
+    if v is None:
+        return "-"
+    if spec == "batches":
+        return " / ".join(map(str, v))
+    return format(v, spec)
 
 
 def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
@@ -819,6 +842,8 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("pageshare s per GiB merged (merge wall time + server CPU)",
          "pageshare_cpu_s_per_gib", ".1f"),
         ("merges left to ksmd (EAGAIN etc.)", "merge_failed", "d"),
+        ("merge_pages calls by blocks carried: 1 / 2-3 / 4-7 / 8-15 / 16-31 / 32-63 / 64",
+         "merge_batches", "batches"),
         ("guest booted and root mounted, s after start (mean)", "boot_s_mean", ".0f"),
         ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),

@@ -39,11 +39,14 @@
  *         below)
  *   E2E-F cfg t guest partial unaligned no_table not_ram merge_failed
  *         unsupported unproven merges_traced unshared_unmerged
- *         unshared_unseen
+ *         unshared_unseen batch1 batch2 batch4 batch8 batch16 batch32
+ *         batch64
  *         (the filter's fallback counters; with a TRACE_LOG, the merges
  *         read from it so far, and of the listed pages not shared, those
  *         at an address the filter never merged and those merged there
- *         that no sample has seen shared since their merge)
+ *         that no sample has seen shared since their merge; and the
+ *         filter's merge_pages calls by the blocks they carried, its
+ *         merge-batches: 1, 2-3, 4-7 ... 64 or more)
  *   E2E-L cfg t guest offset pfn kpageflags block ms_since_merge
  *         (the first MAX_TRACE of the latter per guest)
  *
@@ -613,7 +616,8 @@ static int qmp_passthrough(const char *sock, const char *json)
 
 /* The pageshare node's counters, or -1s without a filter. */
 #define NSTATS 12
-static void filter_stats(struct guest *g, long out[NSTATS])
+#define NBATCHES 7
+static void filter_stats(struct guest *g, long out[NSTATS], long batches[NBATCHES])
 {
 	static const char *const keys[NSTATS] = {
 		"requests", "merged", "merge-ns", "fallback-merge-failed",
@@ -628,6 +632,8 @@ static void filter_stats(struct guest *g, long out[NSTATS])
 
 	for (int i = 0; i < NSTATS; i++)
 		out[i] = -1;
+	for (int i = 0; i < NBATCHES; i++)
+		batches[i] = -1;
 	if (g->qmp < 0)
 		return;
 	r = qmp(g, "{\"execute\": \"query-blockstats\", "
@@ -643,6 +649,16 @@ static void filter_stats(struct guest *g, long out[NSTATS])
 	obj[e - p] = 0;
 	for (int i = 0; i < NSTATS; i++)
 		out[i] = num(obj, keys[i]);
+	p = strstr(obj, "\"merge-batches\": [");
+	for (int i = 0; p && i < NBATCHES; i++) {
+		char *end;
+
+		p += i ? 1 : strlen("\"merge-batches\": [");
+		batches[i] = strtol(p, &end, 10);
+		p = end == p ? NULL : strpbrk(end, ",]");
+		if (p && *p == ']' && i + 1 < NBATCHES)
+			p = NULL;
+	}
 }
 
 /* ------------------------------------------------------- guest memory */
@@ -1226,12 +1242,12 @@ int main(int argc, char **argv)
 		read_server_pfns(server);
 		for (int i = 0; i < ng; i++) {
 			struct counts c;
-			long rss, pss, fs[NSTATS];
+			long rss, pss, fs[NSTATS], fb[NBATCHES];
 
 			read_merge_trace(&g[i], t0);
 			scan_guest(&g[i], &c, full, cfg, t0);
 			rss_pss(g[i].pid, &rss, &pss);
-			filter_stats(&g[i], fs);
+			filter_stats(&g[i], fs, fb);
 			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
 			       "%ld %ld %ld %ld %ld %d %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0, i,
 			       cpu_ms(g[i].pid),
@@ -1240,9 +1256,11 @@ int main(int argc, char **argv)
 			       full, c.on_server, c.stale, c.stale_shared, c.unshared_server,
 			       c.unshared_replaced, c.unshared_thp, c.unshared_never);
 			if (full && g[i].qmp >= 0)
-				printf("E2E-F %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld\n",
+				printf("E2E-F %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld"
+				       " %ld %ld %ld %ld %ld %ld %ld\n",
 				       cfg, t0, i, fs[5], fs[6], fs[7], fs[8], fs[9], fs[10], fs[11],
-				       g[i].merges_traced, c.unshared_unmerged, c.unshared_unseen);
+				       g[i].merges_traced, c.unshared_unmerged, c.unshared_unseen,
+				       fb[0], fb[1], fb[2], fb[3], fb[4], fb[5], fb[6]);
 		}
 		if (full) {
 			unused = census_server(server);

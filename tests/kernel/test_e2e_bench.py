@@ -22,10 +22,12 @@ import json
 import os
 import random
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,70 @@ def test_sampler_reads_everything_after_a_mark(sampler: Path, tmp_path: Path) ->
     # 1st: the schedule's; 2nd: not; 3rd: maybe still the pass under way
     # when the mark came; 4th at the latest: the mark's
     assert full[0] == 1 and full[1] == 0 and 1 in full[2:]
+
+
+def test_sampler_reads_the_filters_merge_batches(sampler: Path, tmp_path: Path) -> None:
+    """The sampler reads the filter's counters from QMP (here a QMP socket
+    that answers as QEMU with the filter does), its merge-batches list
+    among them, and the summary adds the guests' last readings up."""
+    sock_path = tmp_path / "qmp.sock"
+    stats = {"driver": "pageshare", "connected": True, "requests": 5, "merged": 9,
+             "merge-ns": 100, "fallback-merge-failed": 0, "fallback-not-listed": 1,
+             "fallback-partial": 2, "fallback-unaligned": 3, "fallback-no-table": 4,
+             "fallback-not-guest-ram": 5, "fallback-unsupported": 6,
+             "fallback-unproven": 7, "merge-batches": [3, 0, 1, 0, 0, 11, 2],
+             "merge-calls": 17}
+    reply = json.dumps({"return": [{"node-name": "ps", "driver-specific": stats}]})
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock_path))
+    srv.listen(1)
+
+    def qmp() -> None:
+        conn, _ = srv.accept()
+        with conn, conn.makefile("rw") as f:
+            f.write('{"QMP": {"version": {}, "capabilities": []}}\n')
+            f.flush()
+            for line in f:
+                cmd = json.loads(line)["execute"]
+                f.write((reply if cmd == "query-blockstats" else '{"return": {}}') + "\n")
+                f.flush()
+
+    t = threading.Thread(target=qmp, daemon=True)
+    t.start()
+    (tmp_path / "none.hashes").write_bytes(b"")
+    guest = subprocess.Popen([sys.executable, "-c", HOLDER, "guest", "1"],
+                             stdout=subprocess.PIPE, text=True)
+    sam = None
+    try:
+        assert guest.stdout is not None
+        pid = int(guest.stdout.readline())
+        sam = subprocess.Popen([str(sampler), "pageshare", str(tmp_path / "none.hashes"), "100",
+                                "0", "16", f"{pid}:{sock_path}"], stdout=subprocess.PIPE,
+                               text=True)
+        assert sam.stdout is not None
+        lines = []
+        for line in sam.stdout:
+            lines.append(line)
+            if line.startswith("E2E-H "):
+                break
+    finally:
+        for p in [guest, *([sam] if sam else [])]:
+            p.kill()
+            p.wait()
+        srv.close()
+    rows = e2e.parse(lines)
+    f = dict(zip(e2e.FALLBACK_FIELDS, rows["fallback"][0], strict=True))
+    assert [f[k] for k in ("partial", "unaligned", "no_table", "not_ram", "unsupported",
+                           "unproven")] == ["2", "3", "4", "5", "6", "7"]
+    assert [int(f[k]) for k in e2e.BATCH_FIELDS] == [3, 0, 1, 0, 0, 11, 2]
+    g = dict(zip(e2e.GUEST_FIELDS, rows["E2E-G"][0], strict=True))
+    assert (g["requests"], g["merged"], g["merge_ns"]) == ("5", "9", "100")
+    # two guests' last readings add up; an older sampler's rows have none
+    two = [[*r[:2], str(gi), *r[3:]] for r in rows["fallback"] for gi in (0, 1)]
+    t0 = int(two[0][1])
+    assert e2e.merge_batches(two, "pageshare", t0, t0) == [6, 0, 2, 0, 0, 22, 4]
+    old = [r[:13] + ["-1"] * 7 for r in two]
+    assert e2e.merge_batches(old, "pageshare", t0, t0) is None
 
 
 def test_sampler_usage_error(sampler: Path) -> None:
