@@ -40,6 +40,7 @@ docs/ARCHITECTURE.md ("End to end") for why not a full multi-user boot.
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import dataclasses
 import gzip
@@ -247,6 +248,17 @@ path = "/pageshare/base.qcow2"
 format = "qcow2"
 list_file = "/tmp/pageshare/base.pcsl"
 """
+# --feedback: the server publishes what its guests read to a Redis in the
+# host VM (driver.sh starts it), often, so that the summary the driver dumps
+# after each filter configuration is at most one interval old
+FEEDBACK_TOML = """
+[redis]
+url = "unix:///tmp/redis.sock"
+prefix = "pageshare"
+
+[feedback]
+interval_secs = 10
+"""
 
 
 @dataclass
@@ -269,6 +281,7 @@ class Settings:
     migrate_mbit: int = 1000    # max-bandwidth of each migration
     mixed: bool = False         # guests not in lockstep (MIXED)
     pressure_mib: int = 0       # host memory pressure: filler MiB (driver.sh pressure_on)
+    feedback: bool = False      # Redis in the host VM, the read feedback dumped (feedback.json)
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -337,6 +350,13 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             str(sampler), str(REPO / "kernel-syscall/tests/e2e_sampler.c"),
             str(lib / "ksm_sysfs.c")])
     bins = [qemu / "bin" / b for b in kt.QEMU_BINARIES] + [server]
+    if st.feedback:
+        for b in ("redis-server", "redis-cli"):
+            found = shutil.which(b)
+            if not found:
+                raise BenchError(f"--feedback runs {b} in the pageshare host: install "
+                                 "Debian's redis-server (scripts/install-deps.sh does)")
+            bins.append(Path(found))
     with tempfile.TemporaryDirectory(prefix="e2e-payload-", dir="/var/tmp") as td:
         top = Path(td)
         pd = top / "pageshare"
@@ -359,7 +379,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
         (pd / "base-half.pcsl").write_text(half_list(pcsl))
         (pd / "listed.hashes").write_bytes(hashes)
         (pd / "stale.hashes").write_bytes(stale_hashes(st.stale_mib))
-        (pd / "server.toml").write_text(SERVER_TOML)
+        (pd / "server.toml").write_text(SERVER_TOML + (FEEDBACK_TOML if st.feedback else ""))
         shutil.copy2(REPO / "bench/e2e/driver.sh", pd / "driver.sh")
         (pd / "e2e.env").write_text(
             f"GUESTS={st.guests}\nGUEST_MIB={st.guest_mib}\nOBSERVE={st.observe}\n"
@@ -367,7 +387,8 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             f"BOOT_TIMEOUT={st.boot_timeout}\n"
             f"CONFIGS='{' '.join(st.configs)}'\n")
         with open(pd / "e2e.env", "a") as env:
-            env.write(migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n")
+            env.write(migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n"
+                      f"FEEDBACK={int(st.feedback)}\n")
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
         cpio_gz(top, out)
@@ -429,6 +450,33 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
                     want = len(HOST_FIELDS if kind == "E2E-H " else GUEST_FIELDS)
                     rows[kind.strip()].append(r + ["-1"] * (want - len(r)))
     return rows
+
+
+def feedback_summaries(lines: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The read feedback the driver dumped (--feedback): per configuration,
+    per Redis key, the summary's fields as the server published them, the
+    blocks field as bytes (feedback.py's record layout)."""
+    out: dict[str, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
+    b64: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for line in lines:
+        parts = line.strip().split(" ", 4)
+        if parts[0] == "E2E-FB" and len(parts) >= 4:
+            out[parts[1]][parts[2]][parts[3]] = parts[4] if len(parts) == 5 else ""
+        elif parts[0] == "E2E-FBB" and len(parts) == 4:
+            b64[(parts[1], parts[2])].append(parts[3])
+    for (cfg, key), chunks in b64.items():
+        raw = base64.b64decode("".join(chunks))
+        # redis-cli --raw ends the value with a newline
+        out[cfg][key]["blocks"] = raw[:-1] if raw.endswith(b"\n") and len(raw) % 20 == 1 else raw
+    return {c: dict(v) for c, v in out.items()}
+
+
+def write_feedback(path: Path, fb: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """feedback_summaries() as gzipped JSON, the blocks in base64."""
+    path.write_bytes(gzip.compress(json.dumps(
+        {c: {k: {f: (base64.b64encode(v).decode() if f == "blocks" else v)
+                 for f, v in fields.items()} for k, fields in keys.items()}
+         for c, keys in fb.items()}).encode()))
 
 
 def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> None:
@@ -966,6 +1014,9 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
     write_csv(out / "events.csv", ["cfg", "t_ms", "event", "detail"], rows["ev"])
     write_csv(out / "guests.csv", ["cfg", "guest", "marks"], rows["guest"])
     summary = summarize(rows, st, nlisted)
+    fb = feedback_summaries(lines)
+    if fb:
+        write_feedback(out / "feedback.json.gz", fb)
     for h in summary.get("boot_hangs", []):
         rips = [int(x, 16) for x in h["detail"].partition("RIP")[2].split()
                 if all(c in "0123456789abcdef" for c in x)]
@@ -1025,6 +1076,10 @@ def main() -> int:
     ap.add_argument("--frontier", action="store_true",
                     help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} "
                          "(about 90 min of VM time)")
+    ap.add_argument("--feedback", action="store_true",
+                    help="a Redis in the pageshare host for the server's read feedback; "
+                         "what it published after each filter configuration goes to "
+                         "feedback.json.gz (bench/feedback_round.py refines a list from it)")
     ap.add_argument("--pressure", type=int, default=0, metavar="MIB",
                     help="host memory pressure in every configuration: a never-read "
                          "tmpfs file of MIB MiB written before the guests start, with a "
@@ -1078,7 +1133,7 @@ def main() -> int:
     st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
                   configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
                   args.boot_timeout, args.stale_mib, args.migrate, args.migrate_ksm_cap,
-                  args.migrate_mbit, args.mixed, args.pressure)
+                  args.migrate_mbit, args.mixed, args.pressure, args.feedback)
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built

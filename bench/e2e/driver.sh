@@ -54,6 +54,7 @@ fail() {
     fi
     restore_khp
     pressure_off
+    redis_stop
     exit 1
 }
 
@@ -192,6 +193,44 @@ pressure_off() {
     umount $W/pressure 2>/dev/null
     return 0
 }
+# --feedback (FEEDBACK=1): a Redis in the host VM for the server's read
+# feedback ([feedback] in server.toml); emptied before each filter
+# configuration, and what the server published dumped after it:
+#   E2E-FB cfg key field value     the summary's text fields
+#   E2E-FBB cfg key line           its blocks field, base64, line by line
+RSOCK=/tmp/redis.sock
+redis_pid=0
+redis_start() {
+    [ "${FEEDBACK:-0}" = 1 ] || return 0
+    $P/bin/redis-server --unixsocket $RSOCK --port 0 --save "" --appendonly no \
+        > $W/redis.log 2>&1 &
+    redis_pid=$!
+    wait_file $RSOCK 60 || fail "redis-server did not start: $(tail -3 $W/redis.log)"
+}
+redis_stop() {
+    [ "$redis_pid" != 0 ] || return 0
+    kill "$redis_pid" 2>/dev/null
+    wait "$redis_pid" 2>/dev/null
+    redis_pid=0
+}
+rcli() { $P/bin/redis-cli -s $RSOCK --raw "$@"; }
+feedback_reset() {
+    [ "${FEEDBACK:-0}" = 1 ] || return 0
+    rcli FLUSHALL > /dev/null || fail "redis: FLUSHALL failed"
+}
+feedback_dump() {
+    [ "${FEEDBACK:-0}" = 1 ] || return 0
+    for key in $(rcli KEYS 'pageshare:feedback:*'); do
+        case $key in *:hosts) continue ;; esac
+        for f in host image since updated guests version; do
+            echo "E2E-FB $cfg $key $f $(rcli HGET "$key" $f)"
+        done
+        # --raw ends the value with a newline: the reader drops it
+        rcli HGET "$key" blocks > $W/fb-blocks
+        base64 $W/fb-blocks | sed "s|^|E2E-FBB $cfg $key |"
+    done
+}
+
 swap_off() {
     grep -q '^/dev/zram0 ' /proc/swaps || return 0
     swapoff /dev/zram0 && echo 1 > /sys/block/zram0/reset
@@ -409,6 +448,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
         echo 1 > $K/run
     fi
     if [ "$c_filter" = 1 ]; then
+        feedback_reset
         # the full list, in a place a reload may replace it
         mkdir -p /tmp/pageshare
         cp $P/base.pcsl "$LIST"
@@ -457,6 +497,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     [ "$c_filter" = 1 ] && ev server-log "$(tr '\n' '|' < $W/server.log | cut -c1-600)"
     sleep "$OBSERVE"
     ev end
+    [ "$c_filter" = 1 ] && feedback_dump
     for i in $(seq 1 "$GUESTS"); do dump_guest_log "$i"; done
     [ "${MIGRATE:-0}" = 1 ] && [ "$cfg" = pageshare ] && migrate_phase
     stop_all
@@ -709,6 +750,7 @@ run_once_more() { # run_config's arguments
 }
 
 mkdir -p $W
+redis_start
 ev ksm-saved "$saved_ksm"
 ev khugepaged-max-ptes-shared "0 (was ${saved_khp:-not settable})"
 for c in $CONFIGS; do
@@ -728,5 +770,6 @@ cfg=all
 restore_ksm
 restore_khp
 swap_off
+redis_stop
 ev ksm-restored "$(cat $K/run)"
 ev finished
