@@ -10,7 +10,8 @@ export PAGESHARE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pageshare
 CARGO := PATH="$$PATH:$(HOME)/.cargo/bin" CARGO_TARGET_DIR="$(PAGESHARE_CACHE)/cargo-target" cargo
 # The project's shell scripts (bench/e2e's run under busybox sh: POSIX).
 SHELL_SCRIPTS := $(shell git ls-files '*.sh') .ci/run analyzer/pageshare-libvirt-hook \
-	packaging/pageshare/debian/pageshare.postinst \
+	packaging/pageshare-host/debian/pageshare-host.postinst \
+	packaging/pageshare-host/debian/pageshare-host.postrm \
 	packaging/pageshare-server/debian/pageshare-server.postrm
 
 .PHONY: deps demo test lint unit kernel-test packages kernel-package kernel-package-test clean

@@ -9,25 +9,33 @@
 
 Packages (``--list``):
 
-- ``pageshare``: ``analyze-image`` and ``pageshare`` (/usr/bin wrappers of a
-  private application in ``/usr/lib/pageshare``: the analyzer's modules in
-  ``python/``, and drgn, redis and async-timeout from PyPI wheels pinned by
-  hash in ``packaging/pageshare/requirements.txt``, one copy per Python
-  version in ``python3.11/`` and ``python3.13/``, since drgn is compiled and
-  Debian 12's python3-drgn cannot read 6.12 kernels), the crash extension
+- ``pageshare-host``: the host tools, for every hypervisor: ``/usr/bin/pageshare``
+  (host check, attach/detach, libvirt-watch, libvirt-hook) with only their
+  modules (``cli.HOST_MODULES``, standard library only: the build runs each
+  command's ``--help`` from that tree and refuses an import of drgn,
+  libguestfs or redis) in ``/usr/lib/pageshare/python``, manual page made by
+  help2man from ``--help``, and ``pageshare-libvirt-watch.service``,
+  enabled but run only where libvirtd and python3-libvirt are installed,
+  the libvirt qemu hook ``/etc/libvirt/hooks/qemu.d/pageshare`` (the filter
+  on a live migration's destination; the postinst reloads a running
+  libvirtd, which looks for hooks only when it starts or reloads), their
+  configuration ``/etc/pageshare/libvirt.toml`` (every key commented out:
+  the defaults).  Architecture all, Depends python3 only.
+- ``pageshare``: the analyzer, for the machine that analyzes images:
+  ``analyze-image`` (a link to pageshare-host's ``/usr/bin/pageshare``,
+  on which it depends, same version), the analyzer's modules (every module
+  but the host tools') beside the host tools' in ``python/``, and drgn,
+  redis and async-timeout from PyPI wheels pinned by hash in
+  ``packaging/pageshare/requirements.txt``, one copy per Python version in
+  ``python3.11/`` and ``python3.13/``, since drgn is compiled and Debian
+  12's python3-drgn cannot read 6.12 kernels), the crash extension
   ``pagescan.so`` built at package build time with the crash version it was
   built for (``datafiles.py`` refuses it under another crash), the results
-  notebook in ``/usr/share/pageshare/notebooks`` (``pageshare report``),
-  manual pages made by help2man from ``--help``, and
-  ``pageshare-libvirt-watch.service``, enabled but run only where libvirtd
-  and python3-libvirt are installed, the libvirt qemu hook
-  ``/etc/libvirt/hooks/qemu.d/pageshare`` (the filter on a live migration's
-  destination; the postinst reloads a running libvirtd, which looks for
-  hooks only when it starts or reloads) and their configuration
-  ``/etc/pageshare/libvirt.toml`` (every key commented out: the defaults).
-  The wheels are downloaded before the build (into the source tree's
-  ``vendor/``, pip's cache in the package cache), so dpkg-buildpackage runs
-  offline.
+  notebook in ``/usr/share/pageshare/notebooks`` (``pageshare report``) and
+  analyze-image's manual page.  The wheels are downloaded before the build
+  (into the source tree's ``vendor/``, pip's cache in the package cache),
+  so dpkg-buildpackage runs offline.  Both packages' versions are
+  ``pageshare.__version__`` (checked).
 - ``pageshare-server``: ``/usr/bin/pageshare-server``, its systemd unit
   (``page-server/pageshare-server.service``, enabled on install but with
   ``ConditionPathExists=/etc/pageshare/server.toml``, so nothing runs until
@@ -105,6 +113,7 @@ REPO = HERE.parent
 # The analyzer's standard-library-only cache root (PAGESHARE_CACHE).
 sys.path.insert(0, str(REPO / "analyzer"))
 from pageshare import cache  # noqa: E402
+from pageshare.cli import HOST_MODULES  # noqa: E402
 
 CACHE = cache.cache_root() / "packages"
 # Bump when the way packages are built changes in a way the inputs do not show.
@@ -133,6 +142,10 @@ class Package:
     external: Callable[[Path], dict[str, Path]] | None = None
     # Debian packages the build uses beyond TOOLS, whose versions go into the key.
     tools: tuple[str, ...] = ()
+    # Paths (regular expressions, relative to the package root) the .deb must not hold.
+    forbidden: tuple[str, ...] = ()
+    # The checkout's pageshare/__init__.py whose __version__ the changelog must give.
+    python_init: str | None = None
 
     def source_of(self, dest: str) -> str:
         """The checkout path that becomes ``dest`` in the source tree."""
@@ -151,9 +164,15 @@ VENDOR_PYTHONS = ("3.11", "3.13")
 WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
 
-def _pageshare_prepare(tree: Path) -> None:
+def _host_prepare(tree: Path) -> None:
     shutil.copy2(tree / "pageshare-libvirt-watch.service",
-                 tree / "debian" / "pageshare.pageshare-libvirt-watch.service")
+                 tree / "debian" / "pageshare-host.pageshare-libvirt-watch.service")
+
+
+def _pageshare_prepare(tree: Path) -> None:
+    # pageshare-host installs these modules; debian/rules leaves them out.
+    (tree / "debian" / "host-modules").write_text(
+        "".join(f"{m}.py\n" for m in HOST_MODULES))
     # The wheels of vendor/requirements.txt, hash-checked by pip, for each
     # Python version: the build itself runs offline.
     wheels = tree / "vendor" / "wheels"
@@ -222,42 +241,70 @@ def _qemu_prepare(tree: Path) -> None:
     changelog.write_text(text[:m.start(1)] + exact + text[m.end(1):])
 
 
+MODULES = "usr/lib/pageshare/python/pageshare"
+HOST_FILES = (
+    "usr/bin/pageshare",
+    *(f"{MODULES}/{m}.py" for m in HOST_MODULES),
+    "lib/systemd/system/pageshare-libvirt-watch.service",
+    "etc/libvirt/hooks/qemu.d/pageshare",
+    "etc/pageshare/libvirt.toml",
+    "usr/share/man/man1/pageshare.1.gz",
+)
+_HOST_MODULES_RE = "|".join(HOST_MODULES)
+
 PACKAGES: dict[str, Package] = {
+    "pageshare-host": Package(
+        name="pageshare-host",
+        sources={
+            **{f"analyzer/pageshare/{m}.py": f"python/pageshare/{m}.py" for m in HOST_MODULES},
+            "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
+            "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
+            "analyzer/libvirt.toml": "libvirt.toml",
+            "packaging/pageshare-host/bin/pageshare": "bin/pageshare",
+            "README.md": "README.md",
+            "packaging/pageshare-host/debian": "debian",
+        },
+        must_contain=(*HOST_FILES, "usr/share/doc/pageshare-host/copyright"),
+        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"),
+        needs_cargo=False,
+        prepare=_host_prepare,
+        tools=("help2man", "python3"),
+        # nothing of the analyzer: only the host tools' modules, no vendored
+        # PyPI packages, no crash extension, no analyze-image
+        forbidden=(rf"^{MODULES}/(?!({_HOST_MODULES_RE})\.py$).+",
+                   r"^usr/lib/pageshare/python3\.", r"pagescan", r"analyze-image"),
+        python_init="analyzer/pageshare/__init__.py",
+    ),
     "pageshare": Package(
         name="pageshare",
         sources={
             "analyzer/pageshare": "analyzer/pageshare",
-            "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
-            "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
-            "analyzer/libvirt.toml": "libvirt.toml",
             "crash-ext/pagescan.c": "crash-ext/pagescan.c",
             "crash-ext/Makefile": "crash-ext/Makefile",
             "notebooks/analysis.ipynb": "notebooks/analysis.ipynb",
-            "packaging/pageshare/bin/pageshare": "bin/pageshare",
             "packaging/pageshare/requirements.txt": "vendor/requirements.txt",
             "README.md": "README.md",
             "packaging/pageshare/debian": "debian",
         },
         must_contain=(
-            "usr/bin/pageshare",
             "usr/bin/analyze-image",
-            "usr/lib/pageshare/python/pageshare/cli.py",
+            f"{MODULES}/analyze.py",
+            f"{MODULES}/listcli.py",
             "usr/lib/pageshare/pagescan.so",
             "usr/lib/pageshare/pagescan.crash-version",
             *(f"usr/lib/pageshare/python{v}/drgn/__init__.py" for v in VENDOR_PYTHONS),
             *(f"usr/lib/pageshare/python{v}/redis/__init__.py" for v in VENDOR_PYTHONS),
             "usr/share/pageshare/notebooks/analysis.ipynb",
-            "lib/systemd/system/pageshare-libvirt-watch.service",
-            "etc/libvirt/hooks/qemu.d/pageshare",
-            "etc/pageshare/libvirt.toml",
-            "usr/share/man/man1/pageshare.1.gz",
             "usr/share/man/man1/analyze-image.1.gz",
             "usr/share/doc/pageshare/copyright",
         ),
-        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"),
+        conffiles=(),
         needs_cargo=False,
         prepare=_pageshare_prepare,
         tools=("crash", "help2man", "python3-pip", "gcc"),
+        # pageshare-host's files stay pageshare-host's
+        forbidden=tuple(f"^{re.escape(f)}$" for f in HOST_FILES),
+        python_init="analyzer/pageshare/__init__.py",
     ),
     "pageshare-server": Package(
         name="pageshare-server",
@@ -392,6 +439,13 @@ def cargo_version(toml: Path) -> str:
     return m.group(1)
 
 
+def python_version(init: Path) -> str:
+    m = re.search(r'^__version__\s*=\s*"([^"]+)"', init.read_text(), re.M)
+    if not m:
+        raise BuildError(f"{init}: no __version__")
+    return m.group(1)
+
+
 def preflight(pkg: Package) -> None:
     missing = [t for t in ("dpkg-buildpackage", "dh", "lintian", "dpkg-deb")
                if shutil.which(t) is None]
@@ -441,6 +495,9 @@ def check_deb(pkg: Package, deb: Path) -> None:
     missing = [m for m in pkg.must_contain if m not in paths]
     if missing:
         raise BuildError(f"{deb.name} lacks {', '.join(missing)}")
+    extra = sorted(p for p in paths for pat in pkg.forbidden if re.search(pat, p))
+    if extra:
+        raise BuildError(f"{deb.name} holds what it must not: {', '.join(extra)}")
     conffiles = set(deb_control_file(deb, "conffiles").split())
     if not set(pkg.conffiles) <= conffiles:
         raise BuildError(f"{deb.name}: conffiles are {sorted(conffiles)}, "
@@ -488,6 +545,11 @@ def build(pkg: Package, source: Path, *, force: bool = False, check: bool = Fals
             toml = source / pkg.source_of("Cargo.toml")
             if cargo_version(toml) != version.split("-")[0]:
                 raise BuildError(f"{toml} says version {cargo_version(toml)}, "
+                                 f"{debian}/changelog {version}: add a changelog entry")
+        if pkg.python_init:
+            init = source / pkg.python_init
+            if python_version(init) != version:
+                raise BuildError(f"{init} says __version__ {python_version(init)}, "
                                  f"{debian}/changelog {version}: add a changelog entry")
         start = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".work-{pkg.name}-", dir=CACHE))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from package_root import Root, install_root, pageshare_deb
+from package_root import Root, install_root, pageshare_debs
 from pageshare import golden
 from pageshare.ksm import KSM, RESTORE_ORDER, host_lock
 
@@ -83,13 +83,14 @@ class Analysis:
 
 @pytest.fixture(scope="session")
 def pageshare_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Root]]:
-    """A fresh Debian root of a suite with the pageshare package installed by
-    apt (package_root.py), made once per session and suite."""
+    """A fresh Debian root of a suite with the pageshare package (and
+    pageshare-host) installed by apt (package_root.py), made once per
+    session and suite."""
     roots: dict[str, Root] = {}
 
     def get(suite: str) -> Root:
         if suite not in roots:
-            roots[suite] = install_root(suite, pageshare_deb(),
+            roots[suite] = install_root(suite, pageshare_debs(),
                                         tmp_path_factory.mktemp(f"root-{suite}"))
         return roots[suite]
 

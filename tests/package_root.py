@@ -1,10 +1,12 @@
-"""A clean Debian root with the pageshare package installed by apt, for tests
-that run the installed package instead of the checkout.
+"""A clean Debian root with the pageshare package (the analyzer, with
+pageshare-host, on which it depends) installed by apt, for tests that run
+the installed package instead of the checkout.
 
 The root is made by mmdebstrap (variant apt: Debian's essential and apt
 packages and nothing else) from the Debian mirror, and the package is
 installed into it with `apt-get install ./pageshare_*.deb`, which resolves
-its dependencies from the archive, as on a fresh host.
+its dependencies from the archive (pageshare-host from its .deb), as on a
+fresh host.
 Commands run chrooted, with /proc, /sys and /dev, and the host directories a
 test names mounted at the same paths (a dump, a database), in a mount
 namespace of their own: nothing stays mounted when they end.
@@ -37,11 +39,21 @@ def load_debs() -> ModuleType:
     return mod
 
 
-def pageshare_deb() -> Path:
-    """The pageshare .deb of this checkout (built, or from the cache)."""
+def built_deb(package: str) -> Path:
+    """A .deb of this checkout (built, or from the cache)."""
     debs = load_debs()
-    path: Path = debs.deb_of(debs.build(debs.PACKAGES["pageshare"], REPO))
+    path: Path = debs.deb_of(debs.build(debs.PACKAGES[package], REPO))
     return path
+
+
+def pageshare_deb() -> Path:
+    """The pageshare .deb (the analyzer) of this checkout."""
+    return built_deb("pageshare")
+
+
+def pageshare_debs() -> tuple[Path, Path]:
+    """pageshare-host's and the analyzer's .debs: the analyzer depends on the host tools."""
+    return built_deb("pageshare-host"), pageshare_deb()
 
 
 class Root:
@@ -67,8 +79,8 @@ RECOMMENDS = ("crash", "python3-libvirt", "python3-pandas", "python3-matplotlib"
               "python3-nbclient", "python3-nbformat", "python3-ipykernel")
 
 
-def install_root(suite: str, deb: Path, dest: Path) -> Root:
-    """A fresh SUITE root at DEST with DEB installed by apt, with RECOMMENDS.
+def install_root(suite: str, debs: tuple[Path, ...], dest: Path) -> Root:
+    """A fresh SUITE root at DEST with DEBS installed by apt, with RECOMMENDS.
     Downloaded packages are kept in the cache and put into the root's
     archive directory first, so that only what changed is fetched again."""
     archives = cache_dir("package-roots") / suite
@@ -77,14 +89,15 @@ def install_root(suite: str, deb: Path, dest: Path) -> Root:
            "--skip=download/empty",
            "--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/",
            f"--setup-hook=sync-in {archives} /var/cache/apt/archives/",
-           f"--customize-hook=copy-in {deb} /tmp",
-           f"--customize-hook=chroot \"$1\" env DEBIAN_FRONTEND=noninteractive "
-           f"apt-get install -y -q --no-install-recommends /tmp/{deb.name} "
-           + " ".join(RECOMMENDS),
+           f"--customize-hook=copy-in {' '.join(map(str, debs))} /tmp",
+           "--customize-hook=chroot \"$1\" env DEBIAN_FRONTEND=noninteractive "
+           "apt-get install -y -q --no-install-recommends "
+           + " ".join([*(f"/tmp/{d.name}" for d in debs), *RECOMMENDS]),
            f"--customize-hook=sync-out /var/cache/apt/archives {archives}",
            suite, str(dest), *debian.sources([suite])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     if p.returncode != 0:
-        raise AssertionError(f"installing {deb.name} into a fresh {suite} root failed:\n"
+        raise AssertionError(f"installing {' '.join(d.name for d in debs)} into a fresh "
+                             f"{suite} root failed:\n"
                              + (p.stdout + p.stderr)[-4000:])
     return Root(dest, suite)

@@ -1,3 +1,3 @@
 """pageshare: share golden-image page-cache pages between VMs at read time."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,6 +1,12 @@
-"""Command-line entry points: `analyze-image` and `pageshare`."""
+"""Command-line entry points: `analyze-image` and `pageshare`.
+
+The host tools' commands (HOST_MODULES) and the analyzer's ship in two
+Debian packages; `pageshare --help` lists what is installed.  Every
+analyzer module is imported only by the command that needs it.
+"""
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -164,37 +170,65 @@ def analyze_image_main() -> int:
     return run_analyze(sys.argv[1:])
 
 
-USAGE = """\
-usage: pageshare COMMAND [ARGS]
-
-commands:
-  analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
-  list show|verify ...  inspect a sector list, or check it against an image
-  list refine IMAGE ...  the next list generation from what the fleet's guests read
-  list publish|fetch|ls ...  distribute lists to page servers through Redis
-  fleet [--json]        what every page server reported to Redis
-  image build ...       build the project's demo/small golden images (cached)
+# The host tools: what a hypervisor runs (the pageshare-host package, whose
+# tree holds only HOST_MODULES; packaging/debs.py names them).  Their
+# modules import nothing of the analyzer's (no drgn, libguestfs or redis).
+HOST_USAGE = """\
   host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
   attach QMP [--json]   put the pageshare filter into a running QEMU's disks (over QMP)
   detach QMP [--json]   take it out again (e.g. before migrating to a host without pageshare)
   attach --libvirt DOMAIN    the same for a libvirt domain (through libvirtd)
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
   libvirt-hook ...      libvirt's qemu hook: the filter on a migration's destination
-  report [--analysis ID]     run the results notebook headless on analyze-image's results
-
-Run `pageshare COMMAND --help` for details.
 """
+HOST_MODULES = ("__init__", "cli", "errors", "hostcheck", "attach", "qmp", "libvirt_config",
+                "libvirt_hook", "libvirt_qmp", "libvirt_watch")
+
+# The analyzer's commands: the pageshare package, for the machine that
+# analyzes images (it depends on pageshare-host and adds these).
+ANALYZER_USAGE = """\
+  analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
+  list show|verify ...  inspect a sector list, or check it against an image
+  list refine IMAGE ...  the next list generation from what the fleet's guests read
+  list publish|fetch|ls ...  distribute lists to page servers through Redis
+  fleet [--json]        what every page server reported to Redis
+  image build ...       build the project's demo/small golden images (cached)
+  report [--analysis ID]     run the results notebook headless on analyze-image's results
+"""
+ANALYZER_COMMANDS = ("analyze", "list", "fleet", "image", "report")
+NO_ANALYZER = """\
+  analyze, list, fleet, image, report: the analyzer, in the pageshare package
+  (for the machine that analyzes images), which is not installed here
+"""
+
+
+def analyzer_installed() -> bool:
+    """Whether the analyzer's modules are here (the checkout, or the pageshare
+    package beside pageshare-host)."""
+    return importlib.util.find_spec(f"{__package__ or 'pageshare'}.analyze") is not None
+
+
+def usage() -> str:
+    return ("usage: pageshare COMMAND [ARGS]\n\ncommands:\n" + HOST_USAGE
+            + (ANALYZER_USAGE if analyzer_installed() else "\n" + NO_ANALYZER)
+            + "\nRun `pageshare COMMAND --help` for details.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
+        print(usage(), end="")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "--version":
         print(f"pageshare {__version__}")
         return 0
+    if cmd in ANALYZER_COMMANDS and not analyzer_installed():
+        print_error(f"`pageshare {cmd}` is part of the analyzer, which is not installed here "
+                    "(this host has the host tools, the pageshare-host package)",
+                    "install the pageshare package (apt install ./pageshare_*.deb) on the "
+                    "machine that analyzes images; it brings this command", prog="pageshare")
+        return 2
     if cmd == "analyze":
         return run_analyze(rest, prog="pageshare analyze")
     if cmd == "list":
@@ -226,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "libvirt-hook":
         from . import libvirt_hook
         return libvirt_hook.main(rest)
-    print(f"pageshare: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
+    print(f"pageshare: unknown command {cmd!r}\n{usage()}", file=sys.stderr, end="")
     return 2
 
 

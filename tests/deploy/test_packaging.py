@@ -5,6 +5,7 @@ conffile).  The real build and install: tests/deploy/test_server_package_guest.p
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -116,3 +117,58 @@ def test_unknown_package_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown package(s) no-such-package" in capsys.readouterr().err
     assert debs.main(["--list"]) == 0
     assert capsys.readouterr().out.split() == list(debs.PACKAGES)
+
+
+def test_host_package_key_follows_only_the_host_tools(tmp_path: Path) -> None:
+    """pageshare-host is built from the host tools' modules alone: an
+    analyzer module's change does not rebuild it, a host module's does."""
+    pkg = debs.PACKAGES["pageshare-host"]
+    src = tmp_path / "src"
+    for rel in [*pkg.sources, "analyzer/pageshare/analyze.py"]:
+        s, d = REPO / rel, src / rel
+        d.parent.mkdir(parents=True, exist_ok=True)
+        if s.is_dir():
+            shutil.copytree(s, d)
+        else:
+            shutil.copy2(s, d)
+    key, inputs = debs.inputs_key(pkg, src)
+    assert sorted(f for f in inputs["files"] if f.startswith("analyzer/pageshare/")) == sorted(
+        f"analyzer/pageshare/{m}.py" for m in debs.HOST_MODULES)
+    (src / "analyzer/pageshare/analyze.py").write_text("# changed\n")
+    assert debs.inputs_key(pkg, src)[0] == key
+    (src / "analyzer/pageshare/attach.py").write_text("# changed\n")
+    assert debs.inputs_key(pkg, src)[0] != key
+
+
+def test_python_packages_carry_the_python_version() -> None:
+    init = REPO / "analyzer/pageshare/__init__.py"
+    for name in ("pageshare", "pageshare-host"):
+        assert debs.PACKAGES[name].python_init == "analyzer/pageshare/__init__.py"
+        assert debs.changelog_version(REPO / f"packaging/{name}/debian") == \
+            debs.python_version(init)
+
+
+def test_check_deb_keeps_the_analyzer_and_the_host_tools_apart(tmp_path: Path) -> None:
+    host, analyzer = debs.PACKAGES["pageshare-host"], debs.PACKAGES["pageshare"]
+    host_files = {p: "x\n" for p in host.must_contain}
+    host_files["lib/systemd/system/pageshare-libvirt-watch.service"] = (
+        REPO / "analyzer/pageshare-libvirt-watch.service").read_text()
+    (tmp_path / "ok").mkdir()
+    debs.check_deb(host, fake_deb(tmp_path / "ok", host_files, list(host.conffiles)))
+    for i, extra in enumerate(["usr/lib/pageshare/python/pageshare/analyze.py",
+                               "usr/lib/pageshare/python3.11/drgn/__init__.py",
+                               "usr/bin/analyze-image"]):
+        d = tmp_path / f"h{i}"
+        d.mkdir()
+        with pytest.raises(debs.BuildError, match="holds what it must not: .*" + re.escape(extra)):
+            debs.check_deb(host, fake_deb(d, {**host_files, extra: "x\n"},
+                                          list(host.conffiles)))
+    ana_files = {p: "x\n" for p in analyzer.must_contain}
+    (tmp_path / "a").mkdir()
+    debs.check_deb(analyzer, fake_deb(tmp_path / "a", ana_files, []))
+    for i, extra in enumerate(["usr/bin/pageshare", "usr/lib/pageshare/python/pageshare/cli.py",
+                               "etc/pageshare/libvirt.toml"]):
+        d = tmp_path / f"a{i}"
+        d.mkdir()
+        with pytest.raises(debs.BuildError, match="holds what it must not: .*" + re.escape(extra)):
+            debs.check_deb(analyzer, fake_deb(d, {**ana_files, extra: "x\n"}, []))

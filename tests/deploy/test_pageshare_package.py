@@ -1,10 +1,12 @@
-"""The pageshare Debian package, installed by apt into fresh Debian 12 and 13
+"""The pageshare Debian package (the analyzer), with pageshare-host (the host
+tools, on which it depends), installed by apt into fresh Debian 12 and 13
 roots and run from there, not from the checkout.
 
-packaging/debs.py builds it (cached; lintian clean, its contents checked);
-package_root.py installs it with `apt-get install ./pageshare_*.deb` (and
-the recommended packages the tests use) into a root made by mmdebstrap, so
-every dependency comes from Debian's archive. The roots do not contain this
+packaging/debs.py builds them (cached; lintian clean, their contents
+checked); package_root.py installs them with `apt-get install
+./pageshare-host_*.deb ./pageshare_*.deb` (and the recommended packages the
+tests use) into a root made by mmdebstrap, so every other dependency comes
+from Debian's archive. The roots do not contain this
 checkout. What runs there: the CLI and its manual pages, the results
 notebook (`pageshare report`, with the recommended pandas, matplotlib and
 nbclient), the libvirt binding (an attach through libvirt's test driver,
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from package_root import Root, load_debs, pageshare_deb
+from package_root import Root, built_deb, load_debs, pageshare_deb
 from results_samples import make_results_db
 
 pytestmark = pytest.mark.vm      # long: builds roots from the Debian archive
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.vm      # long: builds roots from the Debian archive
 SUITES = {"bookworm": "3.11", "trixie": "3.13"}
 
 
-def test_the_package_holds_what_it_should() -> None:
+def test_the_packages_hold_what_they_should() -> None:
     debs = load_debs()
     deb = pageshare_deb()
     paths = debs.deb_paths(deb)
@@ -40,21 +42,37 @@ def test_the_package_holds_what_it_should() -> None:
     assert not [p for p in paths if "__pycache__" in p]
     control = debs.deb_control_file(deb, "control")
     assert "python3-guestfs" in control and "qemu-system-x86" in control
-    assert "Recommends:" in control and "python3-libvirt" in control
-    unit = debs.deb_member(deb, "lib/systemd/system/pageshare-libvirt-watch.service")
+    assert "pageshare-host (= 0.2.0)" in control, control
+    assert "Recommends:" in control and "crash" in control
+    # the host tools are pageshare-host's, not the analyzer's
+    assert not [p for p in paths if p.startswith(("etc/", "lib/systemd"))], paths
+    assert "usr/bin/pageshare" not in paths and "usr/lib/pageshare/python/pageshare/cli.py" \
+        not in paths
+    assert debs.deb_control_file(deb, "conffiles") == ""
+
+    host = built_deb("pageshare-host")
+    hpaths = debs.deb_paths(host)
+    control = debs.deb_control_file(host, "control")
+    assert "Architecture: all" in control and "Breaks: pageshare (<< 0.2.0)" in control, control
+    assert re.search(r"^Depends: python3 \(>= 3\.11\)$", control, re.M), control
+    unit = debs.deb_member(host, "lib/systemd/system/pageshare-libvirt-watch.service")
     assert "ExecStart=/usr/bin/pageshare libvirt-watch" in unit
     # the libvirt hook and the configuration it shares with libvirt-watch:
     # conffiles, the hook executable, calling the installed pageshare
-    conffiles = debs.deb_control_file(deb, "conffiles").split()
+    conffiles = debs.deb_control_file(host, "conffiles").split()
     assert {"/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"} \
         <= set(conffiles), conffiles
-    hook = debs.deb_member(deb, "etc/libvirt/hooks/qemu.d/pageshare")
+    hook = debs.deb_member(host, "etc/libvirt/hooks/qemu.d/pageshare")
     assert "PAGESHARE=/usr/bin/pageshare" in hook and "libvirt-hook" in hook
-    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True,
+    listing = subprocess.run(["dpkg-deb", "-c", str(host)], capture_output=True, text=True,
                              check=True).stdout
     assert re.search(r"^-rwxr-xr-x .* \./etc/libvirt/hooks/qemu\.d/pageshare$", listing, re.M)
-    assert "try-reload-or-restart" in debs.deb_control_file(deb, "postinst")
-    assert (deb.parent / "lintian.txt").exists()
+    assert "try-reload-or-restart" in debs.deb_control_file(host, "postinst")
+    modules = sorted(p.rsplit("/", 1)[1] for p in hpaths
+                     if p.startswith("usr/lib/pageshare/python/pageshare/"))
+    assert modules == sorted(f"{m}.py" for m in debs.HOST_MODULES), modules
+    for d in (deb, host):
+        assert (d.parent / "lintian.txt").exists()
 
 
 @pytest.mark.parametrize("suite", list(SUITES))
@@ -65,7 +83,8 @@ def test_installed_by_apt_and_run_from_the_package(
 
     p = root.run("pageshare --version && analyze-image --help && pageshare --help")
     assert p.returncode == 0, p.stderr
-    assert "pageshare 0.1.0" in p.stdout and "what it does" in p.stdout, p.stdout
+    assert "pageshare 0.2.0" in p.stdout and "what it does" in p.stdout, p.stdout
+    assert "analyze IMAGE" in p.stdout and "not installed here" not in p.stdout, p.stdout
     assert (root.path / "usr/share/man/man1/analyze-image.1.gz").exists()
 
     # the vendored drgn for this suite's Python, from the package
@@ -90,8 +109,9 @@ def test_installed_by_apt_and_run_from_the_package(
         all(f.suffix == ".png" for f in (work / "figures").iterdir())
     sqlite3.connect(db).close()
 
-    # the libvirt binding (Recommends): libvirt's test driver has a running
-    # domain but no QEMU monitor, so attach fails, with a message
+    # the libvirt binding (pageshare-host recommends it): libvirt's test
+    # driver has a running domain but no QEMU monitor, so attach fails, with
+    # a message
     p = root.run("pageshare attach --libvirt test --connect test:///default --json")
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads(p.stdout)
