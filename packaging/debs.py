@@ -20,7 +20,9 @@ Packages (``--list``):
   on a live migration's destination; the postinst reloads a running
   libvirtd, which looks for hooks only when it starts or reloads), their
   configuration ``/etc/pageshare/libvirt.toml`` (every key commented out:
-  the defaults).  Architecture all, Depends python3 only.
+  the defaults) and the AppArmor abstraction
+  ``/etc/apparmor.d/abstractions/pageshare-qemu`` (libvirt's QEMU and the
+  page server's sockets).  Architecture all, Depends python3 only.
 - ``pageshare``: the analyzer, for the machine that analyzes images:
   ``analyze-image`` (a link to pageshare-host's ``/usr/bin/pageshare``,
   on which it depends, same version), the analyzer's modules (every module
@@ -248,6 +250,7 @@ HOST_FILES = (
     "lib/systemd/system/pageshare-libvirt-watch.service",
     "etc/libvirt/hooks/qemu.d/pageshare",
     "etc/pageshare/libvirt.toml",
+    "etc/apparmor.d/abstractions/pageshare-qemu",
     "usr/share/man/man1/pageshare.1.gz",
 )
 _HOST_MODULES_RE = "|".join(HOST_MODULES)
@@ -260,12 +263,14 @@ PACKAGES: dict[str, Package] = {
             "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
             "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
             "analyzer/libvirt.toml": "libvirt.toml",
+            "analyzer/pageshare-qemu.apparmor": "pageshare-qemu.apparmor",
             "packaging/pageshare-host/bin/pageshare": "bin/pageshare",
             "README.md": "README.md",
             "packaging/pageshare-host/debian": "debian",
         },
         must_contain=(*HOST_FILES, "usr/share/doc/pageshare-host/copyright"),
-        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml"),
+        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml",
+                   "/etc/apparmor.d/abstractions/pageshare-qemu"),
         needs_cargo=False,
         prepare=_host_prepare,
         tools=("help2man", "python3"),

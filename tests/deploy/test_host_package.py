@@ -3,19 +3,24 @@ anything: its modules (cli.HOST_MODULES) import nothing of the analyzer's,
 statically (every import statement, also inside functions) and when each of
 its commands runs from a tree that holds only them, as the package installs
 them; `pageshare --help` there lists only what it can run and the
-analyzer's commands say which package has them.  The package itself,
-installed and run under systemd: test_host_package_guest.py.
+analyzer's commands say which package has them; the watcher's unit scores
+below 4.0 in `systemd-analyze security`; the AppArmor abstraction parses
+where libvirt's profiles include it (apparmor_parser, on this host's
+libvirt and apparmor).  The package itself, installed and run under
+systemd: test_host_package_guest.py.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from pageshare.cli import ANALYZER_COMMANDS, HOST_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,3 +124,62 @@ def test_the_checkout_lists_every_command() -> None:
     assert cli.analyzer_installed()
     text = cli.usage()
     assert "analyze IMAGE" in text and "host check" in text and "not installed" not in text
+
+
+def exposure(unit: Path, tmp: Path) -> float:
+    """`systemd-analyze security --offline` of a unit (its binary need not exist here)."""
+    copy = tmp / unit.name
+    copy.write_text(re.sub(r"^ExecStart=\S+", "ExecStart=/bin/true", unit.read_text(),
+                           flags=re.M))
+    p = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(copy)],
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"exposure level for \S+: (\d+\.\d+)", p.stdout)
+    assert m, p.stdout + p.stderr
+    return float(m.group(1))
+
+
+def test_the_watchers_unit_is_hardened(tmp_path: Path) -> None:
+    unit = REPO / "analyzer" / "pageshare-libvirt-watch.service"
+    score = exposure(unit, tmp_path)
+    print(f"systemd-analyze security --offline: {unit.name} {score}")
+    assert score < 4.0
+    text = unit.read_text()
+    caps = re.search(r"^CapabilityBoundingSet=(.*)$", text, re.M)
+    assert caps and set(caps.group(1).split()) == {"CAP_DAC_READ_SEARCH", "CAP_DAC_OVERRIDE"}
+    assert re.search(r"^RestrictAddressFamilies=AF_UNIX$", text, re.M)
+    assert re.search(r"^PrivateNetwork=yes$", text, re.M)
+    assert re.search(r"^SystemCallFilter=@system-service$", text, re.M)
+
+
+@pytest.mark.parametrize("copy_mode", [False, True])
+def test_the_apparmor_abstraction_parses_in_libvirts_profile(copy_mode: bool,
+                                                              tmp_path: Path) -> None:
+    """libvirt's per-domain profile (TEMPLATE.qemu, as virt-aa-helper fills
+    it) with the abstraction included from libvirt's local abstraction, as
+    the README says; also with the copy-mode lines uncommented.  Parsed
+    only (-Q -K): this host has no AppArmor to load it into."""
+    etc = Path("/etc/apparmor.d")
+    assert (etc / "abstractions" / "libvirt-qemu").exists(), \
+        "libvirt's AppArmor abstraction is missing (scripts/install-deps.sh installs libvirt)"
+    parser = shutil.which("apparmor_parser")
+    assert parser, "apparmor_parser is missing (scripts/install-deps.sh installs apparmor)"
+    root = tmp_path / "apparmor.d"
+    shutil.copytree(etc, root, symlinks=True)
+    text = (REPO / "analyzer" / "pageshare-qemu.apparmor").read_text()
+    if copy_mode:
+        text = text.replace("  #ptrace (read, trace)", "  ptrace (read, trace)").replace(
+            "  #@{PROC}", "  @{PROC}")
+        assert "\n  ptrace (read, trace) peer=unconfined," in text
+    (root / "abstractions" / "pageshare-qemu").write_text(text)
+    local = root / "local" / "abstractions" / "libvirt-qemu"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with open(local, "a") as f:
+        f.write("include <abstractions/pageshare-qemu>\n")
+    profile = root / "libvirt" / "TEMPLATE.qemu"
+    p = subprocess.run([parser, "-Q", "-K", "--base", str(root), "-I", str(root), "-p",
+                        str(profile)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "/run/pageshare/*.sock rw," in p.stdout and "ptrace (read) peer=unconfined," in p.stdout
+    q = subprocess.run([parser, "-Q", "-K", "--base", str(root), "-I", str(root), str(profile)],
+                       capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr
