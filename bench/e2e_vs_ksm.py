@@ -95,7 +95,7 @@ GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "pres
                 "listed", "listed_shared", "zero", "zero_shared", "other_shared",
                 "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
                 "on_server", "stale", "stale_shared", "unshared_server", "unshared_replaced",
-                "unshared_thp", "unshared_never"]
+                "unshared_thp", "unshared_never", "anon_huge_kb"]
 # E2E-U: a listed guest page found replaced by another PFN after a sample saw
 # it shared (e2e_sampler.c: follow_listed)
 REPLACED_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "was_pfn"]
@@ -634,6 +634,12 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "pss_mib_work_done": sum(s["pss_kb"] for s in work) / 1024,
             # guest RAM the host holds (present pages of the guests' RAM)
             "resident_mib_end": sum(s["present"] for s in end) * PAGE / MIB,
+            # of it, in transparent huge pages (QEMU asks for them): what
+            # merges, KSM's included, have not split
+            "anon_huge_mib_work_done": (sum(s["anon_huge_kb"] for s in work) / 1024
+                                        if work[0]["anon_huge_kb"] >= 0 else None),
+            "anon_huge_mib_end": (sum(s["anon_huge_kb"] for s in end) / 1024
+                                  if end[0]["anon_huge_kb"] >= 0 else None),
             # of it, freed stale pages still there (free page reporting
             # hands back what it reports)
             "stale_resident_mib_end": (sum(s["stale"] for s in end) * PAGE / MIB
@@ -900,6 +906,9 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("of it, still held by the host at the end (all guests), MiB",
          "stale_resident_mib_end", ".1f"),
         ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
+        ("guests' RAM in huge pages at the end of the workload, MiB",
+         "anon_huge_mib_work_done", ".0f"),
+        ("the same at the end, MiB", "anon_huge_mib_end", ".0f"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
         ("duplicates not yet shared, integrated over the run, MiB*s", "dup_mib_s", ".0f"),
         ("duplicates not yet shared at the end, MiB", "dup_mib_end", ".1f"),

@@ -34,6 +34,7 @@
  *         listed_shared zero zero_shared other_shared requests merged
  *         merge_ns merge_failed not_listed full on_server stale stale_shared
  *         unshared_server unshared_replaced unshared_thp unshared_never
+ *         anon_huge_kb
  *   E2E-U cfg t guest offset pfn kpageflags was_pfn
  *         (the first MAX_TRACE listed pages per guest found replaced: see
  *         below)
@@ -307,13 +308,19 @@ static uint64_t kflag_now(uint64_t pfn)
 	return f;
 }
 
-/* "Rss:" and "Pss:" of /proc/PID/smaps_rollup, in kB. */
-static void rss_pss(pid_t pid, long *rss, long *pss)
+/*
+ * "Rss:", "Pss:" and "AnonHugePages:" (the process's anonymous memory in
+ * transparent huge pages: guest RAM that merges have not split) of
+ * /proc/PID/smaps_rollup, in kB; @thp may be NULL.
+ */
+static void rss_pss(pid_t pid, long *rss, long *pss, long *thp)
 {
 	char path[64], line[256];
 	FILE *f;
 
 	*rss = *pss = -1;
+	if (thp)
+		*thp = -1;
 	snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", pid);
 	f = fopen(path, "r");
 	if (!f)
@@ -323,6 +330,8 @@ static void rss_pss(pid_t pid, long *rss, long *pss)
 			*rss = strtol(line + 4, NULL, 10);
 		else if (!strncmp(line, "Pss:", 4))
 			*pss = strtol(line + 4, NULL, 10);
+		else if (thp && !strncmp(line, "AnonHugePages:", 14))
+			*thp = strtol(line + 14, NULL, 10);
 	}
 	fclose(f);
 }
@@ -1242,19 +1251,19 @@ int main(int argc, char **argv)
 		read_server_pfns(server);
 		for (int i = 0; i < ng; i++) {
 			struct counts c;
-			long rss, pss, fs[NSTATS], fb[NBATCHES];
+			long rss, pss, thp, fs[NSTATS], fb[NBATCHES];
 
 			read_merge_trace(&g[i], t0);
 			scan_guest(&g[i], &c, full, cfg, t0);
-			rss_pss(g[i].pid, &rss, &pss);
+			rss_pss(g[i].pid, &rss, &pss, &thp);
 			filter_stats(&g[i], fs, fb);
 			printf("E2E-G %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
-			       "%ld %ld %ld %ld %ld %d %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0, i,
+			       "%ld %ld %ld %ld %ld %d %ld %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0, i,
 			       cpu_ms(g[i].pid),
 			       rss, pss, c.present, c.ksm, c.listed, c.listed_shared, c.zero,
 			       c.zero_shared, c.other_shared, fs[0], fs[1], fs[2], fs[3], fs[4],
 			       full, c.on_server, c.stale, c.stale_shared, c.unshared_server,
-			       c.unshared_replaced, c.unshared_thp, c.unshared_never);
+			       c.unshared_replaced, c.unshared_thp, c.unshared_never, thp);
 			if (full && g[i].qmp >= 0)
 				printf("E2E-F %s %" PRIu64 " %d %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld"
 				       " %ld %ld %ld %ld %ld %ld %ld\n",
@@ -1267,7 +1276,7 @@ int main(int argc, char **argv)
 			mem_pages = (long)census_n;
 			distinct = census_distinct();
 		}
-		rss_pss(server, &srss, &spss);
+		rss_pss(server, &srss, &spss, NULL);
 		t1 = now_ms();
 		printf("E2E-H %s %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld "
 		       "%ld %" PRIu64 " %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld\n", cfg, t0,

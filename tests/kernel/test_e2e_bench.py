@@ -160,6 +160,7 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     assert g is not None and h is not None
     assert g["full"] == 1 and g["listed"] == 20 and g["listed_shared"] == 0
     assert g["present"] == 1220
+    assert g["anon_huge_kb"] >= 0      # smaps_rollup's AnonHugePages was read
     assert h["mem_pages"] == 1220 + 50
     assert h["distinct_pages"] == 1 + 100 + 1 + 50
     assert h["server_unused"] == 50
@@ -631,6 +632,26 @@ def test_bytes_identical_per_guest_when_mixed() -> None:
         assert e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"] is want
     lines[-1] = "E2E-GUEST pageshare 2 GUEST-SUM wrong"
     assert not e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"]
+
+
+def test_summary_huge_pages() -> None:
+    """Guest RAM in transparent huge pages (the E2E-G column after
+    unshared_never), summed over guests at the end of the workload and at
+    the end; a sampler without the column reports nothing."""
+    def g(t: int, guest: int, thp_kb: int) -> str:
+        return _g("pageshare", t, guest, 10, 10) + " 0 0 0 0 0 0 " + str(thp_kb)
+
+    lines = ["E2E-EV pageshare 0 begin filter=1",
+             g(100, 1, 4096), g(100, 2, 2048), _h("pageshare", 100, 0, 0, 0, 0, 0),
+             "E2E-EV pageshare 200 work-done",
+             g(300, 1, 2048), g(300, 2, 0), _h("pageshare", 300, 0, 0, 0, 0, 0)]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["pageshare"], "", "", 100)
+    c = e2e.summarize(e2e.parse(lines), st, 10)["configs"]["pageshare"]
+    assert c["anon_huge_mib_work_done"] == 6.0 and c["anon_huge_mib_end"] == 2.0
+    old = [x if not x.startswith("E2E-G") else _g("pageshare", 100, 1, 10, 10)
+           for x in lines]
+    c = e2e.summarize(e2e.parse(old), st, 10)["configs"]["pageshare"]
+    assert c["anon_huge_mib_end"] is None
 
 
 def test_symbolize(tmp_path: Path) -> None:
