@@ -345,10 +345,7 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
     qemu = kt.build_patched_qemu()
     server = kt.build_page_server()
     sampler = out.parent / "e2e_sampler"
-    lib = REPO / "kernel-syscall/lib"
-    kt.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(lib), "-o",
-            str(sampler), str(REPO / "kernel-syscall/tests/e2e_sampler.c"),
-            str(lib / "ksm_sysfs.c")])
+    kt.run(kt.sampler_argv(sampler))
     bins = [qemu / "bin" / b for b in kt.QEMU_BINARIES] + [server]
     if st.feedback:
         for b in ("redis-server", "redis-cli"):

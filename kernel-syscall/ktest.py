@@ -90,6 +90,7 @@ from ktestlib.guest import (  # noqa: E402
     check_uapi_header,
     ensure_busybox,
     guest_tests,
+    sampler_argv,
 )
 from ktestlib.kernel import (  # noqa: E402
     BENCH_GUEST_CONFIG,
@@ -220,6 +221,7 @@ __all__ = [
     "parse_fragment",
     "parse_results",
     "run",
+    "sampler_argv",
     "series_files",
     "series_hash",
     "sha256_file",

@@ -83,6 +83,14 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
     return [x for x in t if config in x.configs]
 
 
+def sampler_argv(out: Path) -> list[str]:
+    """The one gcc command line of bench/e2e_vs_ksm.py's sampler
+    (tests/e2e_sampler.c): static, for any initramfs; the booted-guest
+    filter test runs it too (build_tests), and tests build it on this host."""
+    return ["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(LIBDIR), "-o",
+            str(out), str(GUEST / "e2e_sampler.c"), str(LIBDIR / "ksm_sysfs.c")]
+
+
 def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Path) -> list[str]:
     """Static test binaries against this build's uapi headers.  Returns names built."""
     checkout_tree(src, commit)
@@ -119,8 +127,8 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
            extra=["-Werror", "-I", str(LIBDIR), "-I", str(REPO / "page-server/client")])
     if (GUEST / "e2e_sampler.c").exists():
         # bench/e2e_vs_ksm.py's sampler (not a test; built with them)
-        cc("e2e_sampler", [GUEST / "e2e_sampler.c", LIBDIR / "ksm_sysfs.c"],
-           extra=["-Werror", "-Wextra", "-I", str(LIBDIR)])
+        run(sampler_argv(outdir / "e2e_sampler"), logfile=logfile)
+        built.append("e2e_sampler")
     # Throwaway experiments (not committed): tests/debug_*.c, run with --shell.
     for f in sorted(GUEST.glob("debug_*.c")):
         cc(f.stem, [f, *lib, mm / "vm_util.c"], extra=inc)

@@ -45,10 +45,7 @@ GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1     # its column in an E2E-G lin
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sampler") / "e2e_sampler"
-    lib = REPO / "kernel-syscall/lib"
-    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(lib),
-                    "-o", str(out), str(REPO / "kernel-syscall/tests/e2e_sampler.c"),
-                    str(lib / "ksm_sysfs.c")], check=True)
+    subprocess.run(e2e.load_ktest().sampler_argv(out), check=True)
     return out
 
 
