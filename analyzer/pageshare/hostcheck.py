@@ -8,8 +8,10 @@ itself failed, is reported as JSON on stdout.
 Checks: the merge_pages kernel series (its sysfs counters), KSM in merge
 mode, khugepaged leaving shared pages alone (max_ptes_shared = 0), QEMU
 binaries with the pageshare block driver, a running pageshare-server with
-its images published (over its control socket), the server's Redis, and
-running guests whose QEMU has no pageshare node.
+its images published (over its control socket), the server's Redis,
+running guests whose QEMU has no pageshare node, and, where AppArmor is on
+and libvirt confines QEMU with it, that libvirt's profiles include
+pageshare-host's abstraction.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ KHUGEPAGED_DIR = Path("/sys/kernel/mm/transparent_hugepage/khugepaged")
 # (packaging/pageshare-server/debian/pageshare-server.tmpfiles).
 TMPFILES = Path("/usr/lib/tmpfiles.d/pageshare-server.conf")
 DEFAULT_CONTROL = Path("/run/pageshare/control.sock")
+APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
+APPARMOR_D = Path("/etc/apparmor.d")
 # page-server/PROTOCOL.md, control socket: STATUS_REQ (32) -> STATUS_REPLY (33, JSON).
 MSG_STATUS_REQ = 32
 MSG_STATUS_REPLY = 33
@@ -599,6 +603,45 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
         yield Finding("guests", "ok", "no QEMU guests running")
 
 
+# --------------------------------------------------------------------------- AppArmor
+
+
+def check_apparmor(enabled: Path = APPARMOR_ENABLED,
+                   apparmor_d: Path = APPARMOR_D) -> Iterator[Finding]:
+    """Where AppArmor is on and libvirt confines QEMU with it (its
+    abstraction is installed), libvirt's profiles must include
+    pageshare-host's abstraction, or the filter cannot reach the server.
+    Nothing to say elsewhere."""
+    try:
+        on = enabled.read_text().strip() == "Y"
+    except OSError:
+        on = False
+    if not on or not (apparmor_d / "abstractions" / "libvirt-qemu").exists():
+        return
+    ours = apparmor_d / "abstractions" / "pageshare-qemu"
+    local = apparmor_d / "local" / "abstractions" / "libvirt-qemu"
+    try:
+        text = local.read_text()
+    except OSError:
+        text = ""
+    included = re.search(r"^\s*#?include(\s+if\s+exists)?\s*<abstractions/pageshare-qemu>",
+                         text, re.M)
+    if included and ours.exists():
+        yield Finding("apparmor", "ok", f"libvirt's AppArmor profiles include {ours} ({local})",
+                      details={"local": str(local)})
+        return
+    yield Finding(
+        "apparmor", "warning",
+        "libvirt confines QEMU with AppArmor, and its profiles do not let QEMU reach the page "
+        "server" + ("" if ours.exists() else f" ({ours} is missing)"),
+        why="the filter's connection to the server's image sockets and its reads of the "
+            "server's pages are refused: guests read every block from disk and share nothing",
+        fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
+        + f"echo 'include <abstractions/pageshare-qemu>' >> {local}: domains started "
+          "afterwards get it (a running one at its next start)",
+        details={"local": str(local), "abstraction": str(ours)})
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -618,6 +661,7 @@ def run_checks(args: argparse.Namespace) -> list[Finding]:
         ("qemu", lambda: check_qemu(list(args.qemu), not args.no_path)),
         ("server", lambda: check_server(Path(args.control))),
         ("guests", lambda: check_guests(_server_pid(Path(args.control)))),
+        ("apparmor", lambda: check_apparmor()),
     ]
     skip = set(args.skip or [])
     out: list[Finding] = []
@@ -668,7 +712,7 @@ def build_parser(prog: str = "pageshare host check") -> argparse.ArgumentParser:
                    help="check only the QEMU binaries given with --qemu, not those on PATH "
                         f"or in {PACKAGE_QEMU_BIN}")
     p.add_argument("--skip", action="append", choices=["kernel", "ksm", "khugepaged", "qemu",
-                                                       "server", "guests"],
+                                                       "server", "guests", "apparmor"],
                    help="leave out a check (repeatable)")
     return p
 

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 KSM_RUN = Path("/sys/kernel/mm/ksm/run")
 DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
 MAX_PTES_SHARED = Path("/sys/kernel/mm/transparent_hugepage/khugepaged/max_ptes_shared")
-ALL = ("kernel", "ksm", "khugepaged", "qemu", "server", "guests")
+ALL = ("kernel", "ksm", "khugepaged", "qemu", "server", "guests", "apparmor")
 
 assert os.geteuid() == 0, "pageshare host check reads /proc and sysfs: run these tests as root"
 

@@ -183,3 +183,26 @@ def test_the_apparmor_abstraction_parses_in_libvirts_profile(copy_mode: bool,
     q = subprocess.run([parser, "-Q", "-K", "--base", str(root), "-I", str(root), str(profile)],
                        capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr
+
+
+def test_host_check_says_when_libvirts_apparmor_lacks_the_abstraction(tmp_path: Path) -> None:
+    from pageshare.hostcheck import check_apparmor
+    enabled, d = tmp_path / "enabled", tmp_path / "apparmor.d"
+    (d / "abstractions").mkdir(parents=True)
+    enabled.write_text("Y\n")
+    assert list(check_apparmor(enabled, d)) == []                 # no libvirt profile
+    (d / "abstractions" / "libvirt-qemu").write_text("")
+    enabled.write_text("N\n")
+    assert list(check_apparmor(enabled, d)) == []                 # AppArmor off
+    enabled.write_text("Y\n")
+    (f,) = check_apparmor(enabled, d)
+    assert f.severity == "warning" and "pageshare-qemu is missing" in f.what, f
+    assert f.fix.startswith("install pageshare-host"), f
+    (d / "abstractions" / "pageshare-qemu").write_text("")
+    (f,) = check_apparmor(enabled, d)
+    assert f.severity == "warning" and "echo 'include <abstractions/pageshare-qemu>'" in f.fix
+    local = d / "local" / "abstractions" / "libvirt-qemu"
+    local.parent.mkdir(parents=True)
+    local.write_text("# site rules\ninclude <abstractions/pageshare-qemu>\n")
+    (f,) = check_apparmor(enabled, d)
+    assert f.severity == "ok", f

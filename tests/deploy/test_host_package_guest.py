@@ -212,6 +212,12 @@ def filter_stats(g: Agent, node: str) -> dict[str, Any]:
     raise AssertionError(f"no node {node}")
 
 
+def apparmor_findings(g: Agent) -> list[str]:
+    out = g.run("pageshare host check --json 2>/dev/null " + " ".join(
+        f"--skip {c}" for c in ("kernel", "ksm", "khugepaged", "qemu", "server", "guests")))[1]
+    return [f["severity"] for f in json.loads(out)["findings"] if f["check"] == "apparmor"]
+
+
 def under_libvirt(g: Agent, server_deb: str, qemu_deb: str, n1: int, lap: Any) -> None:
     """libvirt as Debian runs it, the server, the patched QEMU and the
     watcher under its hardened unit, with libvirt's AppArmor profile."""
@@ -227,14 +233,18 @@ def under_libvirt(g: Agent, server_deb: str, qemu_deb: str, n1: int, lap: Any) -
     assert server_score < 4.0
 
     # The abstraction, included as the README says; copy mode's lines on
-    # (the guest kernel lacks merge_pages); the chain libvirt's profiles use parses.
+    # (the guest kernel lacks merge_pages); the chain libvirt's profiles use
+    # parses; host check says whether it is included, where AppArmor is on.
+    apparmor = g.ok("cat /sys/module/apparmor/parameters/enabled 2>/dev/null; true").strip()
+    want = ["warning"] if apparmor == "Y" else []
+    assert apparmor_findings(g) == want, apparmor
     g.ok("echo 'include <abstractions/pageshare-qemu>' "
          ">> /etc/apparmor.d/local/abstractions/libvirt-qemu && "
          "sed -i 's/^  #ptrace (read, trace)/  ptrace (read, trace)/; "
          "s/^  #@{PROC}/  @{PROC}/' /etc/apparmor.d/abstractions/pageshare-qemu")
     rc, out = g.run("apparmor_parser -Q -K /etc/apparmor.d/libvirt/TEMPLATE.qemu")
     assert rc == 0, out
-    apparmor = g.ok("cat /sys/module/apparmor/parameters/enabled 2>/dev/null; true").strip()
+    assert apparmor_findings(g) == (["ok"] if apparmor == "Y" else [])
 
     # The server as QEMU's user (libvirt-qemu), its image owned by that user.
     g.ok("mkdir -p /etc/systemd/system/pageshare-server.service.d && cp "
