@@ -19,14 +19,15 @@ renamed, or marked by a stamp written last; all of it under one lock):
    excluded) in a throwaway clone of the base.  With ``--stock`` there is
    no series: the commit built is the base itself.
 3. build: one long-lived work tree per source version and configuration is
-   moved to the series commit (or, ``--stock``, the base commit) with ``git
-   checkout`` (only files that differ are rewritten, so ninja rebuilds only
-   what the series changed), configured once (small build: x86_64-softmmu +
-   tools, default features off) and built with ninja for the five binaries
-   the tests and iotests need.  A stock build after a patched one thus
-   rebuilds only what the series touched, and the next patched build that
-   compiles checks the series out again in the same tree (about the same
-   cost back, once: warm runs of either do not touch the tree).
+   moved to the series commit with ``git checkout`` (only files that differ
+   are rewritten, so ninja rebuilds only what a new series changed),
+   configured once (small build: x86_64-softmmu + tools, default features
+   off) and built with ninja for the five binaries the tests and iotests
+   need.  ``--stock`` has a work tree of its own at the base commit: the
+   series changes the QAPI schema, whose generated headers most of QEMU
+   includes, so sharing one tree cost a near-full rebuild to the base and
+   another back to the series (about 5 minutes each way on 2 cores, against
+   about 4 for a whole build).
 4. install: the binaries are copied to ``<cache>/qemu/<key>/bin`` where key
    hashes the source version, the configuration and the series (an empty
    one for ``--stock``, so the stock build has a key of its own).  A warm
@@ -303,9 +304,12 @@ def configure_hash() -> str:
     return hashlib.sha256(json.dumps([CONFIGURE, PIP_DEPS]).encode()).hexdigest()[:12]
 
 
-def build(base: Path, version: str, commit: str, python: Path, jobs: int) -> Path:
-    """Move the work tree to ``commit`` and build.  Returns the work dir."""
-    work = CACHE / f"work-{version.replace(':', '_')}-{configure_hash()}"
+def build(base: Path, version: str, commit: str, python: Path, jobs: int,
+          stock: bool = False) -> Path:
+    """Move the work tree (the stock build's own with ``stock``) to
+    ``commit`` and build.  Returns the work dir."""
+    work = CACHE / (f"work-{version.replace(':', '_')}-{configure_hash()}"
+                    + ("-stock" if stock else ""))
     src, bld = work / "src", work / "build"
     if not (src / ".git").exists():
         shutil.rmtree(src, ignore_errors=True)
@@ -394,7 +398,7 @@ def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
         python = ensure_pyvenv()
         base = ensure_base(apt, version)
         commit = apply_series(base, patches, key)
-        work = build(base, version, commit, python, jobs or os.cpu_count() or 2)
+        work = build(base, version, commit, python, jobs or os.cpu_count() or 2, stock)
         install(work, out, version, commit, patches)
         log(f"built {out} in {time.monotonic() - t0:.0f} s")
         return out
@@ -411,7 +415,8 @@ def worktree_for(out: Path) -> Path:
         with open(CACHE / ".lock", "w") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)
             base = ensure_base(PrivateApt(CACHE / "apt"), info["version"])
-            build(base, info["version"], info["commit"], ensure_pyvenv(), os.cpu_count() or 2)
+            build(base, info["version"], info["commit"], ensure_pyvenv(), os.cpu_count() or 2,
+                  bool(info.get("stock")))
     return work
 
 
