@@ -134,7 +134,8 @@ FILE.  The new list is generation N+1 (header x-generation; analyze-image's
 lists are generation 1) with x-parent-list-digest naming the list it refines;
 it is written to --output or <lists-dir>/<image>-<sha>.gen<N+1>.pcsl.  Publish
 it with 'pageshare list publish' (or --publish).  Each refinement is recorded
-in the results database (tables refinement, refined_block).
+in the results database (tables refinement, refined_block); 'pageshare report
+--refinements' plots each generation's blocks and coverage.
 """
 
 _REFINE_EPILOG = """\

@@ -20,7 +20,9 @@ guests read (feedback.py has the format).  A refinement:
 5. writes the list as the next generation (header ``x-generation``,
    ``x-parent-list-digest``), checks it back against the image byte for
    byte, and records the refinement in the results database (resultsdb.py:
-   refinement, refined_block).
+   refinement, refined_block: each block added or dropped with what the
+   fleet read of it, so that each generation's coverage follows,
+   docs/results-db.md "Coverage per generation").
 
 Publishing stays ``pageshare list publish`` (distribute.publish; ``--publish``
 calls it).  Start from :func:`refine`; listcli.py holds the command line.
@@ -142,7 +144,7 @@ def refined_file_name(image: sectorlist.ImageIdentity, generation: int) -> str:
 class _Tally:
     """The fleet's summaries summed per block."""
     unlisted: dict[int, list[int]] = field(default_factory=dict)   # block -> [guests, hosts, reads]
-    listed_read: set[int] = field(default_factory=set)
+    listed_read: dict[int, list[int]] = field(default_factory=dict)  # the same, listed blocks
     guest_reads_listed: int = 0
     guest_reads_unlisted: int = 0
 
@@ -152,14 +154,21 @@ def tally(summaries: list[feedback.HostSummary], listed: set[int]) -> _Tally:
 
     Whether a block is listed is the parent list's business, not the record's
     flag: a host may serve an older or newer generation.  A listed block any
-    record names with a guest or a read counts as read (it is kept)."""
+    record names with a guest or a read counts as read (it is kept); its
+    hosts are those whose record does."""
     t = _Tally()
     for s in summaries:
         for block, guests, reads, _flags in s.records():
             if block in listed:
                 if guests or reads:
-                    t.listed_read.add(block)
                     t.guest_reads_listed += guests
+                    got = t.listed_read.get(block)
+                    if got is None:
+                        t.listed_read[block] = [guests, 1, reads]
+                    else:
+                        got[0] += guests
+                        got[1] += 1
+                        got[2] += reads
                 continue
             if not guests:
                 continue
@@ -371,8 +380,11 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
         rows = [resultsdb.RefinedBlock(s, "added", "read-by-fleet", candidates[s][0],
                                        candidates[s][1], candidates[s][2], h)
                 for s, h in sorted(added.items())]
-        rows += [resultsdb.RefinedBlock(s, "dropped", why, None, None, None, None)
-                 for s, why in sorted(dropped.items())]
+        # A dropped block's reads too (0 if unread), so that the new list's share
+        # of these reads is known: guest_reads_listed - dropped + added guests.
+        for s, why in sorted(dropped.items()):
+            g, n, r = t.listed_read.get(s // SECTORS_PER_PAGE, [0, 0, 0])
+            rows.append(resultsdb.RefinedBlock(s, "dropped", why, g, n, r, None))
         resultsdb.finish_refinement(
             db, refinement_id, finished_at=_now(), hosts=hosts, failures=fleet.failures,
             reported_unlisted=len(t.unlisted), reported_listed=len(t.listed_read),

@@ -155,8 +155,9 @@ CREATE TABLE IF NOT EXISTS refined_block (
     refinement_id INTEGER NOT NULL REFERENCES refinement(id),
     sector INTEGER NOT NULL,
     action TEXT NOT NULL CHECK (action IN ('added', 'dropped')),
-    reason TEXT NOT NULL,            -- added: read-by-fleet; dropped: unread, mismatch, ...
-    guests INTEGER, hosts INTEGER, reads INTEGER,
+    reason TEXT NOT NULL,            -- added: read-by-fleet; dropped: unread, bytes-differ
+    guests INTEGER, hosts INTEGER, reads INTEGER,  -- what the fleet read of it (dropped: 0 if
+                                     -- unread; NULL in rows written before they were kept)
     sha256 TEXT,                     -- the block's hash in the new list (added)
     PRIMARY KEY (refinement_id, sector)
 ) WITHOUT ROWID;

@@ -10,15 +10,12 @@ inspection given by hand, for the zero rule.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -30,9 +27,14 @@ from pageshare.ext4map import file_sectors
 from pageshare.fslayout import MappedFs
 from pageshare.image_inspect import ImageInfo, Inspection
 from pageshare.progress import Progress
-
-PAGE = 4096
-
+from refine_helpers import (
+    PAGE,
+    Image,
+    check_against_image,
+    parent_list,
+    publish_summaries,
+    raw_image,
+)
 
 # --------------------------------------------------------------------------- the format
 
@@ -70,70 +72,18 @@ def test_tally_counts_guests_over_hosts_and_hosts_with_a_guest() -> None:
     t = refine.tally([summ("a", {1: (1, 1, 0), 2: (3, 3, 0), 7: (1, 1, 1)}),
                       summ("b", {1: (2, 2, 0), 3: (0, 4, 0), 8: (1, 1, 0)})], listed={7, 8, 9})
     assert t.unlisted == {1: [3, 2, 3], 2: [3, 1, 3]}        # block 3: no guest, no host
-    assert t.listed_read == {7, 8}                            # the flag is not what decides
+    assert t.listed_read == {7: [1, 1, 1], 8: [1, 1, 1]}      # the flag is not what decides
     assert (t.guest_reads_listed, t.guest_reads_unlisted) == (2, 6)
 
 
 # --------------------------------------------------------------------------- the small image
 
 
-@dataclass
-class Image:
-    path: Path
-    raw: Path
-    vsize: int
-    content: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.vsize}-{self.content}"
-
-    def block_bytes(self, sector: int) -> bytes:
-        with open(self.raw, "rb") as f:
-            f.seek(sector * 512)
-            return f.read(PAGE)
-
-
 @pytest.fixture(scope="module")
 def image(small_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
-    raw = tmp_path_factory.mktemp("refine") / "small.raw"
-    subprocess.run(["qemu-img", "convert", "-O", "raw", str(small_image), str(raw)], check=True)
-    read_at, size = raw_file_reader(raw)
-    yield Image(small_image, raw, size, image_content_sha256(read_at, size))
-    raw.unlink()
-
-
-def parent_list(img: Image, sectors: list[int], path: Path) -> sectorlist.SectorList:
-    sl = sectorlist.SectorList(
-        image=sectorlist.ImageIdentity(img.vsize, img.content, img.path.name),
-        blocks={s: hashlib.sha256(img.block_bytes(s)).hexdigest() for s in sectors},
-        generator="analyze-image 0.1.0", criteria="cross-vm-ksm", runs="1 run(s)")
-    sectorlist.write(sl, path)
-    return sl
-
-
-def publish_summaries(url: str, key: str, hosts: dict[str, dict[int, tuple[int, int, int]]],
-                      since: float, now: float) -> None:
-    r = redis.Redis.from_url(url)
-    for host, recs in hosts.items():
-        guests = max((g for g, _, _ in recs.values()), default=0)
-        r.hset(f"pageshare:feedback:{key}:{host}",
-               mapping=dict[Any, Any](
-                   feedback.encode(host, key, int(since), int(now), guests, recs)))
-        r.sadd(f"pageshare:feedback:{key}:hosts", host)
-
-
-def check_against_image(img: Image, path: Path, expect: set[int]) -> sectorlist.SectorList:
-    """The independent check: the list's blocks are expect, each hashing to the
-    image's bytes, read here from a raw conversion of our own."""
-    sl = sectorlist.read(path)
-    assert set(sl.blocks) == expect
-    assert (sl.image.virtual_size, sl.image.content_sha256) == (img.vsize, img.content)
-    for s, digest in sl.blocks.items():
-        data = img.block_bytes(s)
-        assert hashlib.sha256(data).hexdigest() == digest, f"sector {s}"
-        assert any(data)
-    return sl
+    img = raw_image(small_image, tmp_path_factory.mktemp("refine") / "small.raw")
+    yield img
+    img.raw.unlink()
 
 
 def test_refine_thresholds_rejections_flood_garbage_drop_db(
