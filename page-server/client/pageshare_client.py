@@ -51,6 +51,9 @@ HASH_MULT = 0x9E3779B97F4A7C15
 MASK64 = (1 << 64) - 1
 FLAG_DEGRADED = 1
 NO_TABLE_REASONS = {1: "loading", 2: "no-list", 3: "refused", 4: "image-changed", 5: "shutdown"}
+# STATS offset 104: whether the client uses its table, and if not, why.
+PROOF_STATES = {0: "unknown", 1: "sharing", 2: "no-table", 3: "unchecked", 4: "unproven",
+                5: "base-changed"}
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -269,12 +272,19 @@ class PageshareClient:
         self.sock.sendall(frame(MSG_SWITCHED, struct.pack("<Q", generation)))
 
     def stats(self, generation: int, lookups: int, hits: int, merged: int, merge_errors: int,
-              fallbacks: int, migration_refs: Sequence[int] | None = None) -> None:
+              fallbacks: int, migration_refs: Sequence[int] | None = None,
+              proof: tuple[int, str] | None = None) -> None:
         """STATS; MIGRATION_REFS: sent, refused, merged, copied, read, failed
-        (None: the 48-byte message of a client without them)."""
+        (None: the 48-byte message of a client without them); PROOF:
+        fallback_unproven and the proof state (a name of PROOF_STATES),
+        which need the migration counters before them."""
         payload = struct.pack("<6Q", generation, lookups, hits, merged, merge_errors, fallbacks)
         if migration_refs is not None:
             payload += struct.pack("<6Q", *migration_refs)
+        if proof is not None:
+            assert migration_refs is not None, "the proof fields follow the migration counters"
+            code = {v: k for k, v in PROOF_STATES.items()}[proof[1]]
+            payload += struct.pack("<2Q", proof[0], code)
         self.sock.sendall(frame(MSG_STATS, payload))
 
     def reads(self, generation: int, counts: list[tuple[int, int]] | dict[int, int],

@@ -219,6 +219,33 @@ pub fn render(st: &Value) -> String {
         per(&|i| num(&i["bytes"])),
     );
     metric("pageshare_image_clients", "Connected clients.", "gauge", per(&|i| num(&i["clients"])));
+    let mut by_proof = Vec::new();
+    for i in &images {
+        if let Some(m) = i["clients_proof"].as_object() {
+            for (proof, n) in m {
+                by_proof.push((
+                    format!(
+                        "{{image=\"{}\",proof=\"{}\"}}",
+                        esc(i["name"].as_str().unwrap_or("")),
+                        esc(proof)
+                    ),
+                    num(n),
+                ));
+            }
+        }
+    }
+    metric(
+        "pageshare_image_clients_by_proof",
+        "Connected clients by what their last STATS says of their table: sharing, no-table, unchecked, unproven (not the file the server verified), base-changed (their base changed after it was verified), unknown (older clients).",
+        "gauge",
+        by_proof,
+    );
+    metric(
+        "pageshare_image_reverifying",
+        "1 while the image's table is withdrawn because its file changed and the server verifies it again.",
+        "gauge",
+        per(&|i| if i["reverifying"].is_null() { 0.0 } else { 1.0 }),
+    );
     metric(
         "pageshare_image_live_generations",
         "Generations still held by clients or current.",
@@ -255,6 +282,10 @@ pub fn render(st: &Value) -> String {
         ("migration_refs_copied", "Block references an incoming migration copied."),
         ("migration_refs_read", "Block references an incoming migration read from the base image."),
         ("migration_refs_failed", "Block references an incoming migration could not fill."),
+        (
+            "fallback_unproven",
+            "Blocks clients read from disk because no table was proven for their base file.",
+        ),
     ] {
         metric(
             &format!("pageshare_client_{k}_total"),
@@ -338,7 +369,10 @@ mod tests {
                 "client_stats": {"lookups": 5, "hits": 4, "merged": 3, "merge_errors": 0, "fallbacks": 1,
                                  "migration_refs_sent": 900, "migration_refs_refused": 7,
                                  "migration_refs_merged": 0, "migration_refs_copied": 850,
-                                 "migration_refs_read": 50, "migration_refs_failed": 0},
+                                 "migration_refs_read": 50, "migration_refs_failed": 0,
+                                 "fallback_unproven": 12},
+                "clients_proof": {"sharing": 2, "base-changed": 1},
+                "reverifying": {"generation": 3},
             }],
         });
         let text = super::render(&st);
@@ -351,6 +385,10 @@ mod tests {
             "pageshare_client_migration_refs_copied_total{image=\"deb\"} 850\n",
             "pageshare_client_migration_refs_read_total{image=\"deb\"} 50\n",
             "pageshare_client_migration_refs_failed_total{image=\"deb\"} 0\n",
+            "pageshare_client_fallback_unproven_total{image=\"deb\"} 12\n",
+            "pageshare_image_clients_by_proof{image=\"deb\",proof=\"sharing\"} 2\n",
+            "pageshare_image_clients_by_proof{image=\"deb\",proof=\"base-changed\"} 1\n",
+            "pageshare_image_reverifying{image=\"deb\"} 1\n",
         ] {
             assert!(text.contains(want), "{want:?} not in:\n{text}");
         }

@@ -452,6 +452,81 @@ def test_image_written_through_a_hard_link_is_withdrawn_at_once(
     c.close()
 
 
+def test_metadata_change_reverified_without_reading_the_blocks_again(
+        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    """A chmod, a new hard link and a touch -d of the base (its bytes
+    unchanged) each withdraw the table at once; the server verifies the file
+    again (its whole content hash) and publishes the next generation with
+    the new stamp, reusing every loaded block (kept while it verifies: none
+    is read again).  What its clients say in STATS (base-changed, then
+    sharing) is in status, per client and per image."""
+    raw, _, sha = synthetic
+    img = tmp_path / "base.raw"
+    shutil.copyfile(raw, img)
+    lst = tmp_path / "l.pcsl"
+    sl = synthetic_list(raw, sha, lst)
+    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", img, lst, fmt="raw")])
+    c, m = first_table(s.sock("img"))
+    check_published(m, sl)
+    refs = [0] * 6
+
+    def stats(state: str, gen: int) -> None:
+        c.stats(gen, 10, 8, 8, 0, 2, refs, proof=(5, state))
+
+    def said(state: str) -> bool:
+        st = s.image("img")
+        return bool(st["clients_proof"][state] == 1 and st["client_list"][0]["proof"] == state)
+
+    stats("sharing", m.generation)
+    wait_for(lambda: said("sharing"), 10, "status shows the client sharing")
+    assert s.image("img")["client_stats"]["fallback_unproven"] == 5
+    loaded = s.image("img")["arena_loaded_blocks"]
+    assert loaded == len(sl.blocks)
+    ino = img.stat().st_ino
+
+    def change(what: str, gen: int, do: object) -> psc.TableMsg:
+        nonlocal m
+        assert callable(do)
+        do()
+        assert not m.proves(img), what
+        nt = c.recv()
+        assert isinstance(nt, psc.NoTableMsg) and nt.reason == "image-changed", (what, nt)
+        assert f"(inode {ino}): table withdrawn until it is verified again" in nt.text, nt.text
+        c.switched(psc.NO_GENERATION)
+        stats("base-changed", psc.NO_GENERATION)
+        # While it verifies (it waits 2 s for the new ctime first), the
+        # image says so, and so do its clients.
+        wait_for(lambda: said("base-changed"), 10, f"{what}: the client is base-changed")
+        st = s.image("img")
+        assert st["reverifying"] is not None and st["reverifying"]["generation"] == gen - 1, st
+        assert st["arena_loaded_blocks"] == loaded, "kept while it verifies"
+        m2 = c.recv()
+        assert isinstance(m2, psc.TableMsg) and m2.generation == gen, (what, m2)
+        assert m2.proves(img) and m2.file != m.file, what
+        check_published(m2, sl)
+        c.switched(gen)
+        stats("sharing", gen)
+        wait_for(lambda: said("sharing"), 10, f"{what}: sharing again")
+        st = s.image("img")
+        assert st["reverifying"] is None, st
+        assert st["last_load"]["read_blocks"] == 0, st["last_load"]
+        assert st["last_load"]["reused_blocks"] == len(sl.blocks), st["last_load"]
+        assert st["arena_loaded_blocks"] == loaded
+        m = m2
+        return m2
+
+    change("chmod", 2, lambda: os.chmod(img, 0o640))
+    change("link", 3, lambda: os.link(img, tmp_path / "another-name.raw"))
+    # touch -d: mtime set back to what it was; only the ctime tells.
+    before = img.stat()
+    change("touch -d", 4, lambda: os.utime(img, ns=(before.st_atime_ns, before.st_mtime_ns)))
+    assert m.file is not None and m.file.mtime_ns == before.st_mtime_ns
+    log = s.log_text()
+    assert log.count("only the file's metadata changed") == 3, log
+    assert "read and verified" in log
+    c.close()
+
+
 def test_hostile_clients_do_not_hurt_the_server(
         synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
     raw, qcow, sha = synthetic

@@ -22,6 +22,71 @@ const STATS_LEN_V1: usize = 48;
 /// STATS with the migration counters.  Longer ones are read too: what
 /// follows is for counters a later client may add.
 const STATS_LEN: usize = 96;
+/// STATS with the proof fields (fallback_unproven and the proof state).
+const STATS_LEN_PROOF: usize = 112;
+
+/// Whether a client uses its table, and if not, why (STATS offset 104,
+/// PROTOCOL.md): what `status` and the metrics count per image.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Proof {
+    /// The client does not say (older than the field, or no STATS yet).
+    #[default]
+    Unknown,
+    /// It uses a table proven for the file it reads: its guest shares.
+    Sharing,
+    /// It has no table (none published, or withdrawn).
+    NoTable,
+    /// It has a table but has not read with it yet.
+    Unchecked,
+    /// Its table is not about the file it reads (another file, format or
+    /// layout): it reads from disk until a table for its file comes.
+    Unproven,
+    /// Its base file changed after the server verified it: it reads from
+    /// disk until the server proves that file again.
+    BaseChanged,
+}
+
+impl Proof {
+    pub(super) const ALL: [Proof; 6] = [
+        Proof::Sharing,
+        Proof::NoTable,
+        Proof::Unchecked,
+        Proof::Unproven,
+        Proof::BaseChanged,
+        Proof::Unknown,
+    ];
+
+    fn from_code(code: u64) -> Proof {
+        match code {
+            1 => Proof::Sharing,
+            2 => Proof::NoTable,
+            3 => Proof::Unchecked,
+            4 => Proof::Unproven,
+            5 => Proof::BaseChanged,
+            _ => Proof::Unknown,
+        }
+    }
+
+    /// The client's proof state in a STATS payload (Unknown if it does
+    /// not send one).
+    pub(super) fn from_stats(p: &[u8]) -> Proof {
+        if p.len() < STATS_LEN_PROOF {
+            return Proof::Unknown;
+        }
+        Proof::from_code(u64_at(p, 104).unwrap_or(0))
+    }
+
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Proof::Unknown => "unknown",
+            Proof::Sharing => "sharing",
+            Proof::NoTable => "no-table",
+            Proof::Unchecked => "unchecked",
+            Proof::Unproven => "unproven",
+            Proof::BaseChanged => "base-changed",
+        }
+    }
+}
 
 /// What a client's latest STATS says: its counters since it connected.
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +106,9 @@ pub(super) struct ClientCounters {
     pub(super) migration_refs_copied: u64,
     pub(super) migration_refs_read: u64,
     pub(super) migration_refs_failed: u64,
+    /// Blocks read from disk because no table was proven for the file the
+    /// client reads (0 from clients older than the field).
+    pub(super) fallback_unproven: u64,
 }
 
 /// A STATS payload of a length no client sends.
@@ -59,8 +127,9 @@ impl std::error::Error for BadStats {}
 
 impl ClientCounters {
     /// The counters of a STATS payload (PROTOCOL.md): the first 48 bytes
-    /// are those of every client; the migration counters that follow are
-    /// 0 for a client that does not send them.
+    /// are those of every client; the migration counters that follow, and
+    /// fallback_unproven after them, are 0 for a client that does not send
+    /// them.
     pub(super) fn from_stats(p: &[u8]) -> Result<Self, BadStats> {
         if p.len() != STATS_LEN_V1 && p.len() < STATS_LEN {
             return Err(BadStats { len: p.len() });
@@ -79,6 +148,7 @@ impl ClientCounters {
             migration_refs_copied: field(9),
             migration_refs_read: field(10),
             migration_refs_failed: field(11),
+            fallback_unproven: if p.len() >= STATS_LEN_PROOF { field(12) } else { 0 },
         })
     }
 
@@ -102,6 +172,7 @@ impl ClientCounters {
         self.migration_refs_read = self.migration_refs_read.saturating_add(o.migration_refs_read);
         self.migration_refs_failed =
             self.migration_refs_failed.saturating_add(o.migration_refs_failed);
+        self.fallback_unproven = self.fallback_unproven.saturating_add(o.fallback_unproven);
     }
 
     pub(super) fn json(&self) -> Value {
@@ -112,7 +183,8 @@ impl ClientCounters {
                "migration_refs_merged": self.migration_refs_merged,
                "migration_refs_copied": self.migration_refs_copied,
                "migration_refs_read": self.migration_refs_read,
-               "migration_refs_failed": self.migration_refs_failed})
+               "migration_refs_failed": self.migration_refs_failed,
+               "fallback_unproven": self.fallback_unproven})
     }
 }
 
@@ -134,6 +206,8 @@ pub(super) struct Client {
     /// The guest this client reports for: its pid and start time.
     pub(super) guest: GuestId,
     pub(super) counters: ClientCounters,
+    /// What its latest STATS says about its table's proof.
+    pub(super) proof: Proof,
     pub(super) connected_at: f64,
     pub(super) bad_messages: u64,
 }
@@ -249,6 +323,7 @@ impl Server {
                     uid: cred.map(|c| c.uid).unwrap_or(u32::MAX),
                     guest,
                     counters: ClientCounters::default(),
+                    proof: Proof::Unknown,
                     connected_at: crate::sys::now_unix(),
                     bad_messages: 0,
                 },
@@ -387,7 +462,11 @@ impl Server {
             }
             MSG_STATS => match ClientCounters::from_stats(p) {
                 // Cumulative per connection; keep the latest.
-                Ok(counters) => self.clients.get_mut(&id).expect("present").counters = counters,
+                Ok(counters) => {
+                    let c = self.clients.get_mut(&id).expect("present");
+                    c.counters = counters;
+                    c.proof = Proof::from_stats(p);
+                }
                 Err(e) => self.bye(id, &format!("protocol error: {e}")),
             },
             MSG_READS | MSG_LISTED_READ => self.feedback_message(id, kind, p),
@@ -415,7 +494,7 @@ impl Server {
 
 #[cfg(test)]
 mod tests {
-    use super::{BadStats, ClientCounters};
+    use super::{BadStats, ClientCounters, Proof};
 
     /// A STATS payload of `n` u64 fields 100, 101, ... (generation first).
     fn stats(n: u64) -> Vec<u8> {
@@ -450,6 +529,7 @@ mod tests {
             migration_refs_copied: 109,
             migration_refs_read: 110,
             migration_refs_failed: 111,
+            fallback_unproven: 0,
         };
         assert_eq!(ClientCounters::from_stats(&stats(12)), Ok(want));
         // Unknown trailing bytes, whole fields or not, are left alone.
@@ -460,6 +540,34 @@ mod tests {
         let j = want.json();
         assert_eq!(j["migration_refs_sent"], 106);
         assert_eq!(j["migration_refs_failed"], 111);
+    }
+
+    #[test]
+    fn stats_with_the_proof_fields() {
+        let mut p = stats(12);
+        p.extend_from_slice(&77u64.to_le_bytes());
+        for (code, want) in [
+            (0, Proof::Unknown),
+            (1, Proof::Sharing),
+            (2, Proof::NoTable),
+            (3, Proof::Unchecked),
+            (4, Proof::Unproven),
+            (5, Proof::BaseChanged),
+            (6, Proof::Unknown),
+            (u64::MAX, Proof::Unknown),
+        ] {
+            let mut q = p.clone();
+            q.extend_from_slice(&u64::to_le_bytes(code));
+            assert_eq!(Proof::from_stats(&q), want, "code {code}");
+            assert_eq!(ClientCounters::from_stats(&q).unwrap().fallback_unproven, 77);
+            q.extend_from_slice(&[1, 2, 3]);
+            assert_eq!(Proof::from_stats(&q), want, "code {code}, and more after it");
+        }
+        // Shorter STATS do not say.
+        assert_eq!(Proof::from_stats(&p), Proof::Unknown);
+        assert_eq!(ClientCounters::from_stats(&p).unwrap().fallback_unproven, 0);
+        assert_eq!(Proof::from_stats(&stats(6)), Proof::Unknown);
+        assert_eq!(Proof::BaseChanged.as_str(), "base-changed");
     }
 
     #[test]
@@ -508,6 +616,7 @@ mod tests {
             migration_refs_copied: u64::MAX,
             migration_refs_read: u64::MAX,
             migration_refs_failed: u64::MAX,
+            fallback_unproven: 0,
         };
         assert_eq!(sum, all);
         sum.add(&ClientCounters::from_stats(&stats(12)).unwrap());

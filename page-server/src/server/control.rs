@@ -1,6 +1,7 @@
 //! The control socket: `status` (the status JSON, also rendered for the
 //! metrics endpoint and pushed to Redis) and `reload`.
 
+use super::clients::Proof;
 use super::Server;
 use crate::proto::{frame, MSG_RELOAD_REPLY, MSG_RELOAD_REQ, MSG_STATUS_REPLY, MSG_STATUS_REQ};
 use serde_json::{json, Value};
@@ -78,13 +79,18 @@ impl Server {
                 let mut waiting = 0;
                 let mut held_gens: Vec<u64> = Vec::new();
                 let mut client_list: Vec<Value> = Vec::new();
+                let mut by_proof = [0u64; Proof::ALL.len()];
                 for c in self.clients.values() {
                     if c.image() == Some(i) {
                         client_list.push(json!({
                             "pid": c.pid, "uid": c.uid, "connected_at": c.connected_at,
                             "generations": c.held.iter().map(|g| g.number).collect::<Vec<_>>(),
+                            "proof": c.proof.as_str(),
                             "stats": c.counters.json(),
                         }));
+                        if let Some(k) = Proof::ALL.iter().position(|p| *p == c.proof) {
+                            by_proof[k] += 1;
+                        }
                         counters.add(&c.counters);
                         nclients += 1;
                         if c.waiting_since.is_some() {
@@ -104,6 +110,11 @@ impl Server {
                 }
                 held_gens.sort_unstable();
                 let cur = img.current.as_ref();
+                let clients_proof: serde_json::Map<String, Value> = Proof::ALL
+                    .iter()
+                    .zip(by_proof)
+                    .map(|(p, n)| (p.as_str().to_string(), json!(n)))
+                    .collect();
                 json!({
                     "name": img.cfg.name,
                     "path": img.cfg.path,
@@ -135,6 +146,10 @@ impl Server {
                     "clients": nclients,
                     "client_list": client_list,
                     "clients_waiting_to_switch": waiting,
+                    "clients_proof": clients_proof,
+                    "reverifying": img.suspended.as_ref().map(|g| json!({
+                        "generation": g.number, "image_file": g.stamp,
+                    })),
                     "clients_total": img.clients_total,
                     "client_stats": counters.json(),
                     "last_load": img.last_load,

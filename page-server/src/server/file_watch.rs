@@ -4,7 +4,6 @@
 
 use super::Server;
 use crate::identity::FileStamp;
-use crate::proto::NT_IMAGE_CHANGED;
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -134,8 +133,13 @@ impl Server {
                 let what =
                     format!("image {} {} (inode {ino})", img.cfg.path.display(), change_of(mask));
                 if img.current.is_some() {
-                    crate::log::warn(&format!("{what}: table withdrawn"));
-                    self.withdraw(idx, NT_IMAGE_CHANGED, &format!("{what}: table withdrawn"));
+                    crate::log::warn(&format!(
+                        "{what}: table withdrawn until it is verified again"
+                    ));
+                    self.suspend(
+                        idx,
+                        &format!("{what}: table withdrawn until it is verified again"),
+                    );
                 } else if img.image_stamp.is_some() {
                     crate::log::info(&format!("{what}; re-checking it"));
                 }
@@ -203,7 +207,7 @@ impl Server {
             None => format!("base image {} is gone or unreadable", img.cfg.path.display()),
             Some(_) => format!("base image {} changed on disk", img.cfg.path.display()),
         };
-        self.withdraw(i, NT_IMAGE_CHANGED, &why);
+        self.suspend(i, &why);
         self.images[i].image_stamp = None;
         let src = self.reload_source(i);
         self.request_load(i, src, "base image changed");

@@ -93,6 +93,11 @@ impl Server {
             }
             return;
         }
+        // The generation withdrawn because the file changed is kept only
+        // for this load (its blocks are held by `ok` if the content is the
+        // same); it goes when this function returns, unless the file
+        // changed again and is re-checked.
+        let suspended = self.images[idx].suspended.take();
         self.images[idx].loading = false;
         if let Some(stamp) = l.stamp {
             self.watch_image_inode(idx, &stamp);
@@ -121,7 +126,16 @@ impl Server {
                         "image {}: the base image changed after it was verified; not publishing, re-checking",
                         self.images[idx].cfg.name
                     ));
+                    self.images[idx].suspended = suspended;
                     return;
+                }
+                if let Some(old) = &suspended {
+                    if Arc::ptr_eq(&old.arena, &ok.arena) && old.stamp != ok.stamp {
+                        crate::log::info(&format!(
+                            "image {}: verified again after its file changed: same content (sha256 of the whole disk) as generation {}, only the file's metadata changed; the next generation proves the new stamp (clients use it again)",
+                            self.images[idx].cfg.name, old.number
+                        ));
+                    }
                 }
                 self.publish(idx, ok, &l.source)
             }
@@ -278,6 +292,18 @@ impl Server {
             self.send_table(id, &gen);
         }
         self.notifier.send(&format!("STATUS={}", self.short_status()));
+    }
+
+    /// The image file changed (its stamp moved: a write, or only a chmod,
+    /// chown, link or touch): withdraw the table at once, as
+    /// [`Server::withdraw`], but keep the generation's blocks until the
+    /// load that verifies the file again ends.
+    pub(super) fn suspend(&mut self, idx: usize, why: &str) {
+        let img = &mut self.images[idx];
+        if let Some(gen) = img.current.clone() {
+            img.suspended = Some(gen);
+        }
+        self.withdraw(idx, NT_IMAGE_CHANGED, why);
     }
 
     pub(super) fn withdraw(&mut self, idx: usize, reason: u32, why: &str) {

@@ -173,6 +173,11 @@ struct ImageState {
     cfg: ImageConfig,
     listener: UnixListener,
     current: Option<Rc<Generation>>,
+    /// The generation withdrawn because the image file changed, kept (its
+    /// blocks stay loaded, at the same addresses) until the load that
+    /// verifies the file again ends: if the content is the same, the next
+    /// generation reuses every block instead of reading it again.
+    suspended: Option<Rc<Generation>>,
     next_generation: u64,
     state: ImageStatus,
     message: String,
@@ -207,6 +212,7 @@ impl ImageState {
             cfg,
             listener,
             current: None,
+            suspended: None,
             next_generation: 1,
             state: ImageStatus::Starting,
             message: String::new(),
