@@ -326,6 +326,41 @@ def redis_ping(url: str, timeout: float = 3.0) -> str:
     return reply
 
 
+# What a client's last STATS says about its table (PROTOCOL.md, STATS offset
+# 104), for the states in which its guest reads the listed blocks from disk.
+NOT_SHARING = {
+    "base-changed": (
+        "their base file changed after the server verified it, and no table of the content "
+        "they read before has been proven for it since",
+        "if only its owner, mode, links or times changed, the server verifies it again and "
+        "they share again within seconds; if its bytes changed (someone wrote the base), "
+        "restart those VMs on a base that no one modifies"),
+    "unproven": (
+        "the server's table is not about the file they read (another file or copy, another "
+        "format, a block device or a qcow2 with an external data file)",
+        "point each VM's filter `server` at the socket of the server that serves its very "
+        "base file (`pageshare attach` matches them by device and inode)"),
+}
+
+
+def _not_sharing(img: dict[str, Any]) -> Iterator[Finding]:
+    """A warning per reason for which clients of @img read from disk."""
+    counts = img.get("clients_proof") or {}
+    clients = [c for c in img.get("client_list") or [] if isinstance(c, dict)]
+    for state, (why, fix) in NOT_SHARING.items():
+        n = int(counts.get(state) or 0)
+        if not n:
+            continue
+        pids = [c.get("pid") for c in clients if c.get("proof") == state]
+        yield Finding(
+            "image", "warning",
+            f"image {img.get('name')}: {n} of its {img.get('clients')} VMs do not share its "
+            f"pages ({state}: QEMU pids {', '.join(str(p) for p in pids)})",
+            why=f"{why}; they read every block from disk", fix=fix,
+            details={"name": img.get("name"), "path": img.get("path"), "proof": state,
+                     "clients": n, "pids": pids})
+
+
 def check_server(control: Path) -> Iterator[Finding]:
     try:
         st = server_status(control)
@@ -372,6 +407,19 @@ def check_server(control: Path) -> Iterator[Finding]:
                 f"{img.get('generation')}, {img.get('blocks')} blocks, socket "
                 f"{img.get('socket')}" + (", degraded" if st.get("degraded") else ""),
                 details=d)
+        elif img.get("reverifying"):
+            yield Finding(
+                "image", "warning",
+                f"image {name} ({img.get('path')}) changed on disk (a write, or only its owner, "
+                "mode, links or times): the server verifies it again"
+                + (f" ({img.get('message')})" if img.get("message") else ""),
+                why="until it is verified again, its VMs read every block from disk; if the "
+                    "content is the same, the server publishes it again within seconds and "
+                    "the VMs share again",
+                fix="nothing, if only its metadata changed (libvirt's chown at a domain's "
+                    "start, a chmod, a new link); chown the base to QEMU's user before the "
+                    "server loads it to avoid the pause; never write a base in use",
+                details=d)
         else:
             msg = img.get("message") or img.get("last_error") or ""
             yield Finding(
@@ -382,6 +430,7 @@ def check_server(control: Path) -> Iterator[Finding]:
                 fix="check the image path and its list (`pageshare list verify LIST --image "
                     "IMAGE`), then `pageshare-server reload`; the server log says why it "
                     "refused", details=d)
+        yield from _not_sharing(img)
     if serving == 0:
         yield Finding(
             "server", "error",

@@ -454,6 +454,105 @@ def test_base_rewritten_through_a_hard_link(images: Images, tmp_path: Path, vms:
     assert vm.wrong_blocks(want) == []
 
 
+def test_metadata_changes_share_again_and_a_write_does_not(
+        images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]) -> None:
+    """A chmod, a chown (libvirt's DAC driver at a domain's start), a new
+    hard link and a touch -d that puts the mtime back, each with the base's
+    bytes unchanged: the filter sees the new ctime after a merge and reads
+    from disk (base-changed), the server verifies the file again and
+    publishes its new stamp, and the VM merges again within seconds.  The
+    server is stopped (SIGSTOP) during each change so that the filter
+    notices first, as a busy guest does.  Then a real write: read from disk
+    for good, and the server and host check say which VM does not share
+    and why.  Every listed block is checked against the chain throughout."""
+    from pageshare import hostcheck
+
+    path = tmp_path / "golden.raw"
+    path.write_bytes(images.a.read_bytes())
+    lst = tmp_path / "golden.pcsl"
+    make_list_for(path, lst, LISTED)
+    srv = start_server(servers, tmp_path / "srv", "img", path, lst)
+    vm = new_vm(vms, tmp_path, "vm", path, srv.sock("img"))
+    want = expect("A")
+    assert vm.wrong_blocks(want) == []
+    assert vm.stats()["merged"] == len(LISTED)
+    assert srv.proc is not None
+    stamp = path.stat()
+    gen = 1
+
+    def while_stopped(change: Any) -> None:
+        """The change, and a read that notices it, with the server stopped."""
+        assert srv.proc is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            change()
+            assert vm.read_ok(LISTED[0], want[LISTED[0]])
+            assert vm.stats()["base-changed"]
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+
+    def client_proof(state: str) -> bool:
+        img = srv.image("img")
+        return bool(img["client_list"] and img["client_list"][0]["proof"] == state)
+
+    resumed: dict[str, float] = {}
+    changes = [
+        ("chmod", lambda: os.chmod(path, 0o640)),
+        ("chown", lambda: os.chown(path, 64055, 64055)),
+        ("link", lambda: os.link(path, tmp_path / "golden-link.raw")),
+        ("touch -d", lambda: os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))),
+    ]
+    for what, change in changes:
+        while_stopped(change)
+        t0 = time.monotonic()
+        gen += 1
+        before = vm.stats()["merged"]
+        probe = LISTED[1]
+
+        def merging(before: int = before, probe: int = probe) -> bool:
+            assert vm.read_ok(probe, want[probe])
+            return bool(vm.stats()["merged"] > before)
+        wait_for(merging, 30, f"{what}: the VM merges again")
+        resumed[what] = time.monotonic() - t0
+        st = vm.stats()
+        assert not st["base-changed"] and st["generation"] == gen, (what, st)
+        assert vm.wrong_blocks(want) == [], what
+        assert "only the file's metadata changed" in srv.log_text(), what
+    assert path.stat().st_mtime_ns == stamp.st_mtime_ns      # touch -d put it back
+    print("merging again after", {k: round(v, 1) for k, v in resumed.items()}, "s")
+    assert max(resumed.values()) < 15, resumed
+    err = vm.stderr()
+    assert err.count("changed while this VM uses it") == len(changes), err
+    assert err.count("verified the base image") == len(changes), err
+    wait_for(lambda: client_proof("sharing"), 15, "its STATS says it shares")
+
+    # A real write: the server withdraws the table and refuses the list
+    # (the content hash is another), the filter reads from disk for good.
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes([NEW]) * 4096, LISTED[0] * 4096)
+        finally:
+            os.close(fd)
+        want[LISTED[0]] = NEW
+    while_stopped(write)
+    wait_for(lambda: srv.image("img")["state"] == "refused", 30, "the list is refused")
+    before = vm.stats()["merged"]
+    assert vm.wrong_blocks(want) == []
+    st = vm.stats()
+    assert st["merged"] == before and st["base-changed"], st
+    wait_for(lambda: client_proof("base-changed"), 15, "its STATS says base-changed")
+    img = srv.image("img")
+    assert img["clients_proof"]["base-changed"] == 1, img
+    # the metrics text is rendered from the status every 0.5 s
+    wait_for(lambda: 'pageshare_image_clients_by_proof{image="img",proof="base-changed"} 1'
+             in srv.metrics(), 5, "the metrics count it")
+    findings = list(hostcheck.check_server(srv.control))
+    said = [f for f in findings if "do not share its pages" in f.what]
+    assert len(said) == 1 and "base-changed" in said[0].what, findings
+    assert str(vm.proc.pid) in said[0].what and "restart those VMs" in said[0].fix, said
+
+
 def test_overlay_opened_without_backing_is_refused(images: Images, tmp_path: Path,
                                                    vms: list[Vm],
                                                    servers: list[Server]) -> None:
