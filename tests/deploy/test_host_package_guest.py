@@ -227,6 +227,9 @@ def under_libvirt(g: Agent, server_deb: str, qemu_deb: str, n1: int, lap: Any) -
     assert "Setting up libvirt-daemon-system" in out, out
     assert not re.search(r"^Setting up (qemu-system|qemu-utils|python3-drgn|libguestfs)",
                          out, re.M), out
+    # libvirtd may have started before apparmor loaded its profile, and
+    # uses AppArmor for QEMU only when it runs confined itself
+    g.ok("systemctl restart libvirtd", timeout=120)
     lap("install-libvirt")
     server_score = score(g, "pageshare-server.service")
     print(f"systemd-analyze security: pageshare-server.service {server_score}")
