@@ -88,12 +88,12 @@ def load_feedback(run: Path, cli: list[str]) -> list[str]:
 
 def table(r1: dict[str, Any], r2: dict[str, Any], ref: dict[str, Any], refine: dict[str, Any],
           nlisted: tuple[int, int]) -> str:
-    def row(label: str, f: Any) -> str:
-        return f"| {label} | " + " | ".join(f(c) for c in (r1, r2, ref)) + " |"
-
     c1, c2, cr = (s["configs"]["pageshare"] for s in (r1, r2, ref))
     for c, s in ((c1, r1), (c2, r2), (cr, ref)):
         c["_listed"] = s["listed_blocks"]
+
+    def row(label: str, f: Any) -> str:
+        return f"| {label} | " + " | ".join(f(c) for c in (c1, c2, cr)) + " |"
     saved_ref = cr["saved_mib"]["listed"]
 
     def unused(c: dict[str, Any]) -> str:
@@ -126,15 +126,19 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path,
                     default=REPO / "bench/results" / time.strftime("feedback-%Y%m%d-%H%M"))
+    ap.add_argument("--summarize", action="store_true",
+                    help="only write summary.md again from the runs in --out")
     ap.add_argument("e2e_args", nargs="*", help="after --: given to both benchmark runs")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize(args.out)
     if shutil.which("redis-server") is None:
         ap.error("needs Debian's redis-server (scripts/install-deps.sh installs it)")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     image = golden.build_image("small").path
     boot_list = e2e.ensure_list(image, cache.cache_root(), None)
-    r1 = run_e2e(out / "round1", ["--list", str(boot_list)], args.e2e_args, True)
+    run_e2e(out / "round1", ["--list", str(boot_list)], args.e2e_args, True)
     refined = out / "refined.pcsl"
     with tempfile.TemporaryDirectory(prefix="feedback-round-") as td:
         sock = Path(td) / "redis.sock"
@@ -161,11 +165,20 @@ def main() -> int:
     if p.returncode != 0:
         log(f"refine failed ({p.returncode}): {p.stderr.strip()}")
         return 1
-    refine = json.loads(p.stdout)
-    r2 = run_e2e(out / "round2", ["--list", str(refined)], args.e2e_args, False)
+    run_e2e(out / "round2", ["--list", str(refined)], args.e2e_args, False)
+    (out / "command").write_text(f"bench/feedback_round.py {' '.join(sys.argv[1:])}\n"
+                                 f"round 1 list: {boot_list}\n")
+    return summarize(out)
+
+
+def summarize(out: Path) -> int:
+    """summary.md of a round from its files: round1/ and round2/ (the
+    benchmark's), refine.json, command."""
+    r1, r2 = (json.loads((out / r / "summary.json").read_text()) for r in ("round1", "round2"))
     ref = json.loads((REFERENCE / "summary.json").read_text())
-    md = (f"- command: `bench/feedback_round.py {' '.join(sys.argv[1:])}`\n"
-          f"- round 1 list: {boot_list}; refined: {refined.name}\n\n"
+    refine = json.loads((out / "refine.json").read_text())
+    cmd = (out / "command").read_text().splitlines() if (out / "command").exists() else []
+    md = ("".join(f"- {line}\n" for line in cmd) + "\n"
           + table(r1, r2, ref, refine, (r1["listed_blocks"], r2["listed_blocks"])))
     (out / "summary.md").write_text(md)
     print(md)

@@ -697,7 +697,8 @@ def test_server_cpu_across_a_restart_and_a_lost_server() -> None:
     assert e2e.cpu_since([{"server_cpu_ms": -1}, first, {"server_cpu_ms": 150}], first) == 50
 
 
-RUNS = sorted(p.parent for p in (REPO / "bench/results").glob("e2e-*/summary.json"))
+RUNS = sorted(p.parent for p in (REPO / "bench/results").glob("e2e-*/summary.json")) + sorted(
+    p.parent for p in (REPO / "bench/results").glob("feedback-*/round*/summary.json"))
 
 
 def test_a_run_is_recorded() -> None:
