@@ -76,7 +76,8 @@ def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
         "kernel", "error",
         f"kernel {rel} lacks the merge_pages series ({counter} does not exist)",
         why="without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
-            "RAM: every listed block is copied instead, and guests share nothing",
+            "RAM: it finds no merge_pages(2) (ENOSYS) and reads every block from disk, as "
+            "without the filter (fallback-unsupported), and guests share nothing at read time",
         fix="install and boot the series' kernel package: `make kernel-package` in a "
             "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
             "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
