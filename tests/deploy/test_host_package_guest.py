@@ -285,8 +285,8 @@ def under_libvirt(g: Agent, server_deb: str, qemu_deb: str, n1: int, lap: Any) -
 
     # A domain over the served image, started paused (its vCPU never runs:
     # no guest, only QEMU and its disks); the watcher attaches the filter.
-    g.ok(f"qemu-img create -q -f qcow2 -b {LISTS}/images/test.raw -F raw "
-         f"/var/lib/libvirt/images/{DOMAIN}.qcow2 && "
+    g.ok(f"/usr/lib/pageshare-qemu/bin/qemu-img create -q -f qcow2 "
+         f"-b {LISTS}/images/test.raw -F raw /var/lib/libvirt/images/{DOMAIN}.qcow2 && "
          f"cat > /root/{DOMAIN}.xml <<'EOF'\n{DOMAIN_XML.format(name=DOMAIN)}EOF\n"
          f"virsh -q define /root/{DOMAIN}.xml && virsh -q start --paused {DOMAIN}",
          timeout=300)
