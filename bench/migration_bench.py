@@ -68,7 +68,13 @@ from pageshare.image_inspect import inspect_image  # noqa: E402
 from pageshare.qmp import QMP  # noqa: E402
 from pageshare.vm import _child_setup, choose_accel  # noqa: E402
 from pageshare.workload import Markers, Workload, script  # noqa: E402
-from qemu_helpers import QemuBuild, blockdev_args, guest_cmd, qemu_build  # noqa: E402
+from qemu_helpers import (  # noqa: E402
+    QemuBuild,
+    blockdev_args,
+    guest_cmd,
+    qemu_build,
+)
+from qemu_helpers import ps_stats as ps  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -232,13 +238,6 @@ class Bench:
 
     def close(self) -> None:
         self.server.stop(signal.SIGKILL)
-
-
-def ps(qmp: QMP) -> dict[str, int]:
-    for s in qmp.command("query-blockstats", **{"query-nodes": True}):
-        if s.get("node-name") == "ps":
-            return {k: int(v) for k, v in s["driver-specific"].items() if k != "driver"}
-    raise AssertionError("no filter node ps")
 
 
 def summary(rows: list[dict[str, Any]], bench: Bench, args: argparse.Namespace) -> str:

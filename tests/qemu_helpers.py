@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pageshare.image_inspect import Inspection
@@ -82,11 +83,26 @@ def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
     return [arg for n in nodes for arg in ("-blockdev", json.dumps(n))]
 
 
+def flat_stats(driver_specific: dict[str, Any]) -> dict[str, int]:
+    """A filter's query-blockstats counters as one flat dict: booleans as
+    0/1, histograms (lists such as merge-batches) as NAME-I per bucket,
+    the driver name dropped."""
+    out: dict[str, int] = {}
+    for k, v in driver_specific.items():
+        if k == "driver":
+            continue
+        if isinstance(v, list):
+            out.update({f"{k}-{i}": int(x) for i, x in enumerate(v)})
+        else:
+            out[k] = int(v)
+    return out
+
+
 def ps_stats(qmp: QMP) -> dict[str, int]:
-    """The filter's counters (booleans as 0/1, the driver name dropped)."""
+    """The filter's counters of node ps (see flat_stats)."""
     for s in qmp.command("query-blockstats", **{"query-nodes": True}):
         if s.get("node-name") == "ps":
-            return {k: int(v) for k, v in s["driver-specific"].items() if k != "driver"}
+            return flat_stats(s["driver-specific"])
     raise AssertionError("no stats for node ps")
 
 

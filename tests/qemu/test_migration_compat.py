@@ -88,8 +88,17 @@ def stock() -> QemuBuild:
     pi, si = patched.info, st.info
     assert si.get("stock") is True and si["series"] == [], \
         f"{st.dir} is not a build without the series: {si}"
-    for k in ("version", "configure", "work"):
+    for k in ("version", "configure"):
         assert si[k] == pi[k], f"stock and patched builds differ in {k}: {si[k]} vs {pi[k]}"
+    # Each build has a work tree of its own; the stock commit is the
+    # patched commit with the series taken off.
+    series = pi["series"]
+    assert isinstance(series, list) and series, f"{patched.dir} has no series: {pi}"
+    base = subprocess.run(["git", "-C", f"{pi['work']}/src", "rev-parse",
+                           f"{pi['commit']}~{len(series)}"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert si["commit"] == base, \
+        f"the stock build is at {si['commit']}, not the patched build's base {base}"
     assert REFS in migration_capabilities(patched), f"{patched.dir} has no {REFS!r}"
     assert REFS not in migration_capabilities(st), f"the stock build {st.dir} knows {REFS!r}"
     for q in (patched, st):
