@@ -33,7 +33,7 @@ Packages (``--list``):
   12's python3-drgn cannot read 6.12 kernels), the crash extension
   ``pagescan.so`` built at package build time with the crash version it was
   built for (``datafiles.py`` refuses it under another crash), the results
-  notebook in ``/usr/share/pageshare/notebooks`` (``pageshare report``) and
+  notebooks in ``/usr/share/pageshare/notebooks`` (``pageshare report``) and
   analyze-image's manual page.  The wheels are downloaded before the build
   (into the source tree's ``vendor/``, pip's cache in the package cache),
   so dpkg-buildpackage runs offline.  Both packages' versions are
@@ -287,6 +287,7 @@ PACKAGES: dict[str, Package] = {
             "crash-ext/pagescan.c": "crash-ext/pagescan.c",
             "crash-ext/Makefile": "crash-ext/Makefile",
             "notebooks/analysis.ipynb": "notebooks/analysis.ipynb",
+            "notebooks/refinements.ipynb": "notebooks/refinements.ipynb",
             "packaging/pageshare/requirements.txt": "vendor/requirements.txt",
             "README.md": "README.md",
             "packaging/pageshare/debian": "debian",
@@ -300,6 +301,7 @@ PACKAGES: dict[str, Package] = {
             *(f"usr/lib/pageshare/python{v}/drgn/__init__.py" for v in VENDOR_PYTHONS),
             *(f"usr/lib/pageshare/python{v}/redis/__init__.py" for v in VENDOR_PYTHONS),
             "usr/share/pageshare/notebooks/analysis.ipynb",
+            "usr/share/pageshare/notebooks/refinements.ipynb",
             "usr/share/man/man1/analyze-image.1.gz",
             "usr/share/doc/pageshare/copyright",
         ),

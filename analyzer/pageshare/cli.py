@@ -194,6 +194,7 @@ ANALYZER_USAGE = """\
   fleet [--json]        what every page server reported to Redis
   image build ...       build the project's demo/small golden images (cached)
   report [--analysis ID]     run the results notebook headless on analyze-image's results
+  report --refinements [--image IMAGE]  the same for an image's list generations
 """
 ANALYZER_COMMANDS = ("analyze", "list", "fleet", "image", "report")
 NO_ANALYZER = """\
