@@ -64,7 +64,7 @@ from migration_helpers import (
 from page_server_helpers import Server, content_sha256, make_list
 from pageshare import sectorlist
 from pageshare.qmp import QMP
-from qemu_helpers import QemuBuild, blockdev_args, ps_stats, qemu_build
+from qemu_helpers import QemuBuild, blockdev_args, flat_stats, ps_stats, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
@@ -116,7 +116,7 @@ def node_stats(qmp: QMP, node: str) -> dict[str, int]:
         if s.get("node-name") == node:
             ds = s.get("driver-specific") or {}
             assert ds.get("driver") == "pageshare", s
-            return {k: int(v) for k, v in ds.items() if k != "driver"}
+            return flat_stats(ds)
     raise AssertionError(f"no stats for node {node}")
 
 
