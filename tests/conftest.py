@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Helper modules holding asserts that used to live in test modules: pytest
 # rewrites them too, so that a failing one says what it compared, as before.
 pytest.register_assert_rewrite("analysis_failures", "package_guest", "results_samples",
-                             "listed_blocks", "listed_file_bytes", "migration_helpers")
+                             "listed_blocks", "listed_file_bytes", "migration_helpers",
+                             "refine_helpers")
 
 # A skipped test checks nothing, so a run with one fails (make test, CI):
 # every test here can run on the machine scripts/install-deps.sh prepares,
