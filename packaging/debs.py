@@ -20,9 +20,11 @@ Packages (``--list``):
   on a live migration's destination; the postinst reloads a running
   libvirtd, which looks for hooks only when it starts or reloads), their
   configuration ``/etc/pageshare/libvirt.toml`` (every key commented out:
-  the defaults) and the AppArmor abstraction
-  ``/etc/apparmor.d/abstractions/pageshare-qemu`` (libvirt's QEMU and the
-  page server's sockets).  Architecture all, Depends python3 only.
+  the defaults) and the AppArmor parts the operator includes in libvirt's
+  profiles: ``/etc/apparmor.d/abstractions/pageshare-qemu`` (libvirt's
+  QEMU: pageshare-qemu and the page server's sockets) and
+  ``/etc/apparmor.d/abstractions/pageshare-libvirtd`` (libvirtd: executing
+  pageshare-qemu).  Architecture all, Depends python3 only.
 - ``pageshare``: the analyzer, for the machine that analyzes images:
   ``analyze-image`` (a link to pageshare-host's ``/usr/bin/pageshare``,
   on which it depends, same version), the analyzer's modules (every module
@@ -251,6 +253,7 @@ HOST_FILES = (
     "etc/libvirt/hooks/qemu.d/pageshare",
     "etc/pageshare/libvirt.toml",
     "etc/apparmor.d/abstractions/pageshare-qemu",
+    "etc/apparmor.d/abstractions/pageshare-libvirtd",
     "usr/share/man/man1/pageshare.1.gz",
 )
 _HOST_MODULES_RE = "|".join(HOST_MODULES)
@@ -264,13 +267,15 @@ PACKAGES: dict[str, Package] = {
             "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
             "analyzer/libvirt.toml": "libvirt.toml",
             "analyzer/pageshare-qemu.apparmor": "pageshare-qemu.apparmor",
+            "analyzer/pageshare-libvirtd.apparmor": "pageshare-libvirtd.apparmor",
             "packaging/pageshare-host/bin/pageshare": "bin/pageshare",
             "README.md": "README.md",
             "packaging/pageshare-host/debian": "debian",
         },
         must_contain=(*HOST_FILES, "usr/share/doc/pageshare-host/copyright"),
         conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml",
-                   "/etc/apparmor.d/abstractions/pageshare-qemu"),
+                   "/etc/apparmor.d/abstractions/pageshare-qemu",
+                   "/etc/apparmor.d/abstractions/pageshare-libvirtd"),
         needs_cargo=False,
         prepare=_host_prepare,
         tools=("help2man", "python3"),

@@ -34,8 +34,10 @@ APT_PACKAGES=(
 	# libvirt, for `pageshare attach --libvirt` and libvirt-watch and their
 	# test (which runs a libvirtd of its own, in a mount namespace)
 	libvirt-daemon-system libvirt-clients python3-libvirt
-	# apparmor_parser, for the syntax of pageshare-host's AppArmor abstraction
-	apparmor
+	# apparmor_parser, for the syntax of pageshare-host's AppArmor parts in
+	# libvirt's profiles, and AppArmor's rule logic (python3-apparmor) for
+	# their exec rules
+	apparmor python3-apparmor
 	# a FUSE file system for the test that an image on one is refused
 	bindfs
 	# `make lint`: the shell scripts

@@ -9,19 +9,22 @@ Checks: the merge_pages kernel series (its sysfs counters), KSM in merge
 mode, khugepaged leaving shared pages alone (max_ptes_shared = 0), QEMU
 binaries with the pageshare block driver, a running pageshare-server with
 its images published (over its control socket), the server's Redis,
-running guests whose QEMU has no pageshare node, and, where AppArmor is on
-and libvirt confines QEMU with it, that libvirt's profiles include
-pageshare-host's abstraction.
+running guests whose QEMU has no pageshare node, and, where AppArmor is on,
+that libvirt's profiles include pageshare-host's parts and still compile:
+its domains' (QEMU may run pageshare-qemu and reach the server) and
+libvirtd's (it may run pageshare-qemu).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import shlex
+import shutil
 import socket
 import struct
 import subprocess
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+from xml.etree import ElementTree
 
 KSM_DIR = Path("/sys/kernel/mm/ksm")
 KHUGEPAGED_DIR = Path("/sys/kernel/mm/transparent_hugepage/khugepaged")
@@ -656,40 +660,206 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
 # --------------------------------------------------------------------------- AppArmor
 
 
+# The operator's line for each of libvirt's profiles (README, "Installing the
+# host tools on a hypervisor"); `if exists`, so that a profile still
+# compiles once pageshare-host is purged.
+QEMU_INCLUDE = "include if exists <abstractions/pageshare-qemu>"
+LIBVIRTD_INCLUDE = "include if exists <abstractions/pageshare-libvirtd>"
+# The profiles that may confine the daemon running QEMU: Debian's libvirtd;
+# upstream's virtqemud (modular daemons), where a distribution ships it.
+DAEMON_PROFILES = ("usr.sbin.libvirtd", "usr.sbin.virtqemud")
+PACKAGE_EMULATOR = PACKAGE_QEMU_BIN / "qemu-system-x86_64"
+LIBVIRT_DOMAINS = Path("/etc/libvirt/qemu")
+# apparmor_parser's include syntax: `include <x>`, `#include <x>`, `include
+# if exists <x>`, or a quoted path.
+_INCLUDE = re.compile(r'^[ \t]*#?include(?:[ \t]+if[ \t]+exists)?[ \t]*'
+                      r'(?:<([^>\n]+)>|"([^"\n]+)")', re.M)
+# what apparmor_parser leaves out of an included directory
+_NOT_INCLUDED = (".dpkg-new", ".dpkg-old", ".dpkg-dist", ".dpkg-bak", ".dpkg-remove",
+                 ".rpmnew", ".rpmsave", ".pacnew", ".pacsave", ".orig", ".rej", "~")
+
+
+def apparmor_includes(profile: Path, apparmor_d: Path = APPARMOR_D) -> set[Path]:
+    """What a profile includes, directly or through what it includes, each
+    resolved (whether it exists or not): `<x>` is looked up in apparmor_d,
+    a quoted path is absolute or relative to apparmor_d, and a directory
+    includes its files, as apparmor_parser reads them."""
+    targets: set[Path] = set()
+    todo = [profile]
+    while todo:
+        try:
+            path = todo.pop().resolve()
+        except (OSError, RuntimeError):               # a symbolic link loop
+            continue
+        if path in targets:
+            continue
+        targets.add(path)
+        if path.is_dir():
+            with contextlib.suppress(OSError):
+                todo += [f for f in path.iterdir() if f.is_file()
+                         and not f.name.startswith(".") and not f.name.endswith(_NOT_INCLUDED)]
+            continue
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in _INCLUDE.finditer(text):
+            todo.append(apparmor_d / (m.group(1) or m.group(2)))
+    targets.discard(profile.resolve())
+    return targets
+
+
+def libvirt_domains_on(emulator: Path, domains: Path = LIBVIRT_DOMAINS) -> list[str]:
+    """libvirt's defined QEMU domains whose <emulator> is this binary (or a
+    link to it: AppArmor sees the file that is executed)."""
+    want = os.path.realpath(emulator)
+    names = []
+    for f in sorted(domains.glob("*.xml")) if domains.is_dir() else []:
+        try:
+            root = ElementTree.parse(f).getroot()
+        except (OSError, ElementTree.ParseError):
+            continue
+        e = (root.findtext("devices/emulator") or "").strip()
+        if e and os.path.realpath(e) == want:
+            names.append(root.findtext("name") or f.stem)
+    return names
+
+
+def _apparmor_parser() -> str | None:
+    return shutil.which("apparmor_parser",
+                        path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
+def _compile_error(parser: str | None, apparmor_d: Path, profile: Path) -> str:
+    """What apparmor_parser says against the profile (compiled, not loaded),
+    or "" when it compiles (or there is no apparmor_parser to ask)."""
+    if not parser:
+        return ""
+    try:
+        p = subprocess.run([parser, "-Q", "-K", "--base", str(apparmor_d), str(profile)],
+                           capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{parser}: {e}"
+    if p.returncode == 0:
+        return ""
+    lines = [x for x in p.stderr.splitlines() if x.strip() and "Cache read/write" not in x]
+    return lines[0] if lines else f"{parser} exited with {p.returncode}"
+
+
+def _cannot_start(used_by: list[str]) -> str:
+    if not used_by:
+        return ""
+    if len(used_by) == 1:
+        return f": domain {used_by[0]} runs pageshare-qemu and cannot start"
+    return f": domains {', '.join(used_by)} run pageshare-qemu and cannot start"
+
+
 def check_apparmor(enabled: Path = APPARMOR_ENABLED,
-                   apparmor_d: Path = APPARMOR_D) -> Iterator[Finding]:
-    """Where AppArmor is on and libvirt confines QEMU with it (its
-    abstraction is installed), libvirt's profiles must include
-    pageshare-host's abstraction, or the filter cannot reach the server.
-    Nothing to say elsewhere."""
+                   apparmor_d: Path = APPARMOR_D,
+                   emulator: Path = PACKAGE_EMULATOR,
+                   domains: Path = LIBVIRT_DOMAINS,
+                   parse: bool = True) -> Iterator[Finding]:
+    """Where AppArmor is on and libvirt confines QEMU with it, each
+    profile on the way to a domain's QEMU must include pageshare-host's
+    part: the domains' (TEMPLATE.qemu) pageshare-qemu, or QEMU may neither
+    run pageshare-qemu nor reach the server; libvirtd's, where pageshare-qemu
+    is installed, pageshare-libvirtd, or libvirtd may not run it.  Where
+    one is included, the profile must still compile (apparmor_parser -Q).
+    A domain on pageshare-qemu that could not start makes it an error.
+    Nothing to say where AppArmor is off."""
     try:
         on = enabled.read_text().strip() == "Y"
     except OSError:
         on = False
-    if not on or not (apparmor_d / "abstractions" / "libvirt-qemu").exists():
+    if not on:
         return
-    ours = apparmor_d / "abstractions" / "pageshare-qemu"
-    local = apparmor_d / "local" / "abstractions" / "libvirt-qemu"
-    try:
-        text = local.read_text()
-    except OSError:
-        text = ""
-    included = re.search(r"^\s*#?include(\s+if\s+exists)?\s*<abstractions/pageshare-qemu>",
-                         text, re.M)
-    if included and ours.exists():
-        yield Finding("apparmor", "ok", f"libvirt's AppArmor profiles include {ours} ({local})",
-                      details={"local": str(local)})
+    parser = _apparmor_parser() if parse else None
+    used_by = libvirt_domains_on(emulator, domains) if emulator.exists() else []
+
+    # The domains' profile: virt-aa-helper makes it from TEMPLATE.qemu.
+    libvirt_qemu = apparmor_d / "abstractions" / "libvirt-qemu"
+    if libvirt_qemu.exists():
+        template = apparmor_d / "libvirt" / "TEMPLATE.qemu"
+        profile = template if template.exists() else libvirt_qemu
+        ours = apparmor_d / "abstractions" / "pageshare-qemu"
+        included = apparmor_includes(profile, apparmor_d)
+        details: dict[str, Any] = {"profile": str(profile), "abstraction": str(ours)}
+        dropins = apparmor_d / "abstractions" / "libvirt-qemu.d"
+        if dropins.resolve() in included:        # Debian 13: the local file is deprecated
+            local = dropins / "pageshare-qemu"
+            add = f"mkdir -p {dropins} && echo '{QEMU_INCLUDE}' > {local}"
+        else:
+            local = apparmor_d / "local" / "abstractions" / "libvirt-qemu"
+            add = f"echo '{QEMU_INCLUDE}' >> {local}"
+        details.update(file=str(local), line=QEMU_INCLUDE)
+        if ours.exists() and ours.resolve() in included:
+            error = _compile_error(parser, apparmor_d, profile)
+            if error:
+                yield Finding(
+                    "apparmor", "error", f"{profile} does not compile with {ours} included: "
+                    f"{error}",
+                    why="virt-aa-helper makes every domain's profile from it: no domain "
+                        "starts, on any QEMU",
+                    fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
+                    details=details)
+            else:
+                yield Finding("apparmor", "ok", f"libvirt's AppArmor profile for its domains' "
+                              f"QEMU includes {ours}", details=details)
+        else:
+            yield Finding(
+                "apparmor", "error" if used_by else "warning",
+                f"libvirt's AppArmor profile for its domains' QEMU ({profile}) does not "
+                f"include {ours}" + ("" if ours.exists() else " (it is missing)")
+                + _cannot_start(used_by),
+                why="virt-aa-helper adds no rule for a domain's <emulator>, and libvirt's "
+                    "abstraction names only Debian's QEMU binaries: a domain on "
+                    f"pageshare-qemu does not start ({emulator}: Permission denied); nor may "
+                    "the filter reach the page server: guests would read every block from "
+                    "disk and share nothing",
+                fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
+                + f"{add}: domains started afterwards get it (a running one at its next start)",
+                details=details)
+
+    # The daemon's own profile: it executes the emulator itself, to probe it.
+    if not emulator.exists():
         return
-    yield Finding(
-        "apparmor", "warning",
-        "libvirt confines QEMU with AppArmor, and its profiles do not let QEMU reach the page "
-        "server" + ("" if ours.exists() else f" ({ours} is missing)"),
-        why="the filter's connection to the server's image sockets and its reads of the "
-            "server's pages are refused: guests read every block from disk and share nothing",
-        fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
-        + f"echo 'include <abstractions/pageshare-qemu>' >> {local}: domains started "
-          "afterwards get it (a running one at its next start)",
-        details={"local": str(local), "abstraction": str(ours)})
+    ours = apparmor_d / "abstractions" / "pageshare-libvirtd"
+    for name in DAEMON_PROFILES:
+        profile = apparmor_d / name
+        if not profile.exists() or (apparmor_d / "disable" / name).exists():
+            continue
+        daemon = name.rsplit(".", 1)[1]
+        local = apparmor_d / "local" / name
+        details = {"profile": str(profile), "abstraction": str(ours), "file": str(local),
+                   "line": LIBVIRTD_INCLUDE}
+        if ours.exists() and ours.resolve() in apparmor_includes(profile, apparmor_d):
+            error = _compile_error(parser, apparmor_d, profile)
+            if error:
+                yield Finding(
+                    "apparmor", "error", f"{profile} does not compile with {ours} included: "
+                    f"{error}",
+                    why=f"AppArmor cannot load it: {daemon} keeps the profile it has until "
+                        "the next boot, and then runs unconfined, so libvirt confines no QEMU",
+                    fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
+                    details=details)
+            else:
+                yield Finding("apparmor", "ok", f"{daemon}'s AppArmor profile lets it execute "
+                              f"pageshare-qemu ({ours} is included)", details=details)
+            continue
+        yield Finding(
+            "apparmor", "error" if used_by else "warning",
+            f"{daemon}'s AppArmor profile ({profile}) does not let it execute pageshare-qemu "
+            f"({emulator})" + ("" if ours.exists() else f"; {ours} is missing")
+            + _cannot_start(used_by),
+            why=f"{daemon} executes a domain's <emulator> under its own profile, to probe it, "
+                "before the domain starts, and that profile executes only what it names "
+                "(/usr/bin/*, /usr/sbin/*, libvirt's helpers): the exec is refused (\"cannot "
+                f"execute binary {emulator}: Permission denied\"), and a domain on "
+                "pageshare-qemu can be neither defined nor started",
+            fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
+            + f"echo '{LIBVIRTD_INCLUDE}' >> {local} && apparmor_parser -r {profile} "
+              f"(a running {daemon} gets it at once)",
+            details=details)
 
 
 # --------------------------------------------------------------------------- driver

@@ -4,10 +4,12 @@ statically (every import statement, also inside functions) and when each of
 its commands runs from a tree that holds only them, as the package installs
 them; `pageshare --help` there lists only what it can run and the
 analyzer's commands say which package has them; the watcher's unit scores
-below 4.0 in `systemd-analyze security`; the AppArmor abstraction parses
-where libvirt's profiles include it (apparmor_parser, on this host's
-libvirt and apparmor).  The package itself, installed and run under
-systemd: test_host_package_guest.py.
+below 4.0 in `systemd-analyze security`; the AppArmor parts compile
+where libvirt's profiles include them (apparmor_parser, on this host's
+libvirt and apparmor), give libvirtd and the domains the exec rules they
+lack (python3-apparmor), and host check says which line a profile lacks.
+The package itself, installed and run under systemd:
+test_host_package_guest.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pageshare.cli import ANALYZER_COMMANDS, HOST_MODULES
@@ -151,58 +154,279 @@ def test_the_watchers_unit_is_hardened(tmp_path: Path) -> None:
     assert re.search(r"^SystemCallFilter=@system-service$", text, re.M)
 
 
-@pytest.mark.parametrize("copy_mode", [False, True])
-def test_the_apparmor_abstraction_parses_in_libvirts_profile(copy_mode: bool,
-                                                              tmp_path: Path) -> None:
-    """libvirt's per-domain profile (TEMPLATE.qemu, as virt-aa-helper fills
-    it) with the abstraction included from libvirt's local abstraction, as
-    the README says; also with the copy-mode lines uncommented.  Parsed
-    only (-Q -K): this host has no AppArmor to load it into."""
-    etc = Path("/etc/apparmor.d")
-    assert (etc / "abstractions" / "libvirt-qemu").exists(), \
-        "libvirt's AppArmor abstraction is missing (scripts/install-deps.sh installs libvirt)"
-    parser = shutil.which("apparmor_parser")
-    assert parser, "apparmor_parser is missing (scripts/install-deps.sh installs apparmor)"
-    root = tmp_path / "apparmor.d"
-    shutil.copytree(etc, root, symlinks=True)
+# --------------------------------------------------------------------------- AppArmor
+# pageshare-host's two AppArmor parts (analyzer/*.apparmor) against this
+# host's Debian 12 profiles (libvirt-daemon-system, apparmor), compiled but
+# not loaded (-Q -K: this host's kernel has no AppArmor), and host check's
+# findings about them on real and on fake /etc/apparmor.d trees.
+
+ETC_APPARMOR = Path("/etc/apparmor.d")
+EMULATOR = "/usr/lib/pageshare-qemu/bin/qemu-system-x86_64"
+
+
+def apparmor_tree(tmp: Path, *, qemu: bool, libvirtd: bool, copy_mode: bool = False) -> Path:
+    """A copy of this host's /etc/apparmor.d with pageshare-host's parts
+    installed, and included where host check says (and the README), as
+    asked."""
+    assert (ETC_APPARMOR / "usr.sbin.libvirtd").exists(), \
+        "libvirt's AppArmor profiles are missing (scripts/install-deps.sh installs libvirt)"
+    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+    root = tmp / "apparmor.d"
+    shutil.copytree(ETC_APPARMOR, root, symlinks=True)
     text = (REPO / "analyzer" / "pageshare-qemu.apparmor").read_text()
     if copy_mode:
         text = text.replace("  #ptrace (read, trace)", "  ptrace (read, trace)").replace(
             "  #@{PROC}", "  @{PROC}")
         assert "\n  ptrace (read, trace) peer=unconfined," in text
     (root / "abstractions" / "pageshare-qemu").write_text(text)
-    local = root / "local" / "abstractions" / "libvirt-qemu"
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with open(local, "a") as f:
-        f.write("include <abstractions/pageshare-qemu>\n")
-    profile = root / "libvirt" / "TEMPLATE.qemu"
-    p = subprocess.run([parser, "-Q", "-K", "--base", str(root), "-I", str(root), "-p",
-                        str(profile)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "/run/pageshare/*.sock rw," in p.stdout and "ptrace (read) peer=unconfined," in p.stdout
-    q = subprocess.run([parser, "-Q", "-K", "--base", str(root), "-I", str(root), str(profile)],
+    shutil.copy2(REPO / "analyzer" / "pageshare-libvirtd.apparmor",
+                 root / "abstractions" / "pageshare-libvirtd")
+    for wanted, local, line in ((qemu, "local/abstractions/libvirt-qemu", QEMU_INCLUDE),
+                                (libvirtd, "local/usr.sbin.libvirtd", LIBVIRTD_INCLUDE)):
+        if wanted:
+            (root / local).parent.mkdir(parents=True, exist_ok=True)
+            with open(root / local, "a") as f:
+                f.write(line + "\n")
+    return root
+
+
+def apparmor_parser(root: Path, profile: Path, *args: str) -> str:
+    parser = shutil.which("apparmor_parser", path="/usr/sbin:/sbin:/usr/bin")
+    assert parser, "apparmor_parser is missing (scripts/install-deps.sh installs apparmor)"
+    p = subprocess.run([parser, "-Q", "-K", "--base", str(root), *args, str(profile)],
                        capture_output=True, text=True, timeout=120)
-    assert q.returncode == 0, q.stderr
+    assert p.returncode == 0, p.stderr
+    return p.stdout
 
 
-def test_host_check_says_when_libvirts_apparmor_lacks_the_abstraction(tmp_path: Path) -> None:
-    from pageshare.hostcheck import check_apparmor
-    enabled, d = tmp_path / "enabled", tmp_path / "apparmor.d"
+@pytest.mark.parametrize("copy_mode", [False, True])
+def test_the_apparmor_parts_compile_in_libvirts_profiles(copy_mode: bool,
+                                                         tmp_path: Path) -> None:
+    """libvirt's per-domain profile (TEMPLATE.qemu, as virt-aa-helper fills
+    it) with pageshare-qemu included from libvirt's local abstraction, and
+    libvirtd's profile with pageshare-libvirtd included from its local
+    file, as the README says; also with the copy-mode lines uncommented."""
+    root = apparmor_tree(tmp_path, qemu=True, libvirtd=True, copy_mode=copy_mode)
+    template = apparmor_parser(root, root / "libvirt" / "TEMPLATE.qemu", "-p")
+    assert "/run/pageshare/*.sock rw," in template and "ptrace (read) peer=unconfined," in template
+    assert "/usr/lib/pageshare-qemu/bin/* rmix," in template
+    apparmor_parser(root, root / "libvirt" / "TEMPLATE.qemu")
+    daemon = apparmor_parser(root, root / "usr.sbin.libvirtd", "-p")
+    assert f"\n  {EMULATOR} PUx,\n" in daemon
+    assert "/run/pageshare" not in daemon             # QEMU's rules stay QEMU's
+    apparmor_parser(root, root / "usr.sbin.libvirtd")
+    # `include if exists`: both still compile once pageshare-host is purged
+    for part in ("pageshare-qemu", "pageshare-libvirtd"):
+        (root / "abstractions" / part).unlink()
+    apparmor_parser(root, root / "libvirt" / "TEMPLATE.qemu")
+    apparmor_parser(root, root / "usr.sbin.libvirtd")
+
+
+# The exec rules a profile has for a path, by AppArmor's own rule logic
+# (python3-apparmor, as aa-logprof uses it), in a process of its own: its
+# state is global.
+EXEC_RULES = """
+import json, sys
+import apparmor.aa as aa
+root, paths = sys.argv[1], sys.argv[2:]
+aa.init_aa(confdir=sys.argv[1] + "/../aa-conf", profiledir=root)
+aa.read_profiles()
+aa.read_profile(root + "/libvirt/TEMPLATE.qemu", True)
+out = {}
+for name in ("libvirtd", "LIBVIRT_TEMPLATE"):
+    (prof,) = [aa.aa[k][name] for k in aa.aa if name in aa.aa[k]]
+    parts = [prof] + [aa.include[i][i] for i in aa.include_list_recursive(prof)]
+    out[name] = {p: sorted(r.get_clean() for part in parts for r in part["file"]
+                           .get_exec_rules_for_path(p, only_exact_matches=False).rules)
+                 for p in paths}
+print(json.dumps(out))
+"""
+
+
+def exec_rules(root: Path) -> dict[str, dict[str, list[str]]]:
+    (root.parent / "aa-conf").mkdir(exist_ok=True)
+    p = subprocess.run([sys.executable, "-c", EXEC_RULES, str(root), EMULATOR,
+                        "/usr/bin/qemu-system-x86_64"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, "python3-apparmor (scripts/install-deps.sh installs it): " + p.stderr
+    out: dict[str, dict[str, list[str]]] = json.loads(p.stdout.splitlines()[-1])
+    return out
+
+
+def test_libvirtd_may_execute_pageshare_qemu_only_with_pageshare_libvirtd(
+        tmp_path: Path) -> None:
+    """Why a domain on pageshare-qemu did not start under Debian 12's
+    AppArmor with only the domains' part included (Permission denied):
+    libvirtd executes the emulator itself (its capabilities probe) under its
+    own profile, which has an exec rule for Debian's QEMU (/usr/bin/* PUx)
+    and none for pageshare-qemu's; the domain's profile (TEMPLATE.qemu;
+    virt-aa-helper adds no rule for the emulator) has one only through
+    pageshare-qemu.  With both parts included, both may."""
+    stock = exec_rules(apparmor_tree(tmp_path / "stock", qemu=False, libvirtd=False))
+    assert stock["libvirtd"] == {EMULATOR: [], "/usr/bin/qemu-system-x86_64": ["/usr/bin/* PUx,"]}
+    assert stock["LIBVIRT_TEMPLATE"] == {
+        EMULATOR: [], "/usr/bin/qemu-system-x86_64": ["/usr/bin/qemu-system-x86_64 mrix,"]}
+    domains_only = exec_rules(apparmor_tree(tmp_path / "qemu", qemu=True, libvirtd=False))
+    assert domains_only["libvirtd"][EMULATOR] == []          # the Permission denied
+    assert domains_only["LIBVIRT_TEMPLATE"][EMULATOR] == ["/usr/lib/pageshare-qemu/bin/* mrix,"]
+    both = exec_rules(apparmor_tree(tmp_path / "both", qemu=True, libvirtd=True))
+    assert both["libvirtd"][EMULATOR] == [f"{EMULATOR} PUx,"]
+    assert both["LIBVIRT_TEMPLATE"][EMULATOR] == ["/usr/lib/pageshare-qemu/bin/* mrix,"]
+
+
+def fake_apparmor(tmp: Path, debian: int) -> tuple[Path, Path, Path, Path]:
+    """A minimal /etc/apparmor.d laid out as Debian 12's or 13's libvirt
+    lays it out (13: libvirt's abstraction includes abstractions/libvirt-qemu.d/
+    and, deprecated, the local file), AppArmor on, pageshare-qemu installed,
+    no domain defined: (enabled, apparmor.d, emulator, domains)."""
+    enabled, d = tmp / "enabled", tmp / "apparmor.d"
+    enabled.write_text("Y\n")
     (d / "abstractions").mkdir(parents=True)
-    enabled.write_text("Y\n")
-    assert list(check_apparmor(enabled, d)) == []                 # no libvirt profile
-    (d / "abstractions" / "libvirt-qemu").write_text("")
+    (d / "libvirt").mkdir()
+    (d / "libvirt" / "TEMPLATE.qemu").write_text(
+        "#include <tunables/global>\nprofile LIBVIRT_TEMPLATE flags=(attach_disconnected) {\n"
+        "  #include <abstractions/libvirt-qemu>\n}\n")
+    local = ("  include if exists <abstractions/libvirt-qemu.d>\n"
+             "  include if exists <local/abstractions/libvirt-qemu>\n" if debian == 13 else
+             "  # Site-specific additions and overrides. See local/README for details.\n"
+             "  #include <local/abstractions/libvirt-qemu>\n")
+    (d / "abstractions" / "libvirt-qemu").write_text("  /usr/bin/qemu-system-x86_64 rmix,\n"
+                                                      + local)
+    (d / "usr.sbin.libvirtd").write_text(
+        "profile libvirtd /usr/sbin/libvirtd {\n  /usr/bin/* PUx,\n"
+        "  #include <local/usr.sbin.libvirtd>\n}\n")
+    (d / "local" / "abstractions").mkdir(parents=True)
+    (d / "local" / "usr.sbin.libvirtd").write_text("")
+    emulator = tmp / "pageshare-qemu" / "bin" / "qemu-system-x86_64"
+    emulator.parent.mkdir(parents=True)
+    emulator.write_text("")
+    domains = tmp / "libvirt-qemu"
+    domains.mkdir()
+    return enabled, d, emulator, domains
+
+
+def apply(finding: Any) -> None:
+    """What the finding's fix says: its line into its file (for Debian 13's
+    libvirt-qemu.d, a file of its own)."""
+    f = Path(finding.details["file"])
+    f.parent.mkdir(parents=True, exist_ok=True)
+    with open(f, "a") as out:
+        out.write(finding.details["line"] + "\n")
+    assert f"'{finding.details['line']}' >" in finding.fix and str(f) in finding.fix, finding
+
+
+@pytest.mark.parametrize("debian", [12, 13])
+def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path: Path) -> None:
+    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE, check_apparmor
+
+    enabled, d, emulator, domains = fake_apparmor(tmp_path, debian)
+
+    def findings() -> list[Any]:
+        return list(check_apparmor(enabled, d, emulator, domains, parse=False))
+
     enabled.write_text("N\n")
-    assert list(check_apparmor(enabled, d)) == []                 # AppArmor off
+    assert findings() == []                                       # AppArmor off
     enabled.write_text("Y\n")
-    (f,) = check_apparmor(enabled, d)
-    assert f.severity == "warning" and "pageshare-qemu is missing" in f.what, f
-    assert f.fix.startswith("install pageshare-host"), f
-    (d / "abstractions" / "pageshare-qemu").write_text("")
-    (f,) = check_apparmor(enabled, d)
-    assert f.severity == "warning" and "echo 'include <abstractions/pageshare-qemu>'" in f.fix
-    local = d / "local" / "abstractions" / "libvirt-qemu"
-    local.parent.mkdir(parents=True)
-    local.write_text("# site rules\ninclude <abstractions/pageshare-qemu>\n")
-    (f,) = check_apparmor(enabled, d)
-    assert f.severity == "ok", f
+    # pageshare-host's parts missing (pageshare-qemu alone)
+    qemu, daemon = findings()
+    assert qemu.severity == daemon.severity == "warning", (qemu, daemon)
+    assert "(it is missing)" in qemu.what and qemu.fix.startswith("install pageshare-host")
+    assert "pageshare-libvirtd is missing" in daemon.what, daemon
+    (d / "abstractions" / "pageshare-qemu").write_text("  /run/pageshare/*.sock rw,\n")
+    (d / "abstractions" / "pageshare-libvirtd").write_text(f"  {emulator} PUx,\n")
+    qemu, daemon = findings()
+    assert qemu.severity == daemon.severity == "warning", (qemu, daemon)
+    assert "does not include" in qemu.what and "Permission denied" in qemu.why, qemu
+    assert qemu.details["line"] == QEMU_INCLUDE, qemu
+    assert qemu.details["file"] == str(
+        d / "abstractions" / "libvirt-qemu.d" / "pageshare-qemu" if debian == 13 else
+        d / "local" / "abstractions" / "libvirt-qemu"), qemu
+    assert f"libvirtd's AppArmor profile ({d / 'usr.sbin.libvirtd'}) does not let it execute " \
+           f"pageshare-qemu ({emulator})" == daemon.what, daemon
+    assert "to probe it" in daemon.why and "cannot execute binary" in daemon.why, daemon
+    assert daemon.fix == (f"echo '{LIBVIRTD_INCLUDE}' >> {d / 'local' / 'usr.sbin.libvirtd'} "
+                          f"&& apparmor_parser -r {d / 'usr.sbin.libvirtd'} "
+                          "(a running libvirtd gets it at once)"), daemon
+
+    # a defined domain on pageshare-qemu (named by its /usr/bin link) cannot start: errors
+    link = tmp_path / "pageshare-qemu-system-x86_64"
+    link.symlink_to(emulator)
+    (domains / "vm1.xml").write_text(
+        f"<domain type='kvm'><name>vm1</name><devices><emulator>{link}</emulator>"
+        "</devices></domain>\n")
+    (domains / "vm2.xml").write_text(
+        "<domain type='kvm'><name>vm2</name><devices><emulator>/usr/bin/qemu-system-x86_64"
+        "</emulator></devices></domain>\n")
+    (domains / "broken.xml").write_text("<domain")
+    qemu, daemon = findings()
+    assert qemu.severity == daemon.severity == "error", (qemu, daemon)
+    assert qemu.what.endswith(": domain vm1 runs pageshare-qemu and cannot start"), qemu
+    assert daemon.what.endswith(": domain vm1 runs pageshare-qemu and cannot start"), daemon
+
+    # the domains' line alone: libvirtd still may not run it (the state of the
+    # failed guest test), then both
+    apply(qemu)
+    qemu, daemon = findings()
+    assert (qemu.severity, daemon.severity) == ("ok", "error"), (qemu, daemon)
+    apply(daemon)
+    assert [f.severity for f in findings()] == ["ok", "ok"]
+    # a disabled daemon profile, or no pageshare-qemu: nothing about libvirtd
+    (d / "disable").mkdir()
+    (d / "disable" / "usr.sbin.libvirtd").symlink_to(d / "usr.sbin.libvirtd")
+    assert [f.what for f in findings()] == [qemu.what]
+    (d / "disable" / "usr.sbin.libvirtd").unlink()
+    emulator.unlink()
+    assert [f.what for f in findings()] == [qemu.what]
+    # no libvirt: nothing at all
+    shutil.rmtree(d / "libvirt")
+    (d / "abstractions" / "libvirt-qemu").unlink()
+    (d / "usr.sbin.libvirtd").unlink()
+    assert findings() == []
+
+
+def test_apparmor_includes_follows_what_apparmor_parser_reads(tmp_path: Path) -> None:
+    from pageshare.hostcheck import apparmor_includes
+    d = tmp_path / "apparmor.d"
+    (d / "a.d").mkdir(parents=True)
+    (d / "p").write_text('#include <tunables/x>\n  # include <commented>\n'
+                         '  include if exists <a.d>\n  include "/abs/olute"\n'
+                         '  #include "rel"\n')
+    (d / "a.d" / "one").write_text("include <b>\n")
+    (d / "a.d" / "one.dpkg-old").write_text("include <old>\n")
+    (d / "a.d" / ".hidden").write_text("include <hidden>\n")
+    (d / "b").write_text("include <p>\n")                    # a loop
+    got = {str(p.relative_to(d)) if p.is_relative_to(d) else str(p)
+           for p in apparmor_includes(d / "p", d)}
+    assert got == {"tunables/x", "a.d", "a.d/one", "b", "/abs/olute", "rel"}, got
+
+
+def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) -> None:
+    """With this host's real profiles: the lines the README gives are ok,
+    and a profile that no longer compiles once included is an error."""
+    from pageshare.hostcheck import check_apparmor
+    root = apparmor_tree(tmp_path, qemu=True, libvirtd=True)
+    enabled = tmp_path / "enabled"
+    enabled.write_text("Y\n")
+    emulator = tmp_path / "qemu-system-x86_64"
+    emulator.write_text("")
+    found = list(check_apparmor(enabled, root, emulator, tmp_path / "none"))
+    assert [f.severity for f in found] == ["ok", "ok"], found
+    with open(root / "local" / "usr.sbin.libvirtd", "a") as f:
+        f.write(f"  {EMULATOR} ix,\n")                     # conflicts with the part's PUx
+    qemu, daemon = check_apparmor(enabled, root, emulator, tmp_path / "none")
+    assert qemu.severity == "ok", qemu
+    assert daemon.severity == "error" and "does not compile" in daemon.what, daemon
+    assert "conflicting x modifiers" in daemon.what, daemon
+
+
+def test_the_readme_and_the_parts_give_host_checks_lines() -> None:
+    """One line per profile, the same wherever it is written."""
+    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+    readme = (REPO / "README.md").read_text()
+    for line, local, part in (
+            (QEMU_INCLUDE, "/etc/apparmor.d/local/abstractions/libvirt-qemu", "pageshare-qemu"),
+            (LIBVIRTD_INCLUDE, "/etc/apparmor.d/local/usr.sbin.libvirtd", "pageshare-libvirtd")):
+        assert f"echo '{line}' >> {local}" in readme, line
+        header = (REPO / "analyzer" / f"{part}.apparmor").read_text()
+        assert f"#   echo '{line}' \\\n#       >> {local}\n" in header, part
+    assert "apparmor_parser -r /etc/apparmor.d/usr.sbin.libvirtd" in readme

@@ -58,11 +58,12 @@ def test_the_packages_hold_what_they_should() -> None:
     unit = debs.deb_member(host, "lib/systemd/system/pageshare-libvirt-watch.service")
     assert "ExecStart=/usr/bin/pageshare libvirt-watch" in unit
     # the libvirt hook and the configuration it shares with libvirt-watch,
-    # and the AppArmor abstraction: conffiles, the hook executable, calling
+    # and the AppArmor abstractions: conffiles, the hook executable, calling
     # the installed pageshare
     conffiles = debs.deb_control_file(host, "conffiles").split()
     assert {"/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml",
-            "/etc/apparmor.d/abstractions/pageshare-qemu"} <= set(conffiles), conffiles
+            "/etc/apparmor.d/abstractions/pageshare-qemu",
+            "/etc/apparmor.d/abstractions/pageshare-libvirtd"} <= set(conffiles), conffiles
     hook = debs.deb_member(host, "etc/libvirt/hooks/qemu.d/pageshare")
     assert "PAGESHARE=/usr/bin/pageshare" in hook and "libvirt-hook" in hook
     listing = subprocess.run(["dpkg-deb", "-c", str(host)], capture_output=True, text=True,
