@@ -25,29 +25,55 @@ from pageshare import golden  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("image", nargs="?", type=Path)
     ap.add_argument("--variant", default="demo", choices=sorted(golden.VARIANTS))
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("extra", nargs=argparse.REMAINDER,
-                    help="further analyze-image options after --")
+    ap.add_argument(
+        "extra", nargs=argparse.REMAINDER, help="further analyze-image options after --"
+    )
     args = ap.parse_args()
     image = args.image or golden.build_image(args.variant).path
     with tempfile.TemporaryDirectory(prefix="pageshare-bench-") as tmp:
-        cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--json", "--quiet",
-               "--runs", str(args.runs), "--lists-dir", tmp, "--db", f"{tmp}/r.sqlite",
-               *[a for a in args.extra if a != "--"], str(image)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pageshare.cli",
+            "analyze",
+            "--json",
+            "--quiet",
+            "--runs",
+            str(args.runs),
+            "--lists-dir",
+            tmp,
+            "--db",
+            f"{tmp}/r.sqlite",
+            *[a for a in args.extra if a != "--"],
+            str(image),
+        ]
         t0 = time.monotonic()
-        p = subprocess.run(cmd, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")))
+        p = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")),
+        )
         wall = time.monotonic() - t0
     if p.returncode != 0:
         print(p.stderr, file=sys.stderr)
         return p.returncode
     s = json.loads(p.stdout)
-    shown = " ".join(["analyze-image", "--runs", str(args.runs),
-                      *[a for a in args.extra if a != "--"], image.name])
+    shown = " ".join(
+        [
+            "analyze-image",
+            "--runs",
+            str(args.runs),
+            *[a for a in args.extra if a != "--"],
+            image.name,
+        ]
+    )
     print(f"### analyze-image on `{image.parent.name}/{image.name}`\n")
     print(f"- command: `{shown}` (via `bench/analyze_image.py`)")
     print(f"- host: {os.cpu_count()} cores, {platform.release()}, accelerator {s['accel']}")

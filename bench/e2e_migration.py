@@ -32,14 +32,45 @@ MIB = 2**20
 
 # migration.csv, in this order
 ROW_FIELDS = [
-    "method", "status", "why", "transferred_bytes", "total_ms", "downtime_ms", "setup_ms",
-    "normal_pages", "zero_pages", "block_ref_pages", "multifd_bytes", "xbzrle_pages",
-    "src_cpu_ms", "dst_cpu_ms", "bandwidth", "refs_sent", "refs_refused", "refs_merged",
-    "refs_copied", "refs_read", "refs_failed", "src_listed", "src_listed_shared",
-    "src_on_server", "census_after_ms", "dst_listed", "dst_listed_shared", "dst_on_server",
-    "refs_of_src_listed", "refs_merged_frac", "dst_shared_frac", "dst_on_server_frac",
-    "ksm_target_frac", "t_ksm_shared_s", "t_ksm_server_s", "t_shared_90_s", "followed_s",
-    "dst_shared_frac_last", "dst_on_server_frac_last",
+    "method",
+    "status",
+    "why",
+    "transferred_bytes",
+    "total_ms",
+    "downtime_ms",
+    "setup_ms",
+    "normal_pages",
+    "zero_pages",
+    "block_ref_pages",
+    "multifd_bytes",
+    "xbzrle_pages",
+    "src_cpu_ms",
+    "dst_cpu_ms",
+    "bandwidth",
+    "refs_sent",
+    "refs_refused",
+    "refs_merged",
+    "refs_copied",
+    "refs_read",
+    "refs_failed",
+    "src_listed",
+    "src_listed_shared",
+    "src_on_server",
+    "census_after_ms",
+    "dst_listed",
+    "dst_listed_shared",
+    "dst_on_server",
+    "refs_of_src_listed",
+    "refs_merged_frac",
+    "dst_shared_frac",
+    "dst_on_server_frac",
+    "ksm_target_frac",
+    "t_ksm_shared_s",
+    "t_ksm_server_s",
+    "t_shared_90_s",
+    "followed_s",
+    "dst_shared_frac_last",
+    "dst_on_server_frac_last",
 ]
 
 
@@ -88,15 +119,16 @@ def samples(rows: list[list[str]], guest_fields: list[str]) -> list[dict[str, An
     keys = guest_fields[1:]
     out = []
     for r in rows:
-        vals = (r[2:] + ["-1"] * len(keys))[:len(keys)]
+        vals = (r[2:] + ["-1"] * len(keys))[: len(keys)]
         d: dict[str, Any] = {"method": r[0], "side": r[1]}
         d.update({k: int(v) for k, v in zip(keys, vals, strict=True)})
         out.append(d)
     return out
 
 
-def _reach(dst: list[dict[str, Any]], key: str, target: float | None,
-           t_done: int | None) -> float | None:
+def _reach(
+    dst: list[dict[str, Any]], key: str, target: float | None, t_done: int | None
+) -> float | None:
     """Seconds from switchover until the destination's samples first show
     ``key``/listed at ``target`` or more (None: never while followed)."""
     if target is None or t_done is None:
@@ -121,16 +153,30 @@ def summarize(parsed: dict[str, Any], guest_fields: list[str]) -> dict[str, dict
         t_done = _int(d, "t_done_ms")
         brp = ram.get("block-ref-pages")
         r: dict[str, Any] = {
-            "method": method, "status": d.get("status", "?"),
+            "method": method,
+            "status": d.get("status", "?"),
             "why": d.get("why", "").replace("_", " ") or None,
-            "transferred_bytes": ram.get("transferred"), "total_ms": q.get("total-time"),
-            "downtime_ms": q.get("downtime"), "setup_ms": q.get("setup-time"),
-            "normal_pages": ram.get("normal"), "zero_pages": ram.get("duplicate"),
-            "block_ref_pages": brp, "multifd_bytes": ram.get("multifd-bytes"),
+            "transferred_bytes": ram.get("transferred"),
+            "total_ms": q.get("total-time"),
+            "downtime_ms": q.get("downtime"),
+            "setup_ms": q.get("setup-time"),
+            "normal_pages": ram.get("normal"),
+            "zero_pages": ram.get("duplicate"),
+            "block_ref_pages": brp,
+            "multifd_bytes": ram.get("multifd-bytes"),
             "xbzrle_pages": q.get("xbzrle-cache", {}).get("pages"),
         }
-        for k in ("src_cpu_ms", "dst_cpu_ms", "bandwidth", "refs_sent", "refs_refused",
-                  "refs_merged", "refs_copied", "refs_read", "refs_failed"):
+        for k in (
+            "src_cpu_ms",
+            "dst_cpu_ms",
+            "bandwidth",
+            "refs_sent",
+            "refs_refused",
+            "refs_merged",
+            "refs_copied",
+            "refs_read",
+            "refs_failed",
+        ):
             r[k] = _int(d, k)
         s0 = src[0] if src else None
         d0 = dst[0] if dst else None
@@ -187,46 +233,72 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
 
     table: list[tuple[str, Any]] = [
         ("status", lambda r: r["status"] + (f" ({r['why']})" if r["why"] else "")),
-        ("MiB on the wire", lambda r: _fmt(r["transferred_bytes"] and
-                                          r["transferred_bytes"] / MIB, ".1f")),
+        (
+            "MiB on the wire",
+            lambda r: _fmt(r["transferred_bytes"] and r["transferred_bytes"] / MIB, ".1f"),
+        ),
         ("total time, s", lambda r: _fmt(r["total_ms"] and r["total_ms"] / 1000, ".1f")),
         ("downtime, ms", lambda r: _fmt(r["downtime_ms"], "d")),
         ("setup, ms", lambda r: _fmt(r["setup_ms"], "d")),
-        ("less than precopy: bytes, time",
-         lambda r: f"{_fmt(rel(r, 'transferred_bytes'), '.0%')}, "
-                   f"{_fmt(rel(r, 'total_ms'), '.0%')}"),
-        ("CPU source / destination QEMU, s",
-         lambda r: f"{_fmt(r['src_cpu_ms'] and r['src_cpu_ms'] / 1000, '.1f')} / "
-                   f"{_fmt(r['dst_cpu_ms'] and r['dst_cpu_ms'] / 1000, '.1f')}"),
+        (
+            "less than precopy: bytes, time",
+            lambda r: (
+                f"{_fmt(rel(r, 'transferred_bytes'), '.0%')}, {_fmt(rel(r, 'total_ms'), '.0%')}"
+            ),
+        ),
+        (
+            "CPU source / destination QEMU, s",
+            lambda r: (
+                f"{_fmt(r['src_cpu_ms'] and r['src_cpu_ms'] / 1000, '.1f')} / "
+                f"{_fmt(r['dst_cpu_ms'] and r['dst_cpu_ms'] / 1000, '.1f')}"
+            ),
+        ),
         ("listed pages the source guest holds", lambda r: _fmt(r["src_listed"], "d")),
         ("pages sent as references", lambda r: _fmt(r["block_ref_pages"], "d")),
-        ("of the listed pages held, as references",
-         lambda r: _fmt(r["refs_of_src_listed"], ".1%")),
+        ("of the listed pages held, as references", lambda r: _fmt(r["refs_of_src_listed"], ".1%")),
         ("references refused at send time", lambda r: _fmt(r["refs_refused"], "d")),
-        ("references merged / copied / read / failed on the destination",
-         lambda r: " / ".join(_fmt(r[k], "d") for k in
-                              ("refs_merged", "refs_copied", "refs_read", "refs_failed"))),
+        (
+            "references merged / copied / read / failed on the destination",
+            lambda r: " / ".join(
+                _fmt(r[k], "d") for k in ("refs_merged", "refs_copied", "refs_read", "refs_failed")
+            ),
+        ),
         ("census, ms after switchover", lambda r: _fmt(r["census_after_ms"], "d")),
         ("destination: listed pages held", lambda r: _fmt(r["dst_listed"], "d")),
-        ("of them shared (KSM pages) right after switchover",
-         lambda r: _fmt(r["dst_shared_frac"], ".1%")),
-        ("of them the server's page (PFN) right after switchover",
-         lambda r: _fmt(r["dst_on_server_frac"], ".1%")),
-        ("s until KSM shares block-refs' share",
-         lambda r: _fmt(r["t_ksm_shared_s"], ".0f") if r["ksm_target_frac"] is not None
-         else "-"),
-        ("s until as many are the server's page",
-         lambda r: _fmt(r["t_ksm_server_s"], ".0f") if r["ksm_target_frac"] is not None
-         else "-"),
+        (
+            "of them shared (KSM pages) right after switchover",
+            lambda r: _fmt(r["dst_shared_frac"], ".1%"),
+        ),
+        (
+            "of them the server's page (PFN) right after switchover",
+            lambda r: _fmt(r["dst_on_server_frac"], ".1%"),
+        ),
+        (
+            "s until KSM shares block-refs' share",
+            lambda r: _fmt(r["t_ksm_shared_s"], ".0f") if r["ksm_target_frac"] is not None else "-",
+        ),
+        (
+            "s until as many are the server's page",
+            lambda r: _fmt(r["t_ksm_server_s"], ".0f") if r["ksm_target_frac"] is not None else "-",
+        ),
         ("s until 90 % of them are shared", lambda r: _fmt(r["t_shared_90_s"], ".0f")),
         ("followed for, s", lambda r: _fmt(r["followed_s"], ".0f")),
-        ("shared / the server's page when last sampled",
-         lambda r: f"{_fmt(r['dst_shared_frac_last'], '.1%')} / "
-                   f"{_fmt(r['dst_on_server_frac_last'], '.1%')}"),
+        (
+            "shared / the server's page when last sampled",
+            lambda r: (
+                f"{_fmt(r['dst_shared_frac_last'], '.1%')} / "
+                f"{_fmt(r['dst_on_server_frac_last'], '.1%')}"
+            ),
+        ),
     ]
-    out = ["", "Live migration of guest 1 after the workload (--migrate), each method "
-           "from the same guest state:", "",
-           "| | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    out = [
+        "",
+        "Live migration of guest 1 after the workload (--migrate), each method "
+        "from the same guest state:",
+        "",
+        "| | " + " | ".join(methods) + " |",
+        "|---|" + "---:|" * len(methods),
+    ]
     for label, f in table:
         out.append(f"| {label} | " + " | ".join(f(rows[m]) for m in methods) + " |")
     out += ["", *targets(rows)]
@@ -240,29 +312,36 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[str]:
         return ["- block-refs did not complete: no target can be judged"]
     out = []
     f = r["refs_of_src_listed"]
-    out.append(f"- listed pages held that go as references: {_fmt(f, '.1%')} "
-               f"({_fmt(r['block_ref_pages'], 'd')} of {_fmt(r['src_listed'], 'd')}; "
-               f"target 95 %): {'met' if f is not None and f >= 0.95 else 'NOT met'}")
+    out.append(
+        f"- listed pages held that go as references: {_fmt(f, '.1%')} "
+        f"({_fmt(r['block_ref_pages'], 'd')} of {_fmt(r['src_listed'], 'd')}; "
+        f"target 95 %): {'met' if f is not None and f >= 0.95 else 'NOT met'}"
+    )
     m = r["refs_merged_frac"]
     on = r["dst_on_server"]
     brp = r["block_ref_pages"]
     arrived = _frac(min(on, brp) if on is not None and brp is not None else None, brp)
     ok = m is not None and m >= 1 and arrived is not None and arrived >= 1
-    out.append(f"- referenced pages shared on arrival: merged by the destination's filter "
-               f"{_fmt(m, '.1%')}, the server's page at the census (of as many) "
-               f"{_fmt(arrived, '.1%')} (target 100 %): {'met' if ok else 'NOT met'}")
+    out.append(
+        f"- referenced pages shared on arrival: merged by the destination's filter "
+        f"{_fmt(m, '.1%')}, the server's page at the census (of as many) "
+        f"{_fmt(arrived, '.1%')} (target 100 %): {'met' if ok else 'NOT met'}"
+    )
     p = rows.get("precopy")
     if p and p["status"] == "completed" and p["downtime_ms"] is not None:
         ok = r["downtime_ms"] is not None and r["downtime_ms"] <= p["downtime_ms"]
-        out.append(f"- downtime {_fmt(r['downtime_ms'], 'd')} ms against precopy's "
-                   f"{p['downtime_ms']} ms (target: no worse): {'met' if ok else 'NOT met'}")
+        out.append(
+            f"- downtime {_fmt(r['downtime_ms'], 'd')} ms against precopy's "
+            f"{p['downtime_ms']} ms (target: no worse): {'met' if ok else 'NOT met'}"
+        )
     else:
         out.append("- downtime: no completed precopy to compare with")
     return out
 
 
-def write_results(out: Path, lines: list[str], guest_fields: list[str],
-                  summary: dict[str, Any]) -> str:
+def write_results(
+    out: Path, lines: list[str], guest_fields: list[str], summary: dict[str, Any]
+) -> str:
     """migration.csv, migration_samples.csv and summary["migration"] from a
     run's serial log; the markdown for summary.md ("" without a migration
     phase)."""

@@ -78,45 +78,119 @@ SCAN_RATE = re.compile(r"(ksm|pageshare)-pts(\d+)")
 # --frontier: KSM alone at several scan rates and the advisor, pageshare with
 # ksmd at the default and much lower, and "none" (the baseline the
 # kworkers' and the machine's CPU are taken against)
-FRONTIER = ["none", "ksm", "ksm-pts1000", "ksm-pts5000", "ksm-advisor", "pageshare",
-            "pageshare-pts10", "pageshare-pts0"]
+FRONTIER = [
+    "none",
+    "ksm",
+    "ksm-pts1000",
+    "ksm-pts5000",
+    "ksm-advisor",
+    "pageshare",
+    "pageshare-pts10",
+    "pageshare-pts0",
+]
 PAGE = 4096
 MIB = 2**20
-GREP_DIRS = ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/systemd "
-             "/mnt/usr/lib/udev")
+GREP_DIRS = (
+    "/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/systemd "
+    "/mnt/usr/lib/udev"
+)
 SUM_DIRS = "/mnt/usr/bin /mnt/usr/lib/x86_64-linux-gnu"
 # --mixed: guests not in lockstep, guest i reading (and checksumming) the
 # directories of MIXED[(i - 1) % 3] after a delay of its seconds; each
 # shares part of its reads with each other guest
-MIXED = [(GREP_DIRS, 0),
-         ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/systemd", 45),
-         ("/mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/udev /mnt/usr/sbin", 90)]
-GUEST_FIELDS = ["cfg", "t_ms", "guest", "qemu_cpu_ms", "rss_kb", "pss_kb", "present", "ksm",
-                "listed", "listed_shared", "zero", "zero_shared", "other_shared",
-                "requests", "merged", "merge_ns", "merge_failed", "not_listed", "full",
-                "on_server", "stale", "stale_shared", "unshared_server", "unshared_replaced",
-                "unshared_thp", "unshared_never", "anon_huge_kb"]
+MIXED = [
+    (GREP_DIRS, 0),
+    ("/mnt/usr/bin /mnt/usr/sbin /mnt/usr/lib/systemd", 45),
+    ("/mnt/usr/lib/x86_64-linux-gnu /mnt/usr/lib/udev /mnt/usr/sbin", 90),
+]
+GUEST_FIELDS = [
+    "cfg",
+    "t_ms",
+    "guest",
+    "qemu_cpu_ms",
+    "rss_kb",
+    "pss_kb",
+    "present",
+    "ksm",
+    "listed",
+    "listed_shared",
+    "zero",
+    "zero_shared",
+    "other_shared",
+    "requests",
+    "merged",
+    "merge_ns",
+    "merge_failed",
+    "not_listed",
+    "full",
+    "on_server",
+    "stale",
+    "stale_shared",
+    "unshared_server",
+    "unshared_replaced",
+    "unshared_thp",
+    "unshared_never",
+    "anon_huge_kb",
+]
 # E2E-U: a listed guest page found replaced by another PFN after a sample saw
 # it shared (e2e_sampler.c: follow_listed)
 REPLACED_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "was_pfn"]
 # E2E-F: the filter's fallback counters, and the listed pages not shared by
 # what the merge trace says of their address (e2e_sampler.c: follow_listed)
-FALLBACK_FIELDS = ["cfg", "t_ms", "guest", "partial", "unaligned", "no_table", "not_ram",
-                   "merge_failed", "unsupported", "unproven", "merges_traced",
-                   "unshared_unmerged", "unshared_unseen", "batch1", "batch2", "batch4",
-                   "batch8", "batch16", "batch32", "batch64"]
+FALLBACK_FIELDS = [
+    "cfg",
+    "t_ms",
+    "guest",
+    "partial",
+    "unaligned",
+    "no_table",
+    "not_ram",
+    "merge_failed",
+    "unsupported",
+    "unproven",
+    "merges_traced",
+    "unshared_unmerged",
+    "unshared_unseen",
+    "batch1",
+    "batch2",
+    "batch4",
+    "batch8",
+    "batch16",
+    "batch32",
+    "batch64",
+]
 BATCH_FIELDS = FALLBACK_FIELDS[-7:]
 # E2E-L: a listed page not shared at an address merged since a sample last
 # saw it shared
-LOST_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "block",
-               "ms_since_merge"]
-HOST_FIELDS = ["cfg", "t_ms", "memavail_kb", "ksmd_cpu_ms", "server_cpu_ms", "server_rss_kb",
-               "server_pss_kb", "pages_shared", "pages_sharing", "ksm_zero_pages",
-               "merge_page_merged", "full_scans", "distinct_listed", "distinct_zero",
-               "distinct_other", "sample_ms", "khugepaged_collapsed",
-               "khugepaged_full_scans", "distinct_stale", "kworker_cpu_ms", "busy_cpu_ms",
-               "sampler_cpu_ms", "mem_pages", "distinct_pages", "server_unused",
-               "swap_used_kb"]
+LOST_FIELDS = ["cfg", "t_ms", "guest", "offset", "pfn", "kpageflags", "block", "ms_since_merge"]
+HOST_FIELDS = [
+    "cfg",
+    "t_ms",
+    "memavail_kb",
+    "ksmd_cpu_ms",
+    "server_cpu_ms",
+    "server_rss_kb",
+    "server_pss_kb",
+    "pages_shared",
+    "pages_sharing",
+    "ksm_zero_pages",
+    "merge_page_merged",
+    "full_scans",
+    "distinct_listed",
+    "distinct_zero",
+    "distinct_other",
+    "sample_ms",
+    "khugepaged_collapsed",
+    "khugepaged_full_scans",
+    "distinct_stale",
+    "kworker_cpu_ms",
+    "busy_cpu_ms",
+    "sampler_cpu_ms",
+    "mem_pages",
+    "distinct_pages",
+    "server_unused",
+    "swap_used_kb",
+]
 # The guests' workload as analyze-image runs it in its Debian guests
 # (--list-from workload): the same grep over the same directories.
 LIST_WORKLOAD = "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND {dirs}; true"
@@ -194,15 +268,28 @@ def ensure_list(image: Path, cache: Path, workload: str | None = None) -> Path:
     d = list_dir(image, cache, workload)
     d.mkdir(parents=True, exist_ok=True)
     log(f"list: analyze-image {image} (once per image; several minutes under TCG)")
-    cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--runs", "1",
-           "--lists-dir", str(d), "--db", str(d / "results.sqlite"), str(image)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pageshare.cli",
+        "analyze",
+        "--runs",
+        "1",
+        "--lists-dir",
+        str(d),
+        "--db",
+        str(d / "results.sqlite"),
+        str(image),
+    ]
     if workload is not None:
         cmd[4:4] = ["--workload", workload]
     p = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")))
     made = sorted(d.glob("*.pcsl"))
     if p.returncode != 0 or not made:
-        raise BenchError(f"analyze-image failed on {image} (exit {p.returncode}); "
-                         "run it by hand to see why: " + shlex.join(cmd))
+        raise BenchError(
+            f"analyze-image failed on {image} (exit {p.returncode}); "
+            "run it by hand to see why: " + shlex.join(cmd)
+        )
     return made[-1]
 
 
@@ -214,16 +301,20 @@ def listed_hashes(image: Path, pcsl: Path) -> tuple[bytes, int]:
         raw = Path(td) / "base.raw"
         subprocess.run(["qemu-img", "convert", "-O", "raw", str(image), str(raw)], check=True)
         if raw.stat().st_size != sl.image.virtual_size:
-            raise BenchError(f"{pcsl} is for an image of {sl.image.virtual_size} bytes, "
-                             f"{image} is {raw.stat().st_size}: pass the list made for it")
+            raise BenchError(
+                f"{pcsl} is for an image of {sl.image.virtual_size} bytes, "
+                f"{image} is {raw.stat().st_size}: pass the list made for it"
+            )
         out = bytearray()
         with open(raw, "rb") as f:
             for sector, digest in sorted(sl.blocks.items()):
                 f.seek(sector * 512)
                 block = f.read(PAGE)
                 if sectorlist.block_hash(block) != digest:
-                    raise BenchError(f"{pcsl}: block at sector {sector} does not match "
-                                     f"{image}; the list is for another image")
+                    raise BenchError(
+                        f"{pcsl}: block at sector {sector} does not match "
+                        f"{image}; the list is for another image"
+                    )
                 out += struct.pack("<Q", page_hash(block))
     return bytes(out), len(sl.blocks)
 
@@ -273,15 +364,15 @@ class Settings:
     sum_dirs: str
     work_timeout: int
     # (defaults: what runs recorded before these existed did)
-    boot_timeout: int = 0       # a guest not booted by then: its configuration runs again
-    stale_mib: int = 0          # stale memory each guest frees after its reads
+    boot_timeout: int = 0  # a guest not booted by then: its configuration runs again
+    stale_mib: int = 0  # stale memory each guest frees after its reads
     # --migrate: the migration phase after the pageshare configuration
     migrate: bool = False
     migrate_ksm_cap: int = 300  # s a destination is followed until KSM shares as much
-    migrate_mbit: int = 1000    # max-bandwidth of each migration
-    mixed: bool = False         # guests not in lockstep (MIXED)
-    pressure_mib: int = 0       # host memory pressure: filler MiB (driver.sh pressure_on)
-    feedback: bool = False      # Redis in the host VM, the read feedback dumped (feedback.json)
+    migrate_mbit: int = 1000  # max-bandwidth of each migration
+    mixed: bool = False  # guests not in lockstep (MIXED)
+    pressure_mib: int = 0  # host memory pressure: filler MiB (driver.sh pressure_on)
+    feedback: bool = False  # Redis in the host VM, the read feedback dumped (feedback.json)
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -291,13 +382,17 @@ def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
     host itself is checked again by driver.sh, in it, before anything runs."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
-        raise BenchError(f"missing tools: {', '.join(missing)}; install them "
-                         "(scripts/install-deps.sh) and run again")
+        raise BenchError(
+            f"missing tools: {', '.join(missing)}; install them "
+            "(scripts/install-deps.sh) and run again"
+        )
     patches = sorted((REPO / "kernel-syscall/patches").glob("*.patch"))
     if not any("merge_page_merged" in p.read_text(errors="replace") for p in patches):
-        raise BenchError("kernel-syscall/patches/ has no merge_pages series (no patch adds "
-                         "/sys/kernel/mm/ksm/merge_page_merged): the pageshare host would "
-                         "lack the series; restore the series and run again")
+        raise BenchError(
+            "kernel-syscall/patches/ has no merge_pages series (no patch adds "
+            "/sys/kernel/mm/ksm/merge_page_merged): the pageshare host would "
+            "lack the series; restore the series and run again"
+        )
     frags = [REPO / "kernel-syscall/config" / f for f in ("base.config", "plain.config")]
     opts: dict[str, str] = {}
     for f in frags:
@@ -306,19 +401,27 @@ def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
             if eq and key.startswith("CONFIG_"):
                 opts[key] = val
     if opts.get("CONFIG_KSM") != "y":
-        raise BenchError("the pageshare host's config (kernel-syscall/config/base.config + "
-                         "plain.config) does not set CONFIG_KSM=y: pageshare needs KSM")
+        raise BenchError(
+            "the pageshare host's config (kernel-syscall/config/base.config + "
+            "plain.config) does not set CONFIG_KSM=y: pageshare needs KSM"
+        )
     if need_host_ksm and not (ksm / "run").exists():
-        raise BenchError(f"this host has no KSM ({ksm} missing), and analyze-image needs it "
-                         "to make the list (it finds what guests share with host KSM): run "
-                         "on a host with CONFIG_KSM, or pass --list with a list made "
-                         "elsewhere for the same image")
+        raise BenchError(
+            f"this host has no KSM ({ksm} missing), and analyze-image needs it "
+            "to make the list (it finds what guests share with host KSM): run "
+            "on a host with CONFIG_KSM, or pass --list with a list made "
+            "elsewhere for the same image"
+        )
 
 
 def guest_initramfs(busybox: Path, st: Settings, out: Path) -> None:
-    init = ((REPO / "bench/e2e/guest-init.sh").read_text()
-            .replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs)
-            .replace("__STALE_MIB__", str(st.stale_mib)))
+    init = (
+        (REPO / "bench/e2e/guest-init.sh")
+        .read_text()
+        .replace("__GREP_DIRS__", st.grep_dirs)
+        .replace("__SUM_DIRS__", st.sum_dirs)
+        .replace("__STALE_MIB__", str(st.stale_mib))
+    )
     with tempfile.TemporaryDirectory(prefix="e2e-guest-") as td:
         top = Path(td)
         for d in ("bin", "dev", "proc", "sys", "mnt"):
@@ -330,16 +433,31 @@ def guest_initramfs(busybox: Path, st: Settings, out: Path) -> None:
 
 
 def cpio_gz(top: Path, out: Path) -> None:
-    files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
-                           check=True).stdout
-    cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-                          cwd=top, input=files, capture_output=True, check=True).stdout
-    out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
-                                   check=True).stdout)
+    files = subprocess.run(
+        ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
+    ).stdout
+    cpio = subprocess.run(
+        ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+        cwd=top,
+        input=files,
+        capture_output=True,
+        check=True,
+    ).stdout
+    out.write_bytes(
+        subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+    )
 
 
-def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Settings,
-                  busybox: Path, guest_kernel: Path, out: Path) -> None:
+def build_payload(
+    kt: ModuleType,
+    image: Path,
+    pcsl: Path,
+    hashes: bytes,
+    st: Settings,
+    busybox: Path,
+    guest_kernel: Path,
+    out: Path,
+) -> None:
     """/pageshare in the host VM: binaries with their libraries, firmware,
     the golden image and its list, the guest kernel and initramfs."""
     qemu = kt.build_patched_qemu()
@@ -351,8 +469,10 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
         for b in ("redis-server", "redis-cli"):
             found = shutil.which(b)
             if not found:
-                raise BenchError(f"--feedback runs {b} in the pageshare host: install "
-                                 "Debian's redis-server (scripts/install-deps.sh does)")
+                raise BenchError(
+                    f"--feedback runs {b} in the pageshare host: install "
+                    "Debian's redis-server (scripts/install-deps.sh does)"
+                )
             bins.append(Path(found))
     with tempfile.TemporaryDirectory(prefix="e2e-payload-", dir="/var/tmp") as td:
         top = Path(td)
@@ -382,10 +502,13 @@ def build_payload(kt: ModuleType, image: Path, pcsl: Path, hashes: bytes, st: Se
             f"GUESTS={st.guests}\nGUEST_MIB={st.guest_mib}\nOBSERVE={st.observe}\n"
             f"INTERVAL_MS={st.interval_ms}\nWORK_TIMEOUT={st.work_timeout}\n"
             f"BOOT_TIMEOUT={st.boot_timeout}\n"
-            f"CONFIGS='{' '.join(st.configs)}'\n")
+            f"CONFIGS='{' '.join(st.configs)}'\n"
+        )
         with open(pd / "e2e.env", "a") as env:
-            env.write(migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n"
-                      f"FEEDBACK={int(st.feedback)}\n")
+            env.write(
+                migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n"
+                f"FEEDBACK={int(st.feedback)}\n"
+            )
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
         cpio_gz(top, out)
@@ -407,8 +530,9 @@ def migrate_env(st: Settings) -> str:
     """driver.sh's settings of its migration phase (migrate_phase)."""
     if not st.migrate:
         return "MIGRATE=0\n"
-    return (f"MIGRATE=1\nMIG_KSM_CAP={st.migrate_ksm_cap}\n"
-            f"MIG_BW={st.migrate_mbit * 1_000_000 // 8}\n")
+    return (
+        f"MIGRATE=1\nMIG_KSM_CAP={st.migrate_ksm_cap}\nMIG_BW={st.migrate_mbit * 1_000_000 // 8}\n"
+    )
 
 
 def migrate_budget(st: Settings) -> int:
@@ -422,8 +546,17 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
     rows: dict[str, list[list[str]]] = defaultdict(list)
     for line in lines:
         line = line.strip()
-        for kind in ("E2E-G ", "E2E-H ", "E2E-EV ", "E2E-GUEST ", "E2E-ERROR ", "E2E-GLOG ",
-                     "E2E-U ", "E2E-F ", "E2E-L "):
+        for kind in (
+            "E2E-G ",
+            "E2E-H ",
+            "E2E-EV ",
+            "E2E-GUEST ",
+            "E2E-ERROR ",
+            "E2E-GLOG ",
+            "E2E-U ",
+            "E2E-F ",
+            "E2E-L ",
+        ):
             if line.startswith(kind):
                 if kind == "E2E-U ":
                     rows["replaced"].append(line.split()[1:])
@@ -440,7 +573,7 @@ def parse(lines: list[str]) -> dict[str, list[list[str]]]:
                 elif kind == "E2E-GUEST ":
                     rows["guest"].append(line.split(" ", 3)[1:])
                 elif kind == "E2E-ERROR ":
-                    rows["error"].append([line[len(kind):]])
+                    rows["error"].append([line[len(kind) :]])
                 else:
                     r = line.split()[1:]
                     # a sampler from before the last columns: -1, unknown
@@ -470,10 +603,22 @@ def feedback_summaries(lines: list[str]) -> dict[str, dict[str, dict[str, Any]]]
 
 def write_feedback(path: Path, fb: dict[str, dict[str, dict[str, Any]]]) -> None:
     """feedback_summaries() as gzipped JSON, the blocks in base64."""
-    path.write_bytes(gzip.compress(json.dumps(
-        {c: {k: {f: (base64.b64encode(v).decode() if f == "blocks" else v)
-                 for f, v in fields.items()} for k, fields in keys.items()}
-         for c, keys in fb.items()}).encode()))
+    path.write_bytes(
+        gzip.compress(
+            json.dumps(
+                {
+                    c: {
+                        k: {
+                            f: (base64.b64encode(v).decode() if f == "blocks" else v)
+                            for f, v in fields.items()
+                        }
+                        for k, fields in keys.items()
+                    }
+                    for c, keys in fb.items()
+                }
+            ).encode()
+        )
+    )
 
 
 def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> None:
@@ -489,7 +634,7 @@ def guest_marks(text: str) -> dict[str, list[str]]:
     key = ""
     for tok in text.split():
         if tok.startswith("GUEST-"):
-            key = tok[len("GUEST-"):]
+            key = tok[len("GUEST-") :]
             marks[key] = []
         elif key:
             marks[key].append(tok)
@@ -524,14 +669,20 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
     for c_marks in marks.values():
         for g_idx, g_marks in c_marks.items():
             by_guest[g_idx].add(g_marks.get("SUM", ["?"])[0])
-    identical = (all(len(v) == 1 for v in by_guest.values())
-                 and (st.mixed or len(sums) == 1))
+    identical = all(len(v) == 1 for v in by_guest.values()) and (st.mixed or len(sums) == 1)
 
-    out: dict[str, Any] = {"configs": {}, "bytes_identical": identical,
-                           "checksums": sorted(sums), "listed_blocks": nlisted}
+    out: dict[str, Any] = {
+        "configs": {},
+        "bytes_identical": identical,
+        "checksums": sorted(sums),
+        "listed_blocks": nlisted,
+    }
     # guests that did not boot (the driver ran their configuration again)
-    hangs = [{"cfg": cfg, "t_ms": int(t), "detail": rest}
-             for cfg, t, name, rest, *_ in rows["ev"] if name in ("boot-hung", "boot-failed")]
+    hangs = [
+        {"cfg": cfg, "t_ms": int(t), "detail": rest}
+        for cfg, t, name, rest, *_ in rows["ev"]
+        if name in ("boot-hung", "boot-failed")
+    ]
     if hangs:
         out["boot_hangs"] = hangs
     for cfg in st.configs:
@@ -545,9 +696,13 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         host[cfg] = [h for h in host[cfg] if h["t_ms"] >= t_begin]
         for gid in guest[cfg]:
             guest[cfg][gid] = [s for s in guest[cfg][gid] if s["t_ms"] >= t_begin]
-        stamps[cfg] = defaultdict(dict, {
-            gid: {m: t for m, t in by_mark.items() if t >= t_begin}
-            for gid, by_mark in stamps[cfg].items()})
+        stamps[cfg] = defaultdict(
+            dict,
+            {
+                gid: {m: t for m, t in by_mark.items() if t >= t_begin}
+                for gid, by_mark in stamps[cfg].items()
+            },
+        )
         if not host[cfg]:
             out["configs"][cfg] = {"error": "did not finish"}
             continue
@@ -560,11 +715,11 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         last_t = hs[-1]["t_ms"]
 
         gids = sorted(guest[cfg])
-        series = {g: [s for s in guest[cfg][g] if s["t_ms"] <= t_end] or guest[cfg][g][:1]
-                  for g in gids}
+        series = {
+            g: [s for s in guest[cfg][g] if s["t_ms"] <= t_end] or guest[cfg][g][:1] for g in gids
+        }
 
-        def at(t: int, g: int, series: dict[int, list[dict[str, int]]] = series
-               ) -> dict[str, int]:
+        def at(t: int, g: int, series: dict[int, list[dict[str, int]]] = series) -> dict[str, int]:
             """Guest g's last sample at or before t."""
             before = [s for s in series[g] if s["t_ms"] <= t]
             return before[-1] if before else series[g][0]
@@ -594,18 +749,22 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         ksmd_cpu = (hs[-1]["ksmd_cpu_ms"] - hs[0]["ksmd_cpu_ms"]) / 1000
         # The server's CPU from its first merge on; before it, the one-time
         # start-up (the image's content hash, cached by file identity after).
-        first_merge = next((h["t_ms"] for h in hs if any(
-            at(h["t_ms"], g)["merged"] > 0 for g in gids)), None)
-        h_first = next((h for h in hs if first_merge is not None
-                        and h["t_ms"] >= first_merge), hs[-1])
+        first_merge = next(
+            (h["t_ms"] for h in hs if any(at(h["t_ms"], g)["merged"] > 0 for g in gids)), None
+        )
+        h_first = next(
+            (h for h in hs if first_merge is not None and h["t_ms"] >= first_merge), hs[-1]
+        )
         server_ms = cpu_since(hs, h_first)
         server_cpu = server_ms / 1000 if server_ms is not None else None
         server_startup_cpu = h_first["server_cpu_ms"] / 1000
+
         # the filter's counters as last read: a sample whose QMP query
         # failed (a busy QEMU) carries -1s
         def counter(key: str, series: dict[int, list[dict[str, int]]] = series) -> int:
-            return sum(next((s[key] for s in reversed(ss) if s[key] >= 0), 0)
-                       for ss in series.values())
+            return sum(
+                next((s[key] for s in reversed(ss) if s[key] >= 0), 0) for ss in series.values()
+            )
 
         merged = counter("merged")
         merge_s = counter("merge_ns") / 1e9
@@ -633,28 +792,37 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "resident_mib_end": sum(s["present"] for s in end) * PAGE / MIB,
             # of it, in transparent huge pages (QEMU asks for them): what
             # merges, KSM's included, have not split
-            "anon_huge_mib_work_done": (sum(s["anon_huge_kb"] for s in work) / 1024
-                                        if work[0]["anon_huge_kb"] >= 0 else None),
-            "anon_huge_mib_end": (sum(s["anon_huge_kb"] for s in end) / 1024
-                                  if end[0]["anon_huge_kb"] >= 0 else None),
+            "anon_huge_mib_work_done": (
+                sum(s["anon_huge_kb"] for s in work) / 1024
+                if work[0]["anon_huge_kb"] >= 0
+                else None
+            ),
+            "anon_huge_mib_end": (
+                sum(s["anon_huge_kb"] for s in end) / 1024 if end[0]["anon_huge_kb"] >= 0 else None
+            ),
             # of it, freed stale pages still there (free page reporting
             # hands back what it reports)
-            "stale_resident_mib_end": (sum(s["stale"] for s in end) * PAGE / MIB
-                                       if end[0]["stale"] >= 0 else None),
+            "stale_resident_mib_end": (
+                sum(s["stale"] for s in end) * PAGE / MIB if end[0]["stale"] >= 0 else None
+            ),
             "server_pss_mib": h_end["server_pss_kb"] / 1024,
             "memavail_mib_end": h_end["memavail_kb"] / 1024,
             "memavail_mib_min": min(h["memavail_kb"] for h in hs) / 1024,
             # swap in use (--pressure's zram), the most while sampled
-            "swap_used_mib_max": (max(h["swap_used_kb"] for h in hs) / 1024
-                                  if hs[0]["swap_used_kb"] >= 0 else None),
+            "swap_used_mib_max": (
+                max(h["swap_used_kb"] for h in hs) / 1024 if hs[0]["swap_used_kb"] >= 0 else None
+            ),
             "listed_pages_held": listed_end,
             "listed_shared_frac_end": shared_end / listed_end if listed_end else 0.0,
             # listed, shared guest pages that are the server's physical page
-            "listed_on_server_frac_end": (sum(s["on_server"] for s in end) / shared_end
-                                          if shared_end and end[0]["on_server"] >= 0
-                                          else None),
-            "listed_shared_frac_work_done": (sum(s["listed_shared"] for s in work)
-                                             / max(1, sum(s["listed"] for s in work))),
+            "listed_on_server_frac_end": (
+                sum(s["on_server"] for s in end) / shared_end
+                if shared_end and end[0]["on_server"] >= 0
+                else None
+            ),
+            "listed_shared_frac_work_done": (
+                sum(s["listed_shared"] for s in work) / max(1, sum(s["listed"] for s in work))
+            ),
             "t90_after_reads_s": t90,
             "lag50_s": lag50,
             "lag90_s": lag90,
@@ -668,8 +836,11 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "filter_merge_s": merge_s,
             "server_cpu_s": server_cpu,
             "server_startup_cpu_s": server_startup_cpu,
-            "pageshare_cpu_s_per_gib": ((merge_s + server_cpu) / (merged * PAGE / 2**30)
-                                        if merged and server_cpu is not None else None),
+            "pageshare_cpu_s_per_gib": (
+                (merge_s + server_cpu) / (merged * PAGE / 2**30)
+                if merged and server_cpu is not None
+                else None
+            ),
             "merge_failed": counter("merge_failed"),
             "grep_s_mean": sum(greps) / len(greps) if greps else None,
             "bins_s_mean": sum(bins) / len(bins) if bins else None,
@@ -678,11 +849,11 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             # khugepaged collapsing guest RAM in the pageshare host: a
             # collapse copies the KSM pages of the range (unshares them)
             "thp_collapses": thp[-1] - thp[0] if thp else None,
-            "stale_freed_mib": (sum(int(f[0]) for f in freed) / len(freed)
-                                if freed else None),
+            "stale_freed_mib": (sum(int(f[0]) for f in freed) / len(freed) if freed else None),
             # MemFree regained by the delete, MiB (mean over guests)
-            "stale_memfree_back_mib": (sum(int(f[3]) - int(f[2]) for f in freed)
-                                       / len(freed) / 1024 if freed else None),
+            "stale_memfree_back_mib": (
+                sum(int(f[3]) - int(f[2]) for f in freed) / len(freed) / 1024 if freed else None
+            ),
             "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
         c.update(at_reads_end(series, stamps[cfg]))
@@ -694,8 +865,9 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
     return out
 
 
-def merge_batches(fallback: list[list[str]], cfg: str, t_begin: int, t_end: int
-                  ) -> list[int] | None:
+def merge_batches(
+    fallback: list[list[str]], cfg: str, t_begin: int, t_end: int
+) -> list[int] | None:
     """The filters' merge_pages calls by the blocks each carried (1, 2-3,
     4-7 ... 64 or more), summed over the guests' last readings in the
     configuration; None without them (no filter, or an older sampler)."""
@@ -709,8 +881,9 @@ def merge_batches(fallback: list[list[str]], cfg: str, t_begin: int, t_end: int
     return [sum(v[i] for v in last.values()) for i in range(len(BATCH_FIELDS))]
 
 
-def at_reads_end(series: dict[int, list[dict[str, int]]],
-                 stamps: dict[int, dict[str, int]]) -> dict[str, Any]:
+def at_reads_end(
+    series: dict[int, list[dict[str, int]]], stamps: dict[int, dict[str, int]]
+) -> dict[str, Any]:
     """Each guest's listed pages shared at its own end of reads (its GREP
     mark, stamped by the driver, which asks the sampler for a full pass at
     once): the first full sample at or after the mark, and how long after
@@ -725,13 +898,16 @@ def at_reads_end(series: dict[int, list[dict[str, int]]],
             continue
         fracs.append(s["listed_shared"] / s["listed"])
         lags.append((s["t_ms"] - t) / 1000)
-    return {"listed_shared_frac_reads_end": fracs or None,
-            "listed_shared_frac_reads_end_min": min(fracs) if fracs else None,
-            "reads_end_sample_after_s_max": max(lags) if lags else None}
+    return {
+        "listed_shared_frac_reads_end": fracs or None,
+        "listed_shared_frac_reads_end_min": min(fracs) if fracs else None,
+        "reads_end_sample_after_s_max": max(lags) if lags else None,
+    }
 
 
-def census(hs: list[dict[str, int]], series: dict[int, list[dict[str, int]]],
-           gids: list[int], at: Any) -> dict[str, Any]:
+def census(
+    hs: list[dict[str, int]], series: dict[int, list[dict[str, int]]], gids: list[int], at: Any
+) -> dict[str, Any]:
     """Memory that sharing could still save, from the sampler's census (its
     full samples): duplicates not yet shared (distinct physical pages of
     the guests' RAM and the server's listed pages, less their distinct
@@ -742,8 +918,12 @@ def census(hs: list[dict[str, int]], series: dict[int, list[dict[str, int]]],
     a sampler without the census."""
     cs = [h for h in hs if h["mem_pages"] >= 0 and h["distinct_pages"] >= 0]
     if not cs:
-        return {"dup_mib_s": None, "dup_mib_end": None, "net_saved_mib_end": None,
-                "server_unused_mib_end": None}
+        return {
+            "dup_mib_s": None,
+            "dup_mib_end": None,
+            "net_saved_mib_end": None,
+            "server_unused_mib_end": None,
+        }
     dup = [(h["t_ms"], max(0, h["mem_pages"] - h["distinct_pages"])) for h in cs]
     pages_ms = sum((t1 - t0) * (d0 + d1) / 2 for (t0, d0), (t1, d1) in itertools.pairwise(dup))
     last = cs[-1]
@@ -761,6 +941,7 @@ def cpu_beyond(hs: list[dict[str, int]]) -> dict[str, Any]:
     all kworkers (merge_pages' prune work runs there), and the whole
     machine's busy time less the sampler's own (None for a sampler without
     them)."""
+
     def delta(key: str) -> float | None:
         a, b = hs[0][key], hs[-1][key]
         return (b - a) / 1000 if a >= 0 and b >= a else None
@@ -790,17 +971,25 @@ def sharing_costs(configs: dict[str, dict[str, Any]]) -> None:
         if kw is not None and base:
             kw = max(0.0, kw - base["kworker_cpu_s"] / base["sampled_s"] * c["sampled_s"])
         c["kworker_excess_cpu_s"] = kw
-        parts = [c["ksmd_cpu_s"], c["filter_merge_s"], c["server_startup_cpu_s"],
-                 c["server_cpu_s"] if c["filter_merged"] else 0.0, kw]
-        c["sharing_cpu_s"] = (None if any(p is None for p in parts)
-                              else sum(p for p in parts if p is not None))
+        parts = [
+            c["ksmd_cpu_s"],
+            c["filter_merge_s"],
+            c["server_startup_cpu_s"],
+            c["server_cpu_s"] if c["filter_merged"] else 0.0,
+            kw,
+        ]
+        c["sharing_cpu_s"] = (
+            None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+        )
         saved = c.get("net_saved_mib_end")
         if saved is not None and base.get("net_saved_mib_end") is not None:
             saved -= base["net_saved_mib_end"]
         c["sharing_saved_mib_end"] = saved
         c["sharing_cpu_s_per_gib_saved"] = (
             c["sharing_cpu_s"] / (saved / 1024)
-            if c["sharing_cpu_s"] is not None and saved and saved > 0 else None)
+            if c["sharing_cpu_s"] is not None and saved and saved > 0
+            else None
+        )
         m, mb = c.get("machine_cpu_s"), base.get("machine_cpu_s")
         c["machine_cpu_beyond_none_s"] = m - mb if m is not None and mb is not None else None
 
@@ -823,8 +1012,9 @@ def cpu_since(hs: list[dict[str, int]], first: dict[str, int]) -> int | None:
     return total
 
 
-def share_lag(series: dict[int, list[dict[str, int]]], gids: list[int],
-              t_work: int) -> tuple[float | None, float | None]:
+def share_lag(
+    series: dict[int, list[dict[str, int]]], gids: list[int], t_work: int
+) -> tuple[float | None, float | None]:
     """How long after the guests held a level of listed pages the same
     level was shared: the horizontal distance between the two curves (sum
     over guests; "held" from full samples only), at 50 % and 90 % of what
@@ -847,8 +1037,11 @@ def share_lag(series: dict[int, list[dict[str, int]]], gids: list[int],
         level = frac * final
         t_held = next((t for t, n in held if n >= level), None)
         t_shared = next((t for t, n in shared if n >= level), None)
-        out.append(None if t_held is None or t_shared is None or final == 0
-                   else max(0.0, (t_shared - t_held) / 1000))
+        out.append(
+            None
+            if t_held is None or t_shared is None or final == 0
+            else max(0.0, (t_shared - t_held) / 1000)
+        )
     return out[0], out[1]
 
 
@@ -872,13 +1065,22 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("saved: zero pages, MiB", ("saved_mib", "zero"), ".1f"),
         ("saved: freed stale memory, MiB", ("saved_mib", "stale"), ".1f"),
         ("saved: everything else, MiB", ("saved_mib", "other"), ".1f"),
-        ("listed pages held by guests shared at the end of the reads",
-         "listed_shared_frac_work_done", ".0%"),
+        (
+            "listed pages held by guests shared at the end of the reads",
+            "listed_shared_frac_work_done",
+            ".0%",
+        ),
         ("listed pages held by guests shared at the end", "listed_shared_frac_end", ".0%"),
-        ("the same at each guest's own end of reads, the lowest",
-         "listed_shared_frac_reads_end_min", ".1%"),
-        ("that sample taken after the guest's end of reads, at most s",
-         "reads_end_sample_after_s_max", ".1f"),
+        (
+            "the same at each guest's own end of reads, the lowest",
+            "listed_shared_frac_reads_end_min",
+            ".1%",
+        ),
+        (
+            "that sample taken after the guest's end of reads, at most s",
+            "reads_end_sample_after_s_max",
+            ".1f",
+        ),
         ("of those, the server's own page (PFN)", "listed_on_server_frac_end", ".0%"),
         ("s after the reads until 90 % of listed pages shared", "t90_after_reads_s", ".0f"),
         ("s from holding to sharing half the listed pages (curve lag)", "lag50_s", ".0f"),
@@ -890,44 +1092,62 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("filter time in merge_pages, s", "filter_merge_s", ".2f"),
         ("server CPU at start-up (image hash, once per image), s", "server_startup_cpu_s", ".1f"),
         ("server CPU from its first merge on, s", "server_cpu_s", ".2f"),
-        ("pageshare s per GiB merged (merge wall time + server CPU)",
-         "pageshare_cpu_s_per_gib", ".1f"),
+        (
+            "pageshare s per GiB merged (merge wall time + server CPU)",
+            "pageshare_cpu_s_per_gib",
+            ".1f",
+        ),
         ("merges left to ksmd (EAGAIN etc.)", "merge_failed", "d"),
-        ("merge_pages calls by blocks carried: 1 / 2-3 / 4-7 / 8-15 / 16-31 / 32-63 / 64",
-         "merge_batches", "batches"),
+        (
+            "merge_pages calls by blocks carried: 1 / 2-3 / 4-7 / 8-15 / 16-31 / 32-63 / 64",
+            "merge_batches",
+            "batches",
+        ),
         ("guest booted and root mounted, s after start (mean)", "boot_s_mean", ".0f"),
         ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
         ("workload, s (start to all done)", "work_s", ".0f"),
         ("stale memory freed by each guest after its reads, MiB", "stale_freed_mib", ".0f"),
-        ("of it, still held by the host at the end (all guests), MiB",
-         "stale_resident_mib_end", ".1f"),
+        (
+            "of it, still held by the host at the end (all guests), MiB",
+            "stale_resident_mib_end",
+            ".1f",
+        ),
         ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
-        ("guests' RAM in huge pages at the end of the workload, MiB",
-         "anon_huge_mib_work_done", ".0f"),
+        (
+            "guests' RAM in huge pages at the end of the workload, MiB",
+            "anon_huge_mib_work_done",
+            ".0f",
+        ),
         ("the same at the end, MiB", "anon_huge_mib_end", ".0f"),
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
         ("duplicates not yet shared, integrated over the run, MiB*s", "dup_mib_s", ".0f"),
         ("duplicates not yet shared at the end, MiB", "dup_mib_end", ".1f"),
         ("saved at the end net of the server's pages, MiB", "net_saved_mib_end", ".1f"),
-        ("the same beyond none's (its zero-page mappings), MiB", "sharing_saved_mib_end",
-         ".1f"),
+        ("the same beyond none's (its zero-page mappings), MiB", "sharing_saved_mib_end", ".1f"),
         ("server's pages no guest maps at the end, MiB", "server_unused_mib_end", ".1f"),
         ("kworkers' CPU, s", "kworker_cpu_s", ".1f"),
-        ("the same beyond none's rate (all of it if none did not run), s",
-         "kworker_excess_cpu_s", ".1f"),
-        ("sharing CPU: ksmd + merge_pages + server + those kworkers, s",
-         "sharing_cpu_s", ".1f"),
+        (
+            "the same beyond none's rate (all of it if none did not run), s",
+            "kworker_excess_cpu_s",
+            ".1f",
+        ),
+        ("sharing CPU: ksmd + merge_pages + server + those kworkers, s", "sharing_cpu_s", ".1f"),
         ("sharing CPU s per GiB saved (beyond none)", "sharing_cpu_s_per_gib_saved", ".1f"),
         ("machine's busy CPU less the sampler's, s", "machine_cpu_s", ".0f"),
         ("the same beyond none's (noisy), s", "machine_cpu_beyond_none_s", ".0f"),
     ]
     cfgs = list(summary["configs"])
-    out = [f"- command: `{cmdline}`", f"- {facts}",
-           f"- listed blocks: {summary['listed_blocks']}; guests read identical bytes in "
-           f"every configuration: {'yes' if summary['bytes_identical'] else 'NO'} "
-           f"({len(summary['checksums'])} distinct checksum(s))", "",
-           "| | " + " | ".join(cfgs) + " |", "|---|" + "---:|" * len(cfgs)]
+    out = [
+        f"- command: `{cmdline}`",
+        f"- {facts}",
+        f"- listed blocks: {summary['listed_blocks']}; guests read identical bytes in "
+        f"every configuration: {'yes' if summary['bytes_identical'] else 'NO'} "
+        f"({len(summary['checksums'])} distinct checksum(s))",
+        "",
+        "| | " + " | ".join(cfgs) + " |",
+        "|---|" + "---:|" * len(cfgs),
+    ]
     for label, key, spec in rows:
         vals = []
         for c in cfgs:
@@ -948,44 +1168,66 @@ def frontier(configs: dict[str, dict[str, Any]]) -> list[str]:
     10x fewer MiB*s of duplicates not yet shared, and pageshare points that
     dominate every KSM-only point on those two axes.  Empty without at
     least one of each with the census."""
+
     def ok(name: str) -> bool:
         c = configs[name]
-        return ("error" not in c and c.get("sharing_cpu_s") is not None
-                and c.get("dup_mib_s") is not None
-                and c.get("sharing_saved_mib_end") is not None)
+        return (
+            "error" not in c
+            and c.get("sharing_cpu_s") is not None
+            and c.get("dup_mib_s") is not None
+            and c.get("sharing_saved_mib_end") is not None
+        )
 
     ksm = [n for n in configs if ok(n) and (n.startswith("ksm") and n != "ksm-fpr")]
     ps = [n for n in configs if ok(n) and n.startswith("pageshare") and n != "pageshare-faults"]
     if not ksm or not ps:
         return []
-    out = ["", "Frontier: sharing CPU (all costs) against memory not yet shared", "",
-           "| configuration | sharing CPU, s | duplicates not yet shared, MiB*s "
-           "| saved at the end beyond none, MiB | CPU s per GiB saved |",
-           "|---|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "Frontier: sharing CPU (all costs) against memory not yet shared",
+        "",
+        "| configuration | sharing CPU, s | duplicates not yet shared, MiB*s "
+        "| saved at the end beyond none, MiB | CPU s per GiB saved |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for n in ksm + ps:
         c = configs[n]
-        out.append(f"| {n} | {c['sharing_cpu_s']:.1f} | {c['dup_mib_s']:.0f} | "
-                   f"{c['sharing_saved_mib_end']:.1f} | "
-                   f"{fmt(c['sharing_cpu_s_per_gib_saved'])} |")
+        out.append(
+            f"| {n} | {c['sharing_cpu_s']:.1f} | {c['dup_mib_s']:.0f} | "
+            f"{c['sharing_saved_mib_end']:.1f} | "
+            f"{fmt(c['sharing_cpu_s_per_gib_saved'])} |"
+        )
     out.append("")
     if "ksm" in ksm:
         k = configs["ksm"]
         best = None
         for n in ps:
             c = configs[n]
-            if (c["sharing_saved_mib_end"] >= 0.95 * k["sharing_saved_mib_end"]
-                    and c["sharing_cpu_s"] * 5 <= k["sharing_cpu_s"]
-                    and c["dup_mib_s"] * 10 <= k["dup_mib_s"]):
+            if (
+                c["sharing_saved_mib_end"] >= 0.95 * k["sharing_saved_mib_end"]
+                and c["sharing_cpu_s"] * 5 <= k["sharing_cpu_s"]
+                and c["dup_mib_s"] * 10 <= k["dup_mib_s"]
+            ):
                 best = n
                 break
-        out.append("- a pageshare configuration with KSM-default's savings (within 5 %), "
-                   "5x less sharing CPU and 10x fewer MiB*s: "
-                   + (f"met by {best}" if best else "MISSED (no configuration meets all three)"))
-    beaten = [n for n in ksm if not any(
-        configs[p]["sharing_cpu_s"] <= configs[n]["sharing_cpu_s"]
-        and configs[p]["dup_mib_s"] <= configs[n]["dup_mib_s"] for p in ps)]
-    out.append("- pageshare dominating every KSM-only point on CPU and MiB*s: "
-               + ("met" if not beaten else f"MISSED at {', '.join(beaten)}"))
+        out.append(
+            "- a pageshare configuration with KSM-default's savings (within 5 %), "
+            "5x less sharing CPU and 10x fewer MiB*s: "
+            + (f"met by {best}" if best else "MISSED (no configuration meets all three)")
+        )
+    beaten = [
+        n
+        for n in ksm
+        if not any(
+            configs[p]["sharing_cpu_s"] <= configs[n]["sharing_cpu_s"]
+            and configs[p]["dup_mib_s"] <= configs[n]["dup_mib_s"]
+            for p in ps
+        )
+    ]
+    out.append(
+        "- pageshare dominating every KSM-only point on CPU and MiB*s: "
+        + ("met" if not beaten else f"MISSED at {', '.join(beaten)}")
+    )
     return out
 
 
@@ -1004,10 +1246,16 @@ def symbolize(rips: list[int], system_map: Path) -> list[str]:
     return out
 
 
-def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdline: str,
-                  facts: str, system_map: Path | None = None,
-                  known_symbols: dict[tuple[str, int], list[str]] | None = None
-                  ) -> dict[str, Any]:
+def write_results(
+    out: Path,
+    lines: list[str],
+    st: Settings,
+    nlisted: int,
+    cmdline: str,
+    facts: str,
+    system_map: Path | None = None,
+    known_symbols: dict[tuple[str, int], list[str]] | None = None,
+) -> dict[str, Any]:
     """The CSVs, summary.json and summary.md of a run, from its serial log.
     A guest that did not boot gets its RIPs named from the guest kernel's
     system_map (or known_symbols, a recorded run's)."""
@@ -1024,8 +1272,11 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
     if fb:
         write_feedback(out / "feedback.json.gz", fb)
     for h in summary.get("boot_hangs", []):
-        rips = [int(x, 16) for x in h["detail"].partition("RIP")[2].split()
-                if all(c in "0123456789abcdef" for c in x)]
+        rips = [
+            int(x, 16)
+            for x in h["detail"].partition("RIP")[2].split()
+            if all(c in "0123456789abcdef" for c in x)
+        ]
         if system_map is not None and system_map.exists():
             h["symbols"] = symbolize(rips, system_map)
         elif known_symbols and (h["cfg"], h["t_ms"]) in known_symbols:
@@ -1037,8 +1288,11 @@ def write_results(out: Path, lines: list[str], st: Settings, nlisted: int, cmdli
     (out / "summary.md").write_text(md)
     print(md)
     if rows["error"]:
-        raise BenchError("the run in the pageshare host stopped: " + rows["error"][0][0]
-                         + f" (serial log: {out / 'serial.log.gz'})")
+        raise BenchError(
+            "the run in the pageshare host stopped: "
+            + rows["error"][0][0]
+            + f" (serial log: {out / 'serial.log.gz'})"
+        )
     return summary
 
 
@@ -1050,107 +1304,184 @@ def reparse(run: Path) -> int:
     if (run / "serial.log").exists():
         (run / "serial.log.gz").write_bytes(gzip.compress((run / "serial.log").read_bytes()))
         (run / "serial.log").unlink()
-    lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
-        errors="replace").splitlines()
-    known = {(h["cfg"], h["t_ms"]): h["symbols"] for h in old.get("boot_hangs", [])
-             if "symbols" in h}
-    write_results(run, lines, Settings(**old["settings"]), old["listed_blocks"],
-                  old["command"], old["facts"], known_symbols=known)
+    lines = (
+        gzip.decompress((run / "serial.log.gz").read_bytes()).decode(errors="replace").splitlines()
+    )
+    known = {
+        (h["cfg"], h["t_ms"]): h["symbols"] for h in old.get("boot_hangs", []) if "symbols" in h
+    }
+    write_results(
+        run,
+        lines,
+        Settings(**old["settings"]),
+        old["listed_blocks"],
+        old["command"],
+        old["facts"],
+        known_symbols=known,
+    )
     return 0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--image", type=Path, help="golden image (default: the small variant)")
-    ap.add_argument("--list", type=Path,
-                    help="its list (default: analyze-image's, see --list-from; cached)")
-    ap.add_argument("--list-from", choices=("workload", "boot"), default="workload",
-                    help="without --list: analyze-image with the guests' own grep as its "
-                         "--workload (default), or its plain boot of the image")
+    ap.add_argument(
+        "--list", type=Path, help="its list (default: analyze-image's, see --list-from; cached)"
+    )
+    ap.add_argument(
+        "--list-from",
+        choices=("workload", "boot"),
+        default="workload",
+        help="without --list: analyze-image with the guests' own grep as its "
+        "--workload (default), or its plain boot of the image",
+    )
     ap.add_argument("--guests", type=int, default=3)
     ap.add_argument("--guest-mib", type=int, default=384)
-    ap.add_argument("--host-mib", type=int, default=6144,
-                    help="memory of the pageshare host VM")
-    ap.add_argument("--observe", type=int, default=150,
-                    help="seconds sampled after the guests' workload is done")
+    ap.add_argument("--host-mib", type=int, default=6144, help="memory of the pageshare host VM")
+    ap.add_argument(
+        "--observe",
+        type=int,
+        default=150,
+        help="seconds sampled after the guests' workload is done",
+    )
     ap.add_argument("--interval-ms", type=int, default=1000)
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated, in order (default {','.join(CONFIGS)}); also "
-                         "ksm-ptsN and pageshare-ptsN: ksmd's pages_to_scan N instead of "
-                         "100")
-    ap.add_argument("--frontier", action="store_true",
-                    help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} "
-                         "(about 90 min of VM time)")
-    ap.add_argument("--feedback", action="store_true",
-                    help="a Redis in the pageshare host for the server's read feedback; "
-                         "what it published after each filter configuration goes to "
-                         "feedback.json.gz (bench/feedback_round.py refines a list from it)")
-    ap.add_argument("--pressure", type=int, default=0, metavar="MIB",
-                    help="host memory pressure in every configuration: a never-read "
-                         "tmpfs file of MIB MiB written before the guests start, with a "
-                         "zram swap device in the pageshare host (try host-mib less "
-                         "about 1700)")
+    ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, in order (default {','.join(CONFIGS)}); also "
+        "ksm-ptsN and pageshare-ptsN: ksmd's pages_to_scan N instead of "
+        "100",
+    )
+    ap.add_argument(
+        "--frontier",
+        action="store_true",
+        help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} (about 90 min of VM time)",
+    )
+    ap.add_argument(
+        "--feedback",
+        action="store_true",
+        help="a Redis in the pageshare host for the server's read feedback; "
+        "what it published after each filter configuration goes to "
+        "feedback.json.gz (bench/feedback_round.py refines a list from it)",
+    )
+    ap.add_argument(
+        "--pressure",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="host memory pressure in every configuration: a never-read "
+        "tmpfs file of MIB MiB written before the guests start, with a "
+        "zram swap device in the pageshare host (try host-mib less "
+        "about 1700)",
+    )
     ap.add_argument("--grep-dirs", default=GREP_DIRS)
-    ap.add_argument("--mixed", action="store_true",
-                    help="guests not in lockstep: each reads its own directories, part "
-                         "of them shared with each other guest, after its own delay "
-                         "(MIXED in the script); the list should cover them all")
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="guests not in lockstep: each reads its own directories, part "
+        "of them shared with each other guest, after its own delay "
+        "(MIXED in the script); the list should cover them all",
+    )
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
-    ap.add_argument("--boot-timeout", type=int, default=900,
-                    help="a guest that has not mounted its root after this many seconds "
-                         "is shown (log, RIP) and its configuration run again, once")
-    ap.add_argument("--stale-mib", type=int, default=64,
-                    help="MiB of stale memory each guest frees after its reads (what "
-                         "free page reporting hands back)")
-    ap.add_argument("--migrate", action="store_true",
-                    help="after the pageshare configuration's workload, migrate guest 1 "
-                         "in the pageshare host with each of precopy, xbzrle, multifd-zstd "
-                         "and block-refs from the same state (migration.csv and a table "
-                         "in summary.md)")
-    ap.add_argument("--migrate-ksm-cap", type=int, default=300,
-                    help="seconds a destination is followed until KSM shares as much of "
-                         "it as block-refs' does right after switchover")
-    ap.add_argument("--migrate-mbit", type=int, default=1000,
-                    help="max-bandwidth of each migration, Mbit/s")
+    ap.add_argument(
+        "--boot-timeout",
+        type=int,
+        default=900,
+        help="a guest that has not mounted its root after this many seconds "
+        "is shown (log, RIP) and its configuration run again, once",
+    )
+    ap.add_argument(
+        "--stale-mib",
+        type=int,
+        default=64,
+        help="MiB of stale memory each guest frees after its reads (what "
+        "free page reporting hands back)",
+    )
+    ap.add_argument(
+        "--migrate",
+        action="store_true",
+        help="after the pageshare configuration's workload, migrate guest 1 "
+        "in the pageshare host with each of precopy, xbzrle, multifd-zstd "
+        "and block-refs from the same state (migration.csv and a table "
+        "in summary.md)",
+    )
+    ap.add_argument(
+        "--migrate-ksm-cap",
+        type=int,
+        default=300,
+        help="seconds a destination is followed until KSM shares as much of "
+        "it as block-refs' does right after switchover",
+    )
+    ap.add_argument(
+        "--migrate-mbit", type=int, default=1000, help="max-bandwidth of each migration, Mbit/s"
+    )
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--reparse", type=Path, metavar="RUN_DIR",
-                    help="only recompute a recorded run's CSVs and summaries from its "
-                         "serial log, and exit")
+    ap.add_argument(
+        "--reparse",
+        type=Path,
+        metavar="RUN_DIR",
+        help="only recompute a recorded run's CSVs and summaries from its serial log, and exit",
+    )
     args = ap.parse_args()
     if args.reparse:
         return reparse(args.reparse)
     configs = FRONTIER if args.frontier else [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS and not SCAN_RATE.fullmatch(c)]
     if bad:
-        ap.error(f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}, "
-                 "and ksm-ptsN or pageshare-ptsN (pages_to_scan N)")
+        ap.error(
+            f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}, "
+            "and ksm-ptsN or pageshare-ptsN (pages_to_scan N)"
+        )
     if len(set(configs)) != len(configs):
         ap.error("a configuration is named twice in --configs")
     if args.migrate and "pageshare" not in configs:
-        ap.error("--migrate migrates a guest of the pageshare configuration: "
-                 "--configs must include pageshare")
+        ap.error(
+            "--migrate migrates a guest of the pageshare configuration: "
+            "--configs must include pageshare"
+        )
     if os.geteuid() != 0:
         ap.error("run as root (analyze-image drives host KSM)")
     for given in (args.image, args.list):
         if given is not None and not given.is_file():
             ap.error(f"{given}: no such file")
-    st = Settings(args.guests, args.guest_mib, args.host_mib, args.observe, args.interval_ms,
-                  configs, args.grep_dirs, args.sum_dirs, args.work_timeout,
-                  args.boot_timeout, args.stale_mib, args.migrate, args.migrate_ksm_cap,
-                  args.migrate_mbit, args.mixed, args.pressure, args.feedback)
+    st = Settings(
+        args.guests,
+        args.guest_mib,
+        args.host_mib,
+        args.observe,
+        args.interval_ms,
+        configs,
+        args.grep_dirs,
+        args.sum_dirs,
+        args.work_timeout,
+        args.boot_timeout,
+        args.stale_mib,
+        args.migrate,
+        args.migrate_ksm_cap,
+        args.migrate_mbit,
+        args.mixed,
+        args.pressure,
+        args.feedback,
+    )
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built
-    host_preflight(KSM, args.list is None and args.image is not None
-                   and cached_list(args.image, cache.cache_root(), workload) is None)
+    host_preflight(
+        KSM,
+        args.list is None
+        and args.image is not None
+        and cached_list(args.image, cache.cache_root(), workload) is None,
+    )
     kt = load_ktest()
     try:
         root = kt.cache_root()
         image = args.image or golden.build_image("small").path
-        host_preflight(KSM, args.list is None
-                       and cached_list(image, cache.cache_root(), workload) is None)
+        host_preflight(
+            KSM, args.list is None and cached_list(image, cache.cache_root(), workload) is None
+        )
         pcsl = args.list or ensure_list(image, cache.cache_root(), workload)
         hashes, nlisted = listed_hashes(image, pcsl)
         log(f"{nlisted} listed blocks in {pcsl}")
@@ -1168,20 +1499,30 @@ def main() -> int:
             initramfs = Path(td) / "initramfs.cpio.gz"
             # KSM in merge mode from boot on, as on a pageshare host (the
             # driver refuses a host with KSM off)
-            test = kt.GuestTest("e2e", ["/bin/sh", "/pageshare/driver.sh"],
-                                (st.work_timeout + st.boot_timeout) * len(configs) + 600
-                                + migrate_budget(st),
-                                pre="echo 1 > /sys/kernel/mm/ksm/run")
+            test = kt.GuestTest(
+                "e2e",
+                ["/bin/sh", "/pageshare/driver.sh"],
+                (st.work_timeout + st.boot_timeout) * len(configs) + 600 + migrate_budget(st),
+                pre="echo 1 > /sys/kernel/mm/ksm/run",
+            )
             empty = Path(td) / "tests"
             empty.mkdir()
             kt.build_initramfs(busybox, empty, [test], initramfs, payload)
-            log(f"prepared in {time.monotonic() - t_start:.0f} s; booting the pageshare "
-                f"host (-m {st.host_mib}M), serial log {out / 'serial.log'}")
+            log(
+                f"prepared in {time.monotonic() - t_start:.0f} s; booting the pageshare "
+                f"host (-m {st.host_mib}M), serial log {out / 'serial.log'}"
+            )
             t_boot = time.monotonic()
-            lines = kt.boot(kdir, initramfs, out / "serial.log", test.timeout + 300,
-                            mem=f"{st.host_mib}M",
-                            show=lambda s: s.startswith(("E2E-EV", "E2E-GUEST", "E2E-ERROR",
-                                                         "E2E-M ", "KTEST-")))
+            lines = kt.boot(
+                kdir,
+                initramfs,
+                out / "serial.log",
+                test.timeout + 300,
+                mem=f"{st.host_mib}M",
+                show=lambda s: s.startswith(
+                    ("E2E-EV", "E2E-GUEST", "E2E-ERROR", "E2E-M ", "KTEST-")
+                ),
+            )
         vm_s = time.monotonic() - t_boot
     except kt.KtestError as e:
         raise BenchError(str(e)) from e
@@ -1189,14 +1530,20 @@ def main() -> int:
     (out / "serial.log.gz").write_bytes(gzip.compress(serial.read_bytes()))
     serial.unlink()
     cmdline = shlex.join(["bench/e2e_vs_ksm.py", *sys.argv[1:]])
-    facts = (f"host: {os.cpu_count()} cores, {platform.release()}; pageshare host: patched "
-             f"6.12 plain under TCG, -m {st.host_mib}M -smp 2; {st.guests} guests of "
-             f"{st.guest_mib} MiB nested under TCG; image {image.name} "
-             f"({image.parent.name}); list {pcsl.name}, {nlisted} blocks, "
-             + (f"given with --list ({pcsl})" if args.list else
-                f"analyze-image --workload {shlex.quote(workload)}" if workload else
-                "analyze-image of the image's boot")
-             + f"; VM time {vm_s / 60:.0f} min")
+    facts = (
+        f"host: {os.cpu_count()} cores, {platform.release()}; pageshare host: patched "
+        f"6.12 plain under TCG, -m {st.host_mib}M -smp 2; {st.guests} guests of "
+        f"{st.guest_mib} MiB nested under TCG; image {image.name} "
+        f"({image.parent.name}); list {pcsl.name}, {nlisted} blocks, "
+        + (
+            f"given with --list ({pcsl})"
+            if args.list
+            else f"analyze-image --workload {shlex.quote(workload)}"
+            if workload
+            else "analyze-image of the image's boot"
+        )
+        + f"; VM time {vm_s / 60:.0f} min"
+    )
     summary = write_results(out, lines, st, nlisted, cmdline, facts, gk.parent / "System.map")
     if not any(x.startswith("E2E-EV all") and " finished" in x for x in lines):
         log(f"the run did not finish; see {out / 'serial.log.gz'}")

@@ -58,8 +58,17 @@ def log(msg: str) -> None:
 
 
 def run_e2e(out: Path, list_args: list[str], extra: list[str], feedback: bool) -> dict[str, Any]:
-    cmd = [sys.executable, str(REPO / "bench/e2e_vs_ksm.py"), "--configs", "pageshare",
-           "--out", str(out), *list_args, *(["--feedback"] if feedback else []), *extra]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/e2e_vs_ksm.py"),
+        "--configs",
+        "pageshare",
+        "--out",
+        str(out),
+        *list_args,
+        *(["--feedback"] if feedback else []),
+        *extra,
+    ]
     log("running " + " ".join(cmd[1:]))
     subprocess.run(cmd, check=True)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
@@ -79,21 +88,31 @@ def load_feedback(run: Path, cli: list[str]) -> list[str]:
         args = [a for f, v in fields.items() for a in (f, v)]
         subprocess.run([*cli, "HSET", key, *args], check=True, capture_output=True)
         # the binary field through stdin (-x: the last argument)
-        subprocess.run([*cli, "-x", "HSET", key, "blocks"], input=blocks, check=True,
-                       capture_output=True)
-        subprocess.run([*cli, "SADD", key.rsplit(":", 1)[0] + ":hosts", fields["host"]],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [*cli, "-x", "HSET", key, "blocks"], input=blocks, check=True, capture_output=True
+        )
+        subprocess.run(
+            [*cli, "SADD", key.rsplit(":", 1)[0] + ":hosts", fields["host"]],
+            check=True,
+            capture_output=True,
+        )
     return list(keys)
 
 
-def table(r1: dict[str, Any], r2: dict[str, Any], ref: dict[str, Any], refine: dict[str, Any],
-          nlisted: tuple[int, int]) -> str:
+def table(
+    r1: dict[str, Any],
+    r2: dict[str, Any],
+    ref: dict[str, Any],
+    refine: dict[str, Any],
+    nlisted: tuple[int, int],
+) -> str:
     c1, c2, cr = (s["configs"]["pageshare"] for s in (r1, r2, ref))
     for c, s in ((c1, r1), (c2, r2), (cr, ref)):
         c["_listed"] = s["listed_blocks"]
 
     def row(label: str, f: Any) -> str:
         return f"| {label} | " + " | ".join(f(c) for c in (c1, c2, cr)) + " |"
+
     saved_ref = cr["saved_mib"]["listed"]
 
     def unused(c: dict[str, Any]) -> str:
@@ -107,11 +126,15 @@ def table(r1: dict[str, Any], r2: dict[str, Any], ref: dict[str, Any], refine: d
         "|---|---:|---:|---:|",
         row("listed blocks", lambda c: str(c["_listed"])),
         row("saved: listed page cache, MiB", lambda c: f"{c['saved_mib']['listed']:.1f}"),
-        row("the same, of the workload list's", lambda c:
-            f"{c['saved_mib']['listed'] / saved_ref:.0%}"),
+        row(
+            "the same, of the workload list's",
+            lambda c: f"{c['saved_mib']['listed'] / saved_ref:.0%}",
+        ),
         row("preloaded pages no guest maps at the end, MiB", unused),
-        row("listed pages held that are shared at the end", lambda c:
-            f"{c['listed_shared_frac_end']:.0%}"),
+        row(
+            "listed pages held that are shared at the end",
+            lambda c: f"{c['listed_shared_frac_end']:.0%}",
+        ),
         row("pages merged at read time by the filter", lambda c: str(c["filter_merged"])),
         "",
         f"refine ({refine.get('added', '?')} added, {refine.get('dropped', '?')} dropped; "
@@ -122,12 +145,17 @@ def table(r1: dict[str, Any], r2: dict[str, Any], ref: dict[str, Any], refine: d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path,
-                    default=REPO / "bench/results" / time.strftime("feedback-%Y%m%d-%H%M"))
-    ap.add_argument("--summarize", action="store_true",
-                    help="only write summary.md again from the runs in --out")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out", type=Path, default=REPO / "bench/results" / time.strftime("feedback-%Y%m%d-%H%M")
+    )
+    ap.add_argument(
+        "--summarize",
+        action="store_true",
+        help="only write summary.md again from the runs in --out",
+    )
     ap.add_argument("e2e_args", nargs="*", help="after --: given to both benchmark runs")
     args = ap.parse_args()
     if args.summarize:
@@ -142,9 +170,20 @@ def main() -> int:
     refined = out / "refined.pcsl"
     with tempfile.TemporaryDirectory(prefix="feedback-round-") as td:
         sock = Path(td) / "redis.sock"
-        redis = subprocess.Popen(["redis-server", "--unixsocket", str(sock), "--port", "0",
-                                  "--save", "", "--appendonly", "no"],
-                                 stdout=subprocess.DEVNULL)
+        redis = subprocess.Popen(
+            [
+                "redis-server",
+                "--unixsocket",
+                str(sock),
+                "--port",
+                "0",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         try:
             for _ in range(100):
                 if sock.exists():
@@ -152,12 +191,32 @@ def main() -> int:
                 time.sleep(0.1)
             keys = load_feedback(out / "round1", ["redis-cli", "-s", str(sock)])
             log(f"loaded {', '.join(keys)}; refining")
-            p = subprocess.run([str(REPO / ".venv/bin/pageshare"), "list", "refine", str(image),
-                                "--list", str(boot_list), "--min-guests", str(MIN_GUESTS),
-                                "--min-hosts", str(MIN_HOSTS), "--drop-unread", "--window",
-                                WINDOW, "-o", str(refined), "--db", str(out / "results.sqlite"),
-                                "--redis", f"unix://{sock}", "--json"],
-                               capture_output=True, text=True)
+            p = subprocess.run(
+                [
+                    str(REPO / ".venv/bin/pageshare"),
+                    "list",
+                    "refine",
+                    str(image),
+                    "--list",
+                    str(boot_list),
+                    "--min-guests",
+                    str(MIN_GUESTS),
+                    "--min-hosts",
+                    str(MIN_HOSTS),
+                    "--drop-unread",
+                    "--window",
+                    WINDOW,
+                    "-o",
+                    str(refined),
+                    "--db",
+                    str(out / "results.sqlite"),
+                    "--redis",
+                    f"unix://{sock}",
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+            )
         finally:
             redis.terminate()
             redis.wait()
@@ -166,8 +225,9 @@ def main() -> int:
         log(f"refine failed ({p.returncode}): {p.stderr.strip()}")
         return 1
     run_e2e(out / "round2", ["--list", str(refined)], args.e2e_args, False)
-    (out / "command").write_text(f"bench/feedback_round.py {' '.join(sys.argv[1:])}\n"
-                                 f"round 1 list: {boot_list}\n")
+    (out / "command").write_text(
+        f"bench/feedback_round.py {' '.join(sys.argv[1:])}\nround 1 list: {boot_list}\n"
+    )
     return summarize(out)
 
 
@@ -178,8 +238,11 @@ def summarize(out: Path) -> int:
     ref = json.loads((REFERENCE / "summary.json").read_text())
     refine = json.loads((out / "refine.json").read_text())
     cmd = (out / "command").read_text().splitlines() if (out / "command").exists() else []
-    md = ("".join(f"- {line}\n" for line in cmd) + "\n"
-          + table(r1, r2, ref, refine, (r1["listed_blocks"], r2["listed_blocks"])))
+    md = (
+        "".join(f"- {line}\n" for line in cmd)
+        + "\n"
+        + table(r1, r2, ref, refine, (r1["listed_blocks"], r2["listed_blocks"]))
+    )
     (out / "summary.md").write_text(md)
     print(md)
     return 0

@@ -84,15 +84,19 @@ CONFIGS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "xbzrle": (["xbzrle"], {"xbzrle-cache-size": 256 << 20}),
     "multifd-zstd": (["multifd"], {"multifd-channels": 2, "multifd-compression": "zstd"}),
     "refs": (["block-refs"], {}),
-    "refs-multifd": (["block-refs", "multifd"],
-                     {"multifd-channels": 2, "multifd-compression": "zstd"}),
+    "refs-multifd": (
+        ["block-refs", "multifd"],
+        {"multifd-channels": 2, "multifd-compression": "zstd"},
+    ),
 }
 
 # The guest reads every file under /usr, says how much it caches, then
 # waits (idle) for the host's word on vdb while it is migrated.
-READ_ALL = ("find /usr -xdev -type f -exec cat {} + > /dev/null 2>&1; "
-            "echo 1 > /proc/sys/vm/compact_memory 2>/dev/null; "
-            "grep -E '^(MemFree|Cached):' /proc/meminfo; echo read-done")
+READ_ALL = (
+    "find /usr -xdev -type f -exec cat {} + > /dev/null 2>&1; "
+    "echo 1 > /proc/sys/vm/compact_memory 2>/dev/null; "
+    "grep -E '^(MemFree|Cached):' /proc/meminfo; echo read-done"
+)
 
 
 def log(msg: str) -> None:
@@ -132,49 +136,91 @@ class Bench:
         blocks = nonzero_blocks(self.raw, 1 << 40)
         self.listed = len(blocks)
         lst = out / "small.pcsl"
-        make_list(sectorlist.ImageIdentity(self.raw.stat().st_size, content_sha256(self.raw),
-                                           self.image.name), blocks, lst)
+        make_list(
+            sectorlist.ImageIdentity(
+                self.raw.stat().st_size, content_sha256(self.raw), self.image.name
+            ),
+            blocks,
+            lst,
+        )
         self.server = Server(out / "server", [ImageSpec("small", self.image, list_file=lst)])
         self.server.start()
         self.server.wait_generation("small", 1)
         self.markers = Markers.new()
         self.workload = out / "workload.sh"
-        self.workload.write_text(script(Workload(f"{READ_ALL}; {wait_for('GO')}"),
-                                        self.markers))
+        self.workload.write_text(script(Workload(f"{READ_ALL}; {wait_for('GO')}"), self.markers))
 
     def guest(self, name: str, ovl: Path, go: Path, *extra: str) -> Guest:
         d = self.out / name
-        serial, qmp_path, qlog = d.with_suffix(".serial"), d.with_suffix(".qmp"), \
-            d.with_suffix(".log")
+        serial, qmp_path, qlog = (
+            d.with_suffix(".serial"),
+            d.with_suffix(".qmp"),
+            d.with_suffix(".log"),
+        )
         for p in (serial, qmp_path):
             p.unlink(missing_ok=True)
-        disks = [*blockdev_args(self.image, ovl, self.server.sock("small"), mode="copy"),
-                 "-blockdev", json.dumps({"driver": "file", "node-name": "go-file",
-                                          "filename": str(go)}),
-                 "-blockdev", json.dumps({"driver": "raw", "node-name": "go",
-                                          "file": "go-file"}),
-                 "-device", "virtio-blk-pci,drive=ovl,id=disk0",
-                 "-device", "virtio-blk-pci,drive=go,id=disk1"]
-        cmd = [*guest_cmd(self.q, self.insp, self.accel, serial=serial, qmp=qmp_path,
-                          workload=self.workload, disks=disks), *extra]
+        disks = [
+            *blockdev_args(self.image, ovl, self.server.sock("small"), mode="copy"),
+            "-blockdev",
+            json.dumps({"driver": "file", "node-name": "go-file", "filename": str(go)}),
+            "-blockdev",
+            json.dumps({"driver": "raw", "node-name": "go", "file": "go-file"}),
+            "-device",
+            "virtio-blk-pci,drive=ovl,id=disk0",
+            "-device",
+            "virtio-blk-pci,drive=go,id=disk1",
+        ]
+        cmd = [
+            *guest_cmd(
+                self.q,
+                self.insp,
+                self.accel,
+                serial=serial,
+                qmp=qmp_path,
+                workload=self.workload,
+                disks=disks,
+            ),
+            *extra,
+        ]
         with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         return Guest(proc, QMP(qmp_path, timeout=60), serial, qlog)
 
     def configure(self, g: Guest, config: str) -> None:
         caps, params = CONFIGS[config]
         if caps:
-            g.qmp.command("migrate-set-capabilities",
-                          capabilities=[{"capability": c, "state": True} for c in caps])
+            g.qmp.command(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": c, "state": True} for c in caps],
+            )
         if params:
             g.qmp.command("migrate-set-parameters", **params)
 
     def migrate(self, config: str, rnd: int) -> dict[str, Any]:
         tag = f"{config}-r{rnd}"
         ovl, go = self.out / f"{tag}.qcow2", self.out / f"{tag}.go"
-        subprocess.run([self.q.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(self.image),
-                        "-F", "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            [
+                self.q.qemu_img,
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(self.image),
+                "-F",
+                "qcow2",
+                str(ovl),
+            ],
+            check=True,
+        )
         go.write_bytes(bytes(1 << 20))
         src: Guest | None = None
         dst: Guest | None = None
@@ -187,8 +233,11 @@ class Bench:
                 assert time.monotonic() < deadline, f"{tag}: guest never read /usr"
                 time.sleep(2)
                 text = src.serial.read_text(errors="replace") if src.serial.exists() else ""
-            meminfo = {ln.split()[0].rstrip(":"): int(ln.split()[1])
-                       for ln in text.splitlines() if ln.startswith(("MemFree:", "Cached:"))}
+            meminfo = {
+                ln.split()[0].rstrip(":"): int(ln.split()[1])
+                for ln in text.splitlines()
+                if ln.startswith(("MemFree:", "Cached:"))
+            }
             uri = f"unix:{self.out / (tag + '.mig')}"
             dst = self.guest(f"{tag}-dst", ovl, go, "-incoming", "defer")
             for g in (src, dst):
@@ -200,12 +249,16 @@ class Bench:
             t0 = time.monotonic()
             src.qmp.command("migrate", uri=uri)
             while (info := src.qmp.command("query-migrate"))["status"] not in (
-                    "completed", "failed", "cancelled"):
+                "completed",
+                "failed",
+                "cancelled",
+            ):
                 assert time.monotonic() - t0 < 900, f"{tag}: migration still {info['status']}"
                 time.sleep(0.2)
             c1 = (cpu_seconds(src.proc.pid), cpu_seconds(dst.proc.pid))
-            assert info["status"] == "completed", f"{tag}: {info}\n" + \
-                dst.log.read_text(errors="replace")[-2000:]
+            assert info["status"] == "completed", (
+                f"{tag}: {info}\n" + dst.log.read_text(errors="replace")[-2000:]
+            )
             deadline = time.monotonic() + 60
             while dst.qmp.command("query-status")["status"] != "running":
                 assert time.monotonic() < deadline, f"{tag}: destination not running"
@@ -214,12 +267,17 @@ class Bench:
             ram = info["ram"]
             src_ps, dst_ps = ps(src.qmp), ps(dst.qmp)
             return {
-                "config": config, "round": rnd,
-                "transferred": ram["transferred"], "total_time_ms": info["total-time"],
-                "downtime_ms": info.get("downtime"), "setup_time_ms": info.get("setup-time"),
-                "normal_pages": ram["normal"], "zero_pages": ram["duplicate"],
+                "config": config,
+                "round": rnd,
+                "transferred": ram["transferred"],
+                "total_time_ms": info["total-time"],
+                "downtime_ms": info.get("downtime"),
+                "setup_time_ms": info.get("setup-time"),
+                "normal_pages": ram["normal"],
+                "zero_pages": ram["duplicate"],
                 "block_ref_pages": ram.get("block-ref-pages", 0),
-                "src_cpu_s": round(c1[0] - c0[0], 2), "dst_cpu_s": round(c1[1] - c0[1], 2),
+                "src_cpu_s": round(c1[0] - c0[0], 2),
+                "dst_cpu_s": round(c1[1] - c0[1], 2),
                 "guest_cached_kib": meminfo.get("Cached"),
                 "guest_free_kib": meminfo.get("MemFree"),
                 "filled_by_filter": src_ps0["merged"],
@@ -249,34 +307,48 @@ def summary(rows: list[dict[str, Any]], bench: Bench, args: argparse.Namespace) 
     def med(rs: list[dict[str, Any]], k: str) -> float:
         return float(statistics.median(r[k] for r in rs))
 
-    lines = [f"Command: `sudo .venv/bin/python bench/migration_bench.py --rounds {args.rounds} "
-             f"--bandwidth-mbit {args.bandwidth_mbit} --configs {','.join(args.configs)}`",
-             "", f"Listed blocks: {bench.listed} (every non-zero block of the small image).",
-             "", "| configuration | runs | MiB on the wire | total s | downtime ms | "
-             "setup ms | CPU src s | CPU dst s | pages as refs | refs refused | "
-             "vs precopy: bytes, time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `sudo .venv/bin/python bench/migration_bench.py --rounds {args.rounds} "
+        f"--bandwidth-mbit {args.bandwidth_mbit} --configs {','.join(args.configs)}`",
+        "",
+        f"Listed blocks: {bench.listed} (every non-zero block of the small image).",
+        "",
+        "| configuration | runs | MiB on the wire | total s | downtime ms | "
+        "setup ms | CPU src s | CPU dst s | pages as refs | refs refused | "
+        "vs precopy: bytes, time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, rs in by.items():
         rel = ""
         if base:
-            rel = (f"{100 * (1 - med(rs, 'transferred') / med(base, 'transferred')):.0f} %, "
-                   f"{100 * (1 - med(rs, 'total_time_ms') / med(base, 'total_time_ms')):.0f} %")
+            rel = (
+                f"{100 * (1 - med(rs, 'transferred') / med(base, 'transferred')):.0f} %, "
+                f"{100 * (1 - med(rs, 'total_time_ms') / med(base, 'total_time_ms')):.0f} %"
+            )
         lines.append(
             f"| {name} | {len(rs)} | {med(rs, 'transferred') / 2**20:.1f} | "
             f"{med(rs, 'total_time_ms') / 1000:.1f} | {med(rs, 'downtime_ms'):.0f} | "
             f"{med(rs, 'setup_time_ms'):.0f} | {med(rs, 'src_cpu_s'):.1f} | "
             f"{med(rs, 'dst_cpu_s'):.1f} | {med(rs, 'block_ref_pages'):.0f} | "
-            f"{med(rs, 'refs_refused'):.0f} | {rel} less |")
+            f"{med(rs, 'refs_refused'):.0f} | {rel} less |"
+        )
     lines += ["", "Medians over the rounds; every run is in results.json."]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--bandwidth-mbit", type=int, default=1000,
-                    help="max-bandwidth of every migration, Mbit/s (default 1000)")
+    ap.add_argument(
+        "--bandwidth-mbit",
+        type=int,
+        default=1000,
+        help="max-bandwidth of every migration, Mbit/s (default 1000)",
+    )
     ap.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

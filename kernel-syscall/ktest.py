@@ -233,20 +233,27 @@ __all__ = [
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="build (cached), boot, run the tests")
-    r.add_argument("--config", choices=["debug", "plain"], default=None,
-                   help="kernel config (default: debug; plain with --bench)")
+    r.add_argument(
+        "--config",
+        choices=["debug", "plain"],
+        default=None,
+        help="kernel config (default: debug; plain with --bench)",
+    )
     r.add_argument("--bench", action="store_true", help="run the benchmark instead of the tests")
     r.add_argument("--only", help="regex: run only the tests whose name matches")
     r.add_argument("--append", default="", help="extra kernel command line")
     r.add_argument("--shell", help="run this shell command in the guest instead of the tests")
-    r.add_argument("--kernel",
-                   help="boot this bzImage instead (tests still built against the series)")
-    r.add_argument("-v", "--verbose", action="store_true",
-                   help="print the output of passing tests too")
+    r.add_argument(
+        "--kernel", help="boot this bzImage instead (tests still built against the series)"
+    )
+    r.add_argument(
+        "-v", "--verbose", action="store_true", help="print the output of passing tests too"
+    )
     b = sub.add_parser("build", help="build (or find cached) the kernel only")
     b.add_argument("--config", choices=["debug", "plain"], default="debug")
     c = sub.add_parser("check-series", help="build and checkpatch each patch")
@@ -261,9 +268,14 @@ def main() -> int:
     if args.cmd == "run" and args.config is None:
         args.config = "plain" if args.bench else "debug"
     try:
-        return {"run": cmd_run, "build": cmd_build, "check-series": cmd_check_series,
-                "devtree": cmd_devtree, "export": cmd_export,
-                "selfcheck": cmd_selfcheck}[args.cmd](args)
+        return {
+            "run": cmd_run,
+            "build": cmd_build,
+            "check-series": cmd_check_series,
+            "devtree": cmd_devtree,
+            "export": cmd_export,
+            "selfcheck": cmd_selfcheck,
+        }[args.cmd](args)
     except KtestError as e:
         print(f"ktest: error: {e}", file=sys.stderr)
         return 2

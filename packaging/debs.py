@@ -169,37 +169,63 @@ WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
 
 def _host_prepare(tree: Path) -> None:
-    shutil.copy2(tree / "pageshare-libvirt-watch.service",
-                 tree / "debian" / "pageshare-host.pageshare-libvirt-watch.service")
+    shutil.copy2(
+        tree / "pageshare-libvirt-watch.service",
+        tree / "debian" / "pageshare-host.pageshare-libvirt-watch.service",
+    )
 
 
 def _pageshare_prepare(tree: Path) -> None:
     # pageshare-host installs these modules; debian/rules leaves them out.
-    (tree / "debian" / "host-modules").write_text(
-        "".join(f"{m}.py\n" for m in HOST_MODULES))
+    (tree / "debian" / "host-modules").write_text("".join(f"{m}.py\n" for m in HOST_MODULES))
     # The wheels of vendor/requirements.txt, hash-checked by pip, for each
     # Python version: the build itself runs offline.
     wheels = tree / "vendor" / "wheels"
     env = dict(os.environ, PIP_CACHE_DIR=str(CACHE / "pip"))
     for version in VENDOR_PYTHONS:
         p = subprocess.run(
-            ["/usr/bin/python3", "-m", "pip", "download", "--quiet", "--no-deps",
-             "--require-hashes", "-r", str(tree / "vendor" / "requirements.txt"),
-             "--dest", str(wheels), "--only-binary=:all:", "--python-version", version,
-             "--implementation", "cp", "--platform", WHEEL_PLATFORM],
-            capture_output=True, text=True, env=env)
+            [
+                "/usr/bin/python3",
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--require-hashes",
+                "-r",
+                str(tree / "vendor" / "requirements.txt"),
+                "--dest",
+                str(wheels),
+                "--only-binary=:all:",
+                "--python-version",
+                version,
+                "--implementation",
+                "cp",
+                "--platform",
+                WHEEL_PLATFORM,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if p.returncode != 0:
-            raise BuildError(f"downloading the vendored wheels for Python {version} failed "
-                             f"(is PyPI reachable?):\n{p.stdout}{p.stderr}")
+            raise BuildError(
+                f"downloading the vendored wheels for Python {version} failed "
+                f"(is PyPI reachable?):\n{p.stdout}{p.stderr}"
+            )
 
 
 # pageshare-qemu: the files of qemu-patches/build.py's output it packages,
 # and the x86 option ROMs' sources from the same QEMU tree (debian/rules
 # builds them).
 QEMU_BINARIES = ("qemu-system-x86_64", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon")
-OPTIONROM_SOURCES = ("pc-bios/optionrom", "include/hw/xen/start_info.h",
-                     "include/standard-headers/linux/qemu_fw_cfg.h",
-                     "include/standard-headers/linux/types.h", "scripts/signrom.py")
+OPTIONROM_SOURCES = (
+    "pc-bios/optionrom",
+    "include/hw/xen/start_info.h",
+    "include/standard-headers/linux/qemu_fw_cfg.h",
+    "include/standard-headers/linux/types.h",
+    "scripts/signrom.py",
+)
 
 
 @functools.cache
@@ -224,8 +250,10 @@ def _qemu_external(source: Path) -> dict[str, Path]:
         p = tree / rel
         for f in sorted(p.iterdir()) if p.is_dir() else [p]:
             if not f.is_file():
-                raise BuildError(f"{f}: missing from the QEMU work tree (run "
-                                 "qemu-patches/build.py --worktree to restore it)")
+                raise BuildError(
+                    f"{f}: missing from the QEMU work tree (run "
+                    "qemu-patches/build.py --worktree to restore it)"
+                )
             files[f"optionrom/{f.relative_to(tree)}"] = f
     return files
 
@@ -240,9 +268,11 @@ def _qemu_prepare(tree: Path) -> None:
     text = changelog.read_text()
     m = re.match(r"pageshare-qemu \((10\.0)\+pageshare\d+\)", text)
     if not m or not exact.startswith(m.group(1) + "."):
-        raise BuildError(f"{changelog}: its first line must say 10.0+pageshare<N>, and the "
-                         f"patched QEMU must be 10.0.x (it is {qemu})")
-    changelog.write_text(text[:m.start(1)] + exact + text[m.end(1):])
+        raise BuildError(
+            f"{changelog}: its first line must say 10.0+pageshare<N>, and the "
+            f"patched QEMU must be 10.0.x (it is {qemu})"
+        )
+    changelog.write_text(text[: m.start(1)] + exact + text[m.end(1) :])
 
 
 MODULES = "usr/lib/pageshare/python/pageshare"
@@ -273,16 +303,23 @@ PACKAGES: dict[str, Package] = {
             "packaging/pageshare-host/debian": "debian",
         },
         must_contain=(*HOST_FILES, "usr/share/doc/pageshare-host/copyright"),
-        conffiles=("/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml",
-                   "/etc/apparmor.d/abstractions/pageshare-qemu",
-                   "/etc/apparmor.d/abstractions/pageshare-libvirtd"),
+        conffiles=(
+            "/etc/libvirt/hooks/qemu.d/pageshare",
+            "/etc/pageshare/libvirt.toml",
+            "/etc/apparmor.d/abstractions/pageshare-qemu",
+            "/etc/apparmor.d/abstractions/pageshare-libvirtd",
+        ),
         needs_cargo=False,
         prepare=_host_prepare,
         tools=("help2man", "python3"),
         # nothing of the analyzer: only the host tools' modules, no vendored
         # PyPI packages, no crash extension, no analyze-image
-        forbidden=(rf"^{MODULES}/(?!({_HOST_MODULES_RE})\.py$).+",
-                   r"^usr/lib/pageshare/python3\.", r"pagescan", r"analyze-image"),
+        forbidden=(
+            rf"^{MODULES}/(?!({_HOST_MODULES_RE})\.py$).+",
+            r"^usr/lib/pageshare/python3\.",
+            r"pagescan",
+            r"analyze-image",
+        ),
         python_init="analyzer/pageshare/__init__.py",
     ),
     "pageshare": Package(
@@ -354,9 +391,19 @@ PACKAGES: dict[str, Package] = {
         must_contain=(
             *(f"usr/lib/pageshare-qemu/bin/{b}" for b in QEMU_BINARIES),
             *(f"usr/bin/pageshare-{b}" for b in QEMU_BINARIES),
-            *(f"usr/lib/pageshare-qemu/share/qemu/{r}.bin"
-              for r in ("linuxboot", "linuxboot_dma", "multiboot", "multiboot_dma", "kvmvapic",
-                        "pvh", "bios-256k", "vgabios-stdvga")),
+            *(
+                f"usr/lib/pageshare-qemu/share/qemu/{r}.bin"
+                for r in (
+                    "linuxboot",
+                    "linuxboot_dma",
+                    "multiboot",
+                    "multiboot_dma",
+                    "kvmvapic",
+                    "pvh",
+                    "bios-256k",
+                    "vgabios-stdvga",
+                )
+            ),
             "usr/lib/pageshare-qemu/share/qemu/efi-virtio.rom",
             "usr/lib/pageshare-qemu/share/qemu-firmware/efi-virtio.rom",
             "usr/share/man/man1/pageshare-qemu.1.gz",
@@ -421,10 +468,12 @@ def inputs_key(pkg: Package, source: Path) -> tuple[str, dict[str, object]]:
         for f in _files(source, rel):
             st = f.stat()
             files[str(f.relative_to(source))] = (
-                f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{st.st_mode & 0o111:o}")
+                f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{st.st_mode & 0o111:o}"
+            )
     for dest, f in (pkg.external(source) if pkg.external else {}).items():
         files[f"external:{dest}"] = (
-            f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{f.stat().st_mode & 0o111:o}")
+            f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{f.stat().st_mode & 0o111:o}"
+        )
     inputs: dict[str, object] = {
         "builder_version": BUILDER_VERSION,
         "package": pkg.name,
@@ -459,14 +508,19 @@ def python_version(init: Path) -> str:
 
 
 def preflight(pkg: Package) -> None:
-    missing = [t for t in ("dpkg-buildpackage", "dh", "lintian", "dpkg-deb")
-               if shutil.which(t) is None]
+    missing = [
+        t for t in ("dpkg-buildpackage", "dh", "lintian", "dpkg-deb") if shutil.which(t) is None
+    ]
     if missing:
-        raise BuildError(f"missing tools: {' '.join(missing)}; install the Debian packages "
-                         "dpkg-dev, debhelper and lintian (scripts/install-deps.sh does)")
+        raise BuildError(
+            f"missing tools: {' '.join(missing)}; install the Debian packages "
+            "dpkg-dev, debhelper and lintian (scripts/install-deps.sh does)"
+        )
     if pkg.needs_cargo and cargo() is None:
-        raise BuildError("cargo not found; install Rust >= 1.80 with rustup "
-                         "(Debian 12's cargo is too old), then rerun")
+        raise BuildError(
+            "cargo not found; install Rust >= 1.80 with rustup "
+            "(Debian 12's cargo is too old), then rerun"
+        )
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -480,18 +534,17 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def deb_paths(deb: Path) -> set[str]:
-    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
-                       check=True)
+    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True)
     t = subprocess.run(["tar", "-t"], input=p.stdout, capture_output=True, check=True)
     return {line.decode().removeprefix("./").rstrip("/") for line in t.stdout.splitlines()}
 
 
 def deb_member(deb: Path, member: str) -> str:
     """A file of the package's data, as text."""
-    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
-                       check=True)
-    t = subprocess.run(["tar", "-xO", f"./{member}"], input=p.stdout, capture_output=True,
-                       check=True)
+    p = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True)
+    t = subprocess.run(
+        ["tar", "-xO", f"./{member}"], input=p.stdout, capture_output=True, check=True
+    )
     return t.stdout.decode()
 
 
@@ -512,14 +565,16 @@ def check_deb(pkg: Package, deb: Path) -> None:
         raise BuildError(f"{deb.name} holds what it must not: {', '.join(extra)}")
     conffiles = set(deb_control_file(deb, "conffiles").split())
     if not set(pkg.conffiles) <= conffiles:
-        raise BuildError(f"{deb.name}: conffiles are {sorted(conffiles)}, "
-                         f"expected {list(pkg.conffiles)}")
+        raise BuildError(
+            f"{deb.name}: conffiles are {sorted(conffiles)}, expected {list(pkg.conffiles)}"
+        )
     for unit in (p for p in paths if p.endswith(".service") and "/systemd/system/" in p):
         text = deb_member(deb, unit)
         for m in re.finditer(r"^Exec\w+=[-@:+!]*(\S+)", text, re.M):
             if m.group(1).lstrip("/") not in paths:
-                raise BuildError(f"{deb.name}: {unit} runs {m.group(1)}, which the package "
-                                 "does not install")
+                raise BuildError(
+                    f"{deb.name}: {unit} runs {m.group(1)}, which the package does not install"
+                )
 
 
 # --------------------------------------------------------------------------- build
@@ -556,19 +611,23 @@ def build(pkg: Package, source: Path, *, force: bool = False, check: bool = Fals
         if pkg.needs_cargo:
             toml = source / pkg.source_of("Cargo.toml")
             if cargo_version(toml) != version.split("-")[0]:
-                raise BuildError(f"{toml} says version {cargo_version(toml)}, "
-                                 f"{debian}/changelog {version}: add a changelog entry")
+                raise BuildError(
+                    f"{toml} says version {cargo_version(toml)}, "
+                    f"{debian}/changelog {version}: add a changelog entry"
+                )
         if pkg.python_init:
             init = source / pkg.python_init
             if python_version(init) != version:
-                raise BuildError(f"{init} says __version__ {python_version(init)}, "
-                                 f"{debian}/changelog {version}: add a changelog entry")
+                raise BuildError(
+                    f"{init} says __version__ {python_version(init)}, "
+                    f"{debian}/changelog {version}: add a changelog entry"
+                )
         start = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f".work-{pkg.name}-", dir=CACHE))
         try:
             tree = work / f"{pkg.name}-{version.split('-')[0]}"
             assemble(pkg, source, tree)
-            version = changelog_version(tree / "debian")   # prepare() may set it
+            version = changelog_version(tree / "debian")  # prepare() may set it
             env = dict(os.environ, DEB_BUILD_OPTIONS="" if check else "nocheck")
             if pkg.needs_cargo:
                 c = cargo()
@@ -578,33 +637,53 @@ def build(pkg: Package, source: Path, *, force: bool = False, check: bool = Fals
             build_log = work / "build.log"
             log(f"{pkg.name} {version}: dpkg-buildpackage in {tree} (log: {build_log})")
             with open(build_log, "wb") as lf:
-                p = subprocess.run(["nice", "-n", "10", "dpkg-buildpackage", "-b", "-us", "-uc"],
-                                   cwd=tree, env=env, stdout=lf, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
+                p = subprocess.run(
+                    ["nice", "-n", "10", "dpkg-buildpackage", "-b", "-us", "-uc"],
+                    cwd=tree,
+                    env=env,
+                    stdout=lf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
             if p.returncode != 0:
-                raise BuildError(f"dpkg-buildpackage failed ({p.returncode}):\n"
-                                 f"{_tail(build_log)}")
+                raise BuildError(f"dpkg-buildpackage failed ({p.returncode}):\n{_tail(build_log)}")
             changes = sorted(work.glob(f"{pkg.name}_*.changes"))
             debs = sorted(work.glob(f"{pkg.name}_*.deb"))
             if len(changes) != 1 or len(debs) != 1:
-                raise BuildError(f"expected one .changes and one .deb in {work}, found "
-                                 f"{[c.name for c in changes + debs]}")
-            lint = subprocess.run(["lintian", "--fail-on", "error,warning", "--info",
-                                   str(changes[0])], capture_output=True, text=True)
+                raise BuildError(
+                    f"expected one .changes and one .deb in {work}, found "
+                    f"{[c.name for c in changes + debs]}"
+                )
+            lint = subprocess.run(
+                ["lintian", "--fail-on", "error,warning", "--info", str(changes[0])],
+                capture_output=True,
+                text=True,
+            )
             (work / "lintian.txt").write_text(lint.stdout + lint.stderr)
             if lint.returncode != 0:
-                raise BuildError(f"lintian found problems in {pkg.name}:\n"
-                                 f"{lint.stdout}{lint.stderr}")
+                raise BuildError(
+                    f"lintian found problems in {pkg.name}:\n{lint.stdout}{lint.stderr}"
+                )
             check_deb(pkg, debs[0])
             staged = work / "result"
             staged.mkdir()
-            for f in [*work.glob(f"{pkg.name}*_*.*deb"), *work.glob(f"{pkg.name}_*.buildinfo"),
-                      *changes, build_log, work / "lintian.txt"]:
+            for f in [
+                *work.glob(f"{pkg.name}*_*.*deb"),
+                *work.glob(f"{pkg.name}_*.buildinfo"),
+                *changes,
+                build_log,
+                work / "lintian.txt",
+            ]:
                 shutil.move(str(f), staged / f.name)
-            manifest = {"package": pkg.name, "version": version, "key": key,
-                        "deb": debs[0].name, "build_seconds": round(time.monotonic() - start, 1),
-                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "inputs": inputs}
+            manifest = {
+                "package": pkg.name,
+                "version": version,
+                "key": key,
+                "deb": debs[0].name,
+                "build_seconds": round(time.monotonic() - start, 1),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "inputs": inputs,
+            }
             (staged / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
             (staged / "stamp").write_text(key + "\n")
             if out.exists():
@@ -625,16 +704,25 @@ def deb_of(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Build pageshare's Debian packages (cached by their inputs under "
-                    "$PAGESHARE_CACHE/packages) and print each .deb's path.",
+        "$PAGESHARE_CACHE/packages) and print each .deb's path.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Packages: " + ", ".join(PACKAGES))
-    ap.add_argument("packages", nargs="*", metavar="PACKAGE",
-                    help="packages to build (default: all)")
-    ap.add_argument("--source", type=Path, default=REPO,
-                    help="the pageshare checkout to build from (default: %(default)s)")
+        epilog="Packages: " + ", ".join(PACKAGES),
+    )
+    ap.add_argument(
+        "packages", nargs="*", metavar="PACKAGE", help="packages to build (default: all)"
+    )
+    ap.add_argument(
+        "--source",
+        type=Path,
+        default=REPO,
+        help="the pageshare checkout to build from (default: %(default)s)",
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    ap.add_argument("--check", action="store_true",
-                    help="run the package's own tests while building (cargo test)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="run the package's own tests while building (cargo test)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--list", action="store_true", help="list the packages and exit")
     args = ap.parse_args(argv)
@@ -648,8 +736,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, str] = {}
     try:
         for n in names:
-            results[n] = str(deb_of(build(PACKAGES[n], args.source.resolve(), force=args.force,
-                                          check=args.check)))
+            results[n] = str(
+                deb_of(
+                    build(PACKAGES[n], args.source.resolve(), force=args.force, check=args.check)
+                )
+            )
     except BuildError as e:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e), "built": results}))

@@ -64,7 +64,7 @@ CONFIG_NAME = "config.amd64_none_cloud-amd64.xz"
 FLAVOUR = "cloud-amd64"
 LOCALVERSION = f"-pageshare-{FLAVOUR}"
 PACKAGE_REVISION = 1
-RECIPE = "2"        # bump when the build below changes what it makes
+RECIPE = "2"  # bump when the build below changes what it makes
 # (option, value) set on Debian's configuration; "n" unsets.
 ADJUSTMENTS = (
     ("CONFIG_SYSTEM_TRUSTED_KEYS", '""'),
@@ -104,13 +104,16 @@ def ensure_config(root: Path, version: str) -> Path:
     pkgdir.mkdir(parents=True, exist_ok=True)
     apt = ktest.PrivateApt(root / "apt")
     ktest.run(apt.command("apt-get", "update", "-qq"), capture=True)
-    ktest.run(apt.command("apt-get", "download", f"{CONFIG_PACKAGE}={version}"), cwd=pkgdir,
-              capture=True)
+    ktest.run(
+        apt.command("apt-get", "download", f"{CONFIG_PACKAGE}={version}"), cwd=pkgdir, capture=True
+    )
     deb = next(pkgdir.glob(f"{CONFIG_PACKAGE}_*.deb"), None)
     if deb is None:
-        raise KernelDebError(f"apt-get download {CONFIG_PACKAGE}={version} gave no .deb; "
-                             f"the source {version} needs its configuration package of the "
-                             "same version from Debian's archive")
+        raise KernelDebError(
+            f"apt-get download {CONFIG_PACKAGE}={version} gave no .deb; "
+            f"the source {version} needs its configuration package of the "
+            "same version from Debian's archive"
+        )
     unpacked = pkgdir / "x"
     ktest.run(["dpkg-deb", "-x", str(deb), str(unpacked)])
     shutil.copyfile(unpacked / "usr/src" / CONFIG_PACKAGE / CONFIG_NAME, out)
@@ -125,7 +128,7 @@ def read_config(path: Path) -> dict[str, str]:
             k, v = line.split("=", 1)
             have[k] = v
         elif line.startswith("# CONFIG_") and line.endswith(" is not set"):
-            have[line[2:-len(" is not set")]] = "n"
+            have[line[2 : -len(" is not set")]] = "n"
     return have
 
 
@@ -155,16 +158,32 @@ def configure(tree: Path, build: Path, config: Path, logfile: Path) -> None:
     make(tree, build, "olddefconfig", logfile=logfile)
     have = read_config(build / ".config")
     # An empty string option whose dependency is off is simply absent.
-    bad = [f"{k}={v} (got {have.get(k, 'n')})" for k, v in (*ADJUSTMENTS, *REQUIRED)
-           if have.get(k, "n") != v and not (v == '""' and k not in have)]
+    bad = [
+        f"{k}={v} (got {have.get(k, 'n')})"
+        for k, v in (*ADJUSTMENTS, *REQUIRED)
+        if have.get(k, "n") != v and not (v == '""' and k not in have)
+    ]
     if bad:
         raise KernelDebError("configuration options did not stick: " + ", ".join(bad))
 
 
-def make(tree: Path, build: Path, *targets: str, logfile: Path,
-         extra: tuple[str, ...] = ()) -> None:
-    ktest.run([*ktest.nice_prefix(), "make", "-C", str(tree), f"O={build}", "ARCH=x86_64",
-               f"-j{ktest.jobs()}", *extra, *targets], logfile=logfile)
+def make(
+    tree: Path, build: Path, *targets: str, logfile: Path, extra: tuple[str, ...] = ()
+) -> None:
+    ktest.run(
+        [
+            *ktest.nice_prefix(),
+            "make",
+            "-C",
+            str(tree),
+            f"O={build}",
+            "ARCH=x86_64",
+            f"-j{ktest.jobs()}",
+            *extra,
+            *targets,
+        ],
+        logfile=logfile,
+    )
 
 
 def checkout(src: ktest.Source, tree: Path, head: str) -> None:
@@ -173,8 +192,10 @@ def checkout(src: ktest.Source, tree: Path, head: str) -> None:
         if tree.exists():
             shutil.rmtree(tree)
         ktest.run(["git", "worktree", "prune"], cwd=src.repo)
-        ktest.run(["git", *ktest.GIT_ID, "worktree", "add", "-q", "--detach", str(tree), head],
-                  cwd=src.repo)
+        ktest.run(
+            ["git", *ktest.GIT_ID, "worktree", "add", "-q", "--detach", str(tree), head],
+            cwd=src.repo,
+        )
         return
     ktest.run(["git", *ktest.GIT_ID, "checkout", "-q", "-f", "--detach", head], cwd=tree)
     ktest.run(["git", "clean", "-q", "-f", "-d"], cwd=tree)
@@ -220,15 +241,21 @@ def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
         for old in work.glob("*.deb"):
             old.unlink()
         pkgversion = f"{version}+pageshare{PACKAGE_REVISION}"
-        log(f"make bindeb-pkg ({len(patches)} patches on Debian's {version}, "
-            f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})")
+        log(
+            f"make bindeb-pkg ({len(patches)} patches on Debian's {version}, "
+            f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})"
+        )
         t0 = time.monotonic()
         # LOCALVERSION= (set, if empty): setlocalversion would otherwise
         # append "+" to the release, the tree being a git checkout that is
         # not at a tag.  The release's suffix is CONFIG_LOCALVERSION's.
-        env_extra = ("LOCALVERSION=", f"KDEB_PKGVERSION={pkgversion}",
-                     "KDEB_SOURCENAME=linux-pageshare",
-                     "KBUILD_BUILD_USER=pageshare", "KBUILD_BUILD_HOST=pageshare")
+        env_extra = (
+            "LOCALVERSION=",
+            f"KDEB_PKGVERSION={pkgversion}",
+            "KDEB_SOURCENAME=linux-pageshare",
+            "KBUILD_BUILD_USER=pageshare",
+            "KBUILD_BUILD_HOST=pageshare",
+        )
         make(tree, build_dir, "bindeb-pkg", logfile=logfile, extra=env_extra)
         seconds = time.monotonic() - t0
         release = (build_dir / "include/config/kernel.release").read_text().strip()
@@ -236,8 +263,10 @@ def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
         image = next((n for n in debs if n.startswith(f"linux-image-{release}_")), None)
         headers = next((n for n in debs if n.startswith(f"linux-headers-{release}_")), None)
         if not image or not headers:
-            raise KernelDebError(f"bindeb-pkg made {sorted(debs)}, not linux-image-{release} "
-                                 f"and linux-headers-{release}; see {logfile}")
+            raise KernelDebError(
+                f"bindeb-pkg made {sorted(debs)}, not linux-image-{release} "
+                f"and linux-headers-{release}; see {logfile}"
+            )
         tmp = outdir.with_name(outdir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -246,11 +275,19 @@ def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
         for rest in work.glob("*.deb"):
             rest.unlink()
         shutil.copyfile(logfile, tmp / "build.log")
-        meta = {"image": image, "headers": headers, "release": release,
-                "version": pkgversion, "source": version, "commit": head,
-                "series": [p.name for p in patches], "config": CONFIG_NAME,
-                "build_seconds": round(seconds), "jobs": ktest.jobs(),
-                "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        meta = {
+            "image": image,
+            "headers": headers,
+            "release": release,
+            "version": pkgversion,
+            "source": version,
+            "commit": head,
+            "series": [p.name for p in patches],
+            "config": CONFIG_NAME,
+            "build_seconds": round(seconds),
+            "jobs": ktest.jobs(),
+            "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         shutil.rmtree(outdir, ignore_errors=True)
         tmp.rename(outdir)
@@ -259,11 +296,15 @@ def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
-    ap.add_argument("--config-only", action="store_true",
-                    help="write and check the configuration, build nothing")
+    ap.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write and check the configuration, build nothing",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:

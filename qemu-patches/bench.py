@@ -73,9 +73,27 @@ def run_bench(qemu_img: str, spec: str, count: int, cache: str) -> tuple[float, 
     The wall time is what qemu-img bench reports; the CPU time (user + sys
     from wait4) does not grow while the process waits for a CPU, so it is
     the steadier measure on a shared host."""
-    p = subprocess.Popen([qemu_img, "bench", "-c", str(count), "-d", "1", "-s", "4096",
-                          "-S", "4096", "-t", cache, "--image-opts", spec],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            qemu_img,
+            "bench",
+            "-c",
+            str(count),
+            "-d",
+            "1",
+            "-s",
+            "4096",
+            "-S",
+            "4096",
+            "-t",
+            cache,
+            "--image-opts",
+            spec,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert p.stdout
     out = p.stdout.read()
     _, status, ru = os.wait4(p.pid, 0)
@@ -90,15 +108,20 @@ def run_bench(qemu_img: str, spec: str, count: int, cache: str) -> tuple[float, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--count-shm", type=int, default=300_000,
-                    help="requests per run (raw base on tmpfs)")
+    ap.add_argument(
+        "--count-shm", type=int, default=300_000, help="requests per run (raw base on tmpfs)"
+    )
     ap.add_argument("--count", type=int, default=50_000, help="requests per run (writeback)")
     ap.add_argument("--count-direct", type=int, default=10_000, help="requests per run (none)")
     ap.add_argument("--json", type=Path, help="also write the raw samples here")
     ap.add_argument("--only", choices=["shm", "qcow2"], help="one base only")
-    ap.add_argument("--counting", choices=["on", "off", "both"], default="on",
-                    help="the filter's count-reads option (both: each graph with and "
-                         "without, compared at the end)")
+    ap.add_argument(
+        "--counting",
+        choices=["on", "off", "both"],
+        default="on",
+        help="the filter's count-reads option (both: each graph with and "
+        "without, compared at the end)",
+    )
     a = ap.parse_args()
 
     from pageshare import sectorlist
@@ -118,23 +141,32 @@ def main() -> int:
         base = tmp / "base.qcow2"
         subprocess.run([qemu_img, "convert", "-q", "-O", "qcow2", str(raw), str(base)], check=True)
         ovl = tmp / "ovl.qcow2"
-        subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2",
-                        str(ovl)], check=True)
+        subprocess.run(
+            [qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
         ovl_nb = tmp / "ovl-nobacking.qcow2"
-        subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", str(ovl_nb), str(SIZE)],
-                       check=True)
+        subprocess.run(
+            [qemu_img, "create", "-q", "-f", "qcow2", str(ovl_nb), str(SIZE)], check=True
+        )
         ident = sectorlist.ImageIdentity(SIZE, hashlib.sha256(data).hexdigest(), "bench")
-        all_blocks = {b * 8: hashlib.sha256(data[b * 4096:(b + 1) * 4096]).hexdigest()
-                      for b in range(SIZE // 4096)}
+        all_blocks = {
+            b * 8: hashlib.sha256(data[b * 4096 : (b + 1) * 4096]).hexdigest()
+            for b in range(SIZE // 4096)
+        }
         lists = {"one": {8: all_blocks[8]}, "all": all_blocks}
         for name, blocks in lists.items():
             make_list(ident, blocks, tmp / f"{name}.pcsl")
         # the same lists serve both bases: same virtual content
-        server = Server(tmp / "server", [
-            ImageSpec("one", base, list_file=tmp / "one.pcsl"),
-            ImageSpec("all", base, list_file=tmp / "all.pcsl"),
-            ImageSpec("one-shm", shm_raw, list_file=tmp / "one.pcsl", fmt="raw"),
-            ImageSpec("all-shm", shm_raw, list_file=tmp / "all.pcsl", fmt="raw")])
+        server = Server(
+            tmp / "server",
+            [
+                ImageSpec("one", base, list_file=tmp / "one.pcsl"),
+                ImageSpec("all", base, list_file=tmp / "all.pcsl"),
+                ImageSpec("one-shm", shm_raw, list_file=tmp / "one.pcsl", fmt="raw"),
+                ImageSpec("all-shm", shm_raw, list_file=tmp / "all.pcsl", fmt="raw"),
+            ],
+        )
         server.start()
         for name in ("one", "all", "one-shm", "all-shm"):
             server.wait_generation(name, 1)
@@ -145,12 +177,16 @@ def main() -> int:
                 bottom = f"driver=raw,file.driver=file,file.filename={shm_raw}"
             else:
                 s = f"driver=qcow2,file.driver=file,file.filename={ovl}"
-                bottom = "driver=qcow2"       # file name from the overlay's header
+                bottom = "driver=qcow2"  # file name from the overlay's header
             if ps is None:
                 return s + "," + ",".join("backing." + x for x in bottom.split(","))
-            return s + ",backing.driver=pageshare," + ",".join(
-                f"backing.{k}={v}" for k, v in ps.items()) + "," + ",".join(
-                "backing.file." + x for x in bottom.split(","))
+            return (
+                s
+                + ",backing.driver=pageshare,"
+                + ",".join(f"backing.{k}={v}" for k, v in ps.items())
+                + ","
+                + ",".join("backing.file." + x for x in bottom.split(","))
+            )
 
         def variants(on_shm: bool) -> dict[str, str]:
             sfx = "-shm" if on_shm else ""
@@ -158,8 +194,11 @@ def main() -> int:
                 "no-table": {"server": str(tmp / "absent.sock"), "reconnect-delay": "0"},
                 "not-listed": {"server": str(server.sock("one" + sfx))},
                 "not-ram": {"server": str(server.sock("all" + sfx))},
-                "copy": {"server": str(server.sock("all" + sfx)), "mode": "copy",
-                         "x-any-buffer": "on"},
+                "copy": {
+                    "server": str(server.sock("all" + sfx)),
+                    "mode": "copy",
+                    "x-any-buffer": "on",
+                },
             }
             out = {"none": spec(None, on_shm)}
             for name, ps in graphs.items():
@@ -172,17 +211,18 @@ def main() -> int:
 
         samples: dict[str, dict[str, dict[str, list[float]]]] = {}
         counts: dict[str, int] = {}
-        for base_kind, cache, count in (("shm", "writeback", a.count_shm),
-                                        ("qcow2", "writeback", a.count),
-                                        ("qcow2", "none", a.count_direct)):
+        for base_kind, cache, count in (
+            ("shm", "writeback", a.count_shm),
+            ("qcow2", "writeback", a.count),
+            ("qcow2", "none", a.count_direct),
+        ):
             if a.only and a.only != base_kind:
                 continue
             var = variants(base_kind == "shm")
             key = f"{base_kind} cache={cache}"
-            s = samples.setdefault(key, {"wall": {v: [] for v in var},
-                                         "cpu": {v: [] for v in var}})
+            s = samples.setdefault(key, {"wall": {v: [] for v in var}, "cpu": {v: [] for v in var}})
             counts[key] = count
-            run_bench(qemu_img, var["none"], count // 4, cache)      # warm-up
+            run_bench(qemu_img, var["none"], count // 4, cache)  # warm-up
             for r in range(a.rounds):
                 order = list(var)
                 random.Random(r).shuffle(order)
@@ -192,34 +232,46 @@ def main() -> int:
                     s["cpu"][v].append(cpu * 1e6)
                 print(f"[bench] {key} round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
 
-        print(f"qemu-img bench -c N -d 1 -s 4096 -S 4096 (aio=threads), 64 MiB qcow2 base, "
-              f"empty overlay, {a.rounds} interleaved rounds; us per request; "
-              f"count-reads={a.counting}")
+        print(
+            f"qemu-img bench -c N -d 1 -s 4096 -S 4096 (aio=threads), 64 MiB qcow2 base, "
+            f"empty overlay, {a.rounds} interleaved rounds; us per request; "
+            f"count-reads={a.counting}"
+        )
         for key, s in samples.items():
             print(f"\n{key} (N={counts[key]} requests per run)")
-            print(f"{'graph':<14} {'wall med':>8} {'wall min':>8} {'d med':>7} {'d med %':>8} "
-                  f"{'cpu med':>8} {'cpu min':>8} {'d med':>7} {'d med %':>8}")
+            print(
+                f"{'graph':<14} {'wall med':>8} {'wall min':>8} {'d med':>7} {'d med %':>8} "
+                f"{'cpu med':>8} {'cpu min':>8} {'d med':>7} {'d med %':>8}"
+            )
             wref = statistics.median(s["wall"]["none"])
             cref = statistics.median(s["cpu"]["none"])
             for v in s["wall"]:
                 w, c = statistics.median(s["wall"][v]), statistics.median(s["cpu"][v])
-                print(f"{v:<14} {w:8.3f} {min(s['wall'][v]):8.3f} {w - wref:+7.3f} "
-                      f"{(w / wref - 1) * 100:+7.1f}% {c:8.3f} {min(s['cpu'][v]):8.3f} "
-                      f"{c - cref:+7.3f} {(c / cref - 1) * 100:+7.1f}%")
+                print(
+                    f"{v:<14} {w:8.3f} {min(s['wall'][v]):8.3f} {w - wref:+7.3f} "
+                    f"{(w / wref - 1) * 100:+7.1f}% {c:8.3f} {min(s['cpu'][v]):8.3f} "
+                    f"{c - cref:+7.3f} {(c / cref - 1) * 100:+7.1f}%"
+                )
         if a.counting == "both":
-            print("\nthe cost of counting: each graph with count-reads=on against =off "
-                  "(medians; the same rounds)")
-            print(f"{'base':<22} {'graph':<11} {'cpu on':>8} {'cpu off':>8} {'d':>7} {'d %':>7} "
-                  f"{'wall d':>7} {'wall d %':>8}")
+            print(
+                "\nthe cost of counting: each graph with count-reads=on against =off "
+                "(medians; the same rounds)"
+            )
+            print(
+                f"{'base':<22} {'graph':<11} {'cpu on':>8} {'cpu off':>8} {'d':>7} {'d %':>7} "
+                f"{'wall d':>7} {'wall d %':>8}"
+            )
             for key, s in samples.items():
                 for v in [x for x in s["cpu"] if x + ":off" in s["cpu"]]:
                     c_on = statistics.median(s["cpu"][v])
                     c_off = statistics.median(s["cpu"][v + ":off"])
                     w_on = statistics.median(s["wall"][v])
                     w_off = statistics.median(s["wall"][v + ":off"])
-                    print(f"{key:<22} {v:<11} {c_on:8.3f} {c_off:8.3f} {c_on - c_off:+7.3f} "
-                          f"{(c_on / c_off - 1) * 100:+6.1f}% {w_on - w_off:+7.3f} "
-                          f"{(w_on / w_off - 1) * 100:+7.1f}%")
+                    print(
+                        f"{key:<22} {v:<11} {c_on:8.3f} {c_off:8.3f} {c_on - c_off:+7.3f} "
+                        f"{(c_on / c_off - 1) * 100:+6.1f}% {w_on - w_off:+7.3f} "
+                        f"{(w_on / w_off - 1) * 100:+7.1f}%"
+                    )
         if a.json:
             a.json.write_text(json.dumps(samples, indent=1))
     finally:

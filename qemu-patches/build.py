@@ -69,11 +69,25 @@ UPSTREAM = "10.0"
 DEFAULT_VERSION = os.environ.get("PAGESHARE_QEMU_VERSION", "")  # "" = newest 1:10.0.*
 
 # Debian packages needed to build (checked with dpkg-query, installed if root).
-BUILD_DEPS = ["gcc", "make", "ninja-build", "pkg-config", "python3-venv", "dpkg-dev", "git",
-              "flex", "bison", "libglib2.0-dev", "libpixman-1-dev", "zlib1g-dev", "libzstd-dev",
-              "xz-utils",
-              # firmware for qemu-system (the +ds source has no blobs): Debian's
-              "seabios", "qemu-system-data"]
+BUILD_DEPS = [
+    "gcc",
+    "make",
+    "ninja-build",
+    "pkg-config",
+    "python3-venv",
+    "dpkg-dev",
+    "git",
+    "flex",
+    "bison",
+    "libglib2.0-dev",
+    "libpixman-1-dev",
+    "zlib1g-dev",
+    "libzstd-dev",
+    "xz-utils",
+    # firmware for qemu-system (the +ds source has no blobs): Debian's
+    "seabios",
+    "qemu-system-data",
+]
 FIRMWARE_DIRS = ["/usr/share/seabios", "/usr/share/qemu", "/usr/lib/ipxe/qemu"]
 PIP_DEPS = ["meson>=1.5,<1.9", "pycotap>=1.1.0"]
 
@@ -84,18 +98,39 @@ PIP_DEPS = ["meson>=1.5,<1.9", "pycotap>=1.1.0"]
 CONFIGURE = [
     "--target-list=x86_64-softmmu",
     "--without-default-features",
-    "--enable-tools", "--enable-kvm", "--enable-tcg", "--enable-pixman",
-    "--disable-docs", "--disable-user", "--disable-guest-agent", "--disable-plugins",
-    "--disable-rust", "--disable-download", "--disable-qom-cast-debug",
-    "--audio-drv-list=", "--enable-trace-backends=log", "--disable-install-blobs",
+    "--enable-tools",
+    "--enable-kvm",
+    "--enable-tcg",
+    "--enable-pixman",
+    "--disable-docs",
+    "--disable-user",
+    "--disable-guest-agent",
+    "--disable-plugins",
+    "--disable-rust",
+    "--disable-download",
+    "--disable-qom-cast-debug",
+    "--audio-drv-list=",
+    "--enable-trace-backends=log",
+    "--disable-install-blobs",
     # multifd's zstd compression, what operators migrate with on slow links
     "--enable-zstd",
 ]
-TARGETS = ["qemu-img", "qemu-io", "qemu-nbd", "storage-daemon/qemu-storage-daemon",
-           "qemu-system-x86_64"]
+TARGETS = [
+    "qemu-img",
+    "qemu-io",
+    "qemu-nbd",
+    "storage-daemon/qemu-storage-daemon",
+    "qemu-system-x86_64",
+]
 BINARIES = ["qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon", "qemu-system-x86_64"]
-GIT_ID = ["-c", "user.name=pageshare build", "-c", "user.email=build@pageshare.invalid",
-          "-c", "commit.gpgsign=false"]
+GIT_ID = [
+    "-c",
+    "user.name=pageshare build",
+    "-c",
+    "user.email=build@pageshare.invalid",
+    "-c",
+    "commit.gpgsign=false",
+]
 BASE_DATE = "2025-01-01T00:00:00Z"
 
 
@@ -127,8 +162,9 @@ class PrivateApt(debian.PrivateApt):
         (self.root / "updated").write_text(str(time.time()))
 
     def versions(self) -> list[str]:
-        p = subprocess.run(self.command("apt-cache", "showsrc", "qemu"),
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            self.command("apt-cache", "showsrc", "qemu"), capture_output=True, text=True
+        )
         out = []
         pkg = None
         for line in p.stdout.splitlines():
@@ -140,8 +176,11 @@ class PrivateApt(debian.PrivateApt):
 
     def source(self, version: str, dest: Path) -> Path:
         dest.mkdir(parents=True, exist_ok=True)
-        run(self.command("apt-get", "source", "--download-only", "-qq", f"qemu={version}"),
-            cwd=dest, stdout=subprocess.DEVNULL)
+        run(
+            self.command("apt-get", "source", "--download-only", "-qq", f"qemu={version}"),
+            cwd=dest,
+            stdout=subprocess.DEVNULL,
+        )
         dscs = list(dest.glob("qemu_*.dsc"))
         if len(dscs) != 1:
             raise SystemExit(f"apt-get source left {dscs} in {dest}")
@@ -152,6 +191,7 @@ def newest(versions: list[str]) -> str:
     def key(v: str) -> tuple[int, ...]:
         # good enough for 1:10.0.N+ds-R+deb13uM; dpkg decides ties below
         return tuple(int(x) for x in __import__("re").findall(r"\d+", v))
+
     want = [v for v in versions if v.split(":", 1)[-1].startswith(UPSTREAM + ".")]
     if not want:
         raise SystemExit(f"no qemu {UPSTREAM}.x source in trixie's index: {versions}")
@@ -176,8 +216,9 @@ def resolve_version(apt: PrivateApt, requested: str, refresh: bool) -> str:
 def ensure_deps() -> None:
     missing = []
     for pkg in BUILD_DEPS:
-        p = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg],
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True
+        )
         if "install ok installed" not in p.stdout:
             missing.append(pkg)
     if not missing:
@@ -199,8 +240,14 @@ def ensure_pyvenv() -> Path:
         return venv / "bin" / "python3"
     log("creating the Python venv for meson")
     shutil.rmtree(venv, ignore_errors=True)
-    run([sys.executable if sys.prefix == sys.base_prefix else "/usr/bin/python3",
-         "-m", "venv", str(venv)])
+    run(
+        [
+            sys.executable if sys.prefix == sys.base_prefix else "/usr/bin/python3",
+            "-m",
+            "venv",
+            str(venv),
+        ]
+    )
     run([str(venv / "bin/pip"), "install", "-q", "--disable-pip-version-check", *PIP_DEPS])
     stamp.write_text(want)
     return venv / "bin" / "python3"
@@ -228,8 +275,19 @@ def ensure_base(apt: PrivateApt, version: str) -> Path:
     run(["git", "init", "-q", str(tmp)])
     run(["git", *GIT_ID, "-C", str(tmp), "add", "-A", "-f"])
     env = dict(os.environ, GIT_AUTHOR_DATE=BASE_DATE, GIT_COMMITTER_DATE=BASE_DATE)
-    run(["git", *GIT_ID, "-C", str(tmp), "commit", "-q", "-m",
-         f"QEMU {version} (Debian source package, Debian patches applied)"], env=env)
+    run(
+        [
+            "git",
+            *GIT_ID,
+            "-C",
+            str(tmp),
+            "commit",
+            "-q",
+            "-m",
+            f"QEMU {version} (Debian source package, Debian patches applied)",
+        ],
+        env=env,
+    )
     run(["git", "-C", str(tmp), "tag", "base"])
     (tmp / ".pageshare-ok").write_text(version)
     shutil.rmtree(repo, ignore_errors=True)
@@ -274,11 +332,13 @@ def apply_series(base: Path, patches: list[Path], key: str) -> str:
     objects are fetched into the base repo, so the clone can go).  No
     patches (the stock build): the base commit."""
     if not patches:
-        return run(["git", "-C", str(base), "rev-parse", "base^{commit}"],
-                   capture_output=True).stdout.strip()
+        return run(
+            ["git", "-C", str(base), "rev-parse", "base^{commit}"], capture_output=True
+        ).stdout.strip()
     ref = f"refs/series/{key}"
-    p = subprocess.run(["git", "-C", str(base), "rev-parse", "-q", "--verify", ref],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        ["git", "-C", str(base), "rev-parse", "-q", "--verify", ref], capture_output=True, text=True
+    )
     if p.returncode == 0:
         return p.stdout.strip()
     scratch = CACHE / "tmp" / f"am-{key}"
@@ -289,12 +349,17 @@ def apply_series(base: Path, patches: list[Path], key: str) -> str:
     if patches:
         log(f"git am {len(patches)} patches")
         env = dict(os.environ, GIT_COMMITTER_DATE=BASE_DATE)
-        r = subprocess.run(["git", *GIT_ID, "-C", str(scratch), "am", "-q", "--keep-cr",
-                            *map(str, patches)], env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            ["git", *GIT_ID, "-C", str(scratch), "am", "-q", "--keep-cr", *map(str, patches)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise SystemExit(f"the series does not apply:\n{r.stdout}{r.stderr}")
-    commit = run(["git", "-C", str(scratch), "rev-parse", "HEAD"],
-                 capture_output=True).stdout.strip()
+    commit = run(
+        ["git", "-C", str(scratch), "rev-parse", "HEAD"], capture_output=True
+    ).stdout.strip()
     run(["git", "-C", str(base), "fetch", "-q", str(scratch), f"+{commit}:{ref}"])
     shutil.rmtree(scratch, ignore_errors=True)
     return commit
@@ -304,12 +369,14 @@ def configure_hash() -> str:
     return hashlib.sha256(json.dumps([CONFIGURE, PIP_DEPS]).encode()).hexdigest()[:12]
 
 
-def build(base: Path, version: str, commit: str, python: Path, jobs: int,
-          stock: bool = False) -> Path:
+def build(
+    base: Path, version: str, commit: str, python: Path, jobs: int, stock: bool = False
+) -> Path:
     """Move the work tree (the stock build's own with ``stock``) to
     ``commit`` and build.  Returns the work dir."""
-    work = CACHE / (f"work-{version.replace(':', '_')}-{configure_hash()}"
-                    + ("-stock" if stock else ""))
+    work = CACHE / (
+        f"work-{version.replace(':', '_')}-{configure_hash()}" + ("-stock" if stock else "")
+    )
     src, bld = work / "src", work / "build"
     if not (src / ".git").exists():
         shutil.rmtree(src, ignore_errors=True)
@@ -321,23 +388,32 @@ def build(base: Path, version: str, commit: str, python: Path, jobs: int,
     run(["git", "-C", str(src), "clean", "-q", "-fdx", "-e", "/build"])
     cfg_stamp = bld / ".pageshare-configured"
     want_cfg = json.dumps([CONFIGURE, str(python)])
-    if not (cfg_stamp.exists() and cfg_stamp.read_text() == want_cfg
-            and (bld / "build.ninja").exists()):
+    if not (
+        cfg_stamp.exists() and cfg_stamp.read_text() == want_cfg and (bld / "build.ninja").exists()
+    ):
         log("configuring")
         shutil.rmtree(bld, ignore_errors=True)
         bld.mkdir(parents=True)
-        r = subprocess.run([*nice(), str(src / "configure"), f"--python={python}", *CONFIGURE],
-                           cwd=bld, capture_output=True, text=True)
+        r = subprocess.run(
+            [*nice(), str(src / "configure"), f"--python={python}", *CONFIGURE],
+            cwd=bld,
+            capture_output=True,
+            text=True,
+        )
         (work / "configure.log").write_text(r.stdout + r.stderr)
         if r.returncode != 0:
-            raise SystemExit(f"configure failed (see {work / 'configure.log'}):\n"
-                             f"{(r.stdout + r.stderr)[-3000:]}")
+            raise SystemExit(
+                f"configure failed (see {work / 'configure.log'}):\n{(r.stdout + r.stderr)[-3000:]}"
+            )
         cfg_stamp.write_text(want_cfg)
     log(f"ninja -j{jobs} {' '.join(TARGETS)} (log: {work / 'ninja.log'})")
     t0 = time.monotonic()
     with open(work / "ninja.log", "w") as f:
-        nj = subprocess.run([*nice(), "ninja", "-C", str(bld), f"-j{jobs}", *TARGETS],
-                            stdout=f, stderr=subprocess.STDOUT)
+        nj = subprocess.run(
+            [*nice(), "ninja", "-C", str(bld), f"-j{jobs}", *TARGETS],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     if nj.returncode != 0:
         tail = (work / "ninja.log").read_text(errors="replace")[-4000:]
         raise SystemExit(f"build failed (see {work / 'ninja.log'}):\n{tail}")
@@ -360,17 +436,27 @@ def install(work: Path, out: Path, version: str, commit: str, patches: list[Path
         for f in sorted(Path(d).glob("*")) if Path(d).is_dir() else []:
             if not (fw / f.name).exists():
                 (fw / f.name).symlink_to(f)
-    info = {"version": version, "commit": commit, "work": str(work),
-            "series": [p.name for p in patches], "stock": not patches, "configure": CONFIGURE,
-            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {
+        "version": version,
+        "commit": commit,
+        "work": str(work),
+        "series": [p.name for p in patches],
+        "stock": not patches,
+        "configure": CONFIGURE,
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     (tmp / "info.json").write_text(json.dumps(info, indent=1) + "\n")
     (tmp / "stamp").write_text(commit + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
-def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
-                 jobs: int | None = None, stock: bool = False) -> Path:
+def ensure_built(
+    version: str = DEFAULT_VERSION,
+    refresh: bool = False,
+    jobs: int | None = None,
+    stock: bool = False,
+) -> Path:
     """The install directory of the build (the series, or with STOCK none:
     the base commit alone), built first unless a stamped one is there."""
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -380,11 +466,14 @@ def ensure_built(version: str = DEFAULT_VERSION, refresh: bool = False,
         patches = [] if stock else series()
         # Warm path: the newest source we already built this series for.
         if not refresh and not version:
-            for info in sorted(CACHE.glob("*/info.json"), key=lambda p: p.stat().st_mtime,
-                               reverse=True):
+            for info in sorted(
+                CACHE.glob("*/info.json"), key=lambda p: p.stat().st_mtime, reverse=True
+            ):
                 d = json.loads(info.read_text())
-                if key_for(d["version"], patches) == info.parent.name and \
-                        (info.parent / "stamp").exists():
+                if (
+                    key_for(d["version"], patches) == info.parent.name
+                    and (info.parent / "stamp").exists()
+                ):
                     return info.parent
         version = resolve_version(apt, version, refresh)
         key = key_for(version, patches)
@@ -409,38 +498,62 @@ def worktree_for(out: Path) -> Path:
     commit if another series was built since (for the iotests)."""
     info = json.loads((out / "info.json").read_text())
     work = Path(info["work"])
-    head = run(["git", "-C", str(work / "src"), "rev-parse", "HEAD"],
-               capture_output=True).stdout.strip()
+    head = run(
+        ["git", "-C", str(work / "src"), "rev-parse", "HEAD"], capture_output=True
+    ).stdout.strip()
     if head != info["commit"]:
         with open(CACHE / ".lock", "w") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)
             base = ensure_base(PrivateApt(CACHE / "apt"), info["version"])
-            build(base, info["version"], info["commit"], ensure_pyvenv(), os.cpu_count() or 2,
-                  bool(info.get("stock")))
+            build(
+                base,
+                info["version"],
+                info["commit"],
+                ensure_pyvenv(),
+                os.cpu_count() or 2,
+                bool(info.get("stock")),
+            )
     return work
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--qemu-version", default=DEFAULT_VERSION,
-                    help="Debian version of the qemu source package (default: newest 1:10.0.*)")
-    ap.add_argument("--refresh", action="store_true",
-                    help="apt-get update the private index and re-resolve the version")
+    ap.add_argument(
+        "--qemu-version",
+        default=DEFAULT_VERSION,
+        help="Debian version of the qemu source package (default: newest 1:10.0.*)",
+    )
+    ap.add_argument(
+        "--refresh",
+        action="store_true",
+        help="apt-get update the private index and re-resolve the version",
+    )
     ap.add_argument("-j", "--jobs", type=int)
-    ap.add_argument("--stock", action="store_true",
-                    help="build the same source and configuration without the series "
-                         "(the base commit; its own key, in the same work tree)")
-    ap.add_argument("--print-env", action="store_true",
-                    help="print QEMU_*=path lines (shell syntax) instead of the directory")
-    ap.add_argument("--worktree", action="store_true",
-                    help="print the source/build work tree of this build")
+    ap.add_argument(
+        "--stock",
+        action="store_true",
+        help="build the same source and configuration without the series "
+        "(the base commit; its own key, in the same work tree)",
+    )
+    ap.add_argument(
+        "--print-env",
+        action="store_true",
+        help="print QEMU_*=path lines (shell syntax) instead of the directory",
+    )
+    ap.add_argument(
+        "--worktree", action="store_true", help="print the source/build work tree of this build"
+    )
     a = ap.parse_args()
     out = ensure_built(a.qemu_version, a.refresh, a.jobs, stock=a.stock)
     if a.print_env:
         b = out / "bin"
-        for var, name in [("QEMU_IMG", "qemu-img"), ("QEMU_IO", "qemu-io"),
-                          ("QEMU_NBD", "qemu-nbd"), ("QSD", "qemu-storage-daemon"),
-                          ("QEMU_SYSTEM", "qemu-system-x86_64")]:
+        for var, name in [
+            ("QEMU_IMG", "qemu-img"),
+            ("QEMU_IO", "qemu-io"),
+            ("QEMU_NBD", "qemu-nbd"),
+            ("QSD", "qemu-storage-daemon"),
+            ("QEMU_SYSTEM", "qemu-system-x86_64"),
+        ]:
             print(f"{var}={b / name}")
     elif a.worktree:
         print(worktree_for(out))

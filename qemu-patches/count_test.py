@@ -43,18 +43,39 @@ def main() -> int:
         skip = False
         for a in args:
             if skip:
-                skip = False            # the argument of -o, -MQ, -MF, -c
+                skip = False  # the argument of -o, -MQ, -MF, -c
             elif a in ("-o", "-MQ", "-MF", "-c"):
                 skip = True
             elif a not in ("-MD", "-Werror"):
                 cc.append(a)
-        cc += ["-I", str(work / "src" / "block"), "-c", str(HERE / "fuzz" / "count_test.c"),
-               "-o", str(obj)]
+        cc += [
+            "-I",
+            str(work / "src" / "block"),
+            "-c",
+            str(HERE / "fuzz" / "count_test.c"),
+            "-o",
+            str(obj),
+        ]
         subprocess.run(cc, cwd=bdir, check=True)
-        glib = subprocess.run(["pkg-config", "--libs", "glib-2.0", "gmodule-2.0"],
-                              capture_output=True, text=True, check=True).stdout.split()
-        subprocess.run([args[0], "-o", str(exe), str(obj), str(bdir / "libqemuutil.a"), *glib,
-                        "-lm", "-lpthread"], check=True)
+        glib = subprocess.run(
+            ["pkg-config", "--libs", "glib-2.0", "gmodule-2.0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        subprocess.run(
+            [
+                args[0],
+                "-o",
+                str(exe),
+                str(obj),
+                str(bdir / "libqemuutil.a"),
+                *glib,
+                "-lm",
+                "-lpthread",
+            ],
+            check=True,
+        )
         return subprocess.run([str(exe)]).returncode
 
 

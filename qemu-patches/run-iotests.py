@@ -31,10 +31,14 @@ def main() -> int:
     out = build.ensure_built()
     work = build.worktree_for(out)
     b = out / "bin"
-    env = dict(os.environ,
-               QEMU_PROG=str(b / "qemu-system-x86_64"), QEMU_IMG_PROG=str(b / "qemu-img"),
-               QEMU_IO_PROG=str(b / "qemu-io"), QEMU_NBD_PROG=str(b / "qemu-nbd"),
-               QSD_PROG=str(b / "qemu-storage-daemon"))
+    env = dict(
+        os.environ,
+        QEMU_PROG=str(b / "qemu-system-x86_64"),
+        QEMU_IMG_PROG=str(b / "qemu-img"),
+        QEMU_IO_PROG=str(b / "qemu-io"),
+        QEMU_NBD_PROG=str(b / "qemu-nbd"),
+        QSD_PROG=str(b / "qemu-storage-daemon"),
+    )
     cwd = work / "build" / "tests" / "qemu-iotests"
     cmd = ["./check", "-qcow2", *flags, *tests]
     print(f"[run-iotests] cd {cwd} && {' '.join(cmd)}", file=sys.stderr, flush=True)

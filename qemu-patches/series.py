@@ -26,8 +26,9 @@ DEV = build.CACHE / "dev"
 
 
 def git(*args: str, cwd: Path = DEV, capture: bool = False) -> str:
-    p = subprocess.run(["git", *build.GIT_ID, *args], cwd=cwd, check=True, text=True,
-                       capture_output=capture)
+    p = subprocess.run(
+        ["git", *build.GIT_ID, *args], cwd=cwd, check=True, text=True, capture_output=capture
+    )
     return p.stdout if capture else ""
 
 
@@ -58,8 +59,9 @@ def cover_text(path: Path | None) -> tuple[str, str]:
     if not old.exists():
         return "*** SUBJECT HERE ***", "*** BLURB HERE ***\n"
     text = old.read_text()
-    m = re.search(r"^Subject: \[PATCH[^\]]*\] (.*?)\n\n(.*?)\n\n[^\n]*\(\d+\):\n", text,
-                  re.S | re.M)
+    m = re.search(
+        r"^Subject: \[PATCH[^\]]*\] (.*?)\n\n(.*?)\n\n[^\n]*\(\d+\):\n", text, re.S | re.M
+    )
     if not m:
         raise SystemExit("cannot find subject and text in 0000-cover-letter.patch")
     return m.group(1).replace("\n ", " "), m.group(2).strip() + "\n"
@@ -69,8 +71,17 @@ def export(cover: Path | None) -> None:
     subject, blurb = cover_text(cover)
     out = DEV / ".export"
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    git("format-patch", "-q", "--cover-letter", "--no-signature", "--thread=shallow",
-        "--zero-commit", "-o", str(out), "base..HEAD")
+    git(
+        "format-patch",
+        "-q",
+        "--cover-letter",
+        "--no-signature",
+        "--thread=shallow",
+        "--zero-commit",
+        "-o",
+        str(out),
+        "base..HEAD",
+    )
     cl = out / "0000-cover-letter.patch"
     text = cl.read_text()
     text = text.replace("*** SUBJECT HERE ***", subject)
@@ -86,8 +97,11 @@ def export(cover: Path | None) -> None:
     for p in HERE.glob("0*.patch"):
         p.unlink()
     for p in sorted(out.glob("*.patch")):
-        text = re.sub(r"\.\d+\.git\.build@pageshare\.invalid>",
-                      f".{stamp}.git.build@pageshare.invalid>", p.read_text())
+        text = re.sub(
+            r"\.\d+\.git\.build@pageshare\.invalid>",
+            f".{stamp}.git.build@pageshare.invalid>",
+            p.read_text(),
+        )
         (HERE / p.name).write_text(text)
         print(p.name)
 
@@ -96,8 +110,9 @@ def checkpatch() -> int:
     work = DEV if (DEV / "scripts/checkpatch.pl").exists() else base_repo()
     bad = 0
     for p in build.series():
-        r = subprocess.run(["perl", str(work / "scripts/checkpatch.pl"), str(p)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["perl", str(work / "scripts/checkpatch.pl"), str(p)], capture_output=True, text=True
+        )
         total = next((x for x in r.stdout.splitlines() if x.startswith("total:")), "?")
         print(f"{p.name}: {total}")
         if r.returncode != 0:

@@ -17,9 +17,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Helper modules holding asserts that used to live in test modules: pytest
 # rewrites them too, so that a failing one says what it compared, as before.
-pytest.register_assert_rewrite("analysis_failures", "package_guest", "results_samples",
-                             "listed_blocks", "listed_file_bytes", "migration_helpers",
-                             "refine_helpers")
+pytest.register_assert_rewrite(
+    "analysis_failures",
+    "package_guest",
+    "results_samples",
+    "listed_blocks",
+    "listed_file_bytes",
+    "migration_helpers",
+    "refine_helpers",
+)
 
 # A skipped test checks nothing, so a run with one fails (make test, CI):
 # every test here can run on the machine scripts/install-deps.sh prepares,
@@ -42,8 +48,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _skipped and os.environ.get("PAGESHARE_ALLOW_SKIPS") != "1":
         terminalreporter.write_line(
             f"FAILED: {len(_skipped)} test(s) skipped, and a skipped test checks nothing: "
-            + ", ".join(_skipped) + " (install what they need: scripts/install-deps.sh; "
-            "PAGESHARE_ALLOW_SKIPS=1 accepts skips on a partial machine)", red=True)
+            + ", ".join(_skipped)
+            + " (install what they need: scripts/install-deps.sh; "
+            "PAGESHARE_ALLOW_SKIPS=1 accepts skips on a partial machine)",
+            red=True,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +72,9 @@ def ksm_settings() -> dict[str, str]:
 
 def qemu_pids(marker: str = "") -> set[int]:
     """QEMU processes, optionally only those whose command line contains marker."""
-    out = subprocess.run(["pgrep", "-f", f"qemu-system-x86_64.*{marker}"], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", f"qemu-system-x86_64.*{marker}"], capture_output=True, text=True
+    )
     return {int(p) for p in out.stdout.split()}
 
 
@@ -91,8 +101,9 @@ def pageshare_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
 
     def get(suite: str) -> Root:
         if suite not in roots:
-            roots[suite] = install_root(suite, pageshare_debs(),
-                                        tmp_path_factory.mktemp(f"root-{suite}"))
+            roots[suite] = install_root(
+                suite, pageshare_debs(), tmp_path_factory.mktemp(f"root-{suite}")
+            )
         return roots[suite]
 
     yield get
@@ -115,18 +126,31 @@ def host_guard(tmp_path: Path) -> Iterator[None]:
     assert qemu_pids(str(tmp_path)) == set(), "a QEMU process was left running"
 
 
-def run_analyze(tmp: Path, *args: str, env: dict[str, str] | None = None,
-                timeout: float = 1800, user: str | None = None) -> Analysis:
+def run_analyze(
+    tmp: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+    user: str | None = None,
+) -> Analysis:
     workdir, lists, db = tmp / "work", tmp / "lists", tmp / "results.sqlite"
     workdir.mkdir(exist_ok=True)
     e = dict(os.environ, PAGESHARE_WORKDIR=str(workdir), PYTHONPATH=str(REPO / "analyzer"))
     e.update(env or {})
-    cmd = [sys.executable, "-m", "pageshare.cli", "analyze", "--lists-dir", str(lists),
-           "--db", str(db), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pageshare.cli",
+        "analyze",
+        "--lists-dir",
+        str(lists),
+        "--db",
+        str(db),
+        *args,
+    ]
     if user:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout,
-                       cwd=tmp)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=tmp)
     return Analysis(p.returncode, p.stdout, p.stderr, workdir, lists, db)
 
 

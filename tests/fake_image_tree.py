@@ -33,8 +33,9 @@ class FakeImage:
 
     def ls(self, path: str) -> list[str]:
         pre = path.rstrip("/") + "/"
-        return sorted({p[len(pre):].split("/")[0] for p in [*self.files, *self.links]
-                       if p.startswith(pre)})
+        return sorted(
+            {p[len(pre) :].split("/")[0] for p in [*self.files, *self.links] if p.startswith(pre)}
+        )
 
     def cat(self, path: str) -> str:
         return self.files[path]

@@ -23,11 +23,20 @@ from page_server_helpers import content_sha256, make_list
 from pageshare import sectorlist
 
 CANDIDATES = [
-    "/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/sha256sum",
-    "/usr/lib/systemd/systemd", "/usr/lib/systemd/libsystemd-shared-252.so",
-    "/usr/bin/perl", "/usr/lib/x86_64-linux-gnu/libcrypto.so.3", "/usr/bin/apt",
-    "/usr/bin/coreutils", "/usr/bin/ls", "/usr/bin/tar", "/usr/sbin/sshd",
-    "/usr/lib/x86_64-linux-gnu/libapt-pkg.so.6.0", "/usr/bin/dpkg",
+    "/usr/bin/bash",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/bin/sha256sum",
+    "/usr/lib/systemd/systemd",
+    "/usr/lib/systemd/libsystemd-shared-252.so",
+    "/usr/bin/perl",
+    "/usr/lib/x86_64-linux-gnu/libcrypto.so.3",
+    "/usr/bin/apt",
+    "/usr/bin/coreutils",
+    "/usr/bin/ls",
+    "/usr/bin/tar",
+    "/usr/sbin/sshd",
+    "/usr/lib/x86_64-linux-gnu/libapt-pkg.so.6.0",
+    "/usr/bin/dpkg",
     "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
 ]
 
@@ -64,22 +73,25 @@ def nonzero_file_blocks(raw: Path, files: list[str]) -> dict[int, str]:
 
 def file_sha256(raw: Path, path: str, tmp: Path) -> str:
     out = tmp / "dump"
-    subprocess.run(["debugfs", "-R", f"dump {path} {out}", str(raw)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["debugfs", "-R", f"dump {path} {out}", str(raw)], check=True, capture_output=True
+    )
     digest = hashlib.sha256(out.read_bytes()).hexdigest()
     out.unlink()
     return digest
 
 
-WAIT_FOR = ('until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
-            '| head -c {n})" = "{word}" ]; do sleep 0.5; done')
+WAIT_FOR = (
+    'until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
+    '| head -c {n})" = "{word}" ]; do sleep 0.5; done'
+)
 
 
 @dataclass
 class ListedFiles:
     files: list[str]
-    want: dict[str, str]            # path -> sha256 in the image
-    blocks: dict[int, str]          # listed sector -> sha256 of its 4 KiB
+    want: dict[str, str]  # path -> sha256 in the image
+    blocks: dict[int, str]  # listed sector -> sha256 of its 4 KiB
 
 
 def list_files(image: Path, raw: Path, lst: Path, tmp: Path) -> ListedFiles:
@@ -96,15 +108,22 @@ def list_files(image: Path, raw: Path, lst: Path, tmp: Path) -> ListedFiles:
                 chunk = r.read(4096)
                 if chunk != zero:
                     blocks[b * 8] = hashlib.sha256(chunk).hexdigest()
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, content_sha256(raw), image.name),
-              blocks, lst)
+    make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, content_sha256(raw), image.name), blocks, lst
+    )
     return ListedFiles(files, want, blocks)
 
 
 def phase(files: list[str], name: str) -> str:
     """Shell: drop caches, then hash FILES between "<name>-begin/-end"."""
-    return "; ".join(["echo 3 > /proc/sys/vm/drop_caches", f"echo {name}-begin",
-                      *(f"sha256sum {f}" for f in files), f"echo {name}-end"])
+    return "; ".join(
+        [
+            "echo 3 > /proc/sys/vm/drop_caches",
+            f"echo {name}-begin",
+            *(f"sha256sum {f}" for f in files),
+            f"echo {name}-end",
+        ]
+    )
 
 
 def wait_for(word: str) -> str:

@@ -10,11 +10,15 @@ test_btrfsmap.py.
 import subprocess
 from pathlib import Path
 
-DEBIAN_TREE = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
-               "etc/debian_version": "12.0\n",
-               "etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n",
-               "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n",
-               "boot/vmlinuz-6.1.0-56-amd64": "not really a kernel\n"}
+DEBIAN_TREE = {
+    "etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
+    "etc/debian_version": "12.0\n",
+    "etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n",
+    "bin/sh": "",
+    "usr/bin/env": "",
+    "etc/hostname": "x\n",
+    "boot/vmlinuz-6.1.0-56-amd64": "not really a kernel\n",
+}
 
 
 def mkfs_image(tmp: Path, fstype: str, tree: dict[str, str]) -> Path:
@@ -29,10 +33,16 @@ def mkfs_image(tmp: Path, fstype: str, tree: dict[str, str]) -> Path:
         fs = tmp / "fs.squashfs"
         subprocess.run(["mksquashfs", str(root), str(fs), "-quiet", "-noappend"], check=True)
         subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
-        subprocess.run(["sfdisk", "-q", str(img)], input="label: dos\nstart=2048, type=83\n",
-                       text=True, check=True)
-        subprocess.run(["dd", f"if={fs}", f"of={img}", "bs=512", "seek=2048", "conv=notrunc",
-                        "status=none"], check=True)
+        subprocess.run(
+            ["sfdisk", "-q", str(img)],
+            input="label: dos\nstart=2048, type=83\n",
+            text=True,
+            check=True,
+        )
+        subprocess.run(
+            ["dd", f"if={fs}", f"of={img}", "bs=512", "seek=2048", "conv=notrunc", "status=none"],
+            check=True,
+        )
         return img
     subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
     subprocess.run([f"mkfs.{fstype}", "-q", "-F", "-d", str(root), str(img)], check=True)

@@ -30,8 +30,13 @@ from xml.sax.saxutils import escape
 from pageshare.workload import FW_CFG_NAME
 
 REPO = Path(__file__).resolve().parents[1]
-DIRS = {"etc": "/etc/libvirt", "run": "/run/libvirt", "lib": "/var/lib/libvirt",
-        "log": "/var/log/libvirt", "cache": "/var/cache/libvirt"}
+DIRS = {
+    "etc": "/etc/libvirt",
+    "run": "/run/libvirt",
+    "lib": "/var/lib/libvirt",
+    "log": "/var/log/libvirt",
+    "cache": "/var/cache/libvirt",
+}
 
 _HOST_LIMITS = """\
 # no systemd here to hand out cgroups
@@ -39,12 +44,15 @@ cgroup_controllers = [ ]
 # no virtlogd either: QEMU's output goes straight to /var/log/libvirt/qemu
 stdio_handler = "file"
 """
-QEMU_CONF = """\
+QEMU_CONF = (
+    """\
 # QEMU as root: the pageshare filter reads the page server's memory
 user = "root"
 group = "root"
 security_driver = "none"
-""" + _HOST_LIMITS
+"""
+    + _HOST_LIMITS
+)
 # Debian's defaults: QEMU as libvirt's own user and group (libvirt-qemu),
 # the DAC driver chowning each domain's images to them, ownership remembered.
 QEMU_CONF_UNPRIVILEGED = _HOST_LIMITS
@@ -57,8 +65,9 @@ auth_unix_ro = "none"
 
 
 class PrivateLibvirtd:
-    def __init__(self, root: Path, qemu_conf: str = QEMU_CONF,
-                 libvirtd_conf: str = LIBVIRTD_CONF) -> None:
+    def __init__(
+        self, root: Path, qemu_conf: str = QEMU_CONF, libvirtd_conf: str = LIBVIRTD_CONF
+    ) -> None:
         self.root = root
         self.qemu_conf = qemu_conf
         self.libvirtd_conf = libvirtd_conf
@@ -72,24 +81,33 @@ class PrivateLibvirtd:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "etc" / "qemu.conf").write_text(self.qemu_conf)
         (self.root / "etc" / "libvirtd.conf").write_text(self.libvirtd_conf)
-        binds = "; ".join(f"mkdir -p {dst} && mount --bind {self.root / src} {dst}"
-                          for src, dst in DIRS.items())
-        script = (f"set -e; mount --make-rprivate /; {binds}; exec /usr/sbin/libvirtd "
-                  f"--config /etc/libvirt/libvirtd.conf --pid-file /run/libvirt/libvirtd.pid")
+        binds = "; ".join(
+            f"mkdir -p {dst} && mount --bind {self.root / src} {dst}" for src, dst in DIRS.items()
+        )
+        script = (
+            f"set -e; mount --make-rprivate /; {binds}; exec /usr/sbin/libvirtd "
+            f"--config /etc/libvirt/libvirtd.conf --pid-file /run/libvirt/libvirtd.pid"
+        )
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["unshare", "-m", "sh", "-c", script],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while self.virsh("version", check=False).returncode != 0:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("libvirtd did not start:\n"
-                                   + self.log.read_text(errors="replace")[-3000:])
+                raise RuntimeError(
+                    "libvirtd did not start:\n" + self.log.read_text(errors="replace")[-3000:]
+                )
             time.sleep(0.5)
 
     def virsh(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run(["virsh", "-q", "-c", self.uri, *args], capture_output=True,
-                           text=True, timeout=120)
+        p = subprocess.run(
+            ["virsh", "-q", "-c", self.uri, *args], capture_output=True, text=True, timeout=120
+        )
         if check and p.returncode != 0:
             raise AssertionError(f"virsh {' '.join(args)}: {p.stderr.strip()}")
         return p
@@ -121,13 +139,21 @@ class PrivateLibvirtd:
 
 
 def disk(path: Path, fmt: str, dev: str) -> str:
-    return (f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
-            f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>")
+    return (
+        f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+        f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>"
+    )
 
 
-def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
-               boot: dict[str, str] | None = None, fwcfg: Path | None = None,
-               serial_append: bool = False) -> str:
+def domain_xml(
+    name: str,
+    emulator: str,
+    disks: list[str],
+    serial: Path,
+    boot: dict[str, str] | None = None,
+    fwcfg: Path | None = None,
+    serial_append: bool = False,
+) -> str:
     """A domain an operator would define: TCG (type qemu), q35, virtio disks.
     SERIAL_APPEND: QEMU appends to the serial log instead of truncating it
     (a migration's destination on this host writes the same file)."""
@@ -135,8 +161,11 @@ def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
     if boot:
         os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
     append = " append='on'" if serial_append else ""
-    sysinfo = (f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' "
-               f"file='{escape(str(fwcfg))}'/></sysinfo>" if fwcfg else "")
+    sysinfo = (
+        f"<sysinfo type='fwcfg'><entry name='{FW_CFG_NAME}' file='{escape(str(fwcfg))}'/></sysinfo>"
+        if fwcfg
+        else ""
+    )
     return f"""<domain type='qemu'>
   <name>{name}</name>
   <memory unit='MiB'>1024</memory>
@@ -148,7 +177,7 @@ def domain_xml(name: str, emulator: str, disks: list[str], serial: Path,
   <on_poweroff>destroy</on_poweroff>
   <devices>
     <emulator>{escape(emulator)}</emulator>
-    {''.join(disks)}
+    {"".join(disks)}
     <serial type='file'><source path='{escape(str(serial))}'{append}/><target port='0'/></serial>
     <memballoon model='none'/>
   </devices>
@@ -165,11 +194,13 @@ class WatchLog:
     def records(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()
-                if line.startswith("{")]
+        return [
+            json.loads(line) for line in self.path.read_text().splitlines() if line.startswith("{")
+        ]
 
-    def wait(self, domain: str, event: str, after: int = 0, timeout: float = 120
-             ) -> tuple[int, dict[str, Any]]:
+    def wait(
+        self, domain: str, event: str, after: int = 0, timeout: float = 120
+    ) -> tuple[int, dict[str, Any]]:
         """The first record for DOMAIN and EVENT after the first AFTER
         records, and the number of records up to it."""
         deadline = time.monotonic() + timeout
@@ -188,9 +219,22 @@ def start_watcher(uri: str, out: Path, err: Path, *args: str) -> subprocess.Pope
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
     seen = err.read_text().count("watching") if err.exists() else 0
     with open(out, "ab") as o, open(err, "ab") as e:
-        w = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "libvirt-watch",
-                              "--connect", uri, "--json", *args], stdout=o, stderr=e, env=env,
-                             start_new_session=True)
+        w = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pageshare.cli",
+                "libvirt-watch",
+                "--connect",
+                uri,
+                "--json",
+                *args,
+            ],
+            stdout=o,
+            stderr=e,
+            env=env,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     while err.read_text().count("watching") == seen:
         assert w.poll() is None and time.monotonic() < deadline, err.read_text()
@@ -199,8 +243,11 @@ def start_watcher(uri: str, out: Path, err: Path, *args: str) -> subprocess.Pope
 
 
 def filter_stats(lv: PrivateLibvirtd, domain: str, node: str) -> dict[str, Any]:
-    out = lv.virsh("qemu-monitor-command", domain, json.dumps(
-        {"execute": "query-blockstats", "arguments": {"query-nodes": True}})).stdout
+    out = lv.virsh(
+        "qemu-monitor-command",
+        domain,
+        json.dumps({"execute": "query-blockstats", "arguments": {"query-nodes": True}}),
+    ).stdout
     for s in json.loads(out)["return"]:
         if s.get("node-name") == node:
             st: dict[str, Any] = s["driver-specific"]

@@ -17,10 +17,12 @@ from pageshare import diskimage, sectorlist
 REPO = Path(__file__).resolve().parents[1]
 
 
-def every_listed_block_is_the_images(list_path: Path | str, raw: Path,
-                                     inside: Sequence[range] = (),
-                                     where: str = "the mapped file systems"
-                                     ) -> sectorlist.SectorList:
+def every_listed_block_is_the_images(
+    list_path: Path | str,
+    raw: Path,
+    inside: Sequence[range] = (),
+    where: str = "the mapped file systems",
+) -> sectorlist.SectorList:
     """Reads the list at ``list_path`` and checks it against ``raw`` (the
     image as a raw file); with ``inside``, every listed page lies in one of
     those sector ranges (``where`` names them).  Returns the list."""
@@ -34,8 +36,9 @@ def every_listed_block_is_the_images(list_path: Path | str, raw: Path,
             assert any(data), f"zero block listed at sector {sector}"
             assert sector % 8 == 0, f"sector {sector} is not 4 KiB aligned"
             if inside:
-                assert any(sector in r and sector + 7 in r for r in inside), \
+                assert any(sector in r and sector + 7 in r for r in inside), (
                     f"sector {sector} outside {where}"
+                )
     # The list names this exact image.
     assert sl.image.virtual_size == raw.stat().st_size
     read_at, size = diskimage.raw_file_reader(raw)
@@ -46,9 +49,10 @@ def every_listed_block_is_the_images(list_path: Path | str, raw: Path,
 def list_verifies(list_path: Path | str, image: Path) -> None:
     """`pageshare list verify LIST --image IMAGE` (the CLI, from the
     checkout) exits 0."""
-    out = subprocess.run(["python3", "-m", "pageshare.cli", "list", "verify",
-                          str(list_path), "--image", str(image)],
-                         capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO / "analyzer"),
-                              "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    out = subprocess.run(
+        ["python3", "-m", "pageshare.cli", "list", "verify", str(list_path), "--image", str(image)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO / "analyzer"), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr

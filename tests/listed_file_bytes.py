@@ -24,17 +24,26 @@ def _norm(uuid: str) -> str:
     return uuid.replace("-", "").lower()
 
 
-def check_listed_file_bytes(db_path: Path, analysis_id: int, raw: Path, scratch: Path
-                            ) -> dict[str, int]:
+def check_listed_file_bytes(
+    db_path: Path, analysis_id: int, raw: Path, scratch: Path
+) -> dict[str, int]:
     """Checks every listed file block on the image's ext2/3/4 file systems that sit
     at one offset of the disk; returns how many were checked per mount point.
     Raises AssertionError naming the first block that is not its file's page."""
     db = sqlite3.connect(db_path)
-    fss = {_norm(uuid or ""): (mp, start) for mp, uuid, start in db.execute(
-        "SELECT mountpoint, uuid, start_sector FROM filesystem WHERE analysis_id=? AND mapped=1 "
-        "AND fstype IN ('ext2', 'ext3', 'ext4')", (analysis_id,))}
-    rows = db.execute("SELECT sector, sha256, ino, file_offset, fs_uuid FROM listed_block "
-                      "WHERE analysis_id=? AND kind='file'", (analysis_id,)).fetchall()
+    fss = {
+        _norm(uuid or ""): (mp, start)
+        for mp, uuid, start in db.execute(
+            "SELECT mountpoint, uuid, start_sector FROM filesystem "
+            "WHERE analysis_id=? AND mapped=1 AND fstype IN ('ext2', 'ext3', 'ext4')",
+            (analysis_id,),
+        )
+    }
+    rows = db.execute(
+        "SELECT sector, sha256, ino, file_offset, fs_uuid FROM listed_block "
+        "WHERE analysis_id=? AND kind='file'",
+        (analysis_id,),
+    ).fetchall()
     db.close()
     checked = {mp: 0 for mp, _ in fss.values()}
     by_fs: dict[str, list[tuple[int, str, int, int]]] = {}
@@ -47,15 +56,20 @@ def check_listed_file_bytes(db_path: Path, analysis_id: int, raw: Path, scratch:
             mountpoint, start = fss[uuid]
             inos = sorted({ino for _, _, ino, _ in blocks})
             commands = "".join(f"dump <{i}> {scratch}/{i}\n" for i in inos)
-            subprocess.run(["debugfs", "-c", "-f", "-", f"{raw}?offset={start * 512}"],
-                           input=commands, capture_output=True, text=True, check=True)
+            subprocess.run(
+                ["debugfs", "-c", "-f", "-", f"{raw}?offset={start * 512}"],
+                input=commands,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             for sector, digest, ino, offset in blocks:
                 dumped = scratch / str(ino)
                 assert dumped.exists(), f"{mountpoint}: debugfs could not dump inode {ino}"
                 with dumped.open("rb") as f:
                     f.seek(offset)
                     page = f.read(PAGE)
-                page += bytes(PAGE - len(page))      # past EOF a page reads as zeros
+                page += bytes(PAGE - len(page))  # past EOF a page reads as zeros
                 disk.seek(sector * 512)
                 block = disk.read(PAGE)
                 where = f"{mountpoint} inode {ino} offset {offset} listed at sector {sector}"
@@ -67,8 +81,9 @@ def check_listed_file_bytes(db_path: Path, analysis_id: int, raw: Path, scratch:
     return checked
 
 
-def every_listed_block_is_its_files_page(db: Path, summary: dict[str, object], raw: Path,
-                                         scratch: Path) -> dict[str, int]:
+def every_listed_block_is_its_files_page(
+    db: Path, summary: dict[str, object], raw: Path, scratch: Path
+) -> dict[str, int]:
     """Checks every block of an analysis' list (``summary``: its --json output)
     as check_listed_file_bytes does; all of them must be file blocks on ext
     file systems.  Returns the blocks checked per mount point."""

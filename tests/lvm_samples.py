@@ -135,9 +135,9 @@ def pv_device(metadata: str, ring_offset: int | None = None) -> bytes:
     label[24:32] = b"LVM2 001"
     pvh = PV_ID.replace("-", "").encode()
     pvh += struct.pack("<Q", 3932160 * 512)
-    pvh += struct.pack("<QQQQ", PE_START, 0, 0, 0)            # data area, end of list
-    pvh += struct.pack("<QQQQ", MDA_OFFSET, MDA_SIZE, 0, 0)   # metadata area, end of list
-    label[32:32 + len(pvh)] = pvh
+    pvh += struct.pack("<QQQQ", PE_START, 0, 0, 0)  # data area, end of list
+    pvh += struct.pack("<QQQQ", MDA_OFFSET, MDA_SIZE, 0, 0)  # metadata area, end of list
+    label[32 : 32 + len(pvh)] = pvh
     dev[512:1024] = label
     text = metadata.encode() + b"\0"
     header = bytearray(512)
@@ -145,9 +145,9 @@ def pv_device(metadata: str, ring_offset: int | None = None) -> bytes:
     off = ring_offset if ring_offset is not None else 512
     struct.pack_into("<IQQ", header, 20, 1, MDA_OFFSET, MDA_SIZE)
     struct.pack_into("<QQII", header, 40, off, len(text), 0, 0)
-    dev[MDA_OFFSET:MDA_OFFSET + 512] = header
+    dev[MDA_OFFSET : MDA_OFFSET + 512] = header
     first = min(len(text), MDA_SIZE - off)
-    dev[MDA_OFFSET + off:MDA_OFFSET + off + first] = text[:first]
+    dev[MDA_OFFSET + off : MDA_OFFSET + off + first] = text[:first]
     rest = text[first:]
-    dev[MDA_OFFSET + 512:MDA_OFFSET + 512 + len(rest)] = rest
+    dev[MDA_OFFSET + 512 : MDA_OFFSET + 512 + len(rest)] = rest
     return bytes(dev)

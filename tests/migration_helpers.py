@@ -66,7 +66,7 @@ from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import Markers, Workload, script
 from qemu_helpers import QemuBuild, guest_cmd, serial_until
 
-REFS = "block-refs"                  # the series' migration capability
+REFS = "block-refs"  # the series' migration capability
 # max-bandwidth (bytes/s): the 300 MB of the guest's non-zero RAM take
 # 5 s, long enough for its writer to dirty pages that must be sent again
 BANDWIDTH = 64 << 20
@@ -76,11 +76,12 @@ MIGRATION_TIMEOUT = 480.0
 # (few enough that the bytes a migration sends vary by little more than
 # that from run to run), a heartbeat each time, until the host writes GO2
 # into vdb.
-GO_TEST = ('[ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 3)" '
-           '= "GO2" ]')
-WRITER = ("i=0; echo writer-start; until " + GO_TEST + "; do i=$((i+1)); "
-          "dd if=/dev/urandom of=/dev/shm/dirty bs=64K count=8 conv=notrunc status=none; "
-          "echo heartbeat-$i; sleep 0.5; done; echo writer-end-$i")
+GO_TEST = '[ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 3)" = "GO2" ]'
+WRITER = (
+    "i=0; echo writer-start; until " + GO_TEST + "; do i=$((i+1)); "
+    "dd if=/dev/urandom of=/dev/shm/dirty bs=64K count=8 conv=notrunc status=none; "
+    "echo heartbeat-$i; sleep 0.5; done; echo writer-end-$i"
+)
 # Before it migrates, the guest also reads the first WARM_MIB of its disk
 # (buffered: into its page cache), every non-zero block of which is
 # listed: some 100 MB of guest RAM filled by the filter, that block-refs
@@ -118,8 +119,7 @@ def make_base(d: Path, q: QemuBuild) -> Base:
     files = regular_files(raw)
     assert len(files) >= 6, files
     want = {f: file_sha256(raw, f, d) for f in files}
-    blocks = {s: h for s, h in nonzero_blocks(raw, 1 << 20).items()
-              if s * 512 < WARM_MIB << 20}
+    blocks = {s: h for s, h in nonzero_blocks(raw, 1 << 20).items() if s * 512 < WARM_MIB << 20}
     blocks.update({b * 8: h for b, h in nonzero_file_blocks(raw, files).items()})
     sha = content_sha256(raw)
     lst = d / "small.pcsl"
@@ -130,11 +130,18 @@ def make_base(d: Path, q: QemuBuild) -> Base:
 
 def migration_capabilities(q: QemuBuild) -> list[str]:
     """The migration capabilities this QEMU knows (query-migrate-capabilities)."""
-    lines = [{"execute": "qmp_capabilities"}, {"execute": "query-migrate-capabilities"},
-             {"execute": "quit"}]
-    p = subprocess.run([q.qemu_system, "-M", "none", "-nodefaults", "-display", "none",
-                        "-qmp", "stdio"], input="".join(json.dumps(x) + "\n" for x in lines),
-                       capture_output=True, text=True, timeout=60)
+    lines = [
+        {"execute": "qmp_capabilities"},
+        {"execute": "query-migrate-capabilities"},
+        {"execute": "quit"},
+    ]
+    p = subprocess.run(
+        [q.qemu_system, "-M", "none", "-nodefaults", "-display", "none", "-qmp", "stdio"],
+        input="".join(json.dumps(x) + "\n" for x in lines),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     for line in p.stdout.splitlines():
         msg = json.loads(line)
         if isinstance(msg.get("return"), list):
@@ -181,8 +188,9 @@ class Vm:
             time.sleep(0.5)
 
     def set_refs(self) -> None:
-        self.qmp.command("migrate-set-capabilities",
-                         capabilities=[{"capability": REFS, "state": True}])
+        self.qmp.command(
+            "migrate-set-capabilities", capabilities=[{"capability": REFS, "state": True}]
+        )
 
     def exit_code(self, timeout: float = 60) -> int:
         """QEMU's exit code, once it exits (which it must, within TIMEOUT)."""
@@ -223,8 +231,21 @@ class Rig:
 
     def overlay(self) -> Path:
         ovl = self.tmp / "ovl.qcow2"
-        subprocess.run([self.base.q.qemu_img, "create", "-q", "-f", "qcow2", "-b",
-                        str(self.base.image), "-F", "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            [
+                self.base.q.qemu_img,
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(self.base.image),
+                "-F",
+                "qcow2",
+                str(ovl),
+            ],
+            check=True,
+        )
         return ovl
 
     def vm(self, name: str, graph: Sequence[str], *extra: str, q: QemuBuild | None = None) -> Vm:
@@ -233,23 +254,49 @@ class Rig:
         base's unless given); EXTRA: more QEMU arguments (-incoming ...)."""
         b = self.base
         serial, qmp, log = (self.tmp / f"{name}.{x}" for x in ("serial", "qmp", "log"))
-        go = [{"driver": "file", "node-name": "go-file", "filename": str(self.go)},
-              {"driver": "raw", "node-name": "go", "file": "go-file"}]
-        disks = [*graph, *(a for n in go for a in ("-blockdev", json.dumps(n))),
-                 "-device", "virtio-blk-pci,drive=ovl,id=disk0",
-                 "-device", "virtio-blk-pci,drive=go,id=disk1"]
-        cmd = [*guest_cmd(q or b.q, b.insp, b.accel, serial=serial, qmp=qmp,
-                          workload=self.workload, disks=disks, machine=self.machine), *extra]
+        go = [
+            {"driver": "file", "node-name": "go-file", "filename": str(self.go)},
+            {"driver": "raw", "node-name": "go", "file": "go-file"},
+        ]
+        disks = [
+            *graph,
+            *(a for n in go for a in ("-blockdev", json.dumps(n))),
+            "-device",
+            "virtio-blk-pci,drive=ovl,id=disk0",
+            "-device",
+            "virtio-blk-pci,drive=go,id=disk1",
+        ]
+        cmd = [
+            *guest_cmd(
+                q or b.q,
+                b.insp,
+                b.accel,
+                serial=serial,
+                qmp=qmp,
+                workload=self.workload,
+                disks=disks,
+                machine=self.machine,
+            ),
+            *extra,
+        ]
         with open(log, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         try:
             qm = QMP(qmp, timeout=30)
         except Exception:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"{name}: no QMP (rc {proc.returncode}):\n"
-                                 + log.read_text(errors="replace")[-3000:]) from None
+            raise AssertionError(
+                f"{name}: no QMP (rc {proc.returncode}):\n"
+                + log.read_text(errors="replace")[-3000:]
+            ) from None
         vm = Vm(name, proc, serial, log, qm)
         self.vms.append(vm)
         return vm
@@ -304,8 +351,11 @@ def heartbeats(text: str) -> list[int]:
 # --------------------------------------------------------------------------- migration
 
 
-def wait_migration(src: Vm, during: Callable[[dict[str, Any]], None] | None = None,
-                   timeout: float = MIGRATION_TIMEOUT) -> dict[str, Any]:
+def wait_migration(
+    src: Vm,
+    during: Callable[[dict[str, Any]], None] | None = None,
+    timeout: float = MIGRATION_TIMEOUT,
+) -> dict[str, Any]:
     """query-migrate on the source until the migration ends; DURING sees
     every intermediate answer."""
     deadline = time.monotonic() + timeout
@@ -319,8 +369,15 @@ def wait_migration(src: Vm, during: Callable[[dict[str, Any]], None] | None = No
         time.sleep(0.5)
 
 
-def start_migration(src: Vm, dst: Vm, uri: str, *, refs: bool, dst_refs: bool | None = None,
-                    bandwidth: int = BANDWIDTH) -> None:
+def start_migration(
+    src: Vm,
+    dst: Vm,
+    uri: str,
+    *,
+    refs: bool,
+    dst_refs: bool | None = None,
+    bandwidth: int = BANDWIDTH,
+) -> None:
     if refs:
         src.set_refs()
     if refs if dst_refs is None else dst_refs:
@@ -333,8 +390,9 @@ def start_migration(src: Vm, dst: Vm, uri: str, *, refs: bool, dst_refs: bool | 
 def migrated(src: Vm, dst: Vm, info: dict[str, Any]) -> None:
     """The migration completed: the source is paused for good, the guest
     runs on the destination."""
-    assert info["status"] == "completed", \
+    assert info["status"] == "completed", (
         f"{info}\ndestination:\n{dst.log_text()[-3000:]}\nsource:\n{src.log_text()[-3000:]}"
+    )
     assert src.status() == "postmigrate"
     dst.wait_status("running")
 

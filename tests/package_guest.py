@@ -40,8 +40,9 @@ UNIT = "pageshare-server.service"
 
 
 def build_deb(package: str = "pageshare-server") -> Path:
-    p = subprocess.run([sys.executable, str(DEBS), "--json", package],
-                       capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(
+        [sys.executable, str(DEBS), "--json", package], capture_output=True, text=True, timeout=3600
+    )
     assert p.returncode == 0, f"packaging/debs.py failed:\n{p.stdout}\n{p.stderr[-4000:]}"
     deb = Path(json.loads(p.stdout)["built"][package])
     lintian = (deb.parent / "lintian.txt").read_text()
@@ -55,16 +56,20 @@ def image_dpkg_status(img: golden.GoldenImage, tmp: Path) -> str:
     raw = raw_copy(img.path, tmp / "image.raw")
     out = tmp / "status"
     offset = int(img.manifest["root_start_sector"]) * 512
-    subprocess.run(["debugfs", "-R", f"dump /var/lib/dpkg/status {out}",
-                    f"{raw}?offset={offset}"], check=True, capture_output=True)
+    subprocess.run(
+        ["debugfs", "-R", f"dump /var/lib/dpkg/status {out}", f"{raw}?offset={offset}"],
+        check=True,
+        capture_output=True,
+    )
     text = out.read_text()
     raw.unlink()
     assert "Package: systemd\n" in text, "no dpkg status in the image"
     return text
 
 
-def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path,
-               also: tuple[str, ...] = ()) -> Path:
+def guest_repo(
+    img: golden.GoldenImage, suite: str, deb: Path, tmp: Path, also: tuple[str, ...] = ()
+) -> Path:
     """A flat apt repository (debs + Packages) with what the image lacks to
     install ``deb`` (and ``also``: more .debs or Debian packages, resolved
     together with it), cached by the image and the packages' Depends.  apt
@@ -72,13 +77,20 @@ def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path,
     install --download-only ./the.deb`` against the image's own dpkg status,
     with its suite's archive only (a private apt configuration in the
     cache; the host's is not touched)."""
+
     def depends_of(d: str) -> str:
-        return subprocess.run(["dpkg-deb", "-f", d, "Depends", "Pre-Depends"], check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["dpkg-deb", "-f", d, "Depends", "Pre-Depends"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+
     depends = depends_of(str(deb))
     extra = [depends_of(a) if a.endswith(".deb") else a for a in also]
-    key = hashlib.sha256(json.dumps([img.manifest["sha256"], suite, depends, *extra]).encode()
-                         ).hexdigest()
+    key = hashlib.sha256(
+        json.dumps([img.manifest["sha256"], suite, depends, *extra]).encode()
+    ).hexdigest()
     repo = cache_dir("guest-repos") / f"{img.variant}-{key[:16]}"
     if (repo / "Packages").exists():
         return repo
@@ -95,11 +107,24 @@ def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path,
         (staging / "partial").mkdir(parents=True)
         # Stale lists name versions the mirror has dropped: update and retry.
         if attempt or not any((apt.root / "lists").glob("*Packages*")):
-            subprocess.run(apt.command("apt-get", *guest, "update", "-qq"), check=True,
-                           capture_output=True)
-        d = subprocess.run(apt.command("apt-get", *guest, "install", "-qq", "--download-only",
-                                       "-y", "--no-install-recommends", str(deb), *also),
-                           capture_output=True, text=True)
+            subprocess.run(
+                apt.command("apt-get", *guest, "update", "-qq"), check=True, capture_output=True
+            )
+        d = subprocess.run(
+            apt.command(
+                "apt-get",
+                *guest,
+                "install",
+                "-qq",
+                "--download-only",
+                "-y",
+                "--no-install-recommends",
+                str(deb),
+                *also,
+            ),
+            capture_output=True,
+            text=True,
+        )
         error = d.stdout + d.stderr
         if d.returncode == 0:
             break
@@ -109,8 +134,9 @@ def guest_repo(img: golden.GoldenImage, suite: str, deb: Path, tmp: Path,
     (staging / "lock").unlink(missing_ok=True)
     # qemu-storage-daemon: qemu-system-common on Debian 12, qemu-utils on 13.
     assert also or any(staging.glob("qemu-*.deb")), list(staging.iterdir())
-    packages = subprocess.run(["dpkg-scanpackages", "-m", "."], cwd=staging, check=True,
-                              capture_output=True, text=True).stdout
+    packages = subprocess.run(
+        ["dpkg-scanpackages", "-m", "."], cwd=staging, check=True, capture_output=True, text=True
+    ).stdout
     (staging / "Packages").write_text(packages)
     staging.rename(repo)
     return repo
@@ -224,8 +250,9 @@ def payload_disk(payload: Path, disk: Path) -> Path:
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
     with open(disk, "wb") as fh:
         fh.truncate((size * 5 // 4 + (16 << 20)) // 4096 * 4096)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk)],
-                   check=True)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-L", "payload", "-d", str(payload), str(disk)], check=True
+    )
     return disk
 
 
@@ -236,29 +263,61 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
     it answers; the guest is killed on the way out."""
     insp = inspect_image(img.path, "qcow2", int(img.manifest["virtual_size"]))
     ovl = tmp_path / "ovl.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.path), "-F",
-                    "qcow2", str(ovl)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.path), "-F", "qcow2", str(ovl)],
+        check=True,
+    )
     markers = Markers.new()
     agent_script = tmp_path / "agent.sh"
     agent_script.write_text(AGENT.format(port=PORT, marker=markers.booted))
     accel, _ = choose_accel("auto", insp.kernel)
     serial, agent_sock, qlog = tmp_path / "serial.log", tmp_path / "agent.sock", tmp_path / "q.log"
-    cmd = [QEMU, "-machine", f"q35,accel={accel}", "-m", "1024M", "-smp", "1",
-           "-cpu", "host" if accel == "kvm" else "max,la57=off",
-           "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-           "-serial", f"file:{serial}",
-           "-drive", f"file={ovl},format=qcow2,if=virtio,discard=unmap",
-           "-drive", f"file={disk},format=raw,if=virtio,readonly=on",
-           "-device", "virtio-serial-pci",
-           "-chardev", f"socket,id=agent,path={agent_sock},server=on,wait=off",
-           "-device", f"virtserialport,chardev=agent,name={PORT}",
-           "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
-           "-fw_cfg", f"name={FW_CFG_NAME},file={agent_script}"]
+    cmd = [
+        QEMU,
+        "-machine",
+        f"q35,accel={accel}",
+        "-m",
+        "1024M",
+        "-smp",
+        "1",
+        "-cpu",
+        "host" if accel == "kvm" else "max,la57=off",
+        "-nodefaults",
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-no-reboot",
+        "-serial",
+        f"file:{serial}",
+        "-drive",
+        f"file={ovl},format=qcow2,if=virtio,discard=unmap",
+        "-drive",
+        f"file={disk},format=raw,if=virtio,readonly=on",
+        "-device",
+        "virtio-serial-pci",
+        "-chardev",
+        f"socket,id=agent,path={agent_sock},server=on,wait=off",
+        "-device",
+        f"virtserialport,chardev=agent,name={PORT}",
+        "-kernel",
+        str(insp.kernel),
+        "-append",
+        kernel_cmdline(insp.info.root_uuid),
+        "-fw_cfg",
+        f"name={FW_CFG_NAME},file={agent_script}",
+    ]
     if insp.initrd:
         cmd += ["-initrd", str(insp.initrd)]
     with open(qlog, "wb") as lf:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                preexec_fn=_child_setup, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=lf,
+            stderr=lf,
+            preexec_fn=_child_setup,
+            start_new_session=True,
+        )
     try:
         g = Agent(agent_sock, proc, serial)
         wait_until("the guest agent", lambda: markers.booted in g.serial_text(), 600)
@@ -272,17 +331,21 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
 def serving(g: Agent, generation: int, blocks: int) -> dict[str, Any]:
     """Wait until the server publishes ``generation`` with ``blocks``, then
     connect to its image socket as a client does and read the TABLE."""
+
     def ready() -> dict[str, Any] | None:
         rc, out = g.run("pageshare-server status --json")
         if rc != 0:
             return None
         (img,) = [i for i in json.loads(out)["images"] if i["name"] == "test"]
         return img if img["generation"] == generation and not img["loading"] else None
+
     try:
         st: dict[str, Any] = wait_until(f"generation {generation}", ready, 180)
     except AssertionError as e:
-        _, out = g.run("pageshare-server status --json; systemctl status --no-pager "
-                       f"{UNIT}; journalctl -u {UNIT} --no-pager -n 40 -o cat")
+        _, out = g.run(
+            "pageshare-server status --json; systemctl status --no-pager "
+            f"{UNIT}; journalctl -u {UNIT} --no-pager -n 40 -o cat"
+        )
         raise AssertionError(f"{e}\nin the guest:\n{out}") from None
     assert st["state"] == "serving" and st["blocks"] == blocks, st
     table = g.ok("perl /mnt/client.pl /run/pageshare/test.sock")

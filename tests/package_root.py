@@ -60,23 +60,38 @@ class Root:
     def __init__(self, path: Path, suite: str) -> None:
         self.path, self.suite = path, suite
 
-    def run(self, command: str, binds: tuple[Path, ...] = (), timeout: float = 600
-            ) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, command: str, binds: tuple[Path, ...] = (), timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
         """COMMAND (shell) chrooted into the root."""
         mounts = [f"mount --rbind /{d} {self.path}/{d}" for d in ("proc", "sys", "dev")]
         for b in binds:
             mounts.append(f"mkdir -p {self.path}{b} && mount --bind {b} {self.path}{b}")
-        script = "; ".join(["set -e", "mount --make-rprivate /", *mounts,
-                            f"exec chroot {self.path} /bin/sh -c {shlex.quote(command)}"])
-        return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
-                              text=True, timeout=timeout)
+        script = "; ".join(
+            [
+                "set -e",
+                "mount --make-rprivate /",
+                *mounts,
+                f"exec chroot {self.path} /bin/sh -c {shlex.quote(command)}",
+            ]
+        )
+        return subprocess.run(
+            ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=timeout
+        )
 
 
 # The package's recommendations the tests use.  Not all of them: supermin
 # (libguestfs) recommends a kernel, which a host has and whose initramfs
 # would take minutes to build here.
-RECOMMENDS = ("crash", "python3-libvirt", "python3-pandas", "python3-matplotlib",
-              "python3-nbclient", "python3-nbformat", "python3-ipykernel")
+RECOMMENDS = (
+    "crash",
+    "python3-libvirt",
+    "python3-pandas",
+    "python3-matplotlib",
+    "python3-nbclient",
+    "python3-nbformat",
+    "python3-ipykernel",
+)
 
 
 def install_root(suite: str, debs: tuple[Path, ...], dest: Path) -> Root:
@@ -85,19 +100,27 @@ def install_root(suite: str, debs: tuple[Path, ...], dest: Path) -> Root:
     archive directory first, so that only what changed is fetched again."""
     archives = cache_dir("package-roots") / suite
     archives.mkdir(parents=True, exist_ok=True)
-    cmd = ["mmdebstrap", "--mode=root", "--variant=apt", "--quiet",
-           "--skip=download/empty",
-           "--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/",
-           f"--setup-hook=sync-in {archives} /var/cache/apt/archives/",
-           f"--customize-hook=copy-in {' '.join(map(str, debs))} /tmp",
-           "--customize-hook=chroot \"$1\" env DEBIAN_FRONTEND=noninteractive "
-           "apt-get install -y -q --no-install-recommends "
-           + " ".join([*(f"/tmp/{d.name}" for d in debs), *RECOMMENDS]),
-           f"--customize-hook=sync-out /var/cache/apt/archives {archives}",
-           suite, str(dest), *debian.sources([suite])]
+    cmd = [
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=apt",
+        "--quiet",
+        "--skip=download/empty",
+        '--setup-hook=mkdir -p "$1"/var/cache/apt/archives/',
+        f"--setup-hook=sync-in {archives} /var/cache/apt/archives/",
+        f"--customize-hook=copy-in {' '.join(map(str, debs))} /tmp",
+        '--customize-hook=chroot "$1" env DEBIAN_FRONTEND=noninteractive '
+        "apt-get install -y -q --no-install-recommends "
+        + " ".join([*(f"/tmp/{d.name}" for d in debs), *RECOMMENDS]),
+        f"--customize-hook=sync-out /var/cache/apt/archives {archives}",
+        suite,
+        str(dest),
+        *debian.sources([suite]),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     if p.returncode != 0:
-        raise AssertionError(f"installing {' '.join(d.name for d in debs)} into a fresh "
-                             f"{suite} root failed:\n"
-                             + (p.stdout + p.stderr)[-4000:])
+        raise AssertionError(
+            f"installing {' '.join(d.name for d in debs)} into a fresh "
+            f"{suite} root failed:\n" + (p.stdout + p.stderr)[-4000:]
+        )
     return Root(dest, suite)

@@ -75,8 +75,14 @@ def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
     nodes = [
         {"driver": "file", "node-name": "base-file", "filename": str(base), "read-only": True},
         {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
-        {"driver": "pageshare", "node-name": "ps", "file": "base", "read-only": True,
-         "server": str(sock), **ps},
+        {
+            "driver": "pageshare",
+            "node-name": "ps",
+            "file": "base",
+            "read-only": True,
+            "server": str(sock),
+            **ps,
+        },
         {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
         {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"},
     ]
@@ -106,8 +112,17 @@ def ps_stats(qmp: QMP) -> dict[str, int]:
     raise AssertionError("no stats for node ps")
 
 
-def guest_cmd(q: QemuBuild, insp: Inspection, accel: str, *, serial: Path, qmp: Path,
-              workload: Path, disks: Sequence[str], machine: str = "q35") -> list[str]:
+def guest_cmd(
+    q: QemuBuild,
+    insp: Inspection,
+    accel: str,
+    *,
+    serial: Path,
+    qmp: Path,
+    workload: Path,
+    disks: Sequence[str],
+    machine: str = "q35",
+) -> list[str]:
     """qemu-system for a golden image booted with its own kernel, running
     WORKLOAD (fw_cfg, pageshare.workload) and writing its console to
     SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
@@ -116,22 +131,44 @@ def guest_cmd(q: QemuBuild, insp: Inspection, accel: str, *, serial: Path, qmp: 
     the guest's disks are the "-device" entries among them.  MACHINE: the
     machine type (q35 is the newest pc-q35-*; a migration between two
     builds names one)."""
-    cmd = [q.qemu_system, "-machine", f"{machine},accel={accel},memory-backend=pc.ram",
-           "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
-           "-m", "1024M", "-smp", "1",
-           "-cpu", "host" if accel == "kvm" else "max,la57=off",
-           "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-           "-serial", f"file:{serial}", *disks,
-           "-qmp", f"unix:{qmp},server=on,wait=off",
-           "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
-           "-fw_cfg", f"name={FW_CFG_NAME},file={workload}"]
+    cmd = [
+        q.qemu_system,
+        "-machine",
+        f"{machine},accel={accel},memory-backend=pc.ram",
+        "-object",
+        "memory-backend-ram,id=pc.ram,size=1024M,share=off",
+        "-m",
+        "1024M",
+        "-smp",
+        "1",
+        "-cpu",
+        "host" if accel == "kvm" else "max,la57=off",
+        "-nodefaults",
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-no-reboot",
+        "-serial",
+        f"file:{serial}",
+        *disks,
+        "-qmp",
+        f"unix:{qmp},server=on,wait=off",
+        "-kernel",
+        str(insp.kernel),
+        "-append",
+        kernel_cmdline(insp.info.root_uuid),
+        "-fw_cfg",
+        f"name={FW_CFG_NAME},file={workload}",
+    ]
     if insp.initrd:
         cmd += ["-initrd", str(insp.initrd)]
     return cmd
 
 
-def serial_until(proc: subprocess.Popen[bytes], serial: Path, qlog: Path, marker: str,
-                 timeout: float = 300) -> str:
+def serial_until(
+    proc: subprocess.Popen[bytes], serial: Path, qlog: Path, marker: str, timeout: float = 300
+) -> str:
     """The guest's serial log once it holds MARKER.  Fails if QEMU exits
     (with its log), the guest panics, or TIMEOUT passes: under TCG the small
     image is ready in 20-60 s, and a guest that got bad data hangs or panics."""
@@ -146,13 +183,20 @@ def serial_until(proc: subprocess.Popen[bytes], serial: Path, qlog: Path, marker
     return text
 
 
-def image_opts(overlay: Path | None, base: Path, *, server: Path | None,
-               base_fmt: str = "qcow2", opts: dict[str, object] | None = None) -> str:
+def image_opts(
+    overlay: Path | None,
+    base: Path,
+    *,
+    server: Path | None,
+    base_fmt: str = "qcow2",
+    opts: dict[str, object] | None = None,
+) -> str:
     """--image-opts for overlay <- [pageshare filter] <- base.  With server
     None there is no filter; with overlay None the filter (or base) is the
     top.  Below an overlay, the base's file name comes from the overlay's
     header: the block layer hands it down to the protocol node under the
     filter (giving it as an option too would conflict with it)."""
+
     def kv(d: dict[str, object]) -> list[str]:
         out = []
         for k, v in d.items():
@@ -166,14 +210,24 @@ def image_opts(overlay: Path | None, base: Path, *, server: Path | None,
     else:
         bottom = [f"driver={base_fmt}"]
     if server is not None:
-        mid = ["driver=pageshare", f"server={server}", *kv(opts or {}),
-               *("file." + x for x in bottom)]
+        mid = [
+            "driver=pageshare",
+            f"server={server}",
+            *kv(opts or {}),
+            *("file." + x for x in bottom),
+        ]
     else:
         mid = bottom
     if overlay is None:
         return ",".join(mid)
-    return ",".join(["driver=qcow2", "file.driver=file", f"file.filename={overlay}",
-                     *("backing." + x for x in mid)])
+    return ",".join(
+        [
+            "driver=qcow2",
+            "file.driver=file",
+            f"file.filename={overlay}",
+            *("backing." + x for x in mid),
+        ]
+    )
 
 
 def parse_dump(text: str) -> dict[int, bytes]:
@@ -210,8 +264,13 @@ class QemuIo:
 
     def start(self) -> None:
         err = open(self.stderr_path, "wb") if self.stderr_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=err, env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **self.env},
+        )
         if self.stderr_path:
             err.close()  # type: ignore[union-attr]
         self._read_until_prompt(60)
@@ -224,16 +283,19 @@ class QemuIo:
         while not buf.endswith(PROMPT):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"qemu-io: no prompt after {timeout} s; "
-                                     f"got {bytes(buf[-500:])!r}")
+                raise AssertionError(
+                    f"qemu-io: no prompt after {timeout} s; got {bytes(buf[-500:])!r}"
+                )
             r, _, _ = select.select([fd], [], [], left)
             if r:
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
-                    raise AssertionError(f"qemu-io exited (rc {self.proc.wait()}): "
-                                         f"{bytes(buf[-500:])!r} {self.stderr()[-2000:]}")
+                    raise AssertionError(
+                        f"qemu-io exited (rc {self.proc.wait()}): "
+                        f"{bytes(buf[-500:])!r} {self.stderr()[-2000:]}"
+                    )
                 buf += chunk
-        return buf[:-len(PROMPT)].decode(errors="replace")
+        return buf[: -len(PROMPT)].decode(errors="replace")
 
     def cmd(self, line: str, timeout: float = 120) -> str:
         assert self.proc and self.proc.stdin
@@ -263,8 +325,11 @@ class QemuIo:
             self.proc.wait()
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace") if self.stderr_path and \
-            self.stderr_path.exists() else ""
+        return (
+            self.stderr_path.read_text(errors="replace")
+            if self.stderr_path and self.stderr_path.exists()
+            else ""
+        )
 
 
 class DiskModel:
@@ -274,7 +339,7 @@ class DiskModel:
     def __init__(self, raw: Path) -> None:
         self.fd = os.open(raw, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
-        self.written: dict[int, bytearray] = {}   # 4 KiB block -> content
+        self.written: dict[int, bytearray] = {}  # 4 KiB block -> content
 
     def _block(self, b: int) -> bytearray:
         blk = self.written.get(b)
@@ -289,7 +354,7 @@ class DiskModel:
         while pos < off + length:
             b, o = divmod(pos, 4096)
             n = min(4096 - o, off + length - pos)
-            out += self._block(b)[o:o + n]
+            out += self._block(b)[o : o + n]
             pos += n
         return bytes(out)
 
@@ -300,7 +365,7 @@ class DiskModel:
             b, o = divmod(pos, 4096)
             n = min(4096 - o, len(data) - i)
             blk = self._block(b)
-            blk[o:o + n] = data[i:i + n]
+            blk[o : o + n] = data[i : i + n]
             self.written[b] = blk
             pos += n
             i += n
@@ -311,9 +376,14 @@ class DiskModel:
 
 def trace_counters(log: str) -> dict[str, int]:
     """The pageshare_close trace line's counters (last one)."""
-    found = list(re.finditer(r"pageshare_close .*?requests (\d+) hits (\d+) merged (\d+) "
-                             r"fallback-no-table (\d+) fallback-merge-failed (\d+) "
-                             r"connects (\d+)", log))
+    found = list(
+        re.finditer(
+            r"pageshare_close .*?requests (\d+) hits (\d+) merged (\d+) "
+            r"fallback-no-table (\d+) fallback-merge-failed (\d+) "
+            r"connects (\d+)",
+            log,
+        )
+    )
     if not found:
         raise AssertionError(f"no pageshare_close trace line in:\n{log[-3000:]}")
     keys = ["requests", "hits", "merged", "no_table", "failed", "connects"]

@@ -53,30 +53,39 @@ def raw_image(image: Path, raw: Path) -> Image:
     return Image(image, raw, size, image_content_sha256(read_at, size))
 
 
-def parent_list(img: Image, sectors: list[int], path: Path,
-                wrong: tuple[int, ...] = ()) -> sectorlist.SectorList:
+def parent_list(
+    img: Image, sectors: list[int], path: Path, wrong: tuple[int, ...] = ()
+) -> sectorlist.SectorList:
     """A list as analyze-image writes one (generation 1) of the image's blocks at
     sectors, written to path; the blocks at `wrong` get a hash of other bytes."""
     sl = sectorlist.SectorList(
         image=sectorlist.ImageIdentity(img.vsize, img.content, img.path.name),
-        blocks={s: hashlib.sha256(img.block_bytes(s) if s not in wrong else
-                                  b"not the image's bytes").hexdigest()
-                for s in [*sectors, *wrong]},
-        generator="analyze-image 0.1.0", criteria="cross-vm-ksm", runs="1 run(s)")
+        blocks={
+            s: hashlib.sha256(
+                img.block_bytes(s) if s not in wrong else b"not the image's bytes"
+            ).hexdigest()
+            for s in [*sectors, *wrong]
+        },
+        generator="analyze-image 0.1.0",
+        criteria="cross-vm-ksm",
+        runs="1 run(s)",
+    )
     sectorlist.write(sl, path)
     return sl
 
 
-def publish_summaries(url: str, key: str, hosts: dict[str, dict[int, tuple[int, int, int]]],
-                      since: float, now: float) -> None:
+def publish_summaries(
+    url: str, key: str, hosts: dict[str, dict[int, tuple[int, int, int]]], since: float, now: float
+) -> None:
     """Each host's summary (block -> (guests, reads, flags)) as its page server
     publishes it, replacing what it published before."""
     r = redis.Redis.from_url(url)
     for host, recs in hosts.items():
         guests = max((g for g, _, _ in recs.values()), default=0)
-        r.hset(f"pageshare:feedback:{key}:{host}",
-               mapping=dict[Any, Any](
-                   feedback.encode(host, key, int(since), int(now), guests, recs)))
+        r.hset(
+            f"pageshare:feedback:{key}:{host}",
+            mapping=dict[Any, Any](feedback.encode(host, key, int(since), int(now), guests, recs)),
+        )
         r.sadd(f"pageshare:feedback:{key}:hosts", host)
 
 
@@ -96,8 +105,9 @@ def check_against_image(img: Image, path: Path, expect: set[int]) -> sectorlist.
 # --------------------------------------------------------------------------- refine, run as by hand
 
 
-def refine_reads(img: Image, parent: list[int], read: list[int], tmp: Path,
-                 capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], Path]:
+def refine_reads(
+    img: Image, parent: list[int], read: list[int], tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[dict[str, Any], Path]:
     """`pageshare list refine IMAGE --list PARENT --json` (default thresholds) after
     two hosts published that two guests each read every block at `read`: each
     such block is read by 4 guests on 2 hosts, enough to be added if it is a
@@ -109,17 +119,36 @@ def refine_reads(img: Image, parent: list[int], read: list[int], tmp: Path,
     now = time.time()
     with redis_server(tmp) as rd:
         publish_summaries(rd.url, img.key, {"h1": recs, "h2": recs}, now - 86400, now)
-        rc = main(["list", "refine", str(img.path), "--list", str(parent_path), "-o", str(out),
-                   "--db", str(tmp / "results.sqlite"), "--redis", rd.url, "--json"])
+        rc = main(
+            [
+                "list",
+                "refine",
+                str(img.path),
+                "--list",
+                str(parent_path),
+                "-o",
+                str(out),
+                "--db",
+                str(tmp / "results.sqlite"),
+                "--redis",
+                rd.url,
+                "--json",
+            ]
+        )
         cap = capsys.readouterr()
     assert rc == 0, cap.err
     res: dict[str, Any] = json.loads(cap.out)
     return res, out
 
 
-def check_refinement(img: Image, tmp: Path, capsys: pytest.CaptureFixture[str],
-                     parent: list[int], pages: list[int], rejected: list[tuple[int, str]]
-                     ) -> dict[str, Any]:
+def check_refinement(
+    img: Image,
+    tmp: Path,
+    capsys: pytest.CaptureFixture[str],
+    parent: list[int],
+    pages: list[int],
+    rejected: list[tuple[int, str]],
+) -> dict[str, Any]:
     """Refine img's list of `parent` after the fleet read `pages` (file pages found
     independently of the analyzer) and the `rejected` blocks (each with the
     reason refine must give): exactly the pages are added, the others are
@@ -133,8 +162,10 @@ def check_refinement(img: Image, tmp: Path, capsys: pytest.CaptureFixture[str],
     res, out = refine_reads(img, parent, [*pages, *refused], tmp, capsys)
     assert res["ok"] and res["generation"] == 2 and not res["failures"]
     assert res["reported_unlisted"] == len(pages) + len(refused)
-    assert (res["added"], res["rejected"]) == \
-        (len(pages), dict(Counter(why for _, why in rejected)))
+    assert (res["added"], res["rejected"]) == (
+        len(pages),
+        dict(Counter(why for _, why in rejected)),
+    )
     check_against_image(img, out, {*parent, *pages})
     assert main(["list", "verify", str(out), "--image", str(img.path)]) == 0
     assert "OK:" in capsys.readouterr().out
@@ -148,7 +179,7 @@ def check_file_pages(img: Image, pages: dict[int, int], data: bytes, sectors: li
     checked = 0
     for index, sector in pages.items():
         if sector in sectors:
-            want = data[index * PAGE:(index + 1) * PAGE]
+            want = data[index * PAGE : (index + 1) * PAGE]
             assert img.block_bytes(sector) == want + bytes(PAGE - len(want)), f"page {index}"
             checked += 1
     return checked
@@ -165,8 +196,19 @@ def check_file_pages(img: Image, pages: dict[int, int], data: bytes, sectors: li
 def partition_copy(raw: Path, start: int, sectors: int, dest: Path) -> Path:
     """The sectors [start, start + sectors) of raw as a file of their own (sparse):
     xfs_db and btrfs read a file system from a file's first byte."""
-    subprocess.run(["dd", f"if={raw}", f"of={dest}", "bs=512", f"skip={start}",
-                    f"count={sectors}", "conv=sparse", "status=none"], check=True)
+    subprocess.run(
+        [
+            "dd",
+            f"if={raw}",
+            f"of={dest}",
+            "bs=512",
+            f"skip={start}",
+            f"count={sectors}",
+            "conv=sparse",
+            "status=none",
+        ],
+        check=True,
+    )
     return dest
 
 
@@ -176,8 +218,10 @@ def tool_output(*args: str) -> str:
 
 # XFS: xfs_db prints a block as agno<<agblklog|agbno (its "startblock") and
 # as (agno/agbno); a linear block, as a daddr counts them, is agno * agblocks + agbno.
-_XFS_BMAP = re.compile(r"^data offset (\d+) startblock \d+ \((\d+)/(\d+)\) count (\d+) "
-                       r"flag (\d)$")
+_XFS_BMAP = re.compile(
+    r"^data offset (\d+) startblock \d+ \((\d+)/(\d+)\) count (\d+) "
+    r"flag (\d)$"
+)
 _XFS_FREE = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)$")
 
 
@@ -207,8 +251,12 @@ def xfs_pages(fs: Path, start: int, path: str) -> dict[int, int]:
     """Page index -> disk sector of each written block of path (4 KiB blocks: a
     block is a page), for a file system at disk sector start."""
     assert xfs_sb(fs, "blocksize") == PAGE
-    return {off + k: start + (b + k) * 8 for off, b, n, written in xfs_bmap(fs, path)
-            if written for k in range(n)}
+    return {
+        off + k: start + (b + k) * 8
+        for off, b, n, written in xfs_bmap(fs, path)
+        if written
+        for k in range(n)
+    }
 
 
 def xfs_linear(fs: Path, kind: str, value: int) -> int:
@@ -221,8 +269,10 @@ def xfs_linear(fs: Path, kind: str, value: int) -> int:
 
 def xfs_inode_block(fs: Path, path: str) -> int:
     """The linear block holding path's inode."""
-    m = re.search(r"current inode number is (\d+)",
-                  tool_output("xfs_db", "-r", "-c", f"path {path}", "-c", "inode", str(fs)))
+    m = re.search(
+        r"current inode number is (\d+)",
+        tool_output("xfs_db", "-r", "-c", f"path {path}", "-c", "inode", str(fs)),
+    )
     assert m, f"xfs_db: no inode for {path}"
     return xfs_linear(fs, "inode", int(m.group(1)))
 
@@ -230,9 +280,11 @@ def xfs_inode_block(fs: Path, path: str) -> int:
 def xfs_free_extents(fs: Path) -> list[tuple[int, int]]:
     """(linear block, blocks) of each free extent, from the free space btrees."""
     agblocks = xfs_sb(fs, "agblocks")
-    return [(int(m.group(1)) * agblocks + int(m.group(2)), int(m.group(3)))
-            for line in tool_output("xfs_db", "-r", "-c", "freesp -d", str(fs)).splitlines()
-            if (m := _XFS_FREE.match(line))]
+    return [
+        (int(m.group(1)) * agblocks + int(m.group(2)), int(m.group(3)))
+        for line in tool_output("xfs_db", "-r", "-c", "freesp -d", str(fs)).splitlines()
+        if (m := _XFS_FREE.match(line))
+    ]
 
 
 # btrfs: dump-tree's items, the chunk tree's logical -> device map.
@@ -242,7 +294,7 @@ _BTRFS_LEAF = re.compile(r"^leaf (\d+) items")
 
 @dataclass(frozen=True)
 class BtrfsItem:
-    leaf: int                      # logical address of the tree block holding it
+    leaf: int  # logical address of the tree block holding it
     objectid: str
     type: str
     offset: int
@@ -254,14 +306,16 @@ class BtrfsChunk:
     logical: int
     length: int
     type: str
-    stripes: tuple[int, ...]       # device offsets, one per copy (DUP: two)
+    stripes: tuple[int, ...]  # device offsets, one per copy (DUP: two)
 
 
 def btrfs_items(fs: Path, tree: str) -> list[BtrfsItem]:
     items: list[BtrfsItem] = []
     leaf, cur, body = 0, None, list[str]()
-    for line in [*tool_output("btrfs", "inspect-internal", "dump-tree", "-t", tree,
-                       str(fs)).splitlines(), "\titem 0 key (END END 0)"]:
+    for line in [
+        *tool_output("btrfs", "inspect-internal", "dump-tree", "-t", tree, str(fs)).splitlines(),
+        "\titem 0 key (END END 0)",
+    ]:
         m = _BTRFS_ITEM.match(line)
         if m or _BTRFS_LEAF.match(line) or line.startswith("node "):
             if cur is not None:
@@ -282,8 +336,14 @@ def btrfs_chunks(fs: Path) -> list[BtrfsChunk]:
         if it.type == "CHUNK_ITEM":
             m = re.search(r"length (\d+) owner \d+ stripe_len \d+ type (\S+)", it.body)
             assert m, it.body
-            out.append(BtrfsChunk(it.offset, int(m.group(1)), m.group(2), tuple(
-                int(s) for s in re.findall(r"stripe \d+ devid 1 offset (\d+)", it.body))))
+            out.append(
+                BtrfsChunk(
+                    it.offset,
+                    int(m.group(1)),
+                    m.group(2),
+                    tuple(int(s) for s in re.findall(r"stripe \d+ devid 1 offset (\d+)", it.body)),
+                )
+            )
     return out
 
 
@@ -296,8 +356,7 @@ def btrfs_device(chunks: list[BtrfsChunk], logical: int) -> tuple[int, ...]:
 def btrfs_subvolume(fs: Path, name: str) -> str:
     """A top-level subvolume's tree id, from its ROOT_REF in the root tree."""
     for it in btrfs_items(fs, "root"):
-        if it.objectid == "FS_TREE" and it.type == "ROOT_REF" and \
-                it.body.endswith(f" name {name}"):
+        if it.objectid == "FS_TREE" and it.type == "ROOT_REF" and it.body.endswith(f" name {name}"):
             return str(it.offset)
     raise AssertionError(f"no subvolume {name} at the top level of {fs}")
 
@@ -307,8 +366,11 @@ def btrfs_inode(items: list[BtrfsItem], path: str) -> int:
     the INODE_REFs (key: inode, INODE_REF, parent; body: its name)."""
     ino = 256
     for part in path.strip("/").split("/"):
-        found = [int(it.objectid) for it in items if it.type == "INODE_REF"
-                 and it.offset == ino and it.body.endswith(f" name: {part}")]
+        found = [
+            int(it.objectid)
+            for it in items
+            if it.type == "INODE_REF" and it.offset == ino and it.body.endswith(f" name: {part}")
+        ]
         assert len(found) == 1, f"{path}: {part!r} in directory inode {ino}: {found}"
         ino = found[0]
     return ino
@@ -317,11 +379,11 @@ def btrfs_inode(items: list[BtrfsItem], path: str) -> int:
 @dataclass(frozen=True)
 class BtrfsExtent:
     file_offset: int
-    kind: str                      # regular, prealloc, inline
-    disk: int                      # logical address of the disk extent (0: a hole)
+    kind: str  # regular, prealloc, inline
+    disk: int  # logical address of the disk extent (0: a hole)
     disk_bytes: int
-    offset: int                    # where in the disk extent the file's bytes begin
-    bytes: int                     # how many of them the file uses
+    offset: int  # where in the disk extent the file's bytes begin
+    bytes: int  # how many of them the file uses
     compression: int
 
 
@@ -338,14 +400,22 @@ def btrfs_extents(items: list[BtrfsItem]) -> dict[int, list[BtrfsExtent]]:
         comp = re.search(r"compression (\d+)", it.body)
         e = BtrfsExtent(it.offset, kind.group(1), 0, 0, 0, 0, 0)
         if disk and used and comp:
-            e = BtrfsExtent(it.offset, kind.group(1), int(disk.group(1)), int(disk.group(2)),
-                            int(used.group(1)), int(used.group(2)), int(comp.group(1)))
+            e = BtrfsExtent(
+                it.offset,
+                kind.group(1),
+                int(disk.group(1)),
+                int(disk.group(2)),
+                int(used.group(1)),
+                int(used.group(2)),
+                int(comp.group(1)),
+            )
         out.setdefault(int(it.objectid), []).append(e)
     return out
 
 
-def btrfs_pages(items: list[BtrfsItem], chunks: list[BtrfsChunk], start: int, path: str
-                ) -> dict[int, int]:
+def btrfs_pages(
+    items: list[BtrfsItem], chunks: list[BtrfsChunk], start: int, path: str
+) -> dict[int, int]:
     """Page index -> disk sector of path's pages held uncompressed on disk (a
     file system at disk sector start, 4 KiB sectors)."""
     out = {}
@@ -361,30 +431,41 @@ def btrfs_restore(fs: Path, subvolume: str, path: str, dest: Path) -> bytes:
     """A file's bytes as btrfs restore reads them from the unmounted file system."""
     parts = [subvolume, *path.strip("/").split("/")]
     # Every directory on the way must match too: ^/(|@rootfs(|/usr(|/bin(|/dash))))$
-    regex = "^/" + "".join(("(|" if i == 0 else "(|/") + p.replace(".", r"\.")
-                           for i, p in enumerate(parts)) + ")" * len(parts) + "$"
+    regex = (
+        "^/"
+        + "".join(("(|" if i == 0 else "(|/") + p.replace(".", r"\.") for i, p in enumerate(parts))
+        + ")" * len(parts)
+        + "$"
+    )
     dest.mkdir(parents=True, exist_ok=True)
     tool_output("btrfs", "restore", "--path-regex", regex, str(fs), str(dest))
     return (dest / subvolume / path.strip("/")).read_bytes()
 
 
 # ext2/3/4, by debugfs.
-_EX = re.compile(r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+)\s*-\s*(\d+)\s+(\d+)"
-                 r"(?:\s*-\s*(\d+))?\s+(\d+)\s*(\S*)$")
+_EX = re.compile(
+    r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+)\s*-\s*(\d+)\s+(\d+)"
+    r"(?:\s*-\s*(\d+))?\s+(\d+)\s*(\S*)$"
+)
 
 
 def debugfs(raw: Path, *commands: str) -> str:
     """debugfs' answers to commands, on a file system at the start of raw."""
-    return subprocess.run(["debugfs", "-f", "-", str(raw)], input="\n".join(commands) + "\n",
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["debugfs", "-f", "-", str(raw)],
+        input="\n".join(commands) + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 @dataclass(frozen=True)
 class Ext4File:
     ino: int
-    type: str                                 # debugfs' name: regular, directory, ...
-    data: dict[int, int]                      # file system block -> file block (initialized)
-    tree: frozenset[int]                      # its extent tree's own blocks
+    type: str  # debugfs' name: regular, directory, ...
+    data: dict[int, int]  # file system block -> file block (initialized)
+    tree: frozenset[int]  # its extent tree's own blocks
 
 
 def ext4_files(raw: Path, inodes: list[int | str]) -> dict[int | str, Ext4File]:
@@ -401,7 +482,7 @@ def ext4_files(raw: Path, inodes: list[int | str]) -> dict[int | str, Ext4File]:
             if e is None:
                 continue
             level, depth, lo, hi, phys, _, n, flags = e.groups()
-            if level != depth:                # an index entry: a tree block
+            if level != depth:  # an index entry: a tree block
                 tree.add(int(phys))
             elif flags != "Uninit":
                 assert int(hi) - int(lo) + 1 == int(n)
@@ -413,9 +494,8 @@ def ext4_files(raw: Path, inodes: list[int | str]) -> dict[int | str, Ext4File]:
 def ext4_owners(raw: Path, blocks: list[int]) -> dict[int, int | None]:
     """File system block -> the inode debugfs' icheck says owns it (None: no inode)."""
     out: dict[int, int | None] = {}
-    for i in range(0, len(blocks), 200):       # debugfs reads lines of about 8 KiB
-        for line in debugfs(raw, "icheck " + " ".join(map(str, blocks[i:i + 200]))
-                            ).splitlines():
+    for i in range(0, len(blocks), 200):  # debugfs reads lines of about 8 KiB
+        for line in debugfs(raw, "icheck " + " ".join(map(str, blocks[i : i + 200]))).splitlines():
             m = re.match(r"^(\d+)\t(\d+|<block not found>)$", line)
             if m:
                 out[int(m.group(1))] = int(m.group(2)) if m.group(2).isdigit() else None

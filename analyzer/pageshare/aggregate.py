@@ -30,21 +30,22 @@ def majority(runs: int) -> int:
 @dataclass
 class PageFact:
     """A verified page seen in one VM of one run."""
+
     sector: int
     ino: int
     index: int
     kind: str
-    fs: Placement | None = None       # the file system of a file page
-    tree: int = 0                     # btrfs: the subvolume whose extents verified
+    fs: Placement | None = None  # the file system of a file page
+    tree: int = 0  # btrfs: the subvolume whose extents verified
 
 
 @dataclass
 class RunResult:
-    stable: dict[str, dict[int, PageFact]]          # vm -> sector -> fact
-    categories: dict[str, Counter[str]]             # vm -> category -> frames
+    stable: dict[str, dict[int, PageFact]]  # vm -> sector -> fact
+    categories: dict[str, Counter[str]]  # vm -> category -> frames
     merged_nonzero: dict[str, int]
-    gpfn_sector: dict[str, dict[int, int]]          # vm -> gpfn -> sector of its listed frames
-    introspector: tuple[str, str] = ("", "")        # backend used, and why
+    gpfn_sector: dict[str, dict[int, int]]  # vm -> gpfn -> sector of its listed frames
+    introspector: tuple[str, str] = ("", "")  # backend used, and why
     # Merged page-cache frames (both VMs) of btrfs data no disk block holds as
     # the page reads, by verdict (inline, compressed).
     unservable: Counter[str] = field(default_factory=Counter)
@@ -54,11 +55,12 @@ class RunResult:
 @dataclass(frozen=True)
 class Kept:
     """The blocks of the list, and what the results DB records of each."""
-    sectors: list[int]                 # the blocks kept, ascending
+
+    sectors: list[int]  # the blocks kept, ascending
     # Of every sector any run verified (kept or not):
-    runs_seen: dict[int, int]          # in how many runs (one guest or both: once a run)
-    both_vms: dict[int, bool]          # whether both guests of some run had it
-    fact: dict[int, PageFact]          # what it held: the last run's, guest A's first
+    runs_seen: dict[int, int]  # in how many runs (one guest or both: once a run)
+    both_vms: dict[int, bool]  # whether both guests of some run had it
+    fact: dict[int, PageFact]  # what it held: the last run's, guest A's first
 
 
 def keep_blocks(results: Sequence[RunResult], min_runs: int) -> Kept:
@@ -78,8 +80,7 @@ def keep_blocks(results: Sequence[RunResult], min_runs: int) -> Kept:
     return Kept(keep, dict(seen), both, fact)
 
 
-def breakdown(results: Sequence[RunResult], keep: Collection[int]
-              ) -> tuple[dict[str, int], float]:
+def breakdown(results: Sequence[RunResult], keep: Collection[int]) -> tuple[dict[str, int], float]:
     """(frames by category, coverage) over all runs and both guests.
 
     A run counts a frame "listed" when its block verified in that run; here
@@ -101,17 +102,22 @@ def breakdown(results: Sequence[RunResult], keep: Collection[int]
     return dict(total_cats), covered / total if total else 0.0
 
 
-def top_files(keep: Sequence[int], fact: Mapping[int, PageFact],
-              paths: Mapping[tuple[Placement, int], str | None], n: int = 15
-              ) -> list[tuple[str, float]]:
+def top_files(
+    keep: Sequence[int],
+    fact: Mapping[int, PageFact],
+    paths: Mapping[tuple[Placement, int], str | None],
+    n: int = 15,
+) -> list[tuple[str, float]]:
     """(guest path, listed MiB) of the n files with the most listed blocks, most
     first (ties in the order of their first block).  Block device pages count
     as "(metadata)", a file whose path was not found as "?"."""
     per_file: Counter[str] = Counter()
     for s in keep:
         f = fact[s]
-        per_file[(paths.get((f.fs, f.ino)) if f.fs else None)
-                 or ("(metadata)" if f.kind == "bdev" else "?")] += 1
+        per_file[
+            (paths.get((f.fs, f.ino)) if f.fs else None)
+            or ("(metadata)" if f.kind == "bdev" else "?")
+        ] += 1
     return [(p, k * PAGE / 2**20) for p, k in per_file.most_common(n)]
 
 
@@ -126,5 +132,8 @@ def unservable_pages(results: Sequence[RunResult]) -> dict[str, int]:
 def ksm_series(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     """The summary's KSM time series: every sample of every run (results in run
     order, run 1 first), t rounded to the millisecond as the results DB keys it."""
-    return [{"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in KSM_SAMPLE_KEYS}}
-            for seq, r in enumerate(results, 1) for s in r.ksm_samples]
+    return [
+        {"run": seq, "t": round(s.t, 3), **{k: s.values.get(k) for k in KSM_SAMPLE_KEYS}}
+        for seq, r in enumerate(results, 1)
+        for s in r.ksm_samples
+    ]

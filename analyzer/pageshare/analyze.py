@@ -81,7 +81,7 @@ class Options:
     ksm_timeout: float = 600.0
     vmlinux: Path | None = None
     include_metadata: bool = False
-    introspector: str = "auto"      # auto, crash or drgn: see choose_introspector
+    introspector: str = "auto"  # auto, crash or drgn: see choose_introspector
     workdir_parent: Path = Path(os.environ.get("PAGESHARE_WORKDIR", "/var/tmp"))
 
     def effective_min_runs(self) -> int:
@@ -118,15 +118,16 @@ class Summary:
 class RunContext:
     """What every run of one analysis shares, set up once by analyze() (and read
     again by _finish), so that a run's function takes it and its number only."""
+
     opts: Options
     progress: Progress
     db: sqlite3.Connection
     analysis_id: int
     workdir: Path
-    raw: Path                                   # the base image as raw (base.raw)
+    raw: Path  # the base image as raw (base.raw)
     geo: Geometry
-    sources: dict[FsKey, tuple[Path, int]]      # where debugfs/xfs_db/btrfs read each fs
-    fmt: str                                    # of opts.image, as the guests open it
+    sources: dict[FsKey, tuple[Path, int]]  # where debugfs/xfs_db/btrfs read each fs
+    fmt: str  # of opts.image, as the guests open it
     boot: BootSpec
     accel: str
     accel_reason: str
@@ -140,9 +141,10 @@ def _now() -> str:
 def preflight(opts: Options) -> None:
     """Everything that can be checked before spending minutes."""
     if os.geteuid() != 0:
-        raise UserError("analyze-image must run as root",
-                        "it reads /proc/PID/pagemap and /proc/kpageflags and drives host KSM: "
-                        "run it with sudo")
+        raise UserError(
+            "analyze-image must run as root",
+            "it reads /proc/PID/pagemap and /proc/kpageflags and drives host KSM: run it with sudo",
+        )
     KSM().check_usable()
     require_qemu()
     for tool in ("debugfs", "readelf", "dpkg-deb"):
@@ -169,11 +171,13 @@ def check_space(opts: Options, fs_copies: bool = False) -> None:
     need = 2 * opts.ram_mib * 2**20 + size * (2 if fs_copies else 1)
     free = shutil.disk_usage(opts.workdir_parent).free
     if free < need * 1.1:
-        raise UserError(f"not enough space in {opts.workdir_parent}: {free / 2**30:.1f} GiB free, "
-                        f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy"
-                        + (", copies of its XFS or btrfs file systems" if fs_copies else "")
-                        + " and two memory dumps",
-                        "free space there, or point PAGESHARE_WORKDIR at a larger file system")
+        raise UserError(
+            f"not enough space in {opts.workdir_parent}: {free / 2**30:.1f} GiB free, "
+            f"about {need * 1.1 / 2**30:.1f} GiB needed for the raw image copy"
+            + (", copies of its XFS or btrfs file systems" if fs_copies else "")
+            + " and two memory dumps",
+            "free space there, or point PAGESHARE_WORKDIR at a larger file system",
+        )
 
 
 def analyze(opts: Options, progress: Progress) -> Summary:
@@ -182,28 +186,41 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     with progress.phase("inspect", f"inspecting {opts.image} with libguestfs"):
         insp = inspect_image(opts.image, fmt, vsize, tcg=opts.accel != "kvm")
     info = insp.info
-    progress.say(f"{info.product} ({info.distro} {info.major}.{info.minor}), kernel "
-                 f"{info.kernel_version}, root {info.root_fstype} on {info.root_device} at "
-                 f"sector {info.root_start_sector}, {info.block_size}-byte blocks")
+    progress.say(
+        f"{info.product} ({info.distro} {info.major}.{info.minor}), kernel "
+        f"{info.kernel_version}, root {info.root_fstype} on {info.root_device} at "
+        f"sector {info.root_start_sector}, {info.block_size}-byte blocks"
+    )
     for fs in info.filesystems:
-        where = (f"LV {fs.lv}, {len(fs.runs)} segment(s) from sector {fs.start_sector}"
-                 if fs.lv else
-                 f"linear MD {fs.md}, {len(fs.runs)} member(s) from sector {fs.start_sector}"
-                 if fs.md else f"at sector {fs.start_sector}")
+        where = (
+            f"LV {fs.lv}, {len(fs.runs)} segment(s) from sector {fs.start_sector}"
+            if fs.lv
+            else f"linear MD {fs.md}, {len(fs.runs)} member(s) from sector {fs.start_sector}"
+            if fs.md
+            else f"at sector {fs.start_sector}"
+        )
         if fs.lv or fs.md or fs.mountpoint != "/":
-            progress.say(f"{'also ' if fs.mountpoint != '/' else ''}mapped: {fs.mountpoint} "
-                         f"({fs.fstype} on {fs.device}, {where}, {fs.block_size}-byte blocks)")
+            progress.say(
+                f"{'also ' if fs.mountpoint != '/' else ''}mapped: {fs.mountpoint} "
+                f"({fs.fstype} on {fs.device}, {where}, {fs.block_size}-byte blocks)"
+            )
     for sk in info.skipped:
-        progress.say(f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
-                     f"mapped, its files cannot be listed: {sk.reason}")
+        progress.say(
+            f"note: {sk.mountpoint} ({sk.fstype or 'unknown'} on {sk.device}) is not "
+            f"mapped, its files cannot be listed: {sk.reason}"
+        )
     if any(f.fstype in ("xfs", "btrfs") or len(f.runs) > 1 for f in info.filesystems):
         check_space(opts, fs_copies=True)
     if any(f.fstype == "xfs" for f in info.filesystems) and not shutil.which("xfs_db"):
-        raise UserError("xfs_db not found; the image has XFS file systems to map",
-                        "run scripts/install-deps.sh (apt: xfsprogs)")
+        raise UserError(
+            "xfs_db not found; the image has XFS file systems to map",
+            "run scripts/install-deps.sh (apt: xfsprogs)",
+        )
     if any(f.fstype == "btrfs" for f in info.filesystems) and not shutil.which("btrfs"):
-        raise UserError("btrfs (btrfs-progs) not found; the image has btrfs file systems to "
-                        "map", "run scripts/install-deps.sh (apt: btrfs-progs)")
+        raise UserError(
+            "btrfs (btrfs-progs) not found; the image has btrfs file systems to map",
+            "run scripts/install-deps.sh (apt: btrfs-progs)",
+        )
     if any("inline_data" in f.features or "encrypt" in f.features for f in info.filesystems):
         progress.say("note: inline_data/encrypt files cannot be listed and will be skipped")
 
@@ -227,27 +244,56 @@ def analyze(opts: Options, progress: Progress) -> Summary:
             # Where debugfs/xfs_db/btrfs read each file system; xfs_db and
             # btrfs read none at an offset of a disk, so XFS and btrfs get a
             # copy (as an LV of several segments does).
-            sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
-                                        copy=fs.fstype in ("xfs", "btrfs"))
-                       for i, fs in enumerate(geo.filesystems)}
+            sources = {
+                fs.key: fs_image(
+                    raw, fs.runs, workdir / f"fs-{i}.img", copy=fs.fstype in ("xfs", "btrfs")
+                )
+                for i, fs in enumerate(geo.filesystems)
+            }
             insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
         image_id = resultsdb.record_image(db, opts.image, fmt, vsize, content, insp.info)
         analysis_id = resultsdb.start_analysis(
-            db, image_id, started_at=_now(), tool_version=__version__,
-            host_kernel=platform.release(), qemu_version=qemu_version(),
-            crash_version=installed_crash(), accel=accel, accel_reason=accel_reason,
-            ram_mib=opts.ram_mib, runs=opts.runs, min_runs=opts.effective_min_runs(),
-            workload=opts.workload.describe(), settle_s=opts.settle,
+            db,
+            image_id,
+            started_at=_now(),
+            tool_version=__version__,
+            host_kernel=platform.release(),
+            qemu_version=qemu_version(),
+            crash_version=installed_crash(),
+            accel=accel,
+            accel_reason=accel_reason,
+            ram_mib=opts.ram_mib,
+            runs=opts.runs,
+            min_runs=opts.effective_min_runs(),
+            workload=opts.workload.describe(),
+            settle_s=opts.settle,
             # The request until a run has seen the guest kernel; then the backend used.
-            introspector=opts.introspector)
+            introspector=opts.introspector,
+        )
         resultsdb.record_filesystems(db, analysis_id, insp.info.filesystems, insp.info.skipped)
         db.commit()
 
         root = info.filesystems[0]
-        boot = BootSpec(insp.kernel, insp.initrd, kernel_cmdline(
-            info.root_uuid, f"subvol={root.subvol}" if root.subvol else ""))
-        ctx = RunContext(opts, progress, db, analysis_id, workdir, raw, geo, sources, fmt, boot,
-                         accel, accel_reason, vmlinux)
+        boot = BootSpec(
+            insp.kernel,
+            insp.initrd,
+            kernel_cmdline(info.root_uuid, f"subvol={root.subvol}" if root.subvol else ""),
+        )
+        ctx = RunContext(
+            opts,
+            progress,
+            db,
+            analysis_id,
+            workdir,
+            raw,
+            geo,
+            sources,
+            fmt,
+            boot,
+            accel,
+            accel_reason,
+            vmlinux,
+        )
         results: list[RunResult] = []
         with ksm_session(KSM(), progress.say) as ksm:
             for seq in range(1, opts.runs + 1):
@@ -270,8 +316,13 @@ def analyze(opts: Options, progress: Progress) -> Summary:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_ready(guests: list[Guest], markers: Markers, boot_timeout: float,
-                workload_timeout: float, progress: Progress) -> dict[str, float]:
+def _wait_ready(
+    guests: list[Guest],
+    markers: Markers,
+    boot_timeout: float,
+    workload_timeout: float,
+    progress: Progress,
+) -> dict[str, float]:
     """Waits for each guest's boot marker, then its ready marker (after the workload)."""
     t0 = time.monotonic()
     booted: dict[str, float] = {}
@@ -294,14 +345,18 @@ def _wait_ready(guests: list[Guest], markers: Markers, boot_timeout: float,
                     progress.say(f"warning: the workload in guest {g.name} exited with {rc[0]}")
                 continue
             if g.name not in booted and now - t0 > boot_timeout:
-                raise UserError(f"guest {g.name}: the guest did not finish booting within "
-                                f"{boot_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
-                                "check that the image boots to multi-user (systemd) with console="
-                                "ttyS0, or raise --boot-timeout (TCG is slow)")
+                raise UserError(
+                    f"guest {g.name}: the guest did not finish booting within "
+                    f"{boot_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
+                    "check that the image boots to multi-user (systemd) with console="
+                    "ttyS0, or raise --boot-timeout (TCG is slow)",
+                )
             if g.name in booted and now - t0 - booted[g.name] > workload_timeout:
-                raise UserError(f"guest {g.name}: the workload did not finish within "
-                                f"{workload_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
-                                "check the --workload command, or raise --workload-timeout")
+                raise UserError(
+                    f"guest {g.name}: the workload did not finish within "
+                    f"{workload_timeout:.0f}s; last serial lines:\n    {_tail(g)}",
+                    "check the --workload command, or raise --workload-timeout",
+                )
         if now - last_note > 30:
             progress.say(f"waiting for guests ({now - t0:.0f}s; TCG boots take a minute or two)")
             last_note = now
@@ -320,32 +375,51 @@ def _run_once(ctx: RunContext, ksm: KSM, seq: int) -> RunResult:
     tag = f"run {seq}/{opts.runs}"
     markers = Markers.new()
     script = write_script(workdir, opts.workload, markers)
-    guests = [Guest(name, workdir, opts.image, ctx.fmt, ctx.boot, ctx.accel, opts.ram_mib,
-                    {FW_CFG_NAME: script}) for name in VMS]
+    guests = [
+        Guest(
+            name,
+            workdir,
+            opts.image,
+            ctx.fmt,
+            ctx.boot,
+            ctx.accel,
+            opts.ram_mib,
+            {FW_CFG_NAME: script},
+        )
+        for name in VMS
+    ]
     run_id = resultsdb.start_run(db, ctx.analysis_id, seq)
     dumps: dict[str, Path] = {}
     try:
         with progress.phase("boot", f"{tag}: booting guests A and B from fresh overlays"):
             for g in guests:
                 g.start()
-            boot_s = _wait_ready(guests, markers, opts.boot_timeout, opts.workload.timeout,
-                                 progress)
-        with progress.phase("ksm", f"{tag}: host KSM merging (settle {opts.settle:.0f}s, then "
-                            "until a full scan finds nothing new)"):
+            boot_s = _wait_ready(
+                guests, markers, opts.boot_timeout, opts.workload.timeout, progress
+            )
+        with progress.phase(
+            "ksm",
+            f"{tag}: host KSM merging (settle {opts.settle:.0f}s, then "
+            "until a full scan finds nothing new)",
+        ):
             params = ksm.tune()
             last = [time.monotonic()]
 
             def note(s: Sample) -> None:
                 if time.monotonic() - last[0] > 15:
-                    progress.say(f"{tag}: KSM full_scans={s.values.get('full_scans')} "
-                                 f"pages_sharing={s.values.get('pages_sharing')}")
+                    progress.say(
+                        f"{tag}: KSM full_scans={s.values.get('full_scans')} "
+                        f"pages_sharing={s.values.get('pages_sharing')}"
+                    )
                     last[0] = time.monotonic()
 
             conv = ksm.converge(timeout=opts.ksm_timeout, on_sample=note, min_time=opts.settle)
             samples = conv.samples
             if not conv.converged:
-                progress.say(f"warning: KSM did not converge within {opts.ksm_timeout:.0f}s; "
-                             "using what merged so far")
+                progress.say(
+                    f"warning: KSM did not converge within {opts.ksm_timeout:.0f}s; "
+                    "using what merged so far"
+                )
         with progress.phase("host-view", f"{tag}: pausing guests, reading host page tables"):
             for g in guests:
                 g.stop_cpus()
@@ -371,13 +445,15 @@ def _run_once(ctx: RunContext, ksm: KSM, seq: int) -> RunResult:
     resultsdb.record_ksm_samples(db, run_id, samples)
     try:
         with progress.phase("introspect", f"{tag}: classifying merged frames"):
-            recs, contents, build_id, used = _introspect(dumps, mc, ctx.vmlinux, workdir,
-                                                         progress, tag, opts.introspector)
+            recs, contents, build_id, used = _introspect(
+                dumps, mc, ctx.vmlinux, workdir, progress, tag, opts.introspector
+            )
         resultsdb.record_guest_kernel(db, run_id, build_id[0], build_id[1])
         resultsdb.set_introspector(db, ctx.analysis_id, used[0])
         with progress.phase("map-verify", f"{tag}: mapping page cache to sectors, verifying"):
-            result = _map_and_verify(db, run_id, mc, recs, contents, ctx.raw, ctx.geo,
-                                     ctx.sources, opts.include_metadata)
+            result = _map_and_verify(
+                db, run_id, mc, recs, contents, ctx.raw, ctx.geo, ctx.sources, opts.include_metadata
+            )
         result.introspector = used
         result.ksm_samples = samples
         db.commit()
@@ -414,16 +490,19 @@ def check_introspector(requested: str, kernel_version: str) -> None:
     crash = installed_crash()
     if requested == "crash":
         if crash is None:
-            raise UserError("--introspector crash: the crash utility is not installed",
-                            "run scripts/install-deps.sh, or use --introspector auto")
+            raise UserError(
+                "--introspector crash: the crash utility is not installed",
+                "run scripts/install-deps.sh, or use --introspector auto",
+            )
         auto, why = choose_introspector("auto", kernel_version, crash)
         if auto != "crash":
-            raise UserError(f"--introspector crash: {why.removeprefix('auto: ')}",
-                            "use --introspector auto (drgn reads newer kernels)")
+            raise UserError(
+                f"--introspector crash: {why.removeprefix('auto: ')}",
+                "use --introspector auto (drgn reads newer kernels)",
+            )
 
 
-def choose_introspector(requested: str, osrelease: str, crash: str | None
-                        ) -> tuple[str, str]:
+def choose_introspector(requested: str, osrelease: str, crash: str | None) -> tuple[str, str]:
     """Which backend classifies the guest's frames: (crash|drgn, why).
 
     auto keeps crash + pagescan (the reference implementation) for every
@@ -442,15 +521,24 @@ def choose_introspector(requested: str, osrelease: str, crash: str | None
         return "drgn", f"auto: cannot tell whether {crash} opens guest kernel {osrelease!r}"
     for older_than, first_bad in CRASH_KERNEL_LIMITS:
         if crash_v < older_than and kernel[:2] >= first_bad:
-            return "drgn", (f"auto: guest kernel {osrelease} is {first_bad[0]}.{first_bad[1]} "
-                            f"or newer, which {crash} cannot open")
+            return "drgn", (
+                f"auto: guest kernel {osrelease} is {first_bad[0]}.{first_bad[1]} "
+                f"or newer, which {crash} cannot open"
+            )
     return "crash", f"auto: {crash} opens guest kernel {osrelease}"
 
 
-def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path, workdir: Path,
-                progress: Progress, tag: str, introspector: str
-                ) -> tuple[dict[str, dict[int, PageRecord]], dict[str, dict[int, bytes]],
-                           tuple[str, str], tuple[str, str]]:
+def _introspect(
+    dumps: dict[str, Path],
+    mc: dict[str, MergeClass],
+    vmlinux: Path,
+    workdir: Path,
+    progress: Progress,
+    tag: str,
+    introspector: str,
+) -> tuple[
+    dict[str, dict[int, PageRecord]], dict[str, dict[int, bytes]], tuple[str, str], tuple[str, str]
+]:
     recs: dict[str, dict[int, PageRecord]] = {}
     contents: dict[str, dict[int, bytes]] = {}
     build_id = ("", "")
@@ -460,9 +548,10 @@ def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path
         try:
             info = elf.vmcoreinfo()
             if info is None:
-                raise UserError(f"guest {vm}: no VMCOREINFO in the dump or guest memory",
-                                "the guest kernel must be built with CONFIG_CRASH_CORE "
-                                "(Debian kernels are)")
+                raise UserError(
+                    f"guest {vm}: no VMCOREINFO in the dump or guest memory",
+                    "the guest kernel must be built with CONFIG_CRASH_CORE (Debian kernels are)",
+                )
             vmci = parse_vmcoreinfo(info)
             build_id = (vmci.get("OSRELEASE", ""), vmci.get("BUILD-ID", ""))
             check_vmlinux(vmlinux, build_id[1] or None)
@@ -476,13 +565,17 @@ def _introspect(dumps: dict[str, Path], mc: dict[str, MergeClass], vmlinux: Path
             elf.close()
         nonzero = [g for g, b in contents[vm].items() if any(b)]
         used = choose_introspector(introspector, build_id[0], installed_crash())
-        progress.say(f"{tag}: guest {vm}: {len(merged)} merged frames, {len(nonzero)} non-zero; "
-                     f"classifying them with {used[0]} ({used[1]})")
+        progress.say(
+            f"{tag}: guest {vm}: {len(merged)} merged frames, {len(nonzero)} non-zero; "
+            f"classifying them with {used[0]} ({used[1]})"
+        )
         t0 = time.monotonic()
         classify = drgn_backend.classify_pfns if used[0] == "drgn" else classify_pfns
         recs[vm] = classify(vmlinux, path, nonzero, workdir)
-        progress.say(f"{tag}: guest {vm}: {used[0]} classified {len(nonzero)} frames in "
-                     f"{time.monotonic() - t0:.1f}s")
+        progress.say(
+            f"{tag}: guest {vm}: {used[0]} classified {len(nonzero)} frames in "
+            f"{time.monotonic() - t0:.1f}s"
+        )
     return recs, contents, build_id, used
 
 
@@ -500,17 +593,30 @@ def category_of(rec: PageRecord | None, zero: bool, listed: bool) -> str:
     return "kernel"
 
 
-def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClass],
-                    recs: dict[str, dict[int, PageRecord]], contents: dict[str, dict[int, bytes]],
-                    raw: Path, geo: Geometry, sources: dict[FsKey, tuple[Path, int]],
-                    include_metadata: bool) -> RunResult:
+def _map_and_verify(
+    db: sqlite3.Connection,
+    run_id: int,
+    mc: dict[str, MergeClass],
+    recs: dict[str, dict[int, PageRecord]],
+    contents: dict[str, dict[int, bytes]],
+    raw: Path,
+    geo: Geometry,
+    sources: dict[FsKey, tuple[Path, int]],
+    include_metadata: bool,
+) -> RunResult:
     read_at, _ = diskimage.raw_file_reader(raw)
     # One debugfs per mapped file system, for the inodes the guests cached there.
     extents: dict[tuple[FsKey, int], list[Extent]] = {}
     candidates: dict[tuple[FsKey, int], list[Candidate]] = {}
     for fs in geo.filesystems:
-        inodes = sorted({r.ino for v in recs.values() for r in v.values()
-                         if r.kind == "file" and geo.find(r) == fs})
+        inodes = sorted(
+            {
+                r.ino
+                for v in recs.values()
+                for r in v.values()
+                if r.kind == "file" and geo.find(r) == fs
+            }
+        )
         if fs.fstype == "btrfs":
             for ino, cands in _btrfs_candidates(fs, sources[fs.key][0], inodes).items():
                 candidates[fs.key, ino] = cands
@@ -526,8 +632,11 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
         stable[vm], cats[vm], gpfn_sector[vm] = {}, Counter(), {}
         rows: list[GuestPage] = []
         for gpfn in mc[vm].zero:
-            rows.append(GuestPage(vm, gpfn, None, "zero", None, "zero", None, None, None, None,
-                                  "zero", None))
+            rows.append(
+                GuestPage(
+                    vm, gpfn, None, "zero", None, "zero", None, None, None, None, "zero", None
+                )
+            )
             cats[vm]["zero"] += 1
         for merge, frames in (("cross", mc[vm].cross), ("intra", mc[vm].intra)):
             for gpfn, pfn in frames.items():
@@ -539,8 +648,14 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
                     verdict = "zero"
                 elif rec is not None and rec.page_cache:
                     sector, verdict, tree = map_page(
-                        rec, data, lambda s: read_at(s * 512, PAGE), extents, geo,
-                        include_metadata, candidates)
+                        rec,
+                        data,
+                        lambda s: read_at(s * 512, PAGE),
+                        extents,
+                        geo,
+                        include_metadata,
+                        candidates,
+                    )
                 if verdict in (INLINE, COMPRESSED):
                     unservable[verdict] += 1
                 ok = verdict == STABLE and merge == "cross"
@@ -548,25 +663,41 @@ def _map_and_verify(db: sqlite3.Connection, run_id: int, mc: dict[str, MergeClas
                     verdict = "intra-only"
                 home = geo.find(rec) if rec is not None and rec.kind == "file" else None
                 if ok and rec is not None and sector is not None:
-                    stable[vm][sector] = PageFact(sector, rec.ino if rec.kind == "file" else 0,
-                                                  rec.index, rec.kind, home, tree)
+                    stable[vm][sector] = PageFact(
+                        sector,
+                        rec.ino if rec.kind == "file" else 0,
+                        rec.index,
+                        rec.kind,
+                        home,
+                        tree,
+                    )
                     gpfn_sector[vm][gpfn] = sector
                 cat = category_of(rec, is_zero, ok)
                 cats[vm][cat] += 1
-                rows.append(GuestPage(vm, gpfn, pfn, merge, rec.kind if rec else None, cat,
-                                      rec.ino if rec else None, rec.index if rec else None,
-                                      rec.state if rec else None, sector, verdict or None,
-                                      norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None))
+                rows.append(
+                    GuestPage(
+                        vm,
+                        gpfn,
+                        pfn,
+                        merge,
+                        rec.kind if rec else None,
+                        cat,
+                        rec.ino if rec else None,
+                        rec.index if rec else None,
+                        rec.state if rec else None,
+                        sector,
+                        verdict or None,
+                        norm_uuid(rec.fs_uuid) if rec and rec.fs_uuid else None,
+                    )
+                )
         merged_nonzero[vm] = sum(n for c, n in cats[vm].items() if c != "zero")
         # Each VM's rows as soon as they are known: a failure mapping B's frames
         # still records A's (the failed analysis' commit keeps them).
         resultsdb.record_guest_pages(db, run_id, rows)
-    return RunResult(stable, cats, merged_nonzero, gpfn_sector,
-                     unservable=unservable)
+    return RunResult(stable, cats, merged_nonzero, gpfn_sector, unservable=unservable)
 
 
-def _finish(ctx: RunContext, insp: Inspection, content: str, results: list[RunResult]
-            ) -> Summary:
+def _finish(ctx: RunContext, insp: Inspection, content: str, results: list[RunResult]) -> Summary:
     """Writes the list of the blocks the runs agree on, records it, and sums up."""
     opts, db, analysis_id, accel = ctx.opts, ctx.db, ctx.analysis_id, ctx.accel
     min_runs = opts.effective_min_runs()
@@ -577,38 +708,65 @@ def _finish(ctx: RunContext, insp: Inspection, content: str, results: list[RunRe
     info = insp.info
     sl = sectorlist.SectorList(
         image=sectorlist.ImageIdentity(info.virtual_size, content, opts.image.name),
-        blocks=blocks, generator=f"analyze-image {__version__}",
+        blocks=blocks,
+        generator=f"analyze-image {__version__}",
         criteria="cross-vm-ksm,clean,verified,aligned8,nonzero"
-                 + (",metadata" if opts.include_metadata else ",no-metadata"),
+        + (",metadata" if opts.include_metadata else ",no-metadata"),
         runs=f"{opts.runs} run(s), kept blocks seen in >= {min_runs}",
-        extra={"x-guest-kernel": info.kernel_version, "x-accel": accel})
+        extra={"x-guest-kernel": info.kernel_version, "x-accel": accel},
+    )
     opts.lists_dir.mkdir(parents=True, exist_ok=True)
     list_path = opts.lists_dir / sectorlist.list_file_name(sl.image)
     sectorlist.write(sl, list_path)
 
     paths = _listed_paths(ctx.sources, [fact[s] for s in keep])
-    resultsdb.record_files(db, analysis_id,
-                           [(place.uuid, ino, p) for (place, ino), p in paths.items()])
+    resultsdb.record_files(
+        db, analysis_id, [(place.uuid, ino, p) for (place, ino), p in paths.items()]
+    )
     resultsdb.record_listed_blocks(
-        db, analysis_id, [ListedBlock(s, blocks[s], f.ino or None, f.index * PAGE, f.kind,
-                                      kept.runs_seen[s], int(kept.both_vms[s]),
-                                      f.fs.uuid if f.fs else None)
-                          for s, f in ((s, fact[s]) for s in keep)])
+        db,
+        analysis_id,
+        [
+            ListedBlock(
+                s,
+                blocks[s],
+                f.ino or None,
+                f.index * PAGE,
+                f.kind,
+                kept.runs_seen[s],
+                int(kept.both_vms[s]),
+                f.fs.uuid if f.fs else None,
+            )
+            for s, f in ((s, fact[s]) for s in keep)
+        ],
+    )
     resultsdb.record_list(db, analysis_id, list_path, len(keep))
 
     pages, coverage = breakdown(results, set(keep))
     return Summary(
-        image=str(opts.image), list_path=str(list_path), analysis_id=analysis_id, accel=accel,
-        accel_reason=ctx.accel_reason, runs=opts.runs, min_runs=min_runs, listed_blocks=len(keep),
-        listed_mib=len(keep) * PAGE / 2**20, breakdown_pages=pages, coverage=coverage,
-        top_files=top_files(keep, fact, paths), phases={}, ksm=ksm_series(results))
+        image=str(opts.image),
+        list_path=str(list_path),
+        analysis_id=analysis_id,
+        accel=accel,
+        accel_reason=ctx.accel_reason,
+        runs=opts.runs,
+        min_runs=min_runs,
+        listed_blocks=len(keep),
+        listed_mib=len(keep) * PAGE / 2**20,
+        breakdown_pages=pages,
+        coverage=coverage,
+        top_files=top_files(keep, fact, paths),
+        phases={},
+        ksm=ksm_series(results),
+    )
 
 
-def _read_extents(fs: Placement, source: tuple[Path, int], inodes: list[int]
-                  ) -> dict[int, list[Extent]]:
+def _read_extents(
+    fs: Placement, source: tuple[Path, int], inodes: list[int]
+) -> dict[int, list[Extent]]:
     image, offset = source
     if fs.fstype == "xfs":
-        return xfsmap.read_extents(image, inodes)      # a copy of the file system alone
+        return xfsmap.read_extents(image, inodes)  # a copy of the file system alone
     return read_extents(image, offset, inodes)
 
 
@@ -618,8 +776,14 @@ def placements(filesystems: tuple[MappedFs, ...]) -> tuple[Placement, ...]:
     /home) is one file system, one Placement listing each mount."""
     out: dict[FsKey, Placement] = {}
     for f in filesystems:
-        p = Placement(norm_uuid(f.uuid), f.guest_start_sector, f.runs, f.mountpoint, f.fstype,
-                      ((f.subvol, f.mountpoint),) if f.fstype == "btrfs" else ())
+        p = Placement(
+            norm_uuid(f.uuid),
+            f.guest_start_sector,
+            f.runs,
+            f.mountpoint,
+            f.fstype,
+            ((f.subvol, f.mountpoint),) if f.fstype == "btrfs" else (),
+        )
         if p.key in out and p.fstype == "btrfs":
             out[p.key] = replace(out[p.key], subvols=out[p.key].subvols + p.subvols)
         else:
@@ -627,9 +791,13 @@ def placements(filesystems: tuple[MappedFs, ...]) -> tuple[Placement, ...]:
     return tuple(out.values())
 
 
-def _check_btrfs_chunks(image: Path, insp: Inspection, geo: Geometry,
-                        sources: dict[FsKey, tuple[Path, int]], progress: Progress
-                        ) -> tuple[Inspection, Geometry]:
+def _check_btrfs_chunks(
+    image: Path,
+    insp: Inspection,
+    geo: Geometry,
+    sources: dict[FsKey, tuple[Path, int]],
+    progress: Progress,
+) -> tuple[Inspection, Geometry]:
     """A btrfs's chunk tree is first read here, before any guest boots: one whose
     data is striped or mirrored (a RAID profile, found only there) refuses the
     image as its root, and is skipped like any unmappable file system otherwise."""
@@ -641,44 +809,54 @@ def _check_btrfs_chunks(image: Path, insp: Inspection, geo: Geometry,
             btrfsmap.check_chunks(sources[fs.key][0])
         except btrfsmap.BtrfsUnsupported as e:
             if fs.mountpoint == "/":
-                raise UserError(f"{image}: root file system is btrfs, which cannot be "
-                                f"analyzed: {e}", "analyze an image whose root btrfs keeps its "
-                                "data and metadata in SINGLE or DUP chunks (btrfs balance start "
-                                "-dconvert=single -mconvert=dup), or with an ext4 or XFS "
-                                "root") from None
+                raise UserError(
+                    f"{image}: root file system is btrfs, which cannot be analyzed: {e}",
+                    "analyze an image whose root btrfs keeps its "
+                    "data and metadata in SINGLE or DUP chunks (btrfs balance start "
+                    "-dconvert=single -mconvert=dup), or with an ext4 or XFS "
+                    "root",
+                ) from None
             drop[fs.key] = str(e)
-            progress.say(f"note: {fs.mountpoint} (btrfs) is not mapped, its files cannot be "
-                         f"listed: {e}")
+            progress.say(
+                f"note: {fs.mountpoint} (btrfs) is not mapped, its files cannot be listed: {e}"
+            )
     if not drop:
         return insp, geo
     info = insp.info
-    keep = tuple(f for f in info.filesystems
-                 if (norm_uuid(f.uuid), f.guest_start_sector) not in drop)
-    gone = tuple(SkippedFs(f.mountpoint, f.device, f.fstype,
-                           drop[norm_uuid(f.uuid), f.guest_start_sector])
-                 for f in info.filesystems if f not in keep)
+    keep = tuple(
+        f for f in info.filesystems if (norm_uuid(f.uuid), f.guest_start_sector) not in drop
+    )
+    gone = tuple(
+        SkippedFs(f.mountpoint, f.device, f.fstype, drop[norm_uuid(f.uuid), f.guest_start_sector])
+        for f in info.filesystems
+        if f not in keep
+    )
     insp = replace(insp, info=replace(info, filesystems=keep, skipped=info.skipped + gone))
-    return insp, Geometry(tuple(f for f in geo.filesystems if f.key not in drop),
-                          geo.virtual_size, geo.disk)
+    return insp, Geometry(
+        tuple(f for f in geo.filesystems if f.key not in drop), geo.virtual_size, geo.disk
+    )
 
 
 def mounted_trees(fs: Placement, default: int, paths: dict[int, str]) -> list[tuple[int, str]]:
     """(tree, mountpoint) of each mount of a btrfs, as fs.subvols lists them:
     a subvolume named by its path from the top level, or "" for the default."""
     tree_of = {p: t for t, p in paths.items()}
-    return [(default if not sv else tree_of[sv.strip("/")], mp) for sv, mp in fs.subvols
-            if not sv or sv.strip("/") in tree_of]
+    return [
+        (default if not sv else tree_of[sv.strip("/")], mp)
+        for sv, mp in fs.subvols
+        if not sv or sv.strip("/") in tree_of
+    ]
 
 
-def _btrfs_candidates(fs: Placement, image: Path, inodes: list[int]
-                      ) -> dict[int, list[Candidate]]:
+def _btrfs_candidates(fs: Placement, image: Path, inodes: list[int]) -> dict[int, list[Candidate]]:
     """Per inode number, its block map in every subvolume tree that has it
     (with data or inline/compressed extents), the mounted subvolumes first."""
     if not inodes:
         return {}
     subvols, default, paths = btrfsmap.read_subvolumes(image)
-    order = list(dict.fromkeys([t for t, _ in mounted_trees(fs, default, paths)]
-                               + [s.tree for s in subvols]))
+    order = list(
+        dict.fromkeys([t for t, _ in mounted_trees(fs, default, paths)] + [s.tree for s in subvols])
+    )
     per_tree = btrfsmap.read_subvolume_extents(image, inodes, order)
     out: dict[int, list[Candidate]] = {}
     for tree in order:
@@ -686,17 +864,20 @@ def _btrfs_candidates(fs: Placement, image: Path, inodes: list[int]
         for ino in inodes:
             if exts.get(ino) or skipped.ranges.get(ino):
                 out.setdefault(ino, []).append(
-                    Candidate(tree, exts.get(ino, []), tuple(skipped.ranges.get(ino, []))))
+                    Candidate(tree, exts.get(ino, []), tuple(skipped.ranges.get(ino, [])))
+                )
     return out
 
 
-def _btrfs_paths(fs: Placement, image: Path, inodes: set[tuple[int, int]]
-                 ) -> dict[tuple[int, int], str]:
+def _btrfs_paths(
+    fs: Placement, image: Path, inodes: set[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
     """Guest paths of btrfs (tree, inode)s: the path in its subvolume, under where
     that subvolume (or one holding it) is mounted; none if it is mounted nowhere."""
     _, default, paths = btrfsmap.read_subvolumes(image)
-    mounts = sorted(((paths[t], mp) for t, mp in mounted_trees(fs, default, paths)),
-                    key=lambda m: -len(m[0]))
+    mounts = sorted(
+        ((paths[t], mp) for t, mp in mounted_trees(fs, default, paths)), key=lambda m: -len(m[0])
+    )
     out: dict[tuple[int, int], str] = {}
     for tree in sorted({t for t, _ in inodes}):
         found = btrfsmap.read_paths(image, sorted(i for t, i in inodes if t == tree), tree)
@@ -704,13 +885,14 @@ def _btrfs_paths(fs: Placement, image: Path, inodes: set[tuple[int, int]]
             top = "/".join(x for x in (paths.get(tree), p.strip("/")) if x)
             for sv, mp in mounts:
                 if tree in paths and (not sv or top == sv or top.startswith(sv + "/")):
-                    out[tree, ino] = mp.rstrip("/") + "/" + top[len(sv):].lstrip("/")
+                    out[tree, ino] = mp.rstrip("/") + "/" + top[len(sv) :].lstrip("/")
                     break
     return out
 
 
-def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
-                  ) -> dict[tuple[Placement, int], str | None]:
+def _listed_paths(
+    sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
+) -> dict[tuple[Placement, int], str | None]:
     """The guest path of every listed file, by (file system, inode): one debugfs
     per file system, its paths under its mount point (/boot/vmlinuz-...)."""
     by_fs: dict[Placement, set[int]] = {}
@@ -729,8 +911,11 @@ def _listed_paths(sources: dict[FsKey, tuple[Path, int]], facts: list[PageFact]
             for ino in inos:
                 out.setdefault((fs, ino), None)
             continue
-        found = (xfsmap.read_paths(image, sorted(inos)) if fs.fstype == "xfs"
-                 else read_paths(image, offset, sorted(inos)))
+        found = (
+            xfsmap.read_paths(image, sorted(inos))
+            if fs.fstype == "xfs"
+            else read_paths(image, offset, sorted(inos))
+        )
         for ino in inos:
             p = found.get(ino)
             # debugfs names a file in the file system's top directory "//name".
@@ -752,17 +937,25 @@ def format_summary(s: Summary) -> str:
     total = sum(s.breakdown_pages.values()) or 1
     for cat in ("listed", "page-cache", "anon", "kernel", "zero"):
         n = s.breakdown_pages.get(cat, 0)
-        label = {"listed": "listed page cache", "page-cache": "other page cache",
-                 "anon": "anonymous", "kernel": "kernel/other", "zero": "zero pages"}[cat]
+        label = {
+            "listed": "listed page cache",
+            "page-cache": "other page cache",
+            "anon": "anonymous",
+            "kernel": "kernel/other",
+            "zero": "zero pages",
+        }[cat]
         lines.append(f"    {label:<18} {n * PAGE / 2**20:9.1f} MiB  {100 * n / total:5.1f} %")
     lines.append(f"  list covers {100 * s.coverage:.1f} % of merged non-zero memory")
     if s.unservable_pages:
-        lines.append("  btrfs page cache no disk block holds as read (not listable): " + ", ".join(
-            f"{n * PAGE / 2**20:.1f} MiB {k}" for k, n in sorted(s.unservable_pages.items())))
+        lines.append(
+            "  btrfs page cache no disk block holds as read (not listable): "
+            + ", ".join(
+                f"{n * PAGE / 2**20:.1f} MiB {k}" for k, n in sorted(s.unservable_pages.items())
+            )
+        )
     if s.top_files:
         lines.append("  top files by listed MiB:")
         lines += [f"    {mib:7.2f} MiB  {p}" for p, mib in s.top_files[:10]]
     lines.append("  time per phase:")
     lines += [f"    {k:<14} {v:7.1f} s" for k, v in s.phases.items()]
     return "\n".join(lines)
-

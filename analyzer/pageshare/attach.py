@@ -53,11 +53,25 @@ CHILDREN = ("file", "backing", "data-file")
 # Fields of query-named-block-nodes that must read the same after a reopen.
 KEPT_FIELDS = ("drv", "ro", "cache", "detect_zeroes", "encrypted", "write_threshold")
 # What the filter adds to query-blockstats, shown after attach and at detach.
-STAT_KEYS = ("connected", "generation", "table-entries", "degraded", "requests", "merged",
-             "fallback-no-table", "fallback-not-listed", "fallback-not-guest-ram",
-             "fallback-unaligned", "fallback-unsupported", "fallback-merge-failed",
-             "fallback-unproven", "base-changed", "merge-unsupported", "connects",
-             "connect-failures")
+STAT_KEYS = (
+    "connected",
+    "generation",
+    "table-entries",
+    "degraded",
+    "requests",
+    "merged",
+    "fallback-no-table",
+    "fallback-not-listed",
+    "fallback-not-guest-ram",
+    "fallback-unaligned",
+    "fallback-unsupported",
+    "fallback-merge-failed",
+    "fallback-unproven",
+    "base-changed",
+    "merge-unsupported",
+    "connects",
+    "connect-failures",
+)
 
 
 class AttachError(PageshareError):
@@ -78,17 +92,17 @@ class AttachError(PageshareError):
 class Node:
     name: str
     drv: str
-    file: str                         # query-named-block-nodes "file": the filename
+    file: str  # query-named-block-nodes "file": the filename
     info: dict[str, Any]
-    children: dict[str, str] = field(default_factory=dict)   # child name -> node name
+    children: dict[str, str] = field(default_factory=dict)  # child name -> node name
     parents: list[tuple[str, str]] = field(default_factory=list)  # (parent, child name)
-    backends: list[str] = field(default_factory=list)        # BlockBackends on this node
+    backends: list[str] = field(default_factory=list)  # BlockBackends on this node
 
 
 @dataclass
 class Graph:
     nodes: dict[str, Node]
-    backend_names: dict[str, str]     # BlockBackend name or qdev id -> its root node
+    backend_names: dict[str, str]  # BlockBackend name or qdev id -> its root node
 
     def bottom_file(self, name: str) -> Node:
         """The protocol node a format node (or a protocol node itself) reads."""
@@ -127,8 +141,11 @@ def backend_label(device: str, qdev: str) -> str:
 
 def read_graph(qmp: Monitor) -> Graph:
     infos = qmp.command("query-named-block-nodes", None, flat=True)
-    nodes = {i["node-name"]: Node(i["node-name"], i["drv"], i.get("file", ""), i)
-             for i in infos if i.get("node-name")}
+    nodes = {
+        i["node-name"]: Node(i["node-name"], i["drv"], i.get("file", ""), i)
+        for i in infos
+        if i.get("node-name")
+    }
     g = qmp.command("x-debug-query-block-graph")
     by_id = {n["id"]: n for n in g["nodes"]}
     for e in g["edges"]:
@@ -162,7 +179,7 @@ class Chain:
 
     overlay: str
     base: str
-    filter: str | None                # the pageshare node between them, if attached
+    filter: str | None  # the pageshare node between them, if attached
     labels: list[str]
 
     @property
@@ -193,10 +210,15 @@ def select(chains: list[Chain], drives: list[str]) -> list[Chain]:
         if not hit:
             known = sorted({c.drive for c in chains})
             raise AttachError(
-                "no-such-drive", f"no drive {d!r} with a backing chain in this QEMU",
+                "no-such-drive",
+                f"no drive {d!r} with a backing chain in this QEMU",
                 "give a drive id, qdev id or node name of an overlay over a base"
-                + (f"; drives with a base: {', '.join(known)}" if known else
-                   "; this QEMU has no overlay over a base image at all"))
+                + (
+                    f"; drives with a base: {', '.join(known)}"
+                    if known
+                    else "; this QEMU has no overlay over a base image at all"
+                ),
+            )
         out += [c for c in hit if c not in out]
     return out
 
@@ -226,8 +248,9 @@ def block_refs_state(qmp: Monitor) -> bool | None:
 
 
 def set_block_refs(qmp: Monitor, on: bool) -> None:
-    qmp.command("migrate-set-capabilities", None,
-                capabilities=[{"capability": BLOCK_REFS, "state": on}])
+    qmp.command(
+        "migrate-set-capabilities", None, capabilities=[{"capability": BLOCK_REFS, "state": on}]
+    )
 
 
 def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
@@ -235,8 +258,10 @@ def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
     if pid is None:
         return {}
     try:
-        argv = [a.decode(errors="replace") for a in
-                Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        argv = [
+            a.decode(errors="replace")
+            for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        ]
     except OSError:
         return {}
     out: dict[str, dict[str, Any]] = {}
@@ -251,8 +276,7 @@ def cmdline_blockdevs(pid: int | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def reopen_options(g: Graph, overlay: str, backing: str,
-                   defined: dict[str, Any]) -> dict[str, Any]:
+def reopen_options(g: Graph, overlay: str, backing: str, defined: dict[str, Any]) -> dict[str, Any]:
     """What blockdev-reopen gets for ``overlay``: its -blockdev definition
     from the command line (blockdev-reopen resets every option it is not
     given), its children by name, the new backing child."""
@@ -267,8 +291,9 @@ def reopen_options(g: Graph, overlay: str, backing: str,
     return opts
 
 
-def set_backing(qmp: Monitor, g: Graph, overlay: str, backing: str,
-                defined: dict[str, dict[str, Any]]) -> str:
+def set_backing(
+    qmp: Monitor, g: Graph, overlay: str, backing: str, defined: dict[str, dict[str, Any]]
+) -> str:
     """Re-point ``overlay``'s backing child; returns the method used.
 
     blockdev-reopen when the overlay's whole definition is known (a -blockdev
@@ -323,7 +348,7 @@ def filter_name(g: Graph, base: str) -> str:
     i = 1
     while name in g.nodes:
         i += 1
-        name = f"{stem[:NODE_NAME_MAX - 1 - len(str(i))]}-{i}"
+        name = f"{stem[: NODE_NAME_MAX - 1 - len(str(i))]}-{i}"
     return name
 
 
@@ -346,21 +371,36 @@ def served_images(control: Path) -> list[Served]:
     try:
         st = server_status(control)
     except (OSError, EOFError, ValueError) as e:
-        why = ("no control socket there" if isinstance(e, FileNotFoundError)
-               else "nothing listens on it" if isinstance(e, ConnectionRefusedError)
-               else f"{type(e).__name__}: {e}")
+        why = (
+            "no control socket there"
+            if isinstance(e, FileNotFoundError)
+            else "nothing listens on it"
+            if isinstance(e, ConnectionRefusedError)
+            else f"{type(e).__name__}: {e}"
+        )
         raise AttachError(
-            "server-down", f"no pageshare-server answers on {control} ({why}); nothing changed",
+            "server-down",
+            f"no pageshare-server answers on {control} ({why}); nothing changed",
             "start it (systemctl start pageshare-server) and attach again; or pass --control "
             "SOCKET_DIR/control.sock if it runs with another socket_dir; or --socket "
             "IMAGE.sock to attach anyway (the filter reads from disk until the server is up "
-            "and then reconnects)") from None
+            "and then reconnects)",
+        ) from None
     out = []
     for i in st.get("images") or []:
         ident = i.get("identity") or {}
-        out.append(Served(str(i.get("name")), str(i.get("path")), str(i.get("socket")),
-                          str(i.get("state")), i.get("generation"), int(i.get("blocks") or 0),
-                          ident.get("content_sha256"), i.get("format")))
+        out.append(
+            Served(
+                str(i.get("name")),
+                str(i.get("path")),
+                str(i.get("socket")),
+                str(i.get("state")),
+                i.get("generation"),
+                int(i.get("blocks") or 0),
+                ident.get("content_sha256"),
+                i.get("format"),
+            )
+        )
     return out
 
 
@@ -384,7 +424,7 @@ def match_image(images: list[Served], base_file: str) -> Served | None:
 
 @dataclass
 class Options:
-    qmp: Path | None                  # a QMP socket, or None with ``libvirt``
+    qmp: Path | None  # a QMP socket, or None with ``libvirt``
     drives: list[str]
     control: Path
     socket: Path | None = None
@@ -392,7 +432,7 @@ class Options:
     reconnect_delay: int | None = None
     x_any_buffer: bool = False
     timeout: float = 30.0
-    libvirt: str | None = None        # a libvirt domain, reached through libvirtd
+    libvirt: str | None = None  # a libvirt domain, reached through libvirtd
     uri: str = DEFAULT_URI
 
     @property
@@ -402,11 +442,18 @@ class Options:
 
 def _describe(g: Graph, ch: Chain) -> dict[str, Any]:
     bf = g.bottom_file(ch.base)
-    return {"drive": ch.drive, "labels": ch.labels, "overlay": ch.overlay,
-            # the protocol node's name: the overlay's own becomes json:{...} once
-            # its backing child is not the one its header names
-            "overlay_file": g.bottom_file(ch.overlay).file, "base": ch.base,
-            "base_format": g.nodes[ch.base].drv, "base_file": bf.file, "filter": ch.filter}
+    return {
+        "drive": ch.drive,
+        "labels": ch.labels,
+        "overlay": ch.overlay,
+        # the protocol node's name: the overlay's own becomes json:{...} once
+        # its backing child is not the one its header names
+        "overlay_file": g.bottom_file(ch.overlay).file,
+        "base": ch.base,
+        "base_format": g.nodes[ch.base].drv,
+        "base_file": bf.file,
+        "filter": ch.filter,
+    }
 
 
 @contextlib.contextmanager
@@ -415,9 +462,12 @@ def connect(opts: Options) -> Iterator[Monitor]:
         try:
             lq = LibvirtQMP(opts.uri, opts.libvirt)
         except LibvirtUnavailable as e:
-            raise AttachError("qmp-unreachable", str(e),
-                              "is libvirtd running (--connect names its URI), and is the "
-                              "domain started? (`virsh -c URI list`)") from None
+            raise AttachError(
+                "qmp-unreachable",
+                str(e),
+                "is libvirtd running (--connect names its URI), and is the "
+                "domain started? (`virsh -c URI list`)",
+            ) from None
         try:
             yield lq
         finally:
@@ -431,19 +481,25 @@ def connect(opts: Options) -> Iterator[Monitor]:
 @contextlib.contextmanager
 def connect_socket(path: Path, timeout: float) -> Iterator[QMP]:
     if not path.exists():
-        raise AttachError("qmp-unreachable", f"no QMP socket at {path}",
-                          "give the socket of the VM's -qmp unix:PATH,server (or "
-                          "-chardev socket,path=PATH,server + -mon mode=control), or the "
-                          "QEMU's pid")
+        raise AttachError(
+            "qmp-unreachable",
+            f"no QMP socket at {path}",
+            "give the socket of the VM's -qmp unix:PATH,server (or "
+            "-chardev socket,path=PATH,server + -mon mode=control), or the "
+            "QEMU's pid",
+        )
     try:
         q = QMP(path, timeout=min(timeout, 5.0))
     except (OSError, QMPError, ValueError) as e:
-        raise AttachError("qmp-unreachable", f"cannot talk QMP on {path}: {e}",
-                          "is the QEMU running, and is no other client holding its QMP "
-                          "socket? (QEMU serves one client per QMP socket: libvirtd holds "
-                          "its own, so give such a VM a second -qmp socket)") from None
+        raise AttachError(
+            "qmp-unreachable",
+            f"cannot talk QMP on {path}: {e}",
+            "is the QEMU running, and is no other client holding its QMP "
+            "socket? (QEMU serves one client per QMP socket: libvirtd holds "
+            "its own, so give such a VM a second -qmp socket)",
+        ) from None
     try:
-        q.command("query-version", timeout)     # from now on, QEMU has ``timeout`` s per command
+        q.command("query-version", timeout)  # from now on, QEMU has ``timeout`` s per command
         yield q
     finally:
         q.close()
@@ -455,16 +511,20 @@ def attach(opts: Options, monitor: Monitor | None = None) -> dict[str, Any]:
     with contextlib.nullcontext(monitor) if monitor is not None else connect(opts) as q:
         if not has_driver(q):
             raise AttachError(
-                "no-driver", "this QEMU has no pageshare block driver; nothing changed",
+                "no-driver",
+                "this QEMU has no pageshare block driver; nothing changed",
                 "start the VM with the patched QEMU (qemu-patches/, `pageshare host check` "
-                "lists the QEMU binaries that have it); a running VM keeps its QEMU binary")
+                "lists the QEMU binaries that have it); a running VM keeps its QEMU binary",
+            )
         g = read_graph(q)
         chains = select(find_chains(g), opts.drives)
         if not chains:
             raise AttachError(
-                "no-overlay", "this QEMU has no overlay over a base image (no backing chain)",
+                "no-overlay",
+                "this QEMU has no overlay over a base image (no backing chain)",
                 "pageshare shares the pages of a base image that VMs read through "
-                "copy-on-write overlays; a VM whose disk is a single image has no base")
+                "copy-on-write overlays; a VM whose disk is a single image has no base",
+            )
         # the server is asked only if there is something to attach
         todo = [c for c in chains if c.filter is None]
         images = served_images(opts.control) if todo and opts.socket is None else []
@@ -488,37 +548,52 @@ def attach(opts: Options, monitor: Monitor | None = None) -> dict[str, Any]:
                 except QMPError as e:
                     d["result"] = "failed"
                     d["error"] = AttachError(
-                        "qemu-refused", f"QEMU refused: {e}",
+                        "qemu-refused",
+                        f"QEMU refused: {e}",
                         "nothing was changed for this drive; the message is QEMU's own "
                         "(a block job on the chain, or a node that writes the base, "
-                        "can keep the filter out)").to_json()
+                        "can keep the filter out)",
+                    ).to_json()
     done = [d for d in result["drives"] if d.get("result") in ("attached", "already-attached")]
     failed = [d for d in result["drives"] if d.get("result") == "failed"]
     if failed or not done:
         errs = failed or result["drives"]
         first = errs[0]["error"]
         result["ok"] = False
-        result["error"] = first if len(errs) == 1 else {
-            "kind": first["kind"],
-            "message": f"{len(errs)} drive(s) not attached: " +
-                       "; ".join(f"{d['drive']}: {d['error']['message']}" for d in errs),
-            "hint": first["hint"]}
+        result["error"] = (
+            first
+            if len(errs) == 1
+            else {
+                "kind": first["kind"],
+                "message": f"{len(errs)} drive(s) not attached: "
+                + "; ".join(f"{d['drive']}: {d['error']['message']}" for d in errs),
+                "hint": first["hint"],
+            }
+        )
     else:
         result["ok"] = True
     return result
 
 
-def _attach_one(q: Monitor, g: Graph, ch: Chain, d: dict[str, Any], opts: Options,
-                images: list[Served], defined: dict[str, dict[str, Any]],
-                group: list[Chain], pid: int | None) -> None:
+def _attach_one(
+    q: Monitor,
+    g: Graph,
+    ch: Chain,
+    d: dict[str, Any],
+    opts: Options,
+    images: list[Served],
+    defined: dict[str, dict[str, Any]],
+    group: list[Chain],
+    pid: int | None,
+) -> None:
     if ch.filter is not None:
         d["result"] = "already-attached"
         d["stats"] = filter_stats(q, ch.filter)
         return
     base_file = d["base_file"]
-    local = base_file                                 # where this process finds it
+    local = base_file  # where this process finds it
     if not base_file.startswith("/") and pid is not None:
-        local = f"/proc/{pid}/cwd/{base_file}"        # relative to QEMU's directory
+        local = f"/proc/{pid}/cwd/{base_file}"  # relative to QEMU's directory
     img: Served | None = None
     if opts.socket is None:
         img = match_image(images, local)
@@ -529,21 +604,30 @@ def _attach_one(q: Monitor, g: Graph, ch: Chain, d: dict[str, Any], opts: Option
                 f"its base {base_file} is not an image the server serves (served: {served})",
                 "a VM shares pages only if its base is the very file a server [[image]] "
                 "path names (any path to the same inode); add it to the server's config, "
-                "or leave this VM as it is")
+                "or leave this VM as it is",
+            )
         want_fmt = {"raw": ("raw", "file", "host_device"), "qcow2": ("qcow2",)}
         if img.format and d["base_format"] not in want_fmt.get(img.format, (img.format,)):
             raise AttachError(
                 "not-served",
                 f"its base {base_file} is the file of image {img.name}, but the VM reads it "
                 f"as {d['base_format']} and the server as {img.format}",
-                "the filter would read everything from disk; open the base in the "
-                "server's format")
-        d["image"] = {"name": img.name, "path": img.path, "socket": img.socket,
-                      "state": img.state, "generation": img.generation, "blocks": img.blocks}
+                "the filter would read everything from disk; open the base in the server's format",
+            )
+        d["image"] = {
+            "name": img.name,
+            "path": img.path,
+            "socket": img.socket,
+            "state": img.state,
+            "generation": img.generation,
+            "blocks": img.blocks,
+        }
         warnings = []
         if img.state != "serving" or img.generation is None:
-            warnings.append(f"image {img.name} is not serving yet (state {img.state}): "
-                            "reads go to disk until its list is published")
+            warnings.append(
+                f"image {img.name} is not serving yet (state {img.state}): "
+                "reads go to disk until its list is published"
+            )
         if warnings:
             d["warnings"] = warnings
         sock = img.socket
@@ -556,8 +640,13 @@ def _attach_one(q: Monitor, g: Graph, ch: Chain, d: dict[str, Any], opts: Option
     name = existing or filter_name(g, ch.base)
     added = False
     if existing is None:
-        args: dict[str, Any] = {"driver": "pageshare", "node-name": name, "file": ch.base,
-                                "read-only": True, "server": sock}
+        args: dict[str, Any] = {
+            "driver": "pageshare",
+            "node-name": name,
+            "file": ch.base,
+            "read-only": True,
+            "server": sock,
+        }
         if img is not None and img.sha256:
             args["image-sha256"] = img.sha256
         if opts.mode:
@@ -574,17 +663,22 @@ def _attach_one(q: Monitor, g: Graph, ch: Chain, d: dict[str, Any], opts: Option
     try:
         d["reads_before"] = backend_reads(q, g, ch.overlay)
         d["method"] = set_backing(q, g, ch.overlay, name, defined)
-        after = next(i for i in q.command("query-named-block-nodes", None, flat=True)
-                     if i.get("node-name") == ch.overlay)
-        changed = {k: (before.get(k), after.get(k)) for k in KEPT_FIELDS
-                   if before.get(k) != after.get(k)}
+        after = next(
+            i
+            for i in q.command("query-named-block-nodes", None, flat=True)
+            if i.get("node-name") == ch.overlay
+        )
+        changed = {
+            k: (before.get(k), after.get(k)) for k in KEPT_FIELDS if before.get(k) != after.get(k)
+        }
         if changed:
             set_backing(q, g, ch.overlay, ch.base, defined)
             raise AttachError(
                 "qemu-refused",
                 f"re-pointing {ch.overlay} would have changed its options {changed}; undone",
                 "name the overlay's options on the command line (-blockdev JSON) so "
-                "that they can be given again, and report this")
+                "that they can be given again, and report this",
+            )
     except BaseException:
         if added:
             with contextlib.suppress(QMPError):
@@ -618,21 +712,23 @@ def detach(opts: Options) -> dict[str, Any]:
             except QMPError as e:
                 d["result"] = "failed"
                 d["error"] = AttachError(
-                    "qemu-refused", f"QEMU refused: {e}",
-                    "the filter stays in place and the VM keeps running; the message is "
-                    "QEMU's own").to_json()
+                    "qemu-refused",
+                    f"QEMU refused: {e}",
+                    "the filter stays in place and the VM keeps running; the message is QEMU's own",
+                ).to_json()
         # delete the filter nodes nobody uses any more
         g2 = read_graph(q)
         for f in sorted({ch.filter for ch in chains if ch.filter}):
             n = g2.nodes.get(f)
             if n is None:
-                continue        # an implicit node (-drive backing.driver=...) went with its parent
+                continue  # an implicit node (-drive backing.driver=...) went with its parent
             if n.parents or n.backends:
                 users = ", ".join(p for p, _ in n.parents) or ", ".join(n.backends)
                 for d in result["drives"]:
                     if d["filter"] == f and d["result"] == "detached":
                         d.setdefault("warnings", []).append(
-                            f"filter node {f} kept: {users} still read(s) through it")
+                            f"filter node {f} kept: {users} still read(s) through it"
+                        )
                 continue
             try:
                 q.command("blockdev-del", None, **{"node-name": f})
@@ -662,8 +758,9 @@ def _unmark(q: Monitor, result: dict[str, Any]) -> None:
         result.setdefault("warnings", []).append(
             f"block-refs not turned off: {e}; a migration to a host without pageshare "
             "fails (the guest stays here): `virsh qemu-monitor-command DOMAIN "
-            "'{\"execute\": \"migrate-set-capabilities\", \"arguments\": "
-            "{\"capabilities\": [{\"capability\": \"block-refs\", \"state\": false}]}}'`")
+            '\'{"execute": "migrate-set-capabilities", "arguments": '
+            '{"capabilities": [{"capability": "block-refs", "state": false}]}}\'`'
+        )
 
 
 def status(opts: Options) -> dict[str, Any]:
@@ -687,19 +784,25 @@ def _stats_line(s: dict[str, Any] | None) -> str:
     if not s:
         return "filter: no statistics"
     fb = sum(int(v) for k, v in s.items() if k.startswith("fallback-"))
-    conn = (f"connected, generation {s.get('generation')}, {s.get('table-entries')} blocks "
-            "listed" if s.get("connected") else "not connected to its server (reads go to "
-            "disk; it reconnects)")
-    return (f"filter: {conn}; {s.get('requests', 0)} read requests, {s.get('merged', 0)} "
-            f"blocks merged/copied, {fb} read from disk"
-            + ("; BASE CHANGED: all reads from disk" if s.get("base-changed") else ""))
+    conn = (
+        f"connected, generation {s.get('generation')}, {s.get('table-entries')} blocks listed"
+        if s.get("connected")
+        else "not connected to its server (reads go to disk; it reconnects)"
+    )
+    return (
+        f"filter: {conn}; {s.get('requests', 0)} read requests, {s.get('merged', 0)} "
+        f"blocks merged/copied, {fb} read from disk"
+        + ("; BASE CHANGED: all reads from disk" if s.get("base-changed") else "")
+    )
 
 
 def render_text(r: dict[str, Any]) -> str:
     lines = []
     for d in r["drives"]:
-        lines.append(f"{d['drive']}: overlay {d['overlay']} ({d['overlay_file']}) over base "
-                     f"{d['base']} ({d['base_file']})")
+        lines.append(
+            f"{d['drive']}: overlay {d['overlay']} ({d['overlay_file']}) over base "
+            f"{d['base']} ({d['base_file']})"
+        )
         res = d.get("result", "?")
         if r["action"] == "status":
             if res == "attached":
@@ -713,18 +816,22 @@ def render_text(r: dict[str, Any]) -> str:
             lines.append(f"  attached: filter {d['filter']} ({what}), by {d.get('method')}")
             rb = d.get("reads_before")
             if rb:
-                lines.append(f"  before attach the guest read {rb['rd_operations']} requests, "
-                             f"{rb['rd_bytes'] / 2**20:.1f} MiB through "
-                             f"{', '.join(rb['devices'])} (overlay and base): base blocks "
-                             "among them came from disk and stay private copies until the "
-                             "guest reads them again")
+                lines.append(
+                    f"  before attach the guest read {rb['rd_operations']} requests, "
+                    f"{rb['rd_bytes'] / 2**20:.1f} MiB through "
+                    f"{', '.join(rb['devices'])} (overlay and base): base blocks "
+                    "among them came from disk and stay private copies until the "
+                    "guest reads them again"
+                )
             lines.append("  " + _stats_line(d.get("stats")))
         elif res == "already-attached":
             lines.append(f"  already attached: filter {d['filter']}, nothing changed")
             lines.append("  " + _stats_line(d.get("stats")))
         elif res == "detached":
-            lines.append(f"  detached: filter {d['filter']} removed, the base is read from "
-                         f"disk again (by {d.get('method')})")
+            lines.append(
+                f"  detached: filter {d['filter']} removed, the base is read from "
+                f"disk again (by {d.get('method')})"
+            )
             lines.append("  while attached, " + _stats_line(d.get("stats")))
         elif res == "not-attached":
             lines.append("  not attached, nothing to do")
@@ -809,59 +916,111 @@ refused (the filter stays, the VM keeps running), 2 usage.
 def build_parser(action: str) -> argparse.ArgumentParser:
     prog = f"pageshare {action}"
     if action == "attach":
-        desc = ("Put the pageshare filter above the base image of a running QEMU's disks, "
-                "over QMP, without changing the VM's definition.")
+        desc = (
+            "Put the pageshare filter above the base image of a running QEMU's disks, "
+            "over QMP, without changing the VM's definition."
+        )
     else:
         desc = "Take the pageshare filter out of a running QEMU's disks, over QMP."
-    p = argparse.ArgumentParser(prog=prog, description=desc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=ATTACH_EPILOG if action == "attach" else DETACH_EPILOG)
-    p.add_argument("qmp", metavar="QMP", nargs="?",
-                   help="the QEMU's QMP unix socket, or the pid of a QEMU started with one")
-    p.add_argument("--libvirt", metavar="DOMAIN",
-                   help="instead of QMP: a running libvirt domain, reached through libvirtd "
-                        "(which holds the QEMU's QMP socket)")
-    p.add_argument("--connect", metavar="URI", default=DEFAULT_URI,
-                   help=f"libvirt's URI with --libvirt (default {DEFAULT_URI})")
-    p.add_argument("--drive", action="append", default=[], metavar="NAME",
-                   help="only this drive: a -drive id, a device (qdev) id, or a node name of "
-                        "its overlay or base (repeatable; default: all)")
-    p.add_argument("--json", action="store_true",
-                   help="print the result as JSON; on failure {\"ok\": false, \"exit_code\", "
-                        "\"error\": {kind, message, hint}} with each drive's own result")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=desc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=ATTACH_EPILOG if action == "attach" else DETACH_EPILOG,
+    )
+    p.add_argument(
+        "qmp",
+        metavar="QMP",
+        nargs="?",
+        help="the QEMU's QMP unix socket, or the pid of a QEMU started with one",
+    )
+    p.add_argument(
+        "--libvirt",
+        metavar="DOMAIN",
+        help="instead of QMP: a running libvirt domain, reached through libvirtd "
+        "(which holds the QEMU's QMP socket)",
+    )
+    p.add_argument(
+        "--connect",
+        metavar="URI",
+        default=DEFAULT_URI,
+        help=f"libvirt's URI with --libvirt (default {DEFAULT_URI})",
+    )
+    p.add_argument(
+        "--drive",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this drive: a -drive id, a device (qdev) id, or a node name of "
+        "its overlay or base (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the result as JSON; on failure {"ok": false, "exit_code", '
+        '"error": {kind, message, hint}} with each drive\'s own result',
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per QMP command")
     if action == "attach":
-        p.add_argument("--control", type=Path, default=DEFAULT_CONTROL, metavar="PATH",
-                       help=f"the page server's control socket (default {DEFAULT_CONTROL})")
-        p.add_argument("--socket", type=Path, metavar="PATH",
-                       help="attach with this image socket without asking the server which "
-                            "image is the base (e.g. the server is not up yet: the filter "
-                            "reads from disk and reconnects)")
-        p.add_argument("--mode", choices=("merge", "copy"),
-                       help="merge (default: merge_pages(2)) or copy (testing, stock kernels)")
-        p.add_argument("--reconnect-delay", type=int, metavar="S",
-                       help="seconds between the filter's reconnection attempts (default 5)")
-        p.add_argument("--x-any-buffer", action="store_true",
-                       help="testing only: treat every page-aligned buffer as guest RAM "
-                            "(HMP qemu-io reads into QEMU's own buffers)")
-        p.add_argument("--status", action="store_true",
-                       help="change nothing: show which drives have the filter and its counters")
+        p.add_argument(
+            "--control",
+            type=Path,
+            default=DEFAULT_CONTROL,
+            metavar="PATH",
+            help=f"the page server's control socket (default {DEFAULT_CONTROL})",
+        )
+        p.add_argument(
+            "--socket",
+            type=Path,
+            metavar="PATH",
+            help="attach with this image socket without asking the server which "
+            "image is the base (e.g. the server is not up yet: the filter "
+            "reads from disk and reconnects)",
+        )
+        p.add_argument(
+            "--mode",
+            choices=("merge", "copy"),
+            help="merge (default: merge_pages(2)) or copy (testing, stock kernels)",
+        )
+        p.add_argument(
+            "--reconnect-delay",
+            type=int,
+            metavar="S",
+            help="seconds between the filter's reconnection attempts (default 5)",
+        )
+        p.add_argument(
+            "--x-any-buffer",
+            action="store_true",
+            help="testing only: treat every page-aligned buffer as guest RAM "
+            "(HMP qemu-io reads into QEMU's own buffers)",
+        )
+        p.add_argument(
+            "--status",
+            action="store_true",
+            help="change nothing: show which drives have the filter and its counters",
+        )
     return p
 
 
 def resolve_qmp(arg: str) -> Path:
     if arg.isdigit():
         try:
-            argv = [a.decode(errors="replace") for a in
-                    Path(f"/proc/{arg}/cmdline").read_bytes().split(b"\0") if a]
+            argv = [
+                a.decode(errors="replace")
+                for a in Path(f"/proc/{arg}/cmdline").read_bytes().split(b"\0")
+                if a
+            ]
         except OSError:
-            raise AttachError("qmp-unreachable", f"no process {arg}",
-                              "give a QEMU's pid or its QMP socket") from None
+            raise AttachError(
+                "qmp-unreachable", f"no process {arg}", "give a QEMU's pid or its QMP socket"
+            ) from None
         path = _qmp_socket(argv)
         if path is None:
-            raise AttachError("qmp-unreachable", f"process {arg} has no QMP unix socket on its "
-                              "command line", "start QEMU with -qmp unix:PATH,server=on,"
-                              "wait=off, or give the socket")
+            raise AttachError(
+                "qmp-unreachable",
+                f"process {arg} has no QMP unix socket on its command line",
+                "start QEMU with -qmp unix:PATH,server=on,wait=off, or give the socket",
+            )
         return path
     return Path(arg)
 
@@ -873,27 +1032,58 @@ def main(action: str, argv: list[str]) -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         if want_json and e.code not in (0, None):
-            print(json.dumps({"ok": False, "exit_code": 2, "action": action, "error": {
-                "kind": "usage", "message": f"bad arguments: {' '.join(argv)}",
-                "hint": f"see pageshare {action} --help"}}, indent=1))
+            print(
+                json.dumps(
+                    {
+                        "ok": False,
+                        "exit_code": 2,
+                        "action": action,
+                        "error": {
+                            "kind": "usage",
+                            "message": f"bad arguments: {' '.join(argv)}",
+                            "hint": f"see pageshare {action} --help",
+                        },
+                    },
+                    indent=1,
+                )
+            )
         return int(e.code or 0)
     target = f"libvirt:{args.libvirt}" if args.libvirt else args.qmp
     if (args.qmp is None) == (args.libvirt is None):
         msg = "give either QMP (a socket or a QEMU pid) or --libvirt DOMAIN"
         if want_json:
-            print(json.dumps({"ok": False, "exit_code": 2, "action": action, "error": {
-                "kind": "usage", "message": msg, "hint": f"see pageshare {action} --help"}},
-                indent=1))
+            print(
+                json.dumps(
+                    {
+                        "ok": False,
+                        "exit_code": 2,
+                        "action": action,
+                        "error": {
+                            "kind": "usage",
+                            "message": msg,
+                            "hint": f"see pageshare {action} --help",
+                        },
+                    },
+                    indent=1,
+                )
+            )
         else:
             p.print_usage(sys.stderr)
             print_error(msg, prog=f"pageshare {action}")
         return 2
     try:
-        opts = Options(resolve_qmp(args.qmp) if args.qmp else None, list(args.drive),
-                       getattr(args, "control", DEFAULT_CONTROL), getattr(args, "socket", None),
-                       getattr(args, "mode", None), getattr(args, "reconnect_delay", None),
-                       getattr(args, "x_any_buffer", False), args.timeout,
-                       args.libvirt, args.connect)
+        opts = Options(
+            resolve_qmp(args.qmp) if args.qmp else None,
+            list(args.drive),
+            getattr(args, "control", DEFAULT_CONTROL),
+            getattr(args, "socket", None),
+            getattr(args, "mode", None),
+            getattr(args, "reconnect_delay", None),
+            getattr(args, "x_any_buffer", False),
+            args.timeout,
+            args.libvirt,
+            args.connect,
+        )
         if action == "detach":
             result = detach(opts)
         elif args.status:
@@ -901,12 +1091,19 @@ def main(action: str, argv: list[str]) -> int:
         else:
             result = attach(opts)
     except AttachError as e:
-        result = {"action": action, "qmp": target, "drives": [], "ok": False,
-                  "error": e.to_json()}
+        result = {"action": action, "qmp": target, "drives": [], "ok": False, "error": e.to_json()}
     except QMPError as e:
-        result = {"action": action, "qmp": target, "drives": [], "ok": False,
-                  "error": {"kind": "qemu-refused", "message": f"QMP: {e}",
-                            "hint": "nothing was changed; the message is QEMU's own"}}
+        result = {
+            "action": action,
+            "qmp": target,
+            "drives": [],
+            "ok": False,
+            "error": {
+                "kind": "qemu-refused",
+                "message": f"QMP: {e}",
+                "hint": "nothing was changed; the message is QEMU's own",
+            },
+        }
     rc = 0 if result["ok"] else 1
     result["exit_code"] = rc
     if args.json:

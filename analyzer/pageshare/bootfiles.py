@@ -30,8 +30,8 @@ BLS_DIR = "/boot/loader/entries"
 
 @dataclass(frozen=True)
 class BootEntry:
-    kernel: str               # as the configuration gives it
-    initrd: str               # "" if the entry has none
+    kernel: str  # as the configuration gives it
+    initrd: str  # "" if the entry has none
 
 
 def version_key(v: str) -> list[tuple[int, str]]:
@@ -70,8 +70,9 @@ def grub_default_entry(cfg: str) -> BootEntry | None:
             default = w[1].split("=", 1)[1]
         if w[0] in ("menuentry", "submenu") and line.endswith("{"):
             title = w[1] if len(w) > 1 else ""
-            ident = next((w[i + 1] for i in range(len(w) - 1)
-                          if w[i] == "$menuentry_id_option"), "")
+            ident = next(
+                (w[i + 1] for i in range(len(w) - 1) if w[i] == "$menuentry_id_option"), ""
+            )
             if w[0] == "submenu" and not stack:
                 items.append((title, ident, []))
             stack.append(w[0])
@@ -81,17 +82,25 @@ def grub_default_entry(cfg: str) -> BootEntry | None:
             kind = stack.pop()
             if kind == "menuentry" and "linux" in entry:
                 e = BootEntry(entry["linux"], entry.get("initrd", ""))
-                if stack:                                  # inside a submenu
+                if stack:  # inside a submenu
                     if items:
                         items[-1][2].append((title, ident, e))
                 else:
                     items.append((title, ident, [(title, ident, e)]))
             continue
-        if stack and stack[-1] == "menuentry" and w[0] in ("linux", "linux16", "linuxefi") \
-                and len(w) > 1:
+        if (
+            stack
+            and stack[-1] == "menuentry"
+            and w[0] in ("linux", "linux16", "linuxefi")
+            and len(w) > 1
+        ):
             entry["linux"] = w[1]
-        if stack and stack[-1] == "menuentry" and w[0] in ("initrd", "initrd16", "initrdefi") \
-                and len(w) > 1:
+        if (
+            stack
+            and stack[-1] == "menuentry"
+            and w[0] in ("initrd", "initrd16", "initrdefi")
+            and len(w) > 1
+        ):
             entry["initrd"] = w[-1]  # the last one if several: the microcode comes first
     items = [i for i in items if i[2]]
     if not items:
@@ -132,9 +141,11 @@ def resolve(g: Any, path: str, subvols: dict[str, str] | None = None) -> str:
     path = re.sub(r"^\([^)]*\)", "", path)
     if not path.startswith("/"):
         path = "/" + path
-    inside = [mp.rstrip("/") + path[len(sv) + 1:]
-              for sv, mp in sorted((subvols or {}).items(), key=lambda i: -len(i[0]))
-              if path.startswith(f"/{sv}/")]
+    inside = [
+        mp.rstrip("/") + path[len(sv) + 1 :]
+        for sv, mp in sorted((subvols or {}).items(), key=lambda i: -len(i[0]))
+        if path.startswith(f"/{sv}/")
+    ]
     for candidate in (*inside, path, "/boot" + path):
         if g.is_file(candidate, followsymlinks=True):
             return candidate
@@ -145,20 +156,25 @@ def kernel_version_of(path: str) -> str:
     name = path.rsplit("/", 1)[-1]
     for prefix in ("vmlinuz-", "vmlinux-", "bzImage-", "kernel-"):
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return ""
 
 
 def initrd_for(g: Any, version: str) -> str:
-    for name in (f"initrd.img-{version}", f"initramfs-{version}.img", f"initrd-{version}",
-                 f"initramfs-{version}"):
+    for name in (
+        f"initrd.img-{version}",
+        f"initramfs-{version}.img",
+        f"initrd-{version}",
+        f"initramfs-{version}",
+    ):
         if g.is_file(f"/boot/{name}", followsymlinks=True):
             return f"/boot/{name}"
     return ""
 
 
-def _from_entry(g: Any, e: BootEntry, subvols: dict[str, str] | None = None
-                ) -> tuple[str, str, str] | None:
+def _from_entry(
+    g: Any, e: BootEntry, subvols: dict[str, str] | None = None
+) -> tuple[str, str, str] | None:
     """The entry's files, None when its kernel is not found or has no version in its
     name (then the image's other conventions decide)."""
     kernel = resolve(g, e.kernel, subvols)
@@ -201,19 +217,28 @@ def find_kernel(g: Any, subvols: dict[str, str] | None = None) -> tuple[str, str
             if version:
                 kernel = f"/boot/vmlinuz-{version}"
                 if not g.is_file(kernel, followsymlinks=True):
-                    raise UserError(f"kernel {kernel} (the target of {link}) missing in the "
-                                    "image, with every file system of its /etc/fstab mounted",
-                                    "check the image's /etc/fstab (a separate /boot must be "
-                                    "listed) and repair the golden image")
+                    raise UserError(
+                        f"kernel {kernel} (the target of {link}) missing in the "
+                        "image, with every file system of its /etc/fstab mounted",
+                        "check the image's /etc/fstab (a separate /boot must be "
+                        "listed) and repair the golden image",
+                    )
                 return kernel, initrd_for(g, version), version
     if not g.is_dir("/boot"):
         raise UserError("the image has no /boot", "the analyzer boots the image's own kernel")
-    versions = sorted((v for v in map(kernel_version_of, g.ls("/boot")) if v
-                       and g.is_file(f"/boot/vmlinuz-{v}", followsymlinks=True)),
-                      key=version_key)
+    versions = sorted(
+        (
+            v
+            for v in map(kernel_version_of, g.ls("/boot"))
+            if v and g.is_file(f"/boot/vmlinuz-{v}", followsymlinks=True)
+        ),
+        key=version_key,
+    )
     if not versions:
-        raise UserError("no kernel (/boot/vmlinuz-*) in the image, with every file system of "
-                        "its /etc/fstab mounted",
-                        "install a kernel package in the golden image; if /boot is a "
-                        "partition of its own, /etc/fstab must mount it")
+        raise UserError(
+            "no kernel (/boot/vmlinuz-*) in the image, with every file system of "
+            "its /etc/fstab mounted",
+            "install a kernel package in the golden image; if /boot is a "
+            "partition of its own, /etc/fstab must mount it",
+        )
     return f"/boot/vmlinuz-{versions[-1]}", initrd_for(g, versions[-1]), versions[-1]

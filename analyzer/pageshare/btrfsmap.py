@@ -44,8 +44,8 @@ from pathlib import Path
 from .errors import PageshareError
 from .ext4map import Extent
 
-FS_TREE = 5                   # the top-level subvolume
-FIRST_INODE = 256             # a subvolume's root directory
+FS_TREE = 5  # the top-level subvolume
+FIRST_INODE = 256  # a subvolume's root directory
 
 _KEY = re.compile(r"^\s*item \d+ key \((\S+) (\S+) (\d+)\)")
 _CHUNK_HEAD = re.compile(r"^\s*length (\d+) owner \d+ stripe_len \d+ type (\S+)")
@@ -78,17 +78,18 @@ class BtrfsUnsupported(PageshareError, ValueError):
 class Chunk:
     logical: int
     length: int
-    profile: str              # "single", "DUP", "RAID1", ...
-    kind: str                 # "DATA", "METADATA", "SYSTEM" or a mix
-    physical: int             # stripe 0's offset on the device
+    profile: str  # "single", "DUP", "RAID1", ...
+    kind: str  # "DATA", "METADATA", "SYSTEM" or a mix
+    physical: int  # stripe 0's offset on the device
     devid: int
 
 
 @dataclass
 class Unservable:
     """File data whose pages cannot be served from disk blocks, counted per kind."""
+
     compressed_extents: int = 0
-    compressed_bytes: int = 0            # file bytes they cover, in whole sectors
+    compressed_bytes: int = 0  # file bytes they cover, in whole sectors
     inline_extents: int = 0
     inline_bytes: int = 0
     inodes: set[int] = field(default_factory=set)
@@ -119,7 +120,8 @@ def check_single_device(sb: dict[str, str]) -> None:
     if devices != 1:
         raise BtrfsUnsupported(
             f"btrfs over {devices} devices: its extents may sit on a device that is not this "
-            "disk, and only a btrfs of one device (SINGLE or DUP profiles) is mapped")
+            "disk, and only a btrfs of one device (SINGLE or DUP profiles) is mapped"
+        )
 
 
 def parse_chunks(output: str) -> list[Chunk]:
@@ -142,8 +144,9 @@ def parse_chunks(output: str) -> list[Chunk]:
             continue
         m = _STRIPE.match(line)
         if m and head is not None and m.group(1) == "0":
-            chunks.append(Chunk(logical, head[0], head[1], head[2], int(m.group(3)),
-                                int(m.group(2))))
+            chunks.append(
+                Chunk(logical, head[0], head[1], head[2], int(m.group(3)), int(m.group(2)))
+            )
             logical = None
     chunks.sort(key=lambda c: c.logical)
     return chunks
@@ -156,7 +159,8 @@ def check_profiles(chunks: list[Chunk]) -> None:
             raise BtrfsUnsupported(
                 f"btrfs {c.kind} chunk at {c.logical} has the {c.profile} profile: its data "
                 "is striped or mirrored over several devices, and only a btrfs of one device "
-                "(SINGLE or DUP profiles) is mapped")
+                "(SINGLE or DUP profiles) is mapped"
+            )
 
 
 def to_physical(chunks: list[Chunk], logical: int, length: int) -> int:
@@ -184,11 +188,14 @@ def _items(lines: Iterable[str], wanted: str) -> Iterator[tuple[int, int, list[s
         if m:
             if cur is not None:
                 yield cur[0], cur[1], body
-            cur = ((int(m.group(1)), int(m.group(3)))
-                   if m.group(2) == wanted and m.group(1).isdigit() else None)
+            cur = (
+                (int(m.group(1)), int(m.group(3)))
+                if m.group(2) == wanted and m.group(1).isdigit()
+                else None
+            )
             body = []
         elif cur is not None:
-            if not line.startswith("\t"):        # a new leaf or node header
+            if not line.startswith("\t"):  # a new leaf or node header
                 yield cur[0], cur[1], body
                 cur = None
             else:
@@ -197,9 +204,9 @@ def _items(lines: Iterable[str], wanted: str) -> Iterator[tuple[int, int, list[s
         yield cur[0], cur[1], body
 
 
-def parse_file_extents(output: str, chunks: list[Chunk], sectorsize: int,
-                       inodes: set[int] | None = None
-                       ) -> tuple[dict[int, list[Extent]], Unservable]:
+def parse_file_extents(
+    output: str, chunks: list[Chunk], sectorsize: int, inodes: set[int] | None = None
+) -> tuple[dict[int, list[Extent]], Unservable]:
     """Servable extents per inode (in sectors, from the device's start) from
     `dump-tree -t <fs tree>` output, and what was left out as inline or compressed."""
     res: dict[int, list[Extent]] = {i: [] for i in inodes or ()}
@@ -217,31 +224,33 @@ def parse_file_extents(output: str, chunks: list[Chunk], sectorsize: int,
             skipped.inline_bytes += size
             skipped.inodes.add(ino)
             skipped.ranges.setdefault(ino, []).append(
-                (file_offset // sectorsize, max(1, -(-size // sectorsize)), "inline"))
+                (file_offset // sectorsize, max(1, -(-size // sectorsize)), "inline")
+            )
             continue
-        disk, used, comp = (_DISK.search(text), _OFFSET.search(text),
-                            _COMPRESSION.search(text))
+        disk, used, comp = (_DISK.search(text), _OFFSET.search(text), _COMPRESSION.search(text))
         if t is None or disk is None or used is None or comp is None:
-            raise RuntimeError(f"btrfs EXTENT_DATA of inode {ino} at {file_offset} not "
-                               f"understood: {text[:300]}")
+            raise RuntimeError(
+                f"btrfs EXTENT_DATA of inode {ino} at {file_offset} not understood: {text[:300]}"
+            )
         if comp.group(1) != "0":
             skipped.compressed_extents += 1
             skipped.compressed_bytes += int(used.group(2))
             skipped.inodes.add(ino)
             skipped.ranges.setdefault(ino, []).append(
-                (file_offset // sectorsize, -(-int(used.group(2)) // sectorsize), "compressed"))
+                (file_offset // sectorsize, -(-int(used.group(2)) // sectorsize), "compressed")
+            )
             continue
         disk_byte = int(disk.group(1))
-        if t.group(2) != "regular" or disk_byte == 0:       # prealloc, or a hole
+        if t.group(2) != "regular" or disk_byte == 0:  # prealloc, or a hole
             continue
         start = disk_byte + int(used.group(1))
         length = int(used.group(2))
         if (file_offset | start | length) % sectorsize:
-            raise RuntimeError(f"btrfs extent of inode {ino} at {file_offset} is not "
-                               f"{sectorsize}-byte aligned")
+            raise RuntimeError(
+                f"btrfs extent of inode {ino} at {file_offset} is not {sectorsize}-byte aligned"
+            )
         phys = to_physical(chunks, start, length)
-        res[ino].append(Extent(file_offset // sectorsize, phys // sectorsize,
-                               length // sectorsize))
+        res[ino].append(Extent(file_offset // sectorsize, phys // sectorsize, length // sectorsize))
     for exts in res.values():
         exts.sort(key=lambda e: e.logical)
     return res, skipped
@@ -250,8 +259,9 @@ def parse_file_extents(output: str, chunks: list[Chunk], sectorsize: int,
 def _checked_chunks(image: Path) -> tuple[list[Chunk], int]:
     sb = superblock(image)
     check_single_device(sb)
-    chunks = parse_chunks(_dump(["btrfs", "inspect-internal", "dump-tree", "-t", "chunk",
-                                 str(image)]))
+    chunks = parse_chunks(
+        _dump(["btrfs", "inspect-internal", "dump-tree", "-t", "chunk", str(image)])
+    )
     check_profiles(chunks)
     return chunks, int(sb["sectorsize"])
 
@@ -265,8 +275,9 @@ def _fs_tree(image: Path, tree: int) -> str:
     return _dump(["btrfs", "inspect-internal", "dump-tree", "-t", str(tree), str(image)])
 
 
-def read_extents(image: Path, inodes: list[int], tree: int = FS_TREE
-                 ) -> tuple[dict[int, list[Extent]], Unservable]:
+def read_extents(
+    image: Path, inodes: list[int], tree: int = FS_TREE
+) -> tuple[dict[int, list[Extent]], Unservable]:
     """Servable extents of the given inodes of one subvolume, and what was left out.
 
     Raises BtrfsUnsupported for several devices or a RAID profile."""
@@ -307,9 +318,10 @@ def read_paths(image: Path, inodes: list[int], tree: int = FS_TREE) -> dict[int,
 @dataclass(frozen=True)
 class Subvolume:
     """A file system tree: the top level (5), a subvolume or a snapshot."""
+
     tree: int
-    parent: int = 0           # the tree holding its directory entry; 0 for the top level
-    dirid: int = 0            # the directory (inode of parent) it sits in
+    parent: int = 0  # the tree holding its directory entry; 0 for the top level
+    dirid: int = 0  # the directory (inode of parent) it sits in
     name: str = ""
 
 
@@ -357,8 +369,9 @@ def parse_subvolumes(output: str) -> tuple[list[Subvolume], int]:
     return subvols, default
 
 
-def subvolume_paths(subvols: list[Subvolume], dir_path: Callable[[int, int], str | None]
-                    ) -> dict[int, str]:
+def subvolume_paths(
+    subvols: list[Subvolume], dir_path: Callable[[int, int], str | None]
+) -> dict[int, str]:
     """Each tree's path from the top level, without a leading "/" ("" for the
     top level; "@rootfs"; "@rootfs/var/lib/machines").  dir_path(tree, dirid)
     is a directory's path in a tree ("/var/lib"), None if unknown; a tree
@@ -389,8 +402,9 @@ def subvolume_paths(subvols: list[Subvolume], dir_path: Callable[[int, int], str
 
 def read_subvolumes(image: Path) -> tuple[list[Subvolume], int, dict[int, str]]:
     """The file system's trees, its default subvolume, and each tree's path."""
-    subvols, default = parse_subvolumes(_dump(["btrfs", "inspect-internal", "dump-tree", "-t",
-                                               "root", str(image)]))
+    subvols, default = parse_subvolumes(
+        _dump(["btrfs", "inspect-internal", "dump-tree", "-t", "root", str(image)])
+    )
     dumps: dict[int, str] = {}
 
     def dir_path(tree: int, dirid: int) -> str | None:
@@ -401,8 +415,9 @@ def read_subvolumes(image: Path) -> tuple[list[Subvolume], int, dict[int, str]]:
     return subvols, default, subvolume_paths(subvols, dir_path)
 
 
-def read_subvolume_extents(image: Path, inodes: list[int], trees: list[int]
-                           ) -> dict[int, tuple[dict[int, list[Extent]], Unservable]]:
+def read_subvolume_extents(
+    image: Path, inodes: list[int], trees: list[int]
+) -> dict[int, tuple[dict[int, list[Extent]], Unservable]]:
     """read_extents of the same inode numbers in each of the given trees (one
     dump-tree each), the chunk tree read once.  Raises BtrfsUnsupported for
     several devices or a RAID profile."""
@@ -410,5 +425,4 @@ def read_subvolume_extents(image: Path, inodes: list[int], trees: list[int]
         return {}
     chunks, sectorsize = _checked_chunks(image)
     wanted = set(inodes)
-    return {t: parse_file_extents(_fs_tree(image, t), chunks, sectorsize, wanted)
-            for t in trees}
+    return {t: parse_file_extents(_fs_tree(image, t), chunks, sectorsize, wanted) for t in trees}

@@ -11,10 +11,36 @@ from pathlib import Path
 from pageshare.errors import PageshareError
 
 PAGE_CACHE_KINDS = ("file", "bdev")
-COLUMNS = ("pfn", "kind", "flags", "index", "inode", "ino", "s_dev", "fstype", "fs_uuid",
-           "bd_dev", "disk", "start_sect", "i_size", "blkbits", "state")
-KINDS = ("file", "bdev", "shmem", "anon", "ksm", "movable", "slab", "nomapping", "badmapping",
-         "nopage", "unreadable")
+COLUMNS = (
+    "pfn",
+    "kind",
+    "flags",
+    "index",
+    "inode",
+    "ino",
+    "s_dev",
+    "fstype",
+    "fs_uuid",
+    "bd_dev",
+    "disk",
+    "start_sect",
+    "i_size",
+    "blkbits",
+    "state",
+)
+KINDS = (
+    "file",
+    "bdev",
+    "shmem",
+    "anon",
+    "ksm",
+    "movable",
+    "slab",
+    "nomapping",
+    "badmapping",
+    "nopage",
+    "unreadable",
+)
 
 
 class ClassificationError(PageshareError, ValueError):
@@ -61,13 +87,26 @@ def parse_line(line: str, lineno: int = 0) -> PageRecord:
         if len(f) == 3:
             return PageRecord(int(f[0]), f[1], int(f[2], 16))
         if len(f) != len(COLUMNS):
-            raise ClassificationError(f"line {lineno}: {len(f)} fields, expected 2, 3 or "
-                                      f"{len(COLUMNS)}")
+            raise ClassificationError(
+                f"line {lineno}: {len(f)} fields, expected 2, 3 or {len(COLUMNS)}"
+            )
         return PageRecord(
-            pfn=int(f[0]), kind=f[1], flags=int(f[2], 16), index=int(f[3]), inode=int(f[4], 16),
-            ino=int(f[5]), s_dev=int(f[6], 16), fstype=_dash(f[7]), fs_uuid=_dash(f[8]),
-            bd_dev=int(f[9], 16), disk=_dash(f[10]), start_sect=int(f[11]), i_size=int(f[12]),
-            blkbits=int(f[13]), state=f[14])
+            pfn=int(f[0]),
+            kind=f[1],
+            flags=int(f[2], 16),
+            index=int(f[3]),
+            inode=int(f[4], 16),
+            ino=int(f[5]),
+            s_dev=int(f[6], 16),
+            fstype=_dash(f[7]),
+            fs_uuid=_dash(f[8]),
+            bd_dev=int(f[9], 16),
+            disk=_dash(f[10]),
+            start_sect=int(f[11]),
+            i_size=int(f[12]),
+            blkbits=int(f[13]),
+            state=f[14],
+        )
     except ValueError as e:
         if isinstance(e, ClassificationError):
             raise

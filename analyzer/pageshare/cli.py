@@ -45,48 +45,112 @@ examples:
 
 def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Find the blocks of a golden VM image that guests keep, unchanged, in "
-                    "their page caches, and write them as a verified sector list.",
-        epilog=ANALYZE_EPILOG)
-    p.add_argument("image", type=Path, help="golden image (qcow2 or raw), Debian 12/13 on ext4 "
-                   "or XFS, on partitions or linear LVM volumes (a separate /boot, /usr, ... "
-                   "included)")
-    p.add_argument("--runs", type=int, default=1,
-                   help="boot the pair N times; one run is a noisy sample (default 1)")
-    p.add_argument("--min-runs", type=int, default=None,
-                   help="keep blocks seen in at least this many runs (default: a majority)")
-    p.add_argument("--workload", default="", metavar="CMD",
-                   help="shell command run as root in both guests after boot, before KSM "
-                        "settles (e.g. start your services, run a warm-up request)")
-    p.add_argument("--workload-file", type=Path, metavar="FILE",
-                   help="like --workload, with the commands read from a file")
-    p.add_argument("--workload-timeout", type=float, default=600,
-                   help="seconds the workload may take (default 600)")
-    p.add_argument("--settle", type=float, default=20,
-                   help="seconds to let the guests idle after boot/workload (default 20)")
-    p.add_argument("--ram", type=int, default=1024, metavar="MIB",
-                   help="guest RAM in MiB (default 1024)")
-    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
-                   help="auto: KVM only if a probe boot works, else TCG (default)")
-    p.add_argument("--introspector", choices=("auto", "crash", "drgn"), default="auto",
-                   help="what classifies guest frames: crash + pagescan, or drgn; auto: crash "
-                        "if it can open the guest kernel (before 6.11), else drgn (default)")
-    p.add_argument("--vmlinux", type=Path,
-                   help="DWARF vmlinux of the guest kernel, instead of fetching Debian's -dbg")
-    p.add_argument("--include-metadata", action="store_true",
-                   help="also list verified block-device cache pages (ext4 metadata); volatile")
-    p.add_argument("--lists-dir", type=Path, default=Path("lists"),
-                   help="where the list goes (default ./lists)")
-    p.add_argument("--db", type=Path, default=None,
-                   help="results database (default ~/.local/share/pageshare/results.sqlite)")
-    p.add_argument("--boot-timeout", type=float, default=900,
-                   help="seconds a guest may take to boot (default 900; TCG is slow)")
-    p.add_argument("--ksm-timeout", type=float, default=600,
-                   help="seconds to wait for KSM to converge (default 600)")
-    p.add_argument("--json", action="store_true",
-                   help="print the summary as JSON on stdout; on failure, one error object "
-                        "({\"ok\": false, \"error\": {kind, message, hint}})")
+        "their page caches, and write them as a verified sector list.",
+        epilog=ANALYZE_EPILOG,
+    )
+    p.add_argument(
+        "image",
+        type=Path,
+        help="golden image (qcow2 or raw), Debian 12/13 on ext4 "
+        "or XFS, on partitions or linear LVM volumes (a separate /boot, /usr, ... "
+        "included)",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="boot the pair N times; one run is a noisy sample (default 1)",
+    )
+    p.add_argument(
+        "--min-runs",
+        type=int,
+        default=None,
+        help="keep blocks seen in at least this many runs (default: a majority)",
+    )
+    p.add_argument(
+        "--workload",
+        default="",
+        metavar="CMD",
+        help="shell command run as root in both guests after boot, before KSM "
+        "settles (e.g. start your services, run a warm-up request)",
+    )
+    p.add_argument(
+        "--workload-file",
+        type=Path,
+        metavar="FILE",
+        help="like --workload, with the commands read from a file",
+    )
+    p.add_argument(
+        "--workload-timeout",
+        type=float,
+        default=600,
+        help="seconds the workload may take (default 600)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=20,
+        help="seconds to let the guests idle after boot/workload (default 20)",
+    )
+    p.add_argument(
+        "--ram", type=int, default=1024, metavar="MIB", help="guest RAM in MiB (default 1024)"
+    )
+    p.add_argument(
+        "--accel",
+        choices=("auto", "kvm", "tcg"),
+        default="auto",
+        help="auto: KVM only if a probe boot works, else TCG (default)",
+    )
+    p.add_argument(
+        "--introspector",
+        choices=("auto", "crash", "drgn"),
+        default="auto",
+        help="what classifies guest frames: crash + pagescan, or drgn; auto: crash "
+        "if it can open the guest kernel (before 6.11), else drgn (default)",
+    )
+    p.add_argument(
+        "--vmlinux",
+        type=Path,
+        help="DWARF vmlinux of the guest kernel, instead of fetching Debian's -dbg",
+    )
+    p.add_argument(
+        "--include-metadata",
+        action="store_true",
+        help="also list verified block-device cache pages (ext4 metadata); volatile",
+    )
+    p.add_argument(
+        "--lists-dir",
+        type=Path,
+        default=Path("lists"),
+        help="where the list goes (default ./lists)",
+    )
+    p.add_argument(
+        "--db",
+        type=Path,
+        default=None,
+        help="results database (default ~/.local/share/pageshare/results.sqlite)",
+    )
+    p.add_argument(
+        "--boot-timeout",
+        type=float,
+        default=900,
+        help="seconds a guest may take to boot (default 900; TCG is slow)",
+    )
+    p.add_argument(
+        "--ksm-timeout",
+        type=float,
+        default=600,
+        help="seconds to wait for KSM to converge (default 600)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as JSON on stdout; on failure, one error object "
+        '({"ok": false, "error": {kind, message, hint}})',
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
@@ -94,15 +158,22 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
 
 def _json_error(kind: str, message: str, hint: str, exit_code: int) -> None:
     """The one JSON object `--json` prints on stdout when the analysis fails."""
-    json.dump({"ok": False, "exit_code": exit_code,
-               "error": {"kind": kind, "message": message, "hint": hint}}, sys.stdout, indent=1)
+    json.dump(
+        {
+            "ok": False,
+            "exit_code": exit_code,
+            "error": {"kind": kind, "message": message, "hint": hint},
+        },
+        sys.stdout,
+        indent=1,
+    )
     print()
     sys.stdout.flush()
 
 
 def _wants_json(argv: list[str]) -> bool:
     """--json, also when the rest of the command line does not parse."""
-    return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
 
 
 def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
@@ -116,7 +187,8 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
 
         def error_as_json(message: str) -> NoReturn:
             _json_error("usage", message, f"see {prog} --help", 2)
-            usage_error(message)     # usage and message on stderr, exit 2, as without --json
+            usage_error(message)  # usage and message on stderr, exit 2, as without --json
+
         parser.error = error_as_json  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     try:
@@ -127,11 +199,21 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
             except OSError as e:
                 raise UserError(f"--workload-file: {e}", "give a readable shell script") from None
         opts = Options(
-            image=args.image, lists_dir=args.lists_dir, db=args.db or default_db(),
-            runs=args.runs, min_runs=args.min_runs, ram_mib=args.ram, accel=args.accel,
-            workload=Workload(command, args.workload_timeout), settle=args.settle,
-            boot_timeout=args.boot_timeout, ksm_timeout=args.ksm_timeout, vmlinux=args.vmlinux,
-            include_metadata=args.include_metadata, introspector=args.introspector)
+            image=args.image,
+            lists_dir=args.lists_dir,
+            db=args.db or default_db(),
+            runs=args.runs,
+            min_runs=args.min_runs,
+            ram_mib=args.ram,
+            accel=args.accel,
+            workload=Workload(command, args.workload_timeout),
+            settle=args.settle,
+            boot_timeout=args.boot_timeout,
+            ksm_timeout=args.ksm_timeout,
+            vmlinux=args.vmlinux,
+            include_metadata=args.include_metadata,
+            introspector=args.introspector,
+        )
         progress = Progress(quiet=args.quiet)
         summary = analyze(opts, progress)
     except UserError as e:
@@ -151,8 +233,10 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         if os.environ.get("PAGESHARE_DEBUG"):
             raise
         message = f"{type(e).__name__}: {e}"
-        hint = ("rerun with PAGESHARE_DEBUG=1 for a traceback; guests were stopped and KSM "
-                "settings restored")
+        hint = (
+            "rerun with PAGESHARE_DEBUG=1 for a traceback; guests were stopped and KSM "
+            "settings restored"
+        )
         print(f"analyze-image: internal error: {message}", file=sys.stderr)
         print(f"analyze-image: hint: {hint}", file=sys.stderr)
         if args.json:
@@ -181,8 +265,18 @@ HOST_USAGE = """\
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
   libvirt-hook ...      libvirt's qemu hook: the filter on a migration's destination
 """
-HOST_MODULES = ("__init__", "cli", "errors", "hostcheck", "attach", "qmp", "libvirt_config",
-                "libvirt_hook", "libvirt_qmp", "libvirt_watch")
+HOST_MODULES = (
+    "__init__",
+    "cli",
+    "errors",
+    "hostcheck",
+    "attach",
+    "qmp",
+    "libvirt_config",
+    "libvirt_hook",
+    "libvirt_qmp",
+    "libvirt_watch",
+)
 
 # The analyzer's commands: the pageshare package, for the machine that
 # analyzes images (it depends on pageshare-host and adds these).
@@ -210,9 +304,12 @@ def analyzer_installed() -> bool:
 
 
 def usage() -> str:
-    return ("usage: pageshare COMMAND [ARGS]\n\ncommands:\n" + HOST_USAGE
-            + (ANALYZER_USAGE if analyzer_installed() else "\n" + NO_ANALYZER)
-            + "\nRun `pageshare COMMAND --help` for details.\n")
+    return (
+        "usage: pageshare COMMAND [ARGS]\n\ncommands:\n"
+        + HOST_USAGE
+        + (ANALYZER_USAGE if analyzer_installed() else "\n" + NO_ANALYZER)
+        + "\nRun `pageshare COMMAND --help` for details.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,41 +322,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pageshare {__version__}")
         return 0
     if cmd in ANALYZER_COMMANDS and not analyzer_installed():
-        print_error(f"`pageshare {cmd}` is part of the analyzer, which is not installed here "
-                    "(this host has the host tools, the pageshare-host package)",
-                    "install the pageshare package (apt install ./pageshare_*.deb) on the "
-                    "machine that analyzes images; it brings this command", prog="pageshare")
+        print_error(
+            f"`pageshare {cmd}` is part of the analyzer, which is not installed here "
+            "(this host has the host tools, the pageshare-host package)",
+            "install the pageshare package (apt install ./pageshare_*.deb) on the "
+            "machine that analyzes images; it brings this command",
+            prog="pageshare",
+        )
         return 2
     if cmd == "analyze":
         return run_analyze(rest, prog="pageshare analyze")
     if cmd == "list":
         if rest[:1] in (["publish"], ["fetch"], ["ls"]):
             from . import distribute
+
             return distribute.cli_main(rest)
         from .listcli import cli_main
+
         return cli_main(rest)
     if cmd == "fleet":
         from . import distribute
+
         return distribute.cli_main(["fleet", *rest], prog="pageshare")
     if cmd == "image":
         from . import golden
+
         if rest[:1] == ["build"]:
             rest = rest[1:]
         return golden.main(rest)
     if cmd == "host":
         from . import hostcheck
+
         return hostcheck.cli_main(rest)
     if cmd in ("attach", "detach"):
         from . import attach
+
         return attach.main(cmd, rest)
     if cmd == "report":
         from . import notebook
+
         return notebook.main(rest)
     if cmd == "libvirt-watch":
         from . import libvirt_watch
+
         return libvirt_watch.main(rest)
     if cmd == "libvirt-hook":
         from . import libvirt_hook
+
         return libvirt_hook.main(rest)
     print(f"pageshare: unknown command {cmd!r}\n{usage()}", file=sys.stderr, end="")
     return 2

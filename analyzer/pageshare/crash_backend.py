@@ -18,8 +18,9 @@ from .datafiles import crash_version, pagescan_extension
 __all__ = ["classify_pfns", "crash_version"]
 
 
-def classify_pfns(vmlinux: Path, dump: Path, pfns: list[int], workdir: Path,
-                  timeout: float = 900) -> dict[int, PageRecord]:
+def classify_pfns(
+    vmlinux: Path, dump: Path, pfns: list[int], workdir: Path, timeout: float = 900
+) -> dict[int, PageRecord]:
     ext = pagescan_extension()
     name = dump.stem
     pfn_file = workdir / f"{name}.pfns"
@@ -28,9 +29,24 @@ def classify_pfns(vmlinux: Path, dump: Path, pfns: list[int], workdir: Path,
     pfn_file.write_text("".join(f"{p}\n" for p in sorted(pfns)))
     cmds.write_text(f"extend {ext}\npagescan -i {pfn_file} -o {out_file}\nquit\n")
     try:
-        p = subprocess.run(["timeout", "-s", "KILL", str(int(timeout)), "crash", "-s",
-                            "--no_modules", str(vmlinux), str(dump), "-i", str(cmds)],
-                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [
+                "timeout",
+                "-s",
+                "KILL",
+                str(int(timeout)),
+                "crash",
+                "-s",
+                "--no_modules",
+                str(vmlinux),
+                str(dump),
+                "-i",
+                str(cmds),
+            ],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
     finally:
         pfn_file.unlink(missing_ok=True)
         cmds.unlink(missing_ok=True)

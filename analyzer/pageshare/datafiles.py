@@ -44,8 +44,10 @@ def crash_version() -> str:
 def pagescan_extension() -> Path:
     """The pagescan crash extension for the installed crash."""
     if not shutil.which("crash"):
-        raise UserError("the crash utility is not installed",
-                        "install it (apt install crash), or use --introspector drgn")
+        raise UserError(
+            "the crash utility is not installed",
+            "install it (apt install crash), or use --introspector drgn",
+        )
     named = os.environ.get("PAGESHARE_PAGESCAN")
     if named:
         return Path(named)
@@ -53,15 +55,18 @@ def pagescan_extension() -> Path:
     if root is None:
         ext = INSTALLED_LIB / "pagescan.so"
         if not ext.is_file():
-            raise UserError(f"{ext} is missing", "reinstall the pageshare package "
-                            "(apt install --reinstall pageshare)")
+            raise UserError(
+                f"{ext} is missing",
+                "reinstall the pageshare package (apt install --reinstall pageshare)",
+            )
         built_for = (INSTALLED_LIB / "pagescan.crash-version").read_text().strip()
         if built_for != crash_version():
             # crash extensions use crash's internal structures: another
             # version may lay them out differently.
-            raise UserError(f"{ext} was built for {built_for}, but {crash_version()} is "
-                            "installed", "use --introspector drgn, or install the pageshare "
-                            "package built for this crash")
+            raise UserError(
+                f"{ext} was built for {built_for}, but {crash_version()} is installed",
+                "use --introspector drgn, or install the pageshare package built for this crash",
+            )
         return ext
     ext_dir = root / "crash-ext"
     p = subprocess.run(["make", "-s", "-C", str(ext_dir)], capture_output=True, text=True)

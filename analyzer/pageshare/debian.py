@@ -49,13 +49,22 @@ class PrivateApt:
 
     def opts(self) -> list[str]:
         r = self.root
-        opts = ["-o", f"Dir::Etc::SourceList={r}/etc/sources.list",
-                "-o", "Dir::Etc::SourceParts=/nonexistent",
-                "-o", f"Dir::State::Lists={r}/lists",
-                "-o", f"Dir::Cache={r}",
-                "-o", f"Dir::Cache::archives={r}/archives",
-                "-o", "Dir::State::status=/dev/null",
-                "-o", "Debug::NoLocking=1"]
+        opts = [
+            "-o",
+            f"Dir::Etc::SourceList={r}/etc/sources.list",
+            "-o",
+            "Dir::Etc::SourceParts=/nonexistent",
+            "-o",
+            f"Dir::State::Lists={r}/lists",
+            "-o",
+            f"Dir::Cache={r}",
+            "-o",
+            f"Dir::Cache::archives={r}/archives",
+            "-o",
+            "Dir::State::status=/dev/null",
+            "-o",
+            "Debug::NoLocking=1",
+        ]
         if self.sandbox_root:
             opts += ["-o", "APT::Sandbox::User=root"]
         return [*opts, "-o", "APT::Get::List-Cleanup=0"]

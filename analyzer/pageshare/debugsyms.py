@@ -45,15 +45,22 @@ class AptCache:
         self.root = self.apt.root
 
     def update(self) -> None:
-        p = subprocess.run(self.apt.command("apt-get", "update", "-qq"),
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            self.apt.command("apt-get", "update", "-qq"), capture_output=True, text=True
+        )
         if p.returncode != 0:
-            raise UserError(f"apt-get update for debug symbols failed: {p.stderr.strip()[-300:]}",
-                            "check access to the Debian mirror, or pass --vmlinux")
+            raise UserError(
+                f"apt-get update for debug symbols failed: {p.stderr.strip()[-300:]}",
+                "check access to the Debian mirror, or pass --vmlinux",
+            )
 
     def download(self, package: str, dest: Path) -> Path:
-        p = subprocess.run(self.apt.command("apt-get", "download", package), cwd=dest,
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            self.apt.command("apt-get", "download", package),
+            cwd=dest,
+            capture_output=True,
+            text=True,
+        )
         if p.returncode != 0:
             raise LookupError(p.stderr.strip()[-300:])
         debs = sorted(dest.glob(f"{package}_*.deb"))
@@ -62,8 +69,7 @@ class AptCache:
         return debs[-1]
 
 
-def find_vmlinux(kernel_version: str, want_build_id: str | None,
-                 log: LogFn | None = None) -> Path:
+def find_vmlinux(kernel_version: str, want_build_id: str | None, log: LogFn | None = None) -> Path:
     """A cached or freshly downloaded vmlinux for this kernel version."""
     root = cache_dir("vmlinux")
     if want_build_id:
@@ -82,11 +88,12 @@ def find_vmlinux(kernel_version: str, want_build_id: str | None,
         try:
             deb = apt.download(package, Path(tmp))
         except LookupError as e:
-            raise UserError(f"no debug symbols for guest kernel {kernel_version}: package "
-                            f"{package} is not in Debian's archive ({e})",
-                            "pass --vmlinux PATH with the guest kernel's DWARF vmlinux "
-                            "(Debian drops old -dbg packages when a kernel is superseded)"
-                            ) from None
+            raise UserError(
+                f"no debug symbols for guest kernel {kernel_version}: package "
+                f"{package} is not in Debian's archive ({e})",
+                "pass --vmlinux PATH with the guest kernel's DWARF vmlinux "
+                "(Debian drops old -dbg packages when a kernel is superseded)",
+            ) from None
         member = f"./usr/lib/debug/boot/vmlinux-{kernel_version}"
         if log:
             log(f"extracting vmlinux-{kernel_version} from {deb.name}")
@@ -104,10 +111,10 @@ def find_vmlinux(kernel_version: str, want_build_id: str | None,
     by_version.unlink(missing_ok=True)
     by_version.symlink_to(final)
     if want_build_id and bid != want_build_id:
-        raise UserError(f"the archive's {package} has build-id {bid}, the guest runs "
-                        f"{want_build_id}",
-                        "the guest kernel was rebuilt or patched: pass --vmlinux with its own "
-                        "debug vmlinux")
+        raise UserError(
+            f"the archive's {package} has build-id {bid}, the guest runs {want_build_id}",
+            "the guest kernel was rebuilt or patched: pass --vmlinux with its own debug vmlinux",
+        )
     return final
 
 
@@ -116,11 +123,14 @@ def check_vmlinux(vmlinux: Path, want_build_id: str | None) -> str:
     if not vmlinux.is_file():
         raise UserError(f"--vmlinux {vmlinux}: no such file", "give the DWARF vmlinux path")
     if not has_debug_info(vmlinux):
-        raise UserError(f"{vmlinux} has no DWARF debug info", "use the vmlinux from the "
-                        "linux-image-<version>-dbg package, not /boot/vmlinuz")
+        raise UserError(
+            f"{vmlinux} has no DWARF debug info",
+            "use the vmlinux from the linux-image-<version>-dbg package, not /boot/vmlinuz",
+        )
     bid = build_id(vmlinux)
     if want_build_id and bid != want_build_id:
-        raise UserError(f"{vmlinux} has build-id {bid} but the guest kernel is {want_build_id}",
-                        "give the debug vmlinux of the exact kernel build the image boots")
+        raise UserError(
+            f"{vmlinux} has build-id {bid} but the guest kernel is {want_build_id}",
+            "give the debug vmlinux of the exact kernel build the image boots",
+        )
     return bid
-

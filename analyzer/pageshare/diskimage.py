@@ -31,8 +31,12 @@ def to_raw(image: Path, dest: Path) -> None:
             hint="install qemu-utils (Debian/Ubuntu) or qemu-img (Fedora), or convert it "
             f"yourself: qemu-img convert -O raw {image} IMAGE.raw",
         )
-    proc = subprocess.run([qemu_img, "convert", "-O", "raw", str(image), str(dest)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [qemu_img, "convert", "-O", "raw", str(image), str(dest)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise UserError(
             f"qemu-img convert of {image} failed: {proc.stderr.strip() or proc.returncode}",

@@ -65,31 +65,37 @@ def image_key(image: sectorlist.ImageIdentity) -> str:
 class Store:
     """Lists and fleet status in one Redis database."""
 
-    def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX,
-                 timeout: float = 5.0) -> None:
+    def __init__(
+        self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX, timeout: float = 5.0
+    ) -> None:
         # redis is imported where Redis is talked to, so that `pageshare list
         # show|verify` (which import refine's defaults) run without it.
         import redis
+
         self.url = url
         self.prefix = prefix
         try:
             self.r: redis.Redis = redis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout)
+                url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
         except ValueError as e:
-            raise DistributeError(f"bad Redis URL {url!r}: {e}",
-                                  hint="use redis://HOST:PORT/DB or unix:///PATH") from None
+            raise DistributeError(
+                f"bad Redis URL {url!r}: {e}", hint="use redis://HOST:PORT/DB or unix:///PATH"
+            ) from None
 
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         import redis
+
         try:
             return fn(*args)
         except redis.exceptions.ConnectionError as e:
             raise DistributeError(
                 f"cannot reach Redis at {self.url}: {e}",
-                hint="start redis-server or pass --redis URL (or set PAGESHARE_REDIS)") from None
+                hint="start redis-server or pass --redis URL (or set PAGESHARE_REDIS)",
+            ) from None
         except redis.exceptions.RedisError as e:
             raise DistributeError(f"Redis error during {what}: {e}") from None
 
@@ -167,14 +173,19 @@ def resolve(store: Store, ref: str) -> str:
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise DistributeError(f"no list in Redis for {ref!r}",
-                              hint="'pageshare list ls' shows the images that have one")
-    raise DistributeError(f"{ref!r} matches {len(matches)} images: {', '.join(matches)}",
-                          hint="give more of the content sha256, or the full key")
+        raise DistributeError(
+            f"no list in Redis for {ref!r}",
+            hint="'pageshare list ls' shows the images that have one",
+        )
+    raise DistributeError(
+        f"{ref!r} matches {len(matches)} images: {', '.join(matches)}",
+        hint="give more of the content sha256, or the full key",
+    )
 
 
-def fetch(store: Store, ref: str, out: Path | None = None,
-          directory: Path = Path(".")) -> tuple[Path, sectorlist.SectorList]:
+def fetch(
+    store: Store, ref: str, out: Path | None = None, directory: Path = Path(".")
+) -> tuple[Path, sectorlist.SectorList]:
     """Download the current list of an image, validate it, write it atomically."""
     key = resolve(store, ref)
     data = store._call("fetch", store.r.get, store.key("list", key))
@@ -187,10 +198,13 @@ def fetch(store: Store, ref: str, out: Path | None = None,
     except (UnicodeDecodeError, sectorlist.ListFormatError) as e:
         raise DistributeError(
             f"the list stored for {key} is not a valid pcsl v1 list: {e}",
-            hint="publish a good list again with 'pageshare list publish'") from None
+            hint="publish a good list again with 'pageshare list publish'",
+        ) from None
     if image_key(sl.image) != key:
-        raise DistributeError(f"the list stored under {key} names image {image_key(sl.image)}",
-                              hint="publish the right list again with 'pageshare list publish'")
+        raise DistributeError(
+            f"the list stored under {key} names image {image_key(sl.image)}",
+            hint="publish the right list again with 'pageshare list publish'",
+        )
     target = out or Path(directory) / sectorlist.list_file_name(sl.image)
     sectorlist.write_atomic(target, data)
     return target, sl
@@ -221,8 +235,11 @@ def fleet(store: Store, now: float | None = None) -> list[dict[str, Any]]:
             entry["error"] = f"unreadable status: {e}"
             status = {}
         entry["degraded"] = bool(status.get("degraded", False))
-        entry["redis_connected"] = bool((status.get("redis") or {}).get("connected", False)) \
-            if isinstance(status.get("redis"), dict) else False
+        entry["redis_connected"] = (
+            bool((status.get("redis") or {}).get("connected", False))
+            if isinstance(status.get("redis"), dict)
+            else False
+        )
         images = []
         for img in status.get("images", []) if isinstance(status.get("images"), list) else []:
             if not isinstance(img, dict):
@@ -230,12 +247,19 @@ def fleet(store: Store, now: float | None = None) -> list[dict[str, Any]]:
             ident = img.get("identity") if isinstance(img.get("identity"), dict) else {}
             key = f"{ident.get('virtual_size')}-{ident.get('content_sha256')}" if ident else ""
             stats = img.get("client_stats") if isinstance(img.get("client_stats"), dict) else {}
-            images.append({
-                "name": img.get("name", "?"), "image_key": key, "state": img.get("state", "?"),
-                "generation": img.get("generation"), "blocks": img.get("blocks", 0),
-                "list_digest": img.get("list_digest"), "clients": img.get("clients", 0),
-                "client_stats": stats, "message": img.get("message", ""),
-            })
+            images.append(
+                {
+                    "name": img.get("name", "?"),
+                    "image_key": key,
+                    "state": img.get("state", "?"),
+                    "generation": img.get("generation"),
+                    "blocks": img.get("blocks", 0),
+                    "list_digest": img.get("list_digest"),
+                    "clients": img.get("clients", 0),
+                    "client_stats": stats,
+                    "message": img.get("message", ""),
+                }
+            )
         entry["images"] = images
         out.append(entry)
     return out
@@ -252,13 +276,19 @@ def list_images(store: Store, now: float | None = None) -> list[dict[str, Any]]:
         for h in hosts:
             for img in h["images"]:
                 if img["image_key"] == key:
-                    serving.append({
-                        "host": h["host"], "image": img["name"], "state": img["state"],
-                        "generation": img["generation"], "blocks": img["blocks"],
-                        "current": img["list_digest"] == meta.get("list-digest"),
-                        "clients": img["clients"], "stale": h["stale"],
-                        "client_stats": img["client_stats"],
-                    })
+                    serving.append(
+                        {
+                            "host": h["host"],
+                            "image": img["name"],
+                            "state": img["state"],
+                            "generation": img["generation"],
+                            "blocks": img["blocks"],
+                            "current": img["list_digest"] == meta.get("list-digest"),
+                            "clients": img["clients"],
+                            "stale": h["stale"],
+                            "client_stats": img["client_stats"],
+                        }
+                    )
         out.append({"image_key": key, "meta": meta, "hosts": serving})
     return out
 
@@ -267,28 +297,45 @@ def list_images(store: Store, now: float | None = None) -> list[dict[str, Any]]:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis", metavar="URL",
-                   default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
-                   help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX,
-                   help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})")
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
+        help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "--prefix",
+        default=DEFAULT_PREFIX,
+        help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})",
+    )
 
 
 def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser = RaisingArgumentParser(
-        prog=prog, description="Distribute sector lists to page servers via Redis.")
+        prog=prog, description="Distribute sector lists to page servers via Redis."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    pub = sub.add_parser("publish", help="validate a list and make it the current list of its "
-                         "image; page servers serving that image load it")
+    pub = sub.add_parser(
+        "publish",
+        help="validate a list and make it the current list of its "
+        "image; page servers serving that image load it",
+    )
     pub.add_argument("file", metavar="LIST", type=Path)
     pub.add_argument("--publisher", help="who to record as publisher (default user@host)")
     pub.add_argument("--json", action="store_true")
     _common(pub)
     fe = sub.add_parser("fetch", help="download an image's current list (validated) to a file")
-    fe.add_argument("image", metavar="IMAGE",
-                    help="image key (<size>-<sha256>), a sha256 prefix or the image name")
-    fe.add_argument("-o", "--output", type=Path, help="file to write (default: the analyzer's "
-                    "file name in the current directory)")
+    fe.add_argument(
+        "image",
+        metavar="IMAGE",
+        help="image key (<size>-<sha256>), a sha256 prefix or the image name",
+    )
+    fe.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="file to write (default: the analyzer's file name in the current directory)",
+    )
     _common(fe)
     ls = sub.add_parser("ls", help="the lists in Redis, their metadata, and which hosts serve them")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
@@ -311,17 +358,21 @@ def _fmt_ls(images: list[dict[str, Any]]) -> str:
             mib = float("nan")
         lines.append(f"{m.get('image-name') or '(unnamed)'}  {img['image_key'][:32]}...")
         lines.append(f"  {m.get('count', '?')} blocks ({mib:.1f} MiB), {m.get('list-digest', '?')}")
-        lines.append(f"  published {m.get('published-at', '?')} by {m.get('published-by', '?')}"
-                     f" (revision {m.get('revision', '?')}); analysed by "
-                     f"{m.get('generator') or '?'} at {m.get('created') or '?'}; "
-                     f"{m.get('runs', '')}")
+        lines.append(
+            f"  published {m.get('published-at', '?')} by {m.get('published-by', '?')}"
+            f" (revision {m.get('revision', '?')}); analysed by "
+            f"{m.get('generator') or '?'} at {m.get('created') or '?'}; "
+            f"{m.get('runs', '')}"
+        )
         if not img["hosts"]:
             lines.append("  served by: no host")
         for h in img["hosts"]:
             flag = "" if h["current"] else " (older list)"
             stale = " STALE" if h["stale"] else ""
-            lines.append(f"  served by {h['host']}{stale}: {h['image']} {h['state']} gen "
-                         f"{h['generation']} {h['blocks']} blocks{flag}, {h['clients']} clients")
+            lines.append(
+                f"  served by {h['host']}{stale}: {h['image']} {h['state']} gen "
+                f"{h['generation']} {h['blocks']} blocks{flag}, {h['clients']} clients"
+            )
     return "\n".join(lines)
 
 
@@ -338,9 +389,11 @@ def _fmt_fleet(hosts: list[dict[str, Any]]) -> str:
             lines.append(f"  {h['error']}")
         for img in h["images"]:
             cs = img["client_stats"]
-            lines.append(f"  {img['name']}: {img['state']} gen {img['generation']} "
-                         f"{img['blocks']} blocks, {img['clients']} clients, "
-                         f"merged {cs.get('merged', 0)} fallbacks {cs.get('fallbacks', 0)}")
+            lines.append(
+                f"  {img['name']}: {img['state']} gen {img['generation']} "
+                f"{img['blocks']} blocks, {img['clients']} clients, "
+                f"merged {cs.get('merged', 0)} fallbacks {cs.get('fallbacks', 0)}"
+            )
     return "\n".join(lines)
 
 
@@ -361,9 +414,11 @@ def cli_main(argv: list[str], prog: str = "pageshare list") -> int:
             if args.json:
                 print(json.dumps(meta, indent=2))
             else:
-                print(f"published {args.file}: {meta['count']} blocks for image "
-                      f"{meta['image-name'] or meta['image-key']} (revision {meta['revision']}, "
-                      f"{meta['subscribers']} page server(s) listening)")
+                print(
+                    f"published {args.file}: {meta['count']} blocks for image "
+                    f"{meta['image-name'] or meta['image-key']} (revision {meta['revision']}, "
+                    f"{meta['subscribers']} page server(s) listening)"
+                )
         elif args.command == "fetch":
             path, sl = fetch(store, args.image, args.output)
             print(f"wrote {path}: {len(sl.blocks)} blocks, {sl.digest()}")

@@ -50,8 +50,10 @@ def open_dump(vmlinux: Path, dump: Path) -> drgn.Program:
     finally:
         elf.close()
     if vmcoreinfo is None:
-        raise UserError(f"{dump.name}: no VMCOREINFO in the dump or guest memory",
-                        "the guest kernel must be built with CONFIG_CRASH_CORE")
+        raise UserError(
+            f"{dump.name}: no VMCOREINFO in the dump or guest memory",
+            "the guest kernel must be built with CONFIG_CRASH_CORE",
+        )
     prog = drgn.Program(vmcoreinfo=vmcoreinfo.encode())
     prog.set_core_dump(str(dump))
     if not prog.flags & drgn.ProgramFlags.IS_LINUX_KERNEL:
@@ -80,9 +82,11 @@ def load_kernel_debug_info(prog: drgn.Program, vmlinux: Path, dump: Path) -> Non
         raise RuntimeError(f"drgn did not start with the kernel in {dump}: {kernel.name}")
     kernel.try_file(str(vmlinux))
     if not kernel.debug_file_path:
-        raise UserError(f"drgn could not use {vmlinux} for {dump.name}: not the debug info "
-                        "of the kernel in the dump",
-                        "give the DWARF vmlinux of the exact kernel build the guest runs")
+        raise UserError(
+            f"drgn could not use {vmlinux} for {dump.name}: not the debug info "
+            "of the kernel in the dump",
+            "give the DWARF vmlinux of the exact kernel build the guest runs",
+        )
 
 
 def _offset(prog: drgn.Program, type_name: str, member: str) -> int | None:
@@ -103,6 +107,7 @@ def _enum(prog: drgn.Program, name: str) -> int | None:
 @dataclass(frozen=True)
 class Layout:
     """Offsets and flag numbers from the guest kernel's debug info (pagescan's `o`)."""
+
     page_size: int
     page_flags: int
     page_mapping: int
@@ -130,9 +135,9 @@ class Layout:
     pg_dirty: int | None
     pg_writeback: int | None
     pg_swapbacked: int | None
-    pg_slab: int | None          # a page flag on 6.1
+    pg_slab: int | None  # a page flag on 6.1
     pg_private: int | None
-    pgty_slab: int | None        # 6.12: slab is a page type, not a flag
+    pgty_slab: int | None  # 6.12: slab is a page type, not a flag
 
     @staticmethod
     def of(prog: drgn.Program) -> "Layout":
@@ -140,11 +145,14 @@ class Layout:
             return _offset(prog, f"struct {t}", m)
 
         required = {
-            "page_flags": off("page", "flags"), "page_mapping": off("page", "mapping"),
+            "page_flags": off("page", "flags"),
+            "page_mapping": off("page", "mapping"),
             "page_index": off("page", "index"),
             "page_compound_head": off("page", "compound_head"),
-            "as_host": off("address_space", "host"), "inode_ino": off("inode", "i_ino"),
-            "inode_sb": off("inode", "i_sb"), "inode_mapping": off("inode", "i_mapping"),
+            "as_host": off("address_space", "host"),
+            "inode_ino": off("inode", "i_ino"),
+            "inode_sb": off("inode", "i_sb"),
+            "inode_mapping": off("inode", "i_mapping"),
         }
         missing = [k for k, v in required.items() if v is None]
         if missing:
@@ -191,6 +199,7 @@ def _flag(flags: int, bit: int | None) -> bool:
 @dataclass(frozen=True)
 class InodeFacts:
     """What a page-cache record says about its inode (pagescan's struct inode_info)."""
+
     ino: int = 0
     s_dev: int = 0
     fstype: str = ""
@@ -209,6 +218,7 @@ class Scanner:
         self.prog = prog
         self.o = Layout.of(prog)
         from drgn.helpers.linux.mm import pfn_to_page
+
         # SPARSEMEM_VMEMMAP (all x86_64 distribution kernels): struct pages
         # form one virtual array, so a PFN's page is one multiplication away.
         self.page0 = int(pfn_to_page(prog, 0).value_())
@@ -247,13 +257,13 @@ class Scanner:
 
     def _init_sections(self) -> None:
         prog = self.prog
-        self.section_shift = (int(prog["SECTION_SIZE_BITS"].value_())
-                              - int(prog["PAGE_SHIFT"].value_()))
+        self.section_shift = int(prog["SECTION_SIZE_BITS"].value_()) - int(
+            prog["PAGE_SHIFT"].value_()
+        )
         self.sections_per_root = int(prog["SECTIONS_PER_ROOT"].value_())
         self.section_roots = int(prog["NR_SECTION_ROOTS"].value_())
         self.section_size = prog.type("struct mem_section").size or 0
-        self.section_map_off = drgn.offsetof(prog.type("struct mem_section"),
-                                             "section_mem_map")
+        self.section_map_off = drgn.offsetof(prog.type("struct mem_section"), "section_mem_map")
         bit = _enum(prog, "SECTION_HAS_MEM_MAP_BIT")
         self.has_mem_map = 1 << (SECTION_HAS_MEM_MAP_BIT if bit is None else bit)
         ms = prog["mem_section"]
@@ -271,7 +281,7 @@ class Scanner:
             return known
         root_nr, idx = divmod(nr, self.sections_per_root)
         ok = False
-        if root_nr >= self.section_roots:   # beyond MAX_PHYSMEM_BITS: crash checks it too
+        if root_nr >= self.section_roots:  # beyond MAX_PHYSMEM_BITS: crash checks it too
             root = None
         elif self.extreme:
             root = self._u64(self.mem_section + 8 * root_nr) if self.mem_section else None
@@ -289,12 +299,14 @@ class Scanner:
         size = self.o.page_size
         nr, i = divmod(pfn, PAGES_PER_READ)
         if self._block[0] != nr:
-            self._block = (nr, self._bytes(self.page0 + nr * PAGES_PER_READ * size,
-                                           PAGES_PER_READ * size))
+            self._block = (
+                nr,
+                self._bytes(self.page0 + nr * PAGES_PER_READ * size, PAGES_PER_READ * size),
+            )
         block = self._block[1]
         if block is None:  # part of the block is unmapped: this page alone may not be
             return self._bytes(self.page0 + pfn * size, size)
-        return block[i * size:(i + 1) * size]
+        return block[i * size : (i + 1) * size]
 
     # --- per-inode facts: pagescan's inode_info() ------------------------
 
@@ -329,7 +341,7 @@ class Scanner:
             uuid = raw.hex() if raw is not None else ""
         bdev: int | None = None
         if fstype == "bdev" and o.bdev_inode_vfs_inode is not None:
-            bdev = inode - o.bdev_inode_vfs_inode          # I_BDEV(inode)
+            bdev = inode - o.bdev_inode_vfs_inode  # I_BDEV(inode)
         elif o.sb_bdev is not None:
             bdev = self._u64(sb + o.sb_bdev)
         bd_dev, start, disk = 0, 0, ""
@@ -342,8 +354,17 @@ class Scanner:
                 gd = self._u64(bdev + o.bdev_disk)
                 if gd:
                     disk = self._cstr(gd + o.disk_name, DISK_NAME_MAX)
-        return InodeFacts(ino=ino, s_dev=s_dev, fstype=fstype, fs_uuid=uuid, bd_dev=bd_dev,
-                          disk=disk, start_sect=start, i_size=size, blkbits=blkbits)
+        return InodeFacts(
+            ino=ino,
+            s_dev=s_dev,
+            fstype=fstype,
+            fs_uuid=uuid,
+            bd_dev=bd_dev,
+            disk=disk,
+            start_sect=start,
+            i_size=size,
+            blkbits=blkbits,
+        )
 
     # --- one frame: pagescan's classify() --------------------------------
 
@@ -380,11 +401,11 @@ class Scanner:
         index = (index + ((page - head) & ULONG_MASK) // o.page_size) & ULONG_MASK
 
         if self._is_slab(flags, pg):
-            kind = "slab"           # slab_cache overlays ->mapping
+            kind = "slab"  # slab_cache overlays ->mapping
         elif not mapping:
-            kind = "nomapping"      # free, kernel, page tables, ...
+            kind = "nomapping"  # free, kernel, page tables, ...
         elif mapping & 3 == 3:
-            kind = "ksm"            # merged by the guest's own KSM
+            kind = "ksm"  # merged by the guest's own KSM
         elif mapping & 1:
             kind = "anon"
         elif mapping & 2:
@@ -403,19 +424,39 @@ class Scanner:
                     kind = "bdev"
                 else:
                     kind = "file"
-                state = "".join(c if _flag(flags, bit) else "-" for c, bit in (
-                    ("U", o.pg_uptodate), ("D", o.pg_dirty), ("W", o.pg_writeback),
-                    ("L", o.pg_locked), ("P", o.pg_private)))
+                state = "".join(
+                    c if _flag(flags, bit) else "-"
+                    for c, bit in (
+                        ("U", o.pg_uptodate),
+                        ("D", o.pg_dirty),
+                        ("W", o.pg_writeback),
+                        ("L", o.pg_locked),
+                        ("P", o.pg_private),
+                    )
+                )
                 return PageRecord(
-                    pfn=pfn, kind=kind, flags=flags, index=index, inode=host, ino=e.ino,
-                    s_dev=e.s_dev, fstype=e.fstype, fs_uuid=e.fs_uuid, bd_dev=e.bd_dev,
-                    disk=e.disk, start_sect=e.start_sect, i_size=e.i_size, blkbits=e.blkbits,
-                    state=state)
+                    pfn=pfn,
+                    kind=kind,
+                    flags=flags,
+                    index=index,
+                    inode=host,
+                    ino=e.ino,
+                    s_dev=e.s_dev,
+                    fstype=e.fstype,
+                    fs_uuid=e.fs_uuid,
+                    bd_dev=e.bd_dev,
+                    disk=e.disk,
+                    start_sect=e.start_sect,
+                    i_size=e.i_size,
+                    blkbits=e.blkbits,
+                    state=state,
+                )
         return PageRecord(pfn, kind, flags)
 
 
-def classify_pfns(vmlinux: Path, dump: Path, pfns: list[int], workdir: Path
-                  ) -> dict[int, PageRecord]:
+def classify_pfns(
+    vmlinux: Path, dump: Path, pfns: list[int], workdir: Path
+) -> dict[int, PageRecord]:
     """Same contract as crash_backend.classify_pfns (workdir is unused: no temp files)."""
     del workdir
     scanner = Scanner(open_dump(vmlinux, dump))

@@ -37,7 +37,7 @@ class ElfDump:
         self.segments: list[Segment] = []
         self.notes: list[tuple[int, int]] = []
         for i in range(phnum):
-            ph = self._mm[phoff + i * phentsize: phoff + (i + 1) * phentsize]
+            ph = self._mm[phoff + i * phentsize : phoff + (i + 1) * phentsize]
             p_type, _flags, off, _vaddr, paddr, filesz = struct.unpack_from("<IIQQQQ", ph)
             if p_type == PT_LOAD and filesz:
                 self.segments.append(Segment(paddr, filesz, off))
@@ -54,7 +54,7 @@ class ElfDump:
         for s in self.segments:
             if s.paddr <= pa and pa + PAGE <= s.paddr + s.size:
                 o = s.offset + pa - s.paddr
-                return self._mm[o:o + PAGE]
+                return self._mm[o : o + PAGE]
         return None
 
     def vmcoreinfo(self) -> str | None:
@@ -64,9 +64,9 @@ class ElfDump:
             while pos + 12 <= end:
                 namesz, descsz, _type = struct.unpack_from("<III", self._mm, pos)
                 name_end = pos + 12 + ((namesz + 3) & ~3)
-                name = self._mm[pos + 12:pos + 12 + namesz].rstrip(b"\0")
+                name = self._mm[pos + 12 : pos + 12 + namesz].rstrip(b"\0")
                 if name == b"VMCOREINFO":
-                    return self._mm[name_end:name_end + descsz].decode(errors="replace")
+                    return self._mm[name_end : name_end + descsz].decode(errors="replace")
                 pos = name_end + ((descsz + 3) & ~3)
         return self._vmcoreinfo_from_memory()
 
@@ -75,7 +75,7 @@ class ElfDump:
         # OSRELEASE= and ends with a NUL.
         for m in re.finditer(rb"OSRELEASE=[^\n\0]{1,64}\nBUILD-ID=[0-9a-f]{40}\n", self._mm):
             end = self._mm.find(b"\0", m.start())
-            text = self._mm[m.start():end].decode(errors="replace")
+            text = self._mm[m.start() : end].decode(errors="replace")
             if "KERNELOFFSET=" in text or "SYMBOL(" in text:
                 return text
         return None

@@ -38,8 +38,9 @@ class PageshareError(Exception):
 class UserError(PageshareError):
     """A problem with the input or the host that the operator can fix."""
 
-    def __init__(self, message: str, hint: str = "", exit_code: int = 2,
-                 kind: str = "user-error") -> None:
+    def __init__(
+        self, message: str, hint: str = "", exit_code: int = 2, kind: str = "user-error"
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint

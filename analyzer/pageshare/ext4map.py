@@ -24,7 +24,8 @@ from pathlib import Path
 
 # " 1/ 1   1/ 12     0 -    10  5678 -  5688     11 Uninit"
 _EXTENT = re.compile(
-    r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+) -\s+(\d+)\s+(\d+) -\s+(\d+)\s+(\d+)\s*(\S*)")
+    r"^\s*(\d+)/\s*(\d+)\s+\d+/\s*\d+\s+(\d+) -\s+(\d+)\s+(\d+) -\s+(\d+)\s+(\d+)\s*(\S*)"
+)
 _CMD = re.compile(r"^debugfs: ex <(\d+)>")
 
 
@@ -106,7 +107,7 @@ def parse_block_maps(output: str) -> dict[int, list[Extent]]:
             in_map = False
             continue
         for r in _RUN.finditer(line):
-            if r.group(3):                           # unwritten: reads as zeros
+            if r.group(3):  # unwritten: reads as zeros
                 continue
             first = int(r.group(1))
             last = int(r.group(2)) if r.group(2) else first
@@ -115,10 +116,14 @@ def parse_block_maps(output: str) -> dict[int, list[Extent]]:
             if phys_last - phys != last - first:
                 raise ValueError(f"debugfs stat <{cur}>: run {r.group(0)} has unequal lengths")
             runs = res[cur]
-            if runs and runs[-1].logical + runs[-1].length == first \
-                    and runs[-1].physical + runs[-1].length == phys:
-                runs[-1] = Extent(runs[-1].logical, runs[-1].physical,
-                                  runs[-1].length + last - first + 1)
+            if (
+                runs
+                and runs[-1].logical + runs[-1].length == first
+                and runs[-1].physical + runs[-1].length == phys
+            ):
+                runs[-1] = Extent(
+                    runs[-1].logical, runs[-1].physical, runs[-1].length + last - first + 1
+                )
             else:
                 runs.append(Extent(first, phys, last - first + 1))
     for exts in res.values():
@@ -127,8 +132,12 @@ def parse_block_maps(output: str) -> dict[int, list[Extent]]:
 
 
 def _debugfs(raw: Path, part_offset: int, commands: str) -> str:
-    p = subprocess.run(["debugfs", "-c", "-f", "-", f"{raw}?offset={part_offset}"],
-                       input=commands, capture_output=True, text=True)
+    p = subprocess.run(
+        ["debugfs", "-c", "-f", "-", f"{raw}?offset={part_offset}"],
+        input=commands,
+        capture_output=True,
+        text=True,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"debugfs failed: {p.stderr.strip()[-300:]}")
     return p.stdout
@@ -146,8 +155,9 @@ def read_extents(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, li
     res = parse_extents(_debugfs(raw, part_offset, "".join(f"ex <{i}>\n" for i in inodes)))
     again = [i for i in inodes if not res.get(i)]
     if again:
-        res.update(parse_block_maps(
-            _debugfs(raw, part_offset, "".join(f"stat <{i}>\n" for i in again))))
+        res.update(
+            parse_block_maps(_debugfs(raw, part_offset, "".join(f"stat <{i}>\n" for i in again)))
+        )
     return res
 
 
@@ -162,8 +172,9 @@ def read_paths(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, str]
     if not inodes:
         return {}
     commands = "".join(
-        "ncheck -c " + " ".join(map(str, inodes[i:i + NCHECK_CHUNK])) + "\n"
-        for i in range(0, len(inodes), NCHECK_CHUNK))
+        "ncheck -c " + " ".join(map(str, inodes[i : i + NCHECK_CHUNK])) + "\n"
+        for i in range(0, len(inodes), NCHECK_CHUNK)
+    )
     out = _debugfs(raw, part_offset, commands)
     paths: dict[int, str] = {}
     for line in out.splitlines():
@@ -173,8 +184,9 @@ def read_paths(raw: Path, part_offset: int, inodes: list[int]) -> dict[int, str]
     return paths
 
 
-def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
-                 block_size: int) -> list[int]:
+def file_sectors(
+    raw: Path, part_offset: int, path: str, start_sector: int, block_size: int
+) -> list[int]:
     """4 KiB-aligned base-image sectors holding a file's data (for tests and reports)."""
     out = _debugfs(raw, part_offset, f"stat {path}\n")
     exts = next(iter(parse_block_maps(out.replace(f"stat {path}", "stat <0>", 1)).values()), [])
@@ -191,8 +203,9 @@ def file_sectors(raw: Path, part_offset: int, path: str, start_sector: int,
 Run = tuple[int, int, int]
 
 
-def fs_image(raw: Path, runs: tuple[Run, ...], scratch: Path, copy: bool = False
-             ) -> tuple[Path, int]:
+def fs_image(
+    raw: Path, runs: tuple[Run, ...], scratch: Path, copy: bool = False
+) -> tuple[Path, int]:
     """Where debugfs (or xfs_db) can read a file system: (image, byte offset).
 
     One run (a partition, a one-segment LV) is the raw disk at its offset.
@@ -211,7 +224,7 @@ def fs_image(raw: Path, runs: tuple[Run, ...], scratch: Path, copy: bool = False
                 try:
                     data = os.lseek(fd_in, pos, os.SEEK_DATA)
                 except OSError as e:
-                    if e.errno != errno.ENXIO:     # ENXIO: only a hole is left
+                    if e.errno != errno.ENXIO:  # ENXIO: only a hole is left
                         raise
                     break
                 hole = min(os.lseek(fd_in, data, os.SEEK_HOLE), end)

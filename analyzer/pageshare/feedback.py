@@ -45,10 +45,10 @@ from .distribute import Store
 from .errors import PageshareError
 
 FEEDBACK_VERSION = 1
-RECORD = struct.Struct("<QIII")        # block, guests, reads, flags
+RECORD = struct.Struct("<QIII")  # block, guests, reads, flags
 FLAG_LISTED = 1
 FIELDS = ("host", "image", "since", "updated", "guests", "version", "blocks")
-HOSTS = "hosts"                        # the last key part of the set of host names
+HOSTS = "hosts"  # the last key part of the set of host names
 
 
 class SummaryFormatError(PageshareError, ValueError):
@@ -67,7 +67,7 @@ class HostSummary:
     updated: int
     guests: int
     version: int
-    blocks: bytes                       # the raw records, validated; iterate with records()
+    blocks: bytes  # the raw records, validated; iterate with records()
     key: str = ""
 
     @property
@@ -79,8 +79,14 @@ class HostSummary:
         return RECORD.iter_unpack(self.blocks)
 
     def to_json(self) -> dict[str, Any]:
-        return {"host": self.host, "key": self.key, "since": self.since,
-                "updated": self.updated, "guests": self.guests, "blocks": self.count}
+        return {
+            "host": self.host,
+            "key": self.key,
+            "since": self.since,
+            "updated": self.updated,
+            "guests": self.guests,
+            "blocks": self.count,
+        }
 
 
 @dataclass
@@ -89,7 +95,7 @@ class Fleet:
 
     image_key: str
     summaries: list[HostSummary] = field(default_factory=list)
-    failures: list[dict[str, str]] = field(default_factory=list)   # host, key, error
+    failures: list[dict[str, str]] = field(default_factory=list)  # host, key, error
 
 
 def summary_key(store: Store, image_key: str, host: str) -> str:
@@ -122,8 +128,7 @@ def _uint(raw: Mapping[Any, Any], name: str, bits: int = 64) -> int:
     return value
 
 
-def decode(raw: Mapping[Any, Any], image_key: str, host: str = "", key: str = ""
-           ) -> HostSummary:
+def decode(raw: Mapping[Any, Any], image_key: str, host: str = "", key: str = "") -> HostSummary:
     """Validate one host's hash (as redis-py returns it, bytes or str) for image_key.
 
     Raises SummaryFormatError naming what is wrong: a missing field, another
@@ -137,14 +142,17 @@ def decode(raw: Mapping[Any, Any], image_key: str, host: str = "", key: str = ""
     if version != FEEDBACK_VERSION:
         raise SummaryFormatError(
             f"summary format version {version}; this pageshare reads version "
-            f"{FEEDBACK_VERSION} (update pageshare, or the page server)")
+            f"{FEEDBACK_VERSION} (update pageshare, or the page server)"
+        )
     name = _text(raw, "host")
     if host and name != host:
         raise SummaryFormatError(f"names host {name!r}, but is stored under host {host!r}")
     image = _text(raw, "image")
     if image != image_key:
-        raise SummaryFormatError(f"is for image {image}, not {image_key} (a host serving "
-                                 "another image wrote it under this key)")
+        raise SummaryFormatError(
+            f"is for image {image}, not {image_key} (a host serving "
+            "another image wrote it under this key)"
+        )
     since, updated = _uint(raw, "since"), _uint(raw, "updated")
     if since > updated:
         raise SummaryFormatError(f"since ({since}) is after updated ({updated})")
@@ -159,33 +167,48 @@ def decode(raw: Mapping[Any, Any], image_key: str, host: str = "", key: str = ""
     if len(blocks) % RECORD.size:
         raise SummaryFormatError(
             f"field 'blocks' is {len(blocks)} bytes, not a multiple of the {RECORD.size}-byte "
-            "record: truncated or another format")
+            "record: truncated or another format"
+        )
     previous = -1
     for n, (block, _, _, _) in enumerate(RECORD.iter_unpack(blocks)):
         if block <= previous:
             raise SummaryFormatError(
                 f"record {n}: block {block} after block {previous} (records must be sorted "
-                "by block, each block once)")
+                "by block, each block once)"
+            )
         previous = block
     return HostSummary(name, image, since, updated, guests, version, blocks, key)
 
 
-def encode(host: str, image_key: str, since: int, updated: int, guests: int,
-           records: Mapping[int, tuple[int, int, int]]) -> dict[str, bytes]:
+def encode(
+    host: str,
+    image_key: str,
+    since: int,
+    updated: int,
+    guests: int,
+    records: Mapping[int, tuple[int, int, int]],
+) -> dict[str, bytes]:
     """A summary hash as a page server writes it: records = block -> (guests, reads, flags)."""
     body = b"".join(RECORD.pack(b, *records[b]) for b in sorted(records))
-    return {"host": host.encode(), "image": image_key.encode(), "since": b"%d" % since,
-            "updated": b"%d" % updated, "guests": b"%d" % guests,
-            "version": b"%d" % FEEDBACK_VERSION, "blocks": body}
+    return {
+        "host": host.encode(),
+        "image": image_key.encode(),
+        "since": b"%d" % since,
+        "updated": b"%d" % updated,
+        "guests": b"%d" % guests,
+        "version": b"%d" % FEEDBACK_VERSION,
+        "blocks": body,
+    }
 
 
 def _host_of(store: Store, image_key: str, key: str) -> str:
-    return key[len(store.key("feedback", image_key, "")):]
+    return key[len(store.key("feedback", image_key, "")) :]
 
 
 def _hgetall(store: Store, key: str) -> dict[Any, Any] | str:
     """The hash, or what is wrong with the key (e.g. not a hash) as a string."""
     import redis
+
     try:
         h: dict[Any, Any] = store.r.hgetall(key)
         return h
@@ -197,14 +220,15 @@ def read_fleet(store: Store, image_key: str) -> Fleet:
     """Every host's summary for image_key: the hosts in the hosts set and every
     summary key there is (a server may have written its hash but not yet the
     set).  A summary that does not parse is reported in failures, not used."""
+
     def names(v: Any) -> str:
         return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
-    hosts = {names(h) for h in store._call("feedback", store.r.smembers,
-                                           hosts_key(store, image_key))}
+    hosts = {
+        names(h) for h in store._call("feedback", store.r.smembers, hosts_key(store, image_key))
+    }
     pattern = summary_key(store, image_key, "*")
-    for k in store._call("feedback", lambda: list(store.r.scan_iter(match=pattern,
-                                                                    count=1000))):
+    for k in store._call("feedback", lambda: list(store.r.scan_iter(match=pattern, count=1000))):
         host = _host_of(store, image_key, names(k))
         if host != HOSTS:
             hosts.add(host)

@@ -43,8 +43,8 @@ from .xfsmap import read_extents as xfs_read_extents
 PAGE = 4096
 SECTORS_PER_PAGE = PAGE // 512
 
-OUTSIDE_FS = "outside-file-systems"     # on no mapped file system (partition table, swap, ...)
-NOT_REGULAR = "not-regular-file-data"   # metadata, directory, symlink, free space, journal
+OUTSIDE_FS = "outside-file-systems"  # on no mapped file system (partition table, swap, ...)
+NOT_REGULAR = "not-regular-file-data"  # metadata, directory, symlink, free space, journal
 NOT_WHOLE_PAGE = "not-a-whole-file-page"  # 1 KiB blocks not one page of one file
 UNSUPPORTED = "unsupported-file-system"
 REASONS = (OUTSIDE_FS, NOT_REGULAR, NOT_WHOLE_PAGE, UNSUPPORTED)
@@ -73,18 +73,18 @@ def placement_of(filesystems: Iterable[Placement], sector: int) -> tuple[Placeme
     return None if best is None else (best[1], best[2])
 
 
-def _page_verdict(blocks: list[int], owners: list[int | None],
-                  extents: dict[int, list[Extent]], per_page: int) -> str:
-    """"" if the file system blocks are one whole page of one file's data."""
+def _page_verdict(
+    blocks: list[int], owners: list[int | None], extents: dict[int, list[Extent]], per_page: int
+) -> str:
+    """ "" if the file system blocks are one whole page of one file's data."""
     ino = owners[0]
     if ino is None or any(o != ino for o in owners):
         return NOT_REGULAR if any(o is None for o in owners) else NOT_WHOLE_PAGE
     logical: list[int] = []
     for b in blocks:
-        e = next((e for e in extents.get(ino, []) if e.physical <= b < e.physical + e.length),
-                 None)
+        e = next((e for e in extents.get(ino, []) if e.physical <= b < e.physical + e.length), None)
         if e is None:
-            return NOT_REGULAR            # the inode's metadata (extent tree, indirect block)
+            return NOT_REGULAR  # the inode's metadata (extent tree, indirect block)
         logical.append(e.logical + b - e.physical)
     if logical[0] % per_page or any(lb != logical[0] + k for k, lb in enumerate(logical)):
         return NOT_WHOLE_PAGE
@@ -103,7 +103,7 @@ def ext4_owners(image: Path, offset: int, blocks: list[int]) -> dict[int, int]:
     the file system's own metadata are absent."""
     out: dict[int, int] = {}
     for i in range(0, len(blocks), ICHECK_CHUNK):
-        cmd = "icheck " + " ".join(map(str, blocks[i:i + ICHECK_CHUNK])) + "\n"
+        cmd = "icheck " + " ".join(map(str, blocks[i : i + ICHECK_CHUNK])) + "\n"
         for line in _debugfs(image, offset, cmd).splitlines():
             m = _ICHECK.match(line)
             if m and m.group(2).isdigit():
@@ -116,7 +116,7 @@ def ext4_inode_types(image: Path, offset: int, inodes: list[int]) -> dict[int, s
     out: dict[int, str] = {}
     for i in range(0, len(inodes), ICHECK_CHUNK):
         cur: int | None = None
-        cmds = "".join(f"stat <{n}>\n" for n in inodes[i:i + ICHECK_CHUNK])
+        cmds = "".join(f"stat <{n}>\n" for n in inodes[i : i + ICHECK_CHUNK])
         for line in _debugfs(image, offset, cmds).splitlines():
             m = _STAT_CMD.match(line)
             if m:
@@ -133,8 +133,9 @@ def ext4_first_inode(image: Path, offset: int) -> int:
     return int(m.group(1)) if m else 11
 
 
-def _classify_ext4(image: Path, offset: int, block_size: int, fs_sectors: dict[int, int]
-                   ) -> dict[int, str]:
+def _classify_ext4(
+    image: Path, offset: int, block_size: int, fs_sectors: dict[int, int]
+) -> dict[int, str]:
     """fs_sectors: disk sector -> sector within the file system."""
     per = max(1, PAGE // block_size)
     spb = block_size // 512
@@ -164,7 +165,7 @@ def xfs_owners(image: Path, fs_sectors: list[int], per: int) -> dict[int, int]:
     out: dict[int, int] = {}
     for i in range(0, len(fs_sectors), XFS_CHUNK):
         args = ["xfs_db", "-r", "-c", "blockget -n"]
-        for s in fs_sectors[i:i + XFS_CHUNK]:
+        for s in fs_sectors[i : i + XFS_CHUNK]:
             args += ["-c", f"daddr {s}", "-c", f"blockuse -n -c {per}"]
         p = subprocess.run([*args, str(image)], capture_output=True, text=True)
         if p.returncode != 0:
@@ -206,8 +207,9 @@ def _classify_btrfs(image: Path, fs_sectors: dict[int, int]) -> dict[int, str]:
     extents: dict[int, list[Extent]] = {}
     key = 0
     for tree in trees:
-        exts, _ = btrfsmap.parse_file_extents(btrfsmap._fs_tree(image, tree), chunks,
-                                              sectorsize, None)
+        exts, _ = btrfsmap.parse_file_extents(
+            btrfsmap._fs_tree(image, tree), chunks, sectorsize, None
+        )
         for _ino, es in exts.items():
             hit = [b for e in es for b in _wanted_in(e, wanted)]
             if hit:
@@ -231,10 +233,13 @@ def _wanted_in(e: Extent, wanted: set[int]) -> list[int]:
 # --------------------------------------------------------------------------- all of them
 
 
-def classify(sectors: Iterable[int], filesystems: Iterable[Placement],
-             sources: dict[tuple[str, int], tuple[Path, int]],
-             block_sizes: dict[tuple[str, int], int],
-             say: Callable[[str], None] = lambda _: None) -> dict[int, str]:
+def classify(
+    sectors: Iterable[int],
+    filesystems: Iterable[Placement],
+    sources: dict[tuple[str, int], tuple[Path, int]],
+    block_sizes: dict[tuple[str, int], int],
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[int, str]:
     """Disk sector (4 KiB aligned) -> "" for a page of a regular file, else the reason.
 
     sources: where each file system's bytes are readable (as analyze.py makes

@@ -304,11 +304,19 @@ VARIANTS: dict[str, dict[str, object]] = {
         "fs_uuid": "b8d4f2a6-3c71-4e95-8a0d-6f1e9c2b7d43",
         "filesystems": [
             {"mountpoint": "/boot/efi", "fstype": "vfat", "uuid": "5A1C-3E97", "mib": 64},
-            {"mountpoint": "/boot", "fstype": "ext2",
-             "uuid": "f3a9c1e5-7d28-4b64-9e0a-2c5b8d1f6a79", "mib": 192},
+            {
+                "mountpoint": "/boot",
+                "fstype": "ext2",
+                "uuid": "f3a9c1e5-7d28-4b64-9e0a-2c5b8d1f6a79",
+                "mib": 192,
+            },
             {"mountpoint": "/", "fstype": "ext4"},
-            {"mountpoint": "/var", "fstype": "ext3",
-             "uuid": "6e2b9d4f-1a85-4c37-b0e6-d9f3a7c2e518", "mib": 256},
+            {
+                "mountpoint": "/var",
+                "fstype": "ext3",
+                "uuid": "6e2b9d4f-1a85-4c37-b0e6-d9f3a7c2e518",
+                "mib": 256,
+            },
         ],
         "disk_guid": "2f7c9e4b-d6a1-4853-b9e2-0c4a8f1d5e36",
         "partition_guids": {
@@ -353,10 +361,10 @@ class _Spec:
     hostname: str
     boot_fs_uuid: str | None = None  # a separate /boot file system (gpt-bootsplit)
     root_fstype: str = "ext4"
-    fs_block: int = FS_BLOCK          # the root ext4's block size
-    root_subvol: str = ""             # a btrfs root: the subvolume / is mounted from
-    compressed_files: tuple[str, ...] = ()   # a btrfs root: files stored compressed
-    swap_uuid: str | None = None      # a swap partition ("mbr": logical partition 5)
+    fs_block: int = FS_BLOCK  # the root ext4's block size
+    root_subvol: str = ""  # a btrfs root: the subvolume / is mounted from
+    compressed_files: tuple[str, ...] = ()  # a btrfs root: files stored compressed
+    swap_uuid: str | None = None  # a swap partition ("mbr": logical partition 5)
     # "gpt-efi": the file systems in disk order, the root among them as "/".
     filesystems: tuple[OtherFs, ...] = ()
 
@@ -364,15 +372,17 @@ class _Spec:
 @dataclass(frozen=True)
 class OtherFs:
     """A file system of a "gpt-efi" image besides the root, on a partition of its own."""
+
     mountpoint: str
-    fstype: str                       # vfat, ext2, ext3 or ext4 ("ext4" for the root)
-    uuid: str                         # vfat: its volume id, as blkid and fstab give it
-    mib: int                          # partition size; 0 for the root (the rest)
+    fstype: str  # vfat, ext2, ext3 or ext4 ("ext4" for the root)
+    uuid: str  # vfat: its volume id, as blkid and fstab give it
+    mib: int  # partition size; 0 for the root (the rest)
 
 
 @dataclass(frozen=True)
 class Placed:
     """Where a "gpt-efi" file system sits: its partition and sectors (inclusive)."""
+
     mountpoint: str
     partition: int
     start_sector: int
@@ -451,17 +461,29 @@ def _spec(variant: str) -> _Spec:
     swap_uuid = d.get("swap_uuid")
     if swap_uuid is not None and (not isinstance(swap_uuid, str) or d["layout"] != "mbr"):
         raise TypeError("variant field 'swap_uuid' must be a str, on the mbr layout")
-    filesystems = tuple(OtherFs(str(f["mountpoint"]), str(f["fstype"]), str(f.get("uuid", "")),
-                                int(f.get("mib", 0)))
-                        for f in d.get("filesystems", []))   # type: ignore[attr-defined]
-    if (d["layout"] == "gpt-efi") != bool(filesystems) or (filesystems and (
+    filesystems = tuple(
+        OtherFs(
+            str(f["mountpoint"]), str(f["fstype"]), str(f.get("uuid", "")), int(f.get("mib", 0))
+        )
+        for f in d.get("filesystems", [])  # type: ignore[attr-defined]
+    )
+    if (d["layout"] == "gpt-efi") != bool(filesystems) or (
+        filesystems
+        and (
             [f.mountpoint for f in filesystems].count("/") != 1
-            or any(f.fstype not in GPT_TYPE or (f.mountpoint != "/") != bool(f.mib and f.uuid)
-                   for f in filesystems))):
-        raise TypeError("a gpt-efi variant lists its file systems (vfat or ext2/3/4, each "
-                        "with uuid and mib) in disk order, the root once as '/'")
-    if d["layout"] == "mbr" and not (isinstance(disk_guid, str)
-                                     and re.fullmatch(r"0x[0-9a-f]{8}", disk_guid)):
+            or any(
+                f.fstype not in GPT_TYPE or (f.mountpoint != "/") != bool(f.mib and f.uuid)
+                for f in filesystems
+            )
+        )
+    ):
+        raise TypeError(
+            "a gpt-efi variant lists its file systems (vfat or ext2/3/4, each "
+            "with uuid and mib) in disk order, the root once as '/'"
+        )
+    if d["layout"] == "mbr" and not (
+        isinstance(disk_guid, str) and re.fullmatch(r"0x[0-9a-f]{8}", disk_guid)
+    ):
         raise TypeError("an mbr variant's 'disk_guid' is its disk identifier, 0x and 8 hex digits")
     return _Spec(
         suite=_field(d, "suite", str),
@@ -515,9 +537,13 @@ def geometry(variant: str) -> Geometry:
         fs_bytes = LVM_ROOT_BYTES
     geom = Geometry(spec.layout, size, GPT_ROOT_PARTITION, root_start, last_usable, fs_bytes)
     if spec.layout == "gpt-bootsplit":
-        geom = replace(geom, boot_partition=BOOT_PARTITION,
-                       boot_start_sector=GPT_ROOT_START_SECTOR,
-                       boot_end_sector=root_start - 1, boot_fs_bytes=BOOT_SECTORS * SECTOR)
+        geom = replace(
+            geom,
+            boot_partition=BOOT_PARTITION,
+            boot_start_sector=GPT_ROOT_START_SECTOR,
+            boot_end_sector=root_start - 1,
+            boot_fs_bytes=BOOT_SECTORS * SECTOR,
+        )
     return geom
 
 
@@ -528,10 +554,19 @@ def _mbr_geometry(spec: _Spec) -> Geometry:
     # The root ends on the last MiB boundary before the extended partition.
     root_end = extended_start // 2048 * 2048 - 1
     fs_bytes = (root_end - MBR_ROOT_START_SECTOR + 1) * SECTOR // FS_BLOCK * FS_BLOCK
-    return Geometry(spec.layout, spec.virtual_size, MBR_ROOT_PARTITION, MBR_ROOT_START_SECTOR,
-                    root_end, fs_bytes, extended_partition=MBR_EXTENDED_PARTITION,
-                    extended_start_sector=extended_start, swap_partition=MBR_SWAP_PARTITION,
-                    swap_start_sector=swap_start, swap_end_sector=total - 1)
+    return Geometry(
+        spec.layout,
+        spec.virtual_size,
+        MBR_ROOT_PARTITION,
+        MBR_ROOT_START_SECTOR,
+        root_end,
+        fs_bytes,
+        extended_partition=MBR_EXTENDED_PARTITION,
+        extended_start_sector=extended_start,
+        swap_partition=MBR_SWAP_PARTITION,
+        swap_start_sector=swap_start,
+        swap_end_sector=total - 1,
+    )
 
 
 def _efi_geometry(spec: _Spec) -> Geometry:
@@ -545,11 +580,19 @@ def _efi_geometry(spec: _Spec) -> Geometry:
         at += sectors
     root = next(p for p in placed if p.mountpoint == "/")
     boot = next(p for p in placed if p.mountpoint == "/boot")
-    return Geometry(spec.layout, spec.virtual_size, root.partition, root.start_sector,
-                    root.end_sector, root_sectors * SECTOR, boot_partition=boot.partition,
-                    boot_start_sector=boot.start_sector, boot_end_sector=boot.end_sector,
-                    boot_fs_bytes=(boot.end_sector - boot.start_sector + 1) * SECTOR,
-                    placed=tuple(placed))
+    return Geometry(
+        spec.layout,
+        spec.virtual_size,
+        root.partition,
+        root.start_sector,
+        root.end_sector,
+        root_sectors * SECTOR,
+        boot_partition=boot.partition,
+        boot_start_sector=boot.start_sector,
+        boot_end_sector=boot.end_sector,
+        boot_fs_bytes=(boot.end_sector - boot.start_sector + 1) * SECTOR,
+        placed=tuple(placed),
+    )
 
 
 def _image_dir(variant: str) -> Path:
@@ -694,8 +737,10 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 # initrd has no fsck.ext4 and every boot warns "fsck not present".  It must be
 # in place before the kernel package builds the initrd, hence an essential hook.
 def _root_fstype_hook(fstype: str) -> str:
-    return ('mkdir -p "$1/etc/initramfs-tools/conf.d" && '
-            f'echo FSTYPE={fstype} > "$1/etc/initramfs-tools/conf.d/root-fstype"')
+    return (
+        'mkdir -p "$1/etc/initramfs-tools/conf.d" && '
+        f'echo FSTYPE={fstype} > "$1/etc/initramfs-tools/conf.d/root-fstype"'
+    )
 
 
 def _mmdebstrap(spec: _Spec, rootdir: Path, work: Path, log: Log) -> None:
@@ -801,22 +846,24 @@ def _customize(rootdir: Path, spec: _Spec) -> None:
     )
     root = f"UUID={spec.fs_uuid}"
     if spec.layout == "gpt-lvm":
-        root = f"/dev/mapper/{LVM_VG}-{LVM_LV}"      # as Debian's installer writes it
+        root = f"/dev/mapper/{LVM_VG}-{LVM_LV}"  # as Debian's installer writes it
     options = "rw,discard,errors=remount-ro" if spec.root_fstype == "ext4" else "rw,discard"
     passno = 1
     if spec.root_fstype == "btrfs":
         # As Debian's installer writes it (btrfs has no boot-time fsck: pass 0).
-        options, passno = "defaults" + (f",subvol={spec.root_subvol}"
-                                        if spec.root_subvol else ""), 0
+        options, passno = (
+            "defaults" + (f",subvol={spec.root_subvol}" if spec.root_subvol else ""),
+            0,
+        )
     fstab = f"{root}\t/\t{spec.root_fstype}\t{options}\t0\t{passno}\n"
     if spec.boot_fs_uuid:
         fstab += f"UUID={spec.boot_fs_uuid}\t/boot\text4\tdefaults\t0\t2\n"
     for f in spec.filesystems:
-        if f.mountpoint != "/":          # as Debian's installer writes them
+        if f.mountpoint != "/":  # as Debian's installer writes them
             options, passno = ("umask=0077", 1) if f.fstype == "vfat" else ("defaults", 2)
             fstab += f"UUID={f.uuid}\t{f.mountpoint}\t{f.fstype}\t{options}\t0\t{passno}\n"
     if spec.swap_uuid:
-        fstab += f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n"    # as the installer's
+        fstab += f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n"  # as the installer's
     _write(rootdir / "etc/fstab", fstab)
     # mmdebstrap copies the build host's resolver config in; it is not ours to ship.
     (rootdir / "etc/resolv.conf").unlink(missing_ok=True)
@@ -843,8 +890,15 @@ def _split_out(rootdir: Path, mountpoint: str, tree: Path) -> None:
         shutil.move(str(entry), str(tree / entry.name))
 
 
-def _make_ext4(rootdir: Path, fs_image: Path, fs_bytes: int, fs_uuid: str,
-               label: str = FS_LABEL, block: int = FS_BLOCK, fstype: str = "ext4") -> None:
+def _make_ext4(
+    rootdir: Path,
+    fs_image: Path,
+    fs_bytes: int,
+    fs_uuid: str,
+    label: str = FS_LABEL,
+    block: int = FS_BLOCK,
+    fstype: str = "ext4",
+) -> None:
     """An ext4 (or, by fstype, ext2 or ext3: indirect block maps) file system
     image holding the tree."""
     with fs_image.open("wb") as f:
@@ -864,8 +918,20 @@ def _make_vfat(tree: Path, fs_image: Path, fs_bytes: int, volume_id: str, label:
     the host needs no vfat driver."""
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
-    _run(["mkfs.vfat", "-F", "32", "-s", "1", "-i", volume_id.replace("-", ""), "-n", label,
-          str(fs_image)])
+    _run(
+        [
+            "mkfs.vfat",
+            "-F",
+            "32",
+            "-s",
+            "1",
+            "-i",
+            volume_id.replace("-", ""),
+            "-n",
+            label,
+            str(fs_image),
+        ]
+    )
     entries = sorted(str(e) for e in tree.iterdir())
     if entries:
         _run(["mcopy", "-s", "-p", "-m", "-i", str(fs_image), *entries, "::/"])
@@ -877,24 +943,45 @@ def _make_vfat(tree: Path, fs_image: Path, fs_bytes: int, volume_id: str, label:
 # modules in /boot/grub/x86_64-efi, and grub.cfg as update-grub writes it
 # for a separate /boot (paths relative to /boot, `search --fs-uuid` of /boot).
 # No shim: the image boots without Secure Boot.
-_GRUB_MODULES = ("part_gpt", "part_msdos", "fat", "ext2", "search", "search_fs_uuid",
-                 "configfile", "normal", "linux", "echo", "test", "gzio", "serial",
-                 "terminal", "all_video", "efi_gop", "boot")
+_GRUB_MODULES = (
+    "part_gpt",
+    "part_msdos",
+    "fat",
+    "ext2",
+    "search",
+    "search_fs_uuid",
+    "configfile",
+    "normal",
+    "linux",
+    "echo",
+    "test",
+    "gzio",
+    "serial",
+    "terminal",
+    "all_video",
+    "efi_gop",
+    "boot",
+)
 
 
 def _early_grub_cfg(boot_uuid: str) -> str:
-    return (f"search.fs_uuid {boot_uuid} root\n"
-            "set prefix=($root)'/grub'\n"
-            "configfile $prefix/grub.cfg\n")
+    return (
+        f"search.fs_uuid {boot_uuid} root\nset prefix=($root)'/grub'\nconfigfile $prefix/grub.cfg\n"
+    )
 
 
 def _grub_entry(boot_uuid: str, root_uuid: str, kernel: str, args: str, indent: str) -> str:
-    lines = ["load_video", "insmod gzio", "insmod part_gpt", "insmod ext2",
-             f"search --no-floppy --fs-uuid --set=root {boot_uuid}",
-             f"echo\t'Loading Linux {kernel} ...'",
-             f"linux\t/vmlinuz-{kernel} root=UUID={root_uuid} ro {args}",
-             "echo\t'Loading initial ramdisk ...'",
-             f"initrd\t/initrd.img-{kernel}"]
+    lines = [
+        "load_video",
+        "insmod gzio",
+        "insmod part_gpt",
+        "insmod ext2",
+        f"search --no-floppy --fs-uuid --set=root {boot_uuid}",
+        f"echo\t'Loading Linux {kernel} ...'",
+        f"linux\t/vmlinuz-{kernel} root=UUID={root_uuid} ro {args}",
+        "echo\t'Loading initial ramdisk ...'",
+        f"initrd\t/initrd.img-{kernel}",
+    ]
     return "".join(f"{indent}\t{line}\n" for line in lines)
 
 
@@ -917,7 +1004,8 @@ def _grub_cfg(root_uuid: str, boot_uuid: str, kernel: str) -> str:
         "set timeout=1\n### END /etc/grub.d/00_header ###\n\n"
         "### BEGIN /etc/grub.d/10_linux ###\n"
         f"menuentry 'Debian GNU/Linux' {classes} 'gnulinux-simple-{root_uuid}' {{\n"
-        + _grub_entry(boot_uuid, root_uuid, kernel, args, "") + "}\n"
+        + _grub_entry(boot_uuid, root_uuid, kernel, args, "")
+        + "}\n"
         f"submenu 'Advanced options for Debian GNU/Linux' $menuentry_id_option "
         f"'gnulinux-advanced-{root_uuid}' {{\n"
         f"\tmenuentry 'Debian GNU/Linux, with Linux {kernel} (recovery mode)' {classes} "
@@ -933,15 +1021,29 @@ def _install_grub_efi(rootdir: Path, spec: _Spec, kernel: str) -> None:
     _write(rootdir / "boot/efi/EFI/debian/grub.cfg", early)
     _write(rootdir / "tmp/grub-early.cfg", early)
     try:
-        _run(["chroot", str(rootdir), "grub-mkimage", "-O", "x86_64-efi",
-              "-o", "/boot/efi/EFI/debian/grubx64.efi", "-c", "/tmp/grub-early.cfg",
-              "-p", "/grub", *_GRUB_MODULES])
+        _run(
+            [
+                "chroot",
+                str(rootdir),
+                "grub-mkimage",
+                "-O",
+                "x86_64-efi",
+                "-o",
+                "/boot/efi/EFI/debian/grubx64.efi",
+                "-c",
+                "/tmp/grub-early.cfg",
+                "-p",
+                "/grub",
+                *_GRUB_MODULES,
+            ]
+        )
     finally:
         (rootdir / "tmp/grub-early.cfg").unlink()
     # The removable-media path, which firmware boots with no boot entry in NVRAM.
     (rootdir / "boot/efi/EFI/BOOT").mkdir()
-    shutil.copyfile(rootdir / "boot/efi/EFI/debian/grubx64.efi",
-                    rootdir / "boot/efi/EFI/BOOT/BOOTX64.EFI")
+    shutil.copyfile(
+        rootdir / "boot/efi/EFI/debian/grubx64.efi", rootdir / "boot/efi/EFI/BOOT/BOOTX64.EFI"
+    )
     modules = rootdir / "boot/grub/x86_64-efi"
     modules.mkdir(parents=True, exist_ok=True)
     for m in (rootdir / "usr/lib/grub/x86_64-efi").iterdir():
@@ -968,13 +1070,17 @@ def _write_gpt(disk: Path, spec: _Spec, geom: Geometry) -> None:
     guids = spec.partition_guids
     root_no = GPT_ROOT_PARTITION
     cmd = ["sgdisk", "--clear", f"--disk-guid={spec.disk_guid}"]
-    root_type = "8e00" if geom.layout == "gpt-lvm" else "8300"    # 8e00: Linux LVM
-    parts = [(*GPT_BIOS_BOOT, "ef02"), (*GPT_ESP, "ef00"),
-             (root_no, geom.root_start_sector, geom.root_end_sector, root_type)]
+    root_type = "8e00" if geom.layout == "gpt-lvm" else "8300"  # 8e00: Linux LVM
+    parts = [
+        (*GPT_BIOS_BOOT, "ef02"),
+        (*GPT_ESP, "ef00"),
+        (root_no, geom.root_start_sector, geom.root_end_sector, root_type),
+    ]
     if geom.layout == "gpt-efi":
         types = {f.mountpoint: GPT_TYPE[f.fstype] for f in spec.filesystems}
-        parts = [(p.partition, p.start_sector, p.end_sector, types[p.mountpoint])
-                 for p in geom.placed]
+        parts = [
+            (p.partition, p.start_sector, p.end_sector, types[p.mountpoint]) for p in geom.placed
+        ]
     if geom.boot_partition is not None and geom.layout != "gpt-efi":
         # A plain Linux file system type, as Debian's installer gives /boot.
         parts.append((geom.boot_partition, geom.boot_start_sector, geom.boot_end_sector, "8300"))
@@ -992,12 +1098,18 @@ def _write_mbr(disk: Path, spec: _Spec, geom: Geometry) -> None:
     extended_sectors = geom.swap_end_sector - geom.extended_start_sector + 1
     # sfdisk numbers a dos label's entries after an extended one as its logical
     # partitions (5, 6, ...), and keeps the starts as given.
-    table = (f"label: dos\nlabel-id: {spec.disk_guid}\nunit: sectors\n\n"
-             f"start={geom.root_start_sector}, size={root_sectors}, type=83, bootable\n"
-             f"start={geom.extended_start_sector}, size={extended_sectors}, type=5\n"
-             f"start={geom.swap_start_sector}, size={swap_sectors}, type=82\n")
-    proc = subprocess.run(["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
-                          input=table, capture_output=True, text=True)
+    table = (
+        f"label: dos\nlabel-id: {spec.disk_guid}\nunit: sectors\n\n"
+        f"start={geom.root_start_sector}, size={root_sectors}, type=83, bootable\n"
+        f"start={geom.extended_start_sector}, size={extended_sectors}, type=5\n"
+        f"start={geom.swap_start_sector}, size={swap_sectors}, type=82\n"
+    )
+    proc = subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
+        input=table,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"sfdisk failed with exit code {proc.returncode}:\n{proc.stderr}")
     swap = disk.with_name("swap.img")
@@ -1033,9 +1145,14 @@ def _copy_sparse(src: Path, dst: Path, offset: int) -> None:
             pos = end
 
 
-def _assemble_disk(fs_image: Path, work: Path, spec: _Spec, geom: Geometry,
-                   boot_image: Path | None = None,
-                   others: tuple[tuple[Path, int], ...] = ()) -> tuple[Path, int]:
+def _assemble_disk(
+    fs_image: Path,
+    work: Path,
+    spec: _Spec,
+    geom: Geometry,
+    boot_image: Path | None = None,
+    others: tuple[tuple[Path, int], ...] = (),
+) -> tuple[Path, int]:
     """The raw disk, and the sector where the root file system starts on it."""
     if geom.layout == "whole-disk":
         if spec.root_fstype != "ext4":
@@ -1086,14 +1203,17 @@ def _make_lvm(disk: Path, geom: Geometry) -> int:
         g.close()
     offset = geom.root_start_sector * SECTOR
     with disk.open("rb") as f:
+
         def read(at: int, size: int) -> bytes:
             return os.pread(f.fileno(), size, offset + at)
+
         label = lvm.read_label(read)
     if label is None:
         raise RuntimeError(f"no LVM label on {part} after pvcreate")
     _, vg = lvm.volume_group(label.metadata)
     segments, why = lvm.lv_segments(
-        vg, LVM_LV, {label.uuid: geom.root_start_sector + label.pe_start // SECTOR})
+        vg, LVM_LV, {label.uuid: geom.root_start_sector + label.pe_start // SECTOR}
+    )
     if len(segments) != 1 or segments[0].sectors * SECTOR != geom.fs_bytes:
         raise RuntimeError(f"unexpected layout of {LVM_VG}/{LVM_LV}: {segments} {why}")
     return segments[0].disk_start
@@ -1108,8 +1228,20 @@ def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
 
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
-    _run(["mkfs.xfs", "-q", "-f", "-b", f"size={FS_BLOCK}", "-L", FS_LABEL,
-          "-m", f"uuid={fs_uuid}", str(fs_image)])
+    _run(
+        [
+            "mkfs.xfs",
+            "-q",
+            "-f",
+            "-b",
+            f"size={FS_BLOCK}",
+            "-L",
+            FS_LABEL,
+            "-m",
+            f"uuid={fs_uuid}",
+            str(fs_image),
+        ]
+    )
     g = guestfs.GuestFS(python_return_dict=True)
     try:
         g.set_backend_settings(["force_tcg"])
@@ -1123,8 +1255,14 @@ def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
         g.close()
 
 
-def _make_btrfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str, subvol: str,
-                compressed: tuple[str, ...]) -> None:
+def _make_btrfs(
+    tree: Path,
+    fs_image: Path,
+    fs_bytes: int,
+    fs_uuid: str,
+    subvol: str,
+    compressed: tuple[str, ...],
+) -> None:
     """A single-device btrfs image (the spec's UUID, label root; mkfs' defaults:
     SINGLE data, DUP metadata, 4 KiB sectors) holding the root tree's tar in
     subvolume subvol (the top level if ""), written uncompressed by the
@@ -1135,8 +1273,20 @@ def _make_btrfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str, subvol:
 
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
-    _run(["mkfs.btrfs", "-q", "-f", "-s", str(FS_BLOCK), "-L", FS_LABEL, "-U", fs_uuid,
-          str(fs_image)])
+    _run(
+        [
+            "mkfs.btrfs",
+            "-q",
+            "-f",
+            "-s",
+            str(FS_BLOCK),
+            "-L",
+            FS_LABEL,
+            "-U",
+            fs_uuid,
+            str(fs_image),
+        ]
+    )
     top = f"/{subvol}" if subvol else "/"
     g = guestfs.GuestFS(python_return_dict=True)
     try:
@@ -1240,11 +1390,30 @@ def _manifest(
         "boot_partition": geom.boot_partition,
         "boot_start_sector": geom.boot_start_sector,
         "boot_fs_uuid": spec.boot_fs_uuid,
-        **({"filesystems": [{"mountpoint": p.mountpoint, "partition": p.partition,
-                             "start_sector": p.start_sector, "end_sector": p.end_sector}
-                            for p in geom.placed]} if geom.placed else {}),
-        **({"swap_partition": geom.swap_partition, "swap_start_sector": geom.swap_start_sector,
-            "swap_uuid": spec.swap_uuid} if spec.swap_uuid else {}),
+        **(
+            {
+                "filesystems": [
+                    {
+                        "mountpoint": p.mountpoint,
+                        "partition": p.partition,
+                        "start_sector": p.start_sector,
+                        "end_sector": p.end_sector,
+                    }
+                    for p in geom.placed
+                ]
+            }
+            if geom.placed
+            else {}
+        ),
+        **(
+            {
+                "swap_partition": geom.swap_partition,
+                "swap_start_sector": geom.swap_start_sector,
+                "swap_uuid": spec.swap_uuid,
+            }
+            if spec.swap_uuid
+            else {}
+        ),
         "hostname": spec.hostname,
         "virtual_size": geom.virtual_size,
         "file_size": qcow.stat().st_size,
@@ -1254,9 +1423,10 @@ def _manifest(
     }
 
 
-def _make_other_filesystems(rootdir: Path, work: Path, spec: _Spec, geom: Geometry,
-                            kernel: str, log: Log) -> tuple[tuple[Path, int], ...]:
-    """"gpt-efi": installs GRUB, then makes each file system besides the root
+def _make_other_filesystems(
+    rootdir: Path, work: Path, spec: _Spec, geom: Geometry, kernel: str, log: Log
+) -> tuple[tuple[Path, int], ...]:
+    """ "gpt-efi": installs GRUB, then makes each file system besides the root
     from its part of the tree; returns (image, start sector) of each."""
     if spec.layout != "gpt-efi":
         return ()
@@ -1274,8 +1444,14 @@ def _make_other_filesystems(rootdir: Path, work: Path, spec: _Spec, geom: Geomet
             if f.fstype == "vfat":
                 _make_vfat(tree, image, size, f.uuid, "EFI")
             else:
-                _make_ext4(tree, image, size, f.uuid, label=f.mountpoint.rsplit("/", 1)[-1],
-                           fstype=f.fstype)
+                _make_ext4(
+                    tree,
+                    image,
+                    size,
+                    f.uuid,
+                    label=f.mountpoint.rsplit("/", 1)[-1],
+                    fstype=f.fstype,
+                )
         shutil.rmtree(tree)
         made.append((image, place.start_sector))
     return tuple(made)
@@ -1303,15 +1479,33 @@ def _build_in(work: Path, variant: str, force: bool, log: Log) -> GoldenImage:
         # nor can mkfs.btrfs 6.2 put it in a subvolume: the tree travels as
         # a tar into the libguestfs appliance instead.
         tree, fs_image = work / "root.tar", work / f"root.{spec.root_fstype}"
-        _run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--acls",
-              "-C", str(rootdir), "-cf", str(tree), "."])
+        _run(
+            [
+                "tar",
+                "--numeric-owner",
+                "--xattrs",
+                "--xattrs-include=*",
+                "--acls",
+                "-C",
+                str(rootdir),
+                "-cf",
+                str(tree),
+                ".",
+            ]
+        )
         what = f"mkfs.{spec.root_fstype} + unpack in the appliance ({geom.fs_bytes >> 20} MiB)"
         with _step(log, what):
             if spec.root_fstype == "xfs":
                 _make_xfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid)
             else:
-                _make_btrfs(tree, fs_image, geom.fs_bytes, spec.fs_uuid, spec.root_subvol,
-                            spec.compressed_files)
+                _make_btrfs(
+                    tree,
+                    fs_image,
+                    geom.fs_bytes,
+                    spec.fs_uuid,
+                    spec.root_subvol,
+                    spec.compressed_files,
+                )
         tree.unlink()
     else:
         with _step(log, f"mkfs.ext4 -d ({geom.fs_bytes // (1024 * 1024)} MiB)"):

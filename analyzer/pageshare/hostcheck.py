@@ -70,72 +70,98 @@ def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
     rel = platform.release()
     counter = ksm_dir / "merge_page_merged"
     if counter.exists():
-        counters = {n: (ksm_dir / n).read_text().strip()
-                    for n in ("merge_page_merged", "merge_page_sources", "merge_page_failed")
-                    if (ksm_dir / n).exists()}
-        yield Finding("kernel", "ok", f"kernel {rel} has the merge_pages series",
-                      details={"release": rel, **counters})
+        counters = {
+            n: (ksm_dir / n).read_text().strip()
+            for n in ("merge_page_merged", "merge_page_sources", "merge_page_failed")
+            if (ksm_dir / n).exists()
+        }
+        yield Finding(
+            "kernel",
+            "ok",
+            f"kernel {rel} has the merge_pages series",
+            details={"release": rel, **counters},
+        )
         return
     yield Finding(
-        "kernel", "error",
+        "kernel",
+        "error",
         f"kernel {rel} lacks the merge_pages series ({counter} does not exist)",
         why="without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
-            "RAM: it finds no merge_pages(2) (ENOSYS) and reads every block from disk, as "
-            "without the filter (fallback-unsupported), and guests share nothing at read time",
+        "RAM: it finds no merge_pages(2) (ENOSYS) and reads every block from disk, as "
+        "without the filter (fallback-unsupported), and guests share nothing at read time",
         fix="install and boot the series' kernel package: `make kernel-package` in a "
-            "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
-            "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
-            "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
-            "and reboot into it (README, \"Installing the patched kernel\"); "
-            "on 6.13+ the syscall numbers belong to other calls, so a stock kernel is never "
-            "used",
-        details={"release": rel, "missing": str(counter)})
+        "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
+        "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
+        "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
+        'and reboot into it (README, "Installing the patched kernel"); '
+        "on 6.13+ the syscall numbers belong to other calls, so a stock kernel is never "
+        "used",
+        details={"release": rel, "missing": str(counter)},
+    )
 
 
 def check_ksm(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
     run = ksm_dir / "run"
     if not run.exists():
-        yield Finding("ksm", "error", f"KSM is not available ({run} does not exist)",
-                      why="merge_pages merges into KSM pages; without KSM nothing is shared",
-                      fix="boot a kernel with CONFIG_KSM=y (the kernel-syscall/ series has it)")
+        yield Finding(
+            "ksm",
+            "error",
+            f"KSM is not available ({run} does not exist)",
+            why="merge_pages merges into KSM pages; without KSM nothing is shared",
+            fix="boot a kernel with CONFIG_KSM=y (the kernel-syscall/ series has it)",
+        )
         return
     value = run.read_text().strip()
     if value == "1":
         yield Finding("ksm", "ok", "KSM is in merge mode (run = 1)", details={"run": value})
         return
     yield Finding(
-        "ksm", "error", f"KSM is not in merge mode ({run} = {value}, not 1)",
+        "ksm",
+        "error",
+        f"KSM is not in merge mode ({run} = {value}, not 1)",
         why="merge_pages fails with EOPNOTSUPP unless ksmd runs in merge mode: the filter "
-            "falls back to copying and guests share no pages",
+        "falls back to copying and guests share no pages",
         fix=f"echo 1 > {run}; the pageshare-server package sets it at every boot "
-            f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
-            "pages_to_scan may stay 0 if only merge_pages should merge",
-        details={"run": value})
+        f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
+        "pages_to_scan may stay 0 if only merge_pages should merge",
+        details={"run": value},
+    )
 
 
 def check_khugepaged(khugepaged_dir: Path = KHUGEPAGED_DIR) -> Iterator[Finding]:
     knob = khugepaged_dir / "max_ptes_shared"
     if not knob.exists():
-        yield Finding("khugepaged", "ok", "no khugepaged in this kernel (no transparent huge "
-                      "pages): nothing collapses merged pages", details={"max_ptes_shared": None})
+        yield Finding(
+            "khugepaged",
+            "ok",
+            "no khugepaged in this kernel (no transparent huge "
+            "pages): nothing collapses merged pages",
+            details={"max_ptes_shared": None},
+        )
         return
     value = knob.read_text().strip()
     if value == "0":
-        yield Finding("khugepaged", "ok", "khugepaged never collapses shared pages "
-                      "(max_ptes_shared = 0)", details={"max_ptes_shared": 0})
+        yield Finding(
+            "khugepaged",
+            "ok",
+            "khugepaged never collapses shared pages (max_ptes_shared = 0)",
+            details={"max_ptes_shared": 0},
+        )
         return
     yield Finding(
-        "khugepaged", "warning",
+        "khugepaged",
+        "warning",
         f"khugepaged may unshare merged pages ({knob} = {value}, not 0)",
         why=f"khugepaged collapses a 2 MiB range of guest RAM (QEMU asks for huge pages "
-            f"there) that holds up to {value} shared pages into a new huge page, copying "
-            "them: the server's pages the filter merged become private copies again (the "
-            "filter's booted-guest test: 65 of 448 after three scans), until ksmd merges "
-            "them once more",
+        f"there) that holds up to {value} shared pages into a new huge page, copying "
+        "them: the server's pages the filter merged become private copies again (the "
+        "filter's booted-guest test: 65 of 448 after three scans), until ksmd merges "
+        "them once more",
         fix=f"echo 0 > {knob}; the pageshare-server package sets it at every boot "
-            f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
-            "guest RAM without shared pages still gets huge pages",
-        details={"max_ptes_shared": int(value) if value.isdigit() else value})
+        f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
+        "guest RAM without shared pages still gets huge pages",
+        details={"max_ptes_shared": int(value) if value.isdigit() else value},
+    )
 
 
 # --------------------------------------------------------------------------- QEMU binaries
@@ -147,8 +173,7 @@ def _has_driver_img(binary: str) -> bool | None:
         p = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    m = re.search(r"Supported (?:image )?formats:\s*(.*?)(?:\n\s*\n|\Z)",
-                  p.stdout + p.stderr, re.S)
+    m = re.search(r"Supported (?:image )?formats:\s*(.*?)(?:\n\s*\n|\Z)", p.stdout + p.stderr, re.S)
     if not m:
         return None
     return "pageshare" in m.group(1).split()
@@ -161,9 +186,13 @@ def _has_driver_system(binary: str, timeout: float = 60.0) -> bool | None:
     the request could end QEMU before it has flushed a reply larger than the
     pipe."""
     try:
-        p = subprocess.Popen([binary, "-M", "none", "-nodefaults", "-display", "none",
-                              "-S", "-qmp", "stdio"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        p = subprocess.Popen(
+            [binary, "-M", "none", "-nodefaults", "-display", "none", "-S", "-qmp", "stdio"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
     except OSError:
         return None
     timer = threading.Timer(timeout, p.kill)
@@ -179,8 +208,9 @@ def _has_driver_system(binary: str, timeout: float = 60.0) -> bool | None:
                 continue
             ret = msg.get("return") if isinstance(msg, dict) else None
             if isinstance(ret, list):
-                return any(isinstance(e, dict) and "pageshare" in (e.get("values") or [])
-                           for e in ret)
+                return any(
+                    isinstance(e, dict) and "pageshare" in (e.get("values") or []) for e in ret
+                )
         return None
     except OSError:
         return None
@@ -202,8 +232,9 @@ QEMU_NAMES = re.compile(r"^(qemu-system-[\w-]+|qemu-img)$")
 PACKAGE_QEMU_BIN = Path("/usr/lib/pageshare-qemu/bin")
 
 
-def qemu_binaries(extra: Iterable[str], use_path: bool = True,
-                  package_bin: Path = PACKAGE_QEMU_BIN) -> list[str]:
+def qemu_binaries(
+    extra: Iterable[str], use_path: bool = True, package_bin: Path = PACKAGE_QEMU_BIN
+) -> list[str]:
     """qemu-system-* and qemu-img on PATH and in pageshare-qemu's bin/, plus
     each --qemu (a binary or a bin/ dir)."""
     found: list[str] = []
@@ -239,51 +270,69 @@ def check_qemu(extra: list[str], use_path: bool = True) -> Iterator[Finding]:
     binaries = qemu_binaries(extra, use_path)
     missing = [e for e in extra if not Path(e).exists()]
     for m in missing:
-        yield Finding("qemu", "error", f"--qemu {m} does not exist",
-                      fix="give the patched build's bin/ directory or one of its binaries "
-                          "(qemu-patches/build.py prints the directory)")
+        yield Finding(
+            "qemu",
+            "error",
+            f"--qemu {m} does not exist",
+            fix="give the patched build's bin/ directory or one of its binaries "
+            "(qemu-patches/build.py prints the directory)",
+        )
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(has_pageshare_driver, binaries))
     good = [b for b, r in zip(binaries, results, strict=True) if r]
     for b, r in zip(binaries, results, strict=True):
         if r:
-            yield Finding("qemu", "ok", f"{b} has the pageshare block driver",
-                          details={"binary": b, "driver": True})
+            yield Finding(
+                "qemu",
+                "ok",
+                f"{b} has the pageshare block driver",
+                details={"binary": b, "driver": True},
+            )
         elif r is None:
-            yield Finding("qemu", "warning", f"could not ask {b} for its block drivers",
-                          why="a QEMU that cannot be probed may or may not have the filter",
-                          fix=f"run `{b} --help` or start it with -qmp stdio by hand to see why",
-                          details={"binary": b, "driver": None})
+            yield Finding(
+                "qemu",
+                "warning",
+                f"could not ask {b} for its block drivers",
+                why="a QEMU that cannot be probed may or may not have the filter",
+                fix=f"run `{b} --help` or start it with -qmp stdio by hand to see why",
+                details={"binary": b, "driver": None},
+            )
         else:
             yield Finding(
-                "qemu", "warning", f"{b} lacks the pageshare block driver",
+                "qemu",
+                "warning",
+                f"{b} lacks the pageshare block driver",
                 why="VMs started with this QEMU read their base from disk and share nothing; "
-                    "a -blockdev driver=pageshare line fails with it",
+                "a -blockdev driver=pageshare line fails with it",
                 fix="start VMs with the patched QEMU (qemu-patches/build.py, its bin/) "
-                    + ("such as " + good[0] if good else "")
-                    + f", or install the pageshare-qemu package ({PACKAGE_QEMU_BIN}) and "
-                      "point the VMs at it (libvirt: the domain's <emulator>)",
-                details={"binary": b, "driver": False})
+                + ("such as " + good[0] if good else "")
+                + f", or install the pageshare-qemu package ({PACKAGE_QEMU_BIN}) and "
+                "point the VMs at it (libvirt: the domain's <emulator>)",
+                details={"binary": b, "driver": False},
+            )
     if not good:
         yield Finding(
-            "qemu", "error",
+            "qemu",
+            "error",
             "no QEMU with the pageshare block driver"
             + (f" on PATH or in {PACKAGE_QEMU_BIN}" if use_path else "")
             + (" or given with --qemu" if extra else ""),
             why="the pageshare filter lives in the patched QEMU only; without it no guest "
-                "uses the page server",
+            "uses the page server",
             fix="install the pageshare-qemu package (packaging/debs.py; it goes to "
-                f"{PACKAGE_QEMU_BIN}, which is checked too), or build it with "
-                "qemu-patches/build.py (prints its output dir; binaries in bin/) and put that "
-                "bin/ on PATH, or pass --qemu DIR",
-            details={"checked": binaries})
+            f"{PACKAGE_QEMU_BIN}, which is checked too), or build it with "
+            "qemu-patches/build.py (prints its output dir; binaries in bin/) and put that "
+            "bin/ on PATH, or pass --qemu DIR",
+            details={"checked": binaries},
+        )
 
 
 # --------------------------------------------------------------------------- server and Redis
 
 
-def control_request(path: Path, kind: int, payload: bytes = b"",
-                    timeout: float = 10.0) -> tuple[int, bytes]:
+def control_request(
+    path: Path, kind: int, payload: bytes = b"", timeout: float = 10.0
+) -> tuple[int, bytes]:
     """One request on pageshare-server's control socket (PROTOCOL.md framing:
     u32 kind, u32 length, payload; little-endian)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -339,12 +388,14 @@ NOT_SHARING = {
         "they read before has been proven for it since",
         "if only its owner, mode, links or times changed, the server verifies it again and "
         "they share again within seconds; if its bytes changed (someone wrote the base), "
-        "restart those VMs on a base that no one modifies"),
+        "restart those VMs on a base that no one modifies",
+    ),
     "unproven": (
         "the server's table is not about the file they read (another file or copy, another "
         "format, a block device or a qcow2 with an external data file)",
         "point each VM's filter `server` at the socket of the server that serves its very "
-        "base file (`pageshare attach` matches them by device and inode)"),
+        "base file (`pageshare attach` matches them by device and inode)",
+    ),
 }
 
 
@@ -358,92 +409,140 @@ def _not_sharing(img: dict[str, Any]) -> Iterator[Finding]:
             continue
         pids = [c.get("pid") for c in clients if c.get("proof") == state]
         yield Finding(
-            "image", "warning",
+            "image",
+            "warning",
             f"image {img.get('name')}: {n} of its {img.get('clients')} VMs do not share its "
             f"pages ({state}: QEMU pids {', '.join(str(p) for p in pids)})",
-            why=f"{why}; they read every block from disk", fix=fix,
-            details={"name": img.get("name"), "path": img.get("path"), "proof": state,
-                     "clients": n, "pids": pids})
+            why=f"{why}; they read every block from disk",
+            fix=fix,
+            details={
+                "name": img.get("name"),
+                "path": img.get("path"),
+                "proof": state,
+                "clients": n,
+                "pids": pids,
+            },
+        )
 
 
 def check_server(control: Path) -> Iterator[Finding]:
     try:
         st = server_status(control)
     except (OSError, EOFError, ValueError) as e:
-        reason = ("no control socket there" if isinstance(e, FileNotFoundError)
-                  else "nothing listens on it" if isinstance(e, ConnectionRefusedError)
-                  else f"{type(e).__name__}: {e}")
+        reason = (
+            "no control socket there"
+            if isinstance(e, FileNotFoundError)
+            else "nothing listens on it"
+            if isinstance(e, ConnectionRefusedError)
+            else f"{type(e).__name__}: {e}"
+        )
         yield Finding(
-            "server", "error", f"no pageshare-server answers on {control} ({reason})",
+            "server",
+            "error",
+            f"no pageshare-server answers on {control} ({reason})",
             why="without a running server no image's pages are published: every VM reads its "
-                "base from disk",
+            "base from disk",
             fix="start it (systemctl start pageshare-server, or pageshare-server run --config "
-                "FILE; see page-server/README.md); if it runs with another socket_dir, pass "
-                "--control SOCKET_DIR/control.sock",
-            details={"control": str(control), "error": str(e)})
+            "FILE; see page-server/README.md); if it runs with another socket_dir, pass "
+            "--control SOCKET_DIR/control.sock",
+            details={"control": str(control), "error": str(e)},
+        )
         return
-    details = {k: st.get(k) for k in ("pid", "version", "host", "uptime_seconds", "degraded",
-                                      "degraded_reason")}
-    yield Finding("server", "ok",
-                  f"pageshare-server {st.get('version')} (pid {st.get('pid')}) answers on "
-                  f"{control}", details={"control": str(control), **details})
+    details = {
+        k: st.get(k)
+        for k in ("pid", "version", "host", "uptime_seconds", "degraded", "degraded_reason")
+    }
+    yield Finding(
+        "server",
+        "ok",
+        f"pageshare-server {st.get('version')} (pid {st.get('pid')}) answers on {control}",
+        details={"control": str(control), **details},
+    )
     if st.get("degraded"):
         yield Finding(
-            "server", "warning",
+            "server",
+            "warning",
             f"the server runs degraded: {st.get('degraded_reason') or 'no reason given'}",
             why="a degraded server publishes tables flagged DEGRADED: QEMU copies its pages "
-                "instead of merging them, so guests do not share them",
+            "instead of merging them, so guests do not share them",
             fix="fix the reason above (usually the kernel series or KSM run = 1) and restart "
-                "the server", details={"degraded_reason": st.get("degraded_reason")})
+            "the server",
+            details={"degraded_reason": st.get("degraded_reason")},
+        )
     images = st.get("images") or []
     serving = 0
     for img in images:
         name = img.get("name")
-        d = {k: img.get(k) for k in ("name", "path", "socket", "state", "message", "generation",
-                                     "blocks", "bytes", "list_source", "list_from",
-                                     "list_digest", "arena_loaded_blocks", "image_file",
-                                     "last_error", "clients")}
+        d = {
+            k: img.get(k)
+            for k in (
+                "name",
+                "path",
+                "socket",
+                "state",
+                "message",
+                "generation",
+                "blocks",
+                "bytes",
+                "list_source",
+                "list_from",
+                "list_digest",
+                "arena_loaded_blocks",
+                "image_file",
+                "last_error",
+                "clients",
+            )
+        }
         d["degraded"] = bool(st.get("degraded"))
         if img.get("state") == "serving" and img.get("generation") is not None:
             serving += 1
             yield Finding(
-                "image", "ok",
+                "image",
+                "ok",
                 f"image {name} ({img.get('path')}) published: generation "
                 f"{img.get('generation')}, {img.get('blocks')} blocks, socket "
                 f"{img.get('socket')}" + (", degraded" if st.get("degraded") else ""),
-                details=d)
+                details=d,
+            )
         elif img.get("reverifying"):
             yield Finding(
-                "image", "warning",
+                "image",
+                "warning",
                 f"image {name} ({img.get('path')}) changed on disk (a write, or only its owner, "
                 "mode, links or times): the server verifies it again"
                 + (f" ({img.get('message')})" if img.get("message") else ""),
                 why="until it is verified again, its VMs read every block from disk; if the "
-                    "content is the same, the server publishes it again within seconds and "
-                    "the VMs share again",
+                "content is the same, the server publishes it again within seconds and "
+                "the VMs share again",
                 fix="nothing, if only its metadata changed (libvirt's chown at a domain's "
-                    "start, a chmod, a new link); chown the base to QEMU's user before the "
-                    "server loads it to avoid the pause; never write a base in use",
-                details=d)
+                "start, a chmod, a new link); chown the base to QEMU's user before the "
+                "server loads it to avoid the pause; never write a base in use",
+                details=d,
+            )
         else:
             msg = img.get("message") or img.get("last_error") or ""
             yield Finding(
-                "image", "warning",
+                "image",
+                "warning",
                 f"image {name} ({img.get('path')}) is not serving: state "
                 f"{img.get('state')}" + (f" ({msg})" if msg else ""),
                 why="VMs on this image read every block from disk until a list is published",
                 fix="check the image path and its list (`pageshare list verify LIST --image "
-                    "IMAGE`), then `pageshare-server reload`; the server log says why it "
-                    "refused", details=d)
+                "IMAGE`), then `pageshare-server reload`; the server log says why it "
+                "refused",
+                details=d,
+            )
         yield from _not_sharing(img)
     if serving == 0:
         yield Finding(
-            "server", "error",
+            "server",
+            "error",
             "the server publishes no image" + ("" if images else " (none configured)"),
             why="no VM on this host can share pages",
             fix="configure [[image]] entries with a list (list_file or Redis) in the server's "
-                "config and reload it (page-server/README.md)",
-            details={"images": len(images)})
+            "config and reload it (page-server/README.md)",
+            details={"images": len(images)},
+        )
     redis = st.get("redis")
     if isinstance(redis, dict):
         url = str(redis.get("url") or "")
@@ -452,24 +551,37 @@ def check_server(control: Path) -> Iterator[Finding]:
             reached: str | None = None
         except OSError as e:
             reply, reached = "", str(e)
-        d = {"url": url, "server_connected": redis.get("connected"),
-             "server_last_error": redis.get("last_error"), "ping": reply or reached}
+        d = {
+            "url": url,
+            "server_connected": redis.get("connected"),
+            "server_last_error": redis.get("last_error"),
+            "ping": reply or reached,
+        }
         if redis.get("connected") and reached is None:
-            yield Finding("redis", "ok", f"Redis {url} reachable, the server is connected",
-                          details=d)
-        else:
-            why_not = ("the server reports it is not connected"
-                       + (f": {redis.get('last_error')}" if redis.get("last_error") else "")
-                       if not redis.get("connected") else "")
-            if reached is not None:
-                why_not = ((why_not + "; ") if why_not else "") + \
-                    f"this host cannot reach it: {reached}"
             yield Finding(
-                "redis", "error", f"Redis {url} is not usable ({why_not})",
+                "redis", "ok", f"Redis {url} reachable, the server is connected", details=d
+            )
+        else:
+            why_not = (
+                "the server reports it is not connected"
+                + (f": {redis.get('last_error')}" if redis.get("last_error") else "")
+                if not redis.get("connected")
+                else ""
+            )
+            if reached is not None:
+                why_not = (
+                    (why_not + "; ") if why_not else ""
+                ) + f"this host cannot reach it: {reached}"
+            yield Finding(
+                "redis",
+                "error",
+                f"Redis {url} is not usable ({why_not})",
                 why="the server takes its lists (and new generations) from Redis and pushes "
-                    "its statistics there; images without a list file get no list",
+                "its statistics there; images without a list file get no list",
                 fix="start Redis or fix [redis] url in the server's config; the server "
-                    "reconnects by itself", details=d)
+                "reconnects by itself",
+                details=d,
+            )
 
 
 # --------------------------------------------------------------------------- guests
@@ -563,7 +675,8 @@ CAP_SYS_PTRACE = 19
 @dataclass(frozen=True)
 class Creds:
     """A process's credentials, as /proc/PID/status gives them."""
-    uids: tuple[int, int, int, int]        # real, effective, saved, file system
+
+    uids: tuple[int, int, int, int]  # real, effective, saved, file system
     gids: tuple[int, int, int, int]
     cap_permitted: int
 
@@ -596,8 +709,10 @@ def read_refusal(reader: Creds, target: Creds) -> str:
         return ""
     uid, gid = reader.uids[3], reader.gids[3]
     if any(u != uid for u in target.uids[:3]) or any(g != gid for g in target.gids[:3]):
-        return (f"QEMU runs as uid {uid} gid {gid}, the server as uid {target.uids[0]} gid "
-                f"{target.gids[0]}")
+        return (
+            f"QEMU runs as uid {uid} gid {gid}, the server as uid {target.uids[0]} gid "
+            f"{target.gids[0]}"
+        )
     extra = target.cap_permitted & ~reader.cap_permitted
     if extra:
         return f"the server holds capabilities QEMU lacks (CapPrm {extra:#x})"
@@ -614,16 +729,22 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
         refusal = read_refusal(qemu, server) if qemu and server else ""
         if refusal:
             yield Finding(
-                "guests", "warning",
+                "guests",
+                "warning",
                 f"guest {name} (pid {pid}) may not read pageshare-server's memory (pid "
                 f"{server_pid}): {refusal}",
                 why="its pageshare filter is refused (EPERM) and reads every block from disk: "
-                    "nothing is shared",
+                "nothing is shared",
                 fix="run the server as QEMU's user and group with no capability (pageshare-"
-                    "server's drop-in examples/unprivileged-qemu.conf), or QEMU as root",
-                details={"pid": pid, "name": name, "server_pid": server_pid,
-                         "qemu_uid": qemu.uids[0] if qemu else None,
-                         "server_uid": server.uids[0] if server else None})
+                "server's drop-in examples/unprivileged-qemu.conf), or QEMU as root",
+                details={
+                    "pid": pid,
+                    "name": name,
+                    "server_pid": server_pid,
+                    "qemu_uid": qemu.uids[0] if qemu else None,
+                    "server_uid": server.uids[0] if server else None,
+                },
+            )
         cmdline_has = any(re.search(r'driver"?\s*[=:]\s*"?pageshare\b', a) for a in argv)
         qmp = _qmp_socket(argv)
         graph: list[str] | None = None
@@ -634,25 +755,39 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
             except (OSError, ValueError) as e:
                 qmp_error = f"{type(e).__name__}: {e}"
         has = ("pageshare" in graph) if graph is not None else cmdline_has
-        d = {"pid": pid, "name": name, "binary": argv[0], "qmp": str(qmp) if qmp else None,
-             "block_drivers": graph, "qmp_error": qmp_error or None,
-             "cmdline": shlex.join(argv)[:2000]}
+        d = {
+            "pid": pid,
+            "name": name,
+            "binary": argv[0],
+            "qmp": str(qmp) if qmp else None,
+            "block_drivers": graph,
+            "qmp_error": qmp_error or None,
+            "cmdline": shlex.join(argv)[:2000],
+        }
         source = "its block graph (QMP)" if graph is not None else "its command line"
         if has:
-            yield Finding("guests", "ok",
-                          f"guest {name} (pid {pid}) has a pageshare node ({source})", details=d)
+            yield Finding(
+                "guests",
+                "ok",
+                f"guest {name} (pid {pid}) has a pageshare node ({source})",
+                details=d,
+            )
         else:
             yield Finding(
-                "guests", "warning",
+                "guests",
+                "warning",
                 f"guest {name} (pid {pid}) runs without the pageshare filter "
                 f"(no pageshare node in {source})",
                 why="its base-image reads fill its own page cache with private copies; the "
-                    "host keeps one per guest",
+                "host keeps one per guest",
                 fix="if its QEMU is the patched one, `pageshare attach "
-                    + (str(qmp) if qmp else "QMP_SOCKET") + "` adds the filter while it runs; "
-                    "else start it with the patched QEMU and a pageshare node above its base "
-                    "(qemu-patches/README.md has the -blockdev line); or ignore this if the "
-                    "guest is not cloned from a served image", details=d)
+                + (str(qmp) if qmp else "QMP_SOCKET")
+                + "` adds the filter while it runs; "
+                "else start it with the patched QEMU and a pageshare node above its base "
+                "(qemu-patches/README.md has the -blockdev line); or ignore this if the "
+                "guest is not cloned from a served image",
+                details=d,
+            )
     if n == 0:
         yield Finding("guests", "ok", "no QEMU guests running")
 
@@ -672,11 +807,26 @@ PACKAGE_EMULATOR = PACKAGE_QEMU_BIN / "qemu-system-x86_64"
 LIBVIRT_DOMAINS = Path("/etc/libvirt/qemu")
 # apparmor_parser's include syntax: `include <x>`, `#include <x>`, `include
 # if exists <x>`, or a quoted path.
-_INCLUDE = re.compile(r'^[ \t]*#?include(?:[ \t]+if[ \t]+exists)?[ \t]*'
-                      r'(?:<([^>\n]+)>|"([^"\n]+)")', re.M)
+_INCLUDE = re.compile(
+    r"^[ \t]*#?include(?:[ \t]+if[ \t]+exists)?[ \t]*"
+    r'(?:<([^>\n]+)>|"([^"\n]+)")',
+    re.M,
+)
 # what apparmor_parser leaves out of an included directory
-_NOT_INCLUDED = (".dpkg-new", ".dpkg-old", ".dpkg-dist", ".dpkg-bak", ".dpkg-remove",
-                 ".rpmnew", ".rpmsave", ".pacnew", ".pacsave", ".orig", ".rej", "~")
+_NOT_INCLUDED = (
+    ".dpkg-new",
+    ".dpkg-old",
+    ".dpkg-dist",
+    ".dpkg-bak",
+    ".dpkg-remove",
+    ".rpmnew",
+    ".rpmsave",
+    ".pacnew",
+    ".pacsave",
+    ".orig",
+    ".rej",
+    "~",
+)
 
 
 def apparmor_includes(profile: Path, apparmor_d: Path = APPARMOR_D) -> set[Path]:
@@ -689,15 +839,20 @@ def apparmor_includes(profile: Path, apparmor_d: Path = APPARMOR_D) -> set[Path]
     while todo:
         try:
             path = todo.pop().resolve()
-        except (OSError, RuntimeError):               # a symbolic link loop
+        except (OSError, RuntimeError):  # a symbolic link loop
             continue
         if path in targets:
             continue
         targets.add(path)
         if path.is_dir():
             with contextlib.suppress(OSError):
-                todo += [f for f in path.iterdir() if f.is_file()
-                         and not f.name.startswith(".") and not f.name.endswith(_NOT_INCLUDED)]
+                todo += [
+                    f
+                    for f in path.iterdir()
+                    if f.is_file()
+                    and not f.name.startswith(".")
+                    and not f.name.endswith(_NOT_INCLUDED)
+                ]
             continue
         try:
             text = path.read_text(errors="replace")
@@ -726,8 +881,9 @@ def libvirt_domains_on(emulator: Path, domains: Path = LIBVIRT_DOMAINS) -> list[
 
 
 def _apparmor_parser() -> str | None:
-    return shutil.which("apparmor_parser",
-                        path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    return shutil.which(
+        "apparmor_parser", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    )
 
 
 def _compile_error(parser: str | None, apparmor_d: Path, profile: Path) -> str:
@@ -736,8 +892,12 @@ def _compile_error(parser: str | None, apparmor_d: Path, profile: Path) -> str:
     if not parser:
         return ""
     try:
-        p = subprocess.run([parser, "-Q", "-K", "--base", str(apparmor_d), str(profile)],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [parser, "-Q", "-K", "--base", str(apparmor_d), str(profile)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{parser}: {e}"
     if p.returncode == 0:
@@ -754,11 +914,13 @@ def _cannot_start(used_by: list[str]) -> str:
     return f": domains {', '.join(used_by)} run pageshare-qemu and cannot start"
 
 
-def check_apparmor(enabled: Path = APPARMOR_ENABLED,
-                   apparmor_d: Path = APPARMOR_D,
-                   emulator: Path = PACKAGE_EMULATOR,
-                   domains: Path = LIBVIRT_DOMAINS,
-                   parse: bool = True) -> Iterator[Finding]:
+def check_apparmor(
+    enabled: Path = APPARMOR_ENABLED,
+    apparmor_d: Path = APPARMOR_D,
+    emulator: Path = PACKAGE_EMULATOR,
+    domains: Path = LIBVIRT_DOMAINS,
+    parse: bool = True,
+) -> Iterator[Finding]:
     """Where AppArmor is on and libvirt confines QEMU with it, each
     profile on the way to a domain's QEMU must include pageshare-host's
     part: the domains' (TEMPLATE.qemu) pageshare-qemu, or QEMU may neither
@@ -785,7 +947,7 @@ def check_apparmor(enabled: Path = APPARMOR_ENABLED,
         included = apparmor_includes(profile, apparmor_d)
         details: dict[str, Any] = {"profile": str(profile), "abstraction": str(ours)}
         dropins = apparmor_d / "abstractions" / "libvirt-qemu.d"
-        if dropins.resolve() in included:        # Debian 13: the local file is deprecated
+        if dropins.resolve() in included:  # Debian 13: the local file is deprecated
             local = dropins / "pageshare-qemu"
             add = f"mkdir -p {dropins} && echo '{QEMU_INCLUDE}' > {local}"
         else:
@@ -796,29 +958,38 @@ def check_apparmor(enabled: Path = APPARMOR_ENABLED,
             error = _compile_error(parser, apparmor_d, profile)
             if error:
                 yield Finding(
-                    "apparmor", "error", f"{profile} does not compile with {ours} included: "
-                    f"{error}",
+                    "apparmor",
+                    "error",
+                    f"{profile} does not compile with {ours} included: {error}",
                     why="virt-aa-helper makes every domain's profile from it: no domain "
-                        "starts, on any QEMU",
+                    "starts, on any QEMU",
                     fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
-                    details=details)
+                    details=details,
+                )
             else:
-                yield Finding("apparmor", "ok", f"libvirt's AppArmor profile for its domains' "
-                              f"QEMU includes {ours}", details=details)
+                yield Finding(
+                    "apparmor",
+                    "ok",
+                    f"libvirt's AppArmor profile for its domains' QEMU includes {ours}",
+                    details=details,
+                )
         else:
             yield Finding(
-                "apparmor", "error" if used_by else "warning",
+                "apparmor",
+                "error" if used_by else "warning",
                 f"libvirt's AppArmor profile for its domains' QEMU ({profile}) does not "
-                f"include {ours}" + ("" if ours.exists() else " (it is missing)")
+                f"include {ours}"
+                + ("" if ours.exists() else " (it is missing)")
                 + _cannot_start(used_by),
                 why="virt-aa-helper adds no rule for a domain's <emulator>, and libvirt's "
-                    "abstraction names only Debian's QEMU binaries: a domain on "
-                    f"pageshare-qemu does not start ({emulator}: Permission denied); nor may "
-                    "the filter reach the page server: guests would read every block from "
-                    "disk and share nothing",
+                "abstraction names only Debian's QEMU binaries: a domain on "
+                f"pageshare-qemu does not start ({emulator}: Permission denied); nor may "
+                "the filter reach the page server: guests would read every block from "
+                "disk and share nothing",
                 fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
                 + f"{add}: domains started afterwards get it (a running one at its next start)",
-                details=details)
+                details=details,
+            )
 
     # The daemon's own profile: it executes the emulator itself, to probe it.
     if not emulator.exists():
@@ -830,36 +1001,50 @@ def check_apparmor(enabled: Path = APPARMOR_ENABLED,
             continue
         daemon = name.rsplit(".", 1)[1]
         local = apparmor_d / "local" / name
-        details = {"profile": str(profile), "abstraction": str(ours), "file": str(local),
-                   "line": LIBVIRTD_INCLUDE}
+        details = {
+            "profile": str(profile),
+            "abstraction": str(ours),
+            "file": str(local),
+            "line": LIBVIRTD_INCLUDE,
+        }
         if ours.exists() and ours.resolve() in apparmor_includes(profile, apparmor_d):
             error = _compile_error(parser, apparmor_d, profile)
             if error:
                 yield Finding(
-                    "apparmor", "error", f"{profile} does not compile with {ours} included: "
-                    f"{error}",
+                    "apparmor",
+                    "error",
+                    f"{profile} does not compile with {ours} included: {error}",
                     why=f"AppArmor cannot load it: {daemon} keeps the profile it has until "
-                        "the next boot, and then runs unconfined, so libvirt confines no QEMU",
+                    "the next boot, and then runs unconfined, so libvirt confines no QEMU",
                     fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
-                    details=details)
+                    details=details,
+                )
             else:
-                yield Finding("apparmor", "ok", f"{daemon}'s AppArmor profile lets it execute "
-                              f"pageshare-qemu ({ours} is included)", details=details)
+                yield Finding(
+                    "apparmor",
+                    "ok",
+                    f"{daemon}'s AppArmor profile lets it execute "
+                    f"pageshare-qemu ({ours} is included)",
+                    details=details,
+                )
             continue
         yield Finding(
-            "apparmor", "error" if used_by else "warning",
+            "apparmor",
+            "error" if used_by else "warning",
             f"{daemon}'s AppArmor profile ({profile}) does not let it execute pageshare-qemu "
-            f"({emulator})" + ("" if ours.exists() else f"; {ours} is missing")
+            f"({emulator})"
+            + ("" if ours.exists() else f"; {ours} is missing")
             + _cannot_start(used_by),
             why=f"{daemon} executes a domain's <emulator> under its own profile, to probe it, "
-                "before the domain starts, and that profile executes only what it names "
-                "(/usr/bin/*, /usr/sbin/*, libvirt's helpers): the exec is refused (\"cannot "
-                f"execute binary {emulator}: Permission denied\"), and a domain on "
-                "pageshare-qemu can be neither defined nor started",
+            "before the domain starts, and that profile executes only what it names "
+            "(/usr/bin/*, /usr/sbin/*, libvirt's helpers): the exec is refused (\"cannot "
+            f'execute binary {emulator}: Permission denied"), and a domain on '
+            "pageshare-qemu can be neither defined nor started",
             fix=("" if ours.exists() else "install pageshare-host, which ships it; then ")
             + f"echo '{LIBVIRTD_INCLUDE}' >> {local} && apparmor_parser -r {profile} "
-              f"(a running {daemon} gets it at once)",
-            details=details)
+            f"(a running {daemon} gets it at once)",
+            details=details,
+        )
 
 
 # --------------------------------------------------------------------------- driver
@@ -891,10 +1076,15 @@ def run_checks(args: argparse.Namespace) -> list[Finding]:
         try:
             out.extend(fn())
         except Exception as e:  # a broken check is itself a finding, never a traceback
-            out.append(Finding(name, "error", f"the {name} check failed: "
-                               f"{type(e).__name__}: {e}",
-                               why="this part of the host could not be checked",
-                               fix="report it with the output of `pageshare host check --json`"))
+            out.append(
+                Finding(
+                    name,
+                    "error",
+                    f"the {name} check failed: {type(e).__name__}: {e}",
+                    why="this part of the host could not be checked",
+                    fix="report it with the output of `pageshare host check --json`",
+                )
+            )
     return out
 
 
@@ -913,27 +1103,44 @@ def render_text(findings: list[Finding]) -> str:
             if f.fix:
                 lines.append(f"       fix: {f.fix}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    lines.append(f"{counts['error']} error(s), {counts['warning']} warning(s), "
-                 f"{counts['ok']} ok")
+    lines.append(f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['ok']} ok")
     return "\n".join(lines) + "\n"
 
 
 def build_parser(prog: str = "pageshare host check") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Exit status: 0 all ok, 1 warnings, 2 errors.")
+        prog=prog,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 all ok, 1 warnings, 2 errors.",
+    )
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("--control", default=str(DEFAULT_CONTROL), metavar="PATH",
-                   help=f"pageshare-server's control socket (default {DEFAULT_CONTROL})")
-    p.add_argument("--qemu", action="append", default=[], metavar="PATH",
-                   help="also check this QEMU binary, or every qemu-system-*/qemu-img in this "
-                        "directory (repeatable)")
-    p.add_argument("--no-path", action="store_true",
-                   help="check only the QEMU binaries given with --qemu, not those on PATH "
-                        f"or in {PACKAGE_QEMU_BIN}")
-    p.add_argument("--skip", action="append", choices=["kernel", "ksm", "khugepaged", "qemu",
-                                                       "server", "guests", "apparmor"],
-                   help="leave out a check (repeatable)")
+    p.add_argument(
+        "--control",
+        default=str(DEFAULT_CONTROL),
+        metavar="PATH",
+        help=f"pageshare-server's control socket (default {DEFAULT_CONTROL})",
+    )
+    p.add_argument(
+        "--qemu",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also check this QEMU binary, or every qemu-system-*/qemu-img in this "
+        "directory (repeatable)",
+    )
+    p.add_argument(
+        "--no-path",
+        action="store_true",
+        help="check only the QEMU binaries given with --qemu, not those on PATH "
+        f"or in {PACKAGE_QEMU_BIN}",
+    )
+    p.add_argument(
+        "--skip",
+        action="append",
+        choices=["kernel", "ksm", "khugepaged", "qemu", "server", "guests", "apparmor"],
+        help="leave out a check (repeatable)",
+    )
     return p
 
 
@@ -944,20 +1151,43 @@ def main(argv: list[str], prog: str = "pageshare host check") -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         if want_json and e.code not in (0, None):
-            print(json.dumps({"status": "error", "exit": 2, "findings": [asdict(Finding(
-                "usage", "error", f"bad arguments: {' '.join(argv)}",
-                fix=f"see {prog} --help"))]}))
+            print(
+                json.dumps(
+                    {
+                        "status": "error",
+                        "exit": 2,
+                        "findings": [
+                            asdict(
+                                Finding(
+                                    "usage",
+                                    "error",
+                                    f"bad arguments: {' '.join(argv)}",
+                                    fix=f"see {prog} --help",
+                                )
+                            )
+                        ],
+                    }
+                )
+            )
             return 2
         return int(e.code or 0)
     started = time.monotonic()
     findings = run_checks(args)
     rc = worst(findings)
     if args.json:
-        print(json.dumps({
-            "host": socket.gethostname(), "kernel": platform.release(),
-            "status": {0: "ok", 1: "warning", 2: "error"}[rc], "exit": rc,
-            "seconds": round(time.monotonic() - started, 3),
-            "findings": [asdict(f) for f in findings]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "kernel": platform.release(),
+                    "status": {0: "ok", 1: "warning", 2: "error"}[rc],
+                    "exit": rc,
+                    "seconds": round(time.monotonic() - started, 3),
+                    "findings": [asdict(f) for f in findings],
+                },
+                indent=2,
+            )
+        )
     else:
         sys.stdout.write(render_text(findings))
     return rc

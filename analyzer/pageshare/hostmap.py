@@ -28,14 +28,15 @@ KPF_ZERO_PAGE = 1 << 24
 
 @dataclass(frozen=True)
 class RamRange:
-    gpa: int        # guest-physical start
-    hva: int        # host virtual address of gpa in QEMU
+    gpa: int  # guest-physical start
+    hva: int  # host virtual address of gpa in QEMU
     length: int
 
 
 # "  0000000000100000-000000003fffffff (prio 0, ram): pc.ram @0000000000100000"
 _MTREE_RAM = re.compile(
-    r"^\s*([0-9a-f]+)-([0-9a-f]+) \(prio [-\d]+, ram\): (\S+)(?: @([0-9a-f]+))?", re.M)
+    r"^\s*([0-9a-f]+)-([0-9a-f]+) \(prio [-\d]+, ram\): (\S+)(?: @([0-9a-f]+))?", re.M
+)
 
 
 def parse_mtree_ram(text: str, block: str) -> list[tuple[int, int, int]]:
@@ -80,9 +81,10 @@ def ram_ranges(qmp: QMP, block: str = "pc.ram") -> list[RamRange]:
 @dataclass
 class HostView:
     """Per guest frame number: host PFN (0 = not present) and kpageflags."""
-    gpfns: array      # type: ignore[type-arg]
-    pfns: array       # type: ignore[type-arg]
-    flags: array      # type: ignore[type-arg]
+
+    gpfns: array  # type: ignore[type-arg]
+    pfns: array  # type: ignore[type-arg]
+    flags: array  # type: ignore[type-arg]
 
     def present(self) -> int:
         return sum(1 for p in self.pfns if p)
@@ -90,8 +92,10 @@ class HostView:
 
 def snapshot(pid: int, ranges: list[RamRange]) -> HostView:
     gpfns, pfns, flags = array("Q"), array("Q"), array("Q")
-    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pm, \
-         open("/proc/kpageflags", "rb", buffering=0) as kf:
+    with (
+        open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pm,
+        open("/proc/kpageflags", "rb", buffering=0) as kf,
+    ):
         for r in ranges:
             n = r.length // PAGE
             pm.seek((r.hva // PAGE) * 8)
@@ -114,9 +118,9 @@ def snapshot(pid: int, ranges: list[RamRange]) -> HostView:
 
 @dataclass
 class MergeClass:
-    cross: dict[int, int]       # gpfn -> host pfn, KSM page shared with the other VM
-    intra: dict[int, int]       # KSM page mapped only by this VM (or other processes)
-    zero: set[int]              # mapped to the shared zero page
+    cross: dict[int, int]  # gpfn -> host pfn, KSM page shared with the other VM
+    intra: dict[int, int]  # KSM page mapped only by this VM (or other processes)
+    zero: set[int]  # mapped to the shared zero page
     present: int
 
 

@@ -23,11 +23,27 @@ from .errors import UserError
 # Tunables we may change, in the order they are written back.  advisor_mode
 # must go first (in scan-time mode pages_to_scan is read-only) and run last
 # (so that ksmd does not briefly run with our aggressive settings).
-RESTORE_ORDER = ("advisor_mode", "smart_scan", "use_zero_pages", "max_page_sharing",
-                 "pages_to_scan", "sleep_millisecs", "run")
+RESTORE_ORDER = (
+    "advisor_mode",
+    "smart_scan",
+    "use_zero_pages",
+    "max_page_sharing",
+    "pages_to_scan",
+    "sleep_millisecs",
+    "run",
+)
 
-COUNTERS = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared", "pages_volatile",
-            "ksm_zero_pages", "pages_scanned", "general_profit", "pages_skipped")
+COUNTERS = (
+    "full_scans",
+    "pages_shared",
+    "pages_sharing",
+    "pages_unshared",
+    "pages_volatile",
+    "ksm_zero_pages",
+    "pages_scanned",
+    "general_profit",
+    "pages_skipped",
+)
 
 
 def ksm_sysfs() -> Path:
@@ -56,11 +72,14 @@ class KSM:
 
     def check_usable(self) -> None:
         if not (self.root / "run").exists():
-            raise UserError(f"host KSM is not available ({self.root}/run does not exist)",
-                            "run on a host kernel built with CONFIG_KSM=y")
+            raise UserError(
+                f"host KSM is not available ({self.root}/run does not exist)",
+                "run on a host kernel built with CONFIG_KSM=y",
+            )
         if not os.access(self.root / "run", os.W_OK):
-            raise UserError("cannot write host KSM settings (need root)",
-                            "run analyze-image as root (sudo)")
+            raise UserError(
+                "cannot write host KSM settings (need root)", "run analyze-image as root (sudo)"
+            )
 
     def read(self, name: str) -> str:
         """A setting's value; for choice files ("[none] scan-time") the chosen one."""
@@ -120,9 +139,14 @@ class KSM:
         if errors:
             raise RuntimeError("could not restore KSM settings: " + "; ".join(errors))
 
-    def converge(self, timeout: float = 600.0, min_scans: int = 3, interval: float = 1.0,
-                 on_sample: Callable[[Sample], None] | None = None,
-                 min_time: float = 0.0) -> Convergence:
+    def converge(
+        self,
+        timeout: float = 600.0,
+        min_scans: int = 3,
+        interval: float = 1.0,
+        on_sample: Callable[[Sample], None] | None = None,
+        min_time: float = 0.0,
+    ) -> Convergence:
         """Waits until KSM has done min_scans full scans and pages_sharing is stable.
 
         Samples from the start, but does not call it converged before min_time
@@ -145,8 +169,9 @@ class KSM:
             fs, sharing = c.get("full_scans", 0), c.get("pages_sharing", 0)
             # Reference: the newest sample taken at least one whole scan ago
             # (small guests finish several scans per sample interval).
-            ref = next((p for p in reversed(samples)
-                        if p.values.get("full_scans", 0) <= fs - 2), None)
+            ref = next(
+                (p for p in reversed(samples) if p.values.get("full_scans", 0) <= fs - 2), None
+            )
             # A counter that could not be read says nothing: it must not pass
             # for 0 pages shared, as stable as the 0 of the first sample.
             complete = "full_scans" in c and "pages_sharing" in c

@@ -44,7 +44,7 @@ class ConfigError(PageshareError, ValueError):
 @dataclass(frozen=True)
 class HostConfig:
     control: Path = DEFAULT_CONTROL
-    mode: str | None = None           # None: the filter's default (merge)
+    mode: str | None = None  # None: the filter's default (merge)
     block_refs: bool = False
     timeout: float = 30.0
     qmp_dir: Path = Path("/var/lib/libvirt/qemu")
@@ -74,8 +74,9 @@ def load(path: Path = DEFAULT_CONFIG, *, required: bool = False) -> HostConfig:
     known = {"control", "mode", "block_refs", "timeout", "qmp_dir", "log_dir"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} "
-                          f"(known: {', '.join(sorted(known))})")
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
     out: dict[str, Any] = {}
     for key in ("control", "qmp_dir", "log_dir"):
         if key in data:

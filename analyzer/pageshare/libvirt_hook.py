@@ -90,9 +90,12 @@ def _uuid_ok(uuid: str) -> bool:
 
 
 def our_args(cfg: HostConfig, uuid: str, block_refs: bool) -> list[str]:
-    out = ["-chardev", f"socket,id={CHARDEV_ID},path={qmp_socket(cfg, uuid)},"
-                       "server=on,wait=off",
-           "-mon", f"chardev={CHARDEV_ID},mode=control"]
+    out = [
+        "-chardev",
+        f"socket,id={CHARDEV_ID},path={qmp_socket(cfg, uuid)},server=on,wait=off",
+        "-mon",
+        f"chardev={CHARDEV_ID},mode=control",
+    ]
     if block_refs:
         out += ["-global", f"{REFS_GLOBAL}=on"]
     return out
@@ -129,9 +132,9 @@ class Domain:
     root: ET.Element
     name: str
     uuid: str
-    marked: bool                  # libvirt-watch attached the filter on the source
-    block_refs: bool              # ... with block references on
-    args: list[str]               # <qemu:commandline> arguments
+    marked: bool  # libvirt-watch attached the filter on the source
+    block_refs: bool  # ... with block references on
+    args: list[str]  # <qemu:commandline> arguments
 
 
 def _register_namespaces(text: str) -> None:
@@ -152,10 +155,15 @@ def parse(text: str) -> Domain:
         raise ConfigError(f"not a domain XML (root element {root.tag!r})")
     mark = root.find(f"metadata/{{{METADATA_NS}}}{METADATA_ELEMENT}")
     cmd = root.find(f"{{{QEMU_NS}}}commandline")
-    args = [a.get("value", "") for a in cmd.findall(f"{{{QEMU_NS}}}arg")] if cmd is not None \
-        else []
-    return Domain(root, root.findtext("name", ""), root.findtext("uuid", ""), mark is not None,
-                  mark is not None and mark.get("block-refs") == "on", args)
+    args = [a.get("value", "") for a in cmd.findall(f"{{{QEMU_NS}}}arg")] if cmd is not None else []
+    return Domain(
+        root,
+        root.findtext("name", ""),
+        root.findtext("uuid", ""),
+        mark is not None,
+        mark is not None and mark.get("block-refs") == "on",
+        args,
+    )
 
 
 def our_socket(args: list[str]) -> Path | None:
@@ -269,28 +277,40 @@ def started(name: str, text: str, cfg: HostConfig) -> int:
             refs = attach.block_refs_state(q)
         if not r["ok"]:
             err = r["error"]
-            raise HookFailed(f"the filter is not attached: {err['message']}"
-                             + (f" (hint: {err['hint']})" if err.get("hint") else ""))
+            raise HookFailed(
+                f"the filter is not attached: {err['message']}"
+                + (f" (hint: {err['hint']})" if err.get("hint") else "")
+            )
         # the stream checks it too, but later, and in QEMU's words
         want = d.block_refs if d.marked else False
         if incoming and bool(refs) != want:
-            raise HookFailed(f"block-refs is {'on' if refs else 'off'} in this QEMU, but the "
-                             f"source has it {'on' if want else 'off'}")
+            raise HookFailed(
+                f"block-refs is {'on' if refs else 'off'} in this QEMU, but the "
+                f"source has it {'on' if want else 'off'}"
+            )
     except (HookFailed, attach.AttachError, QMPError) as e:
         msg = e.message if isinstance(e, attach.AttachError) else str(e)
         if incoming:
-            log.line(f"migrating in: {msg}; refusing the migration (the guest keeps "
-                     "running on the source)", echo=False)
-            print(f"{PROG}: {name} cannot take the pageshare filter on this host before the "
-                  f"guest runs here: {msg}.  The migration is refused; the guest keeps running "
-                  "on the source.  To migrate it without the filter, run `pageshare detach "
-                  f"--libvirt {name}` on the source first.", file=sys.stderr)
+            log.line(
+                f"migrating in: {msg}; refusing the migration (the guest keeps "
+                "running on the source)",
+                echo=False,
+            )
+            print(
+                f"{PROG}: {name} cannot take the pageshare filter on this host before the "
+                f"guest runs here: {msg}.  The migration is refused; the guest keeps running "
+                "on the source.  To migrate it without the filter, run `pageshare detach "
+                f"--libvirt {name}` on the source first.",
+                file=sys.stderr,
+            )
             return 1
         log.line(f"{_when(status)}: {msg}; libvirt-watch attaches on the start event")
         return 0
     if incoming:
-        log.line(f"migrating in: {_drives_text(r)} before the guest runs here; "
-                 f"block-refs {'on' if refs else 'off'}")
+        log.line(
+            f"migrating in: {_drives_text(r)} before the guest runs here; "
+            f"block-refs {'on' if refs else 'off'}"
+        )
     else:
         log.line(f"{_when(status)}: {_drives_text(r)}")
     return 0
@@ -309,17 +329,23 @@ def migrate(name: str, text: str, cfg: HostConfig) -> int:
             try:
                 marker.write_text(f"{name}\n")
             except OSError as e:
-                raise ConfigError(f"cannot write {marker}: {e} (qmp_dir in the "
-                                  "configuration: a directory root may write)") from None
+                raise ConfigError(
+                    f"cannot write {marker}: {e} (qmp_dir in the "
+                    "configuration: a directory root may write)"
+                ) from None
         else:
             marker.unlink(missing_ok=True)
     if out is None:
         return 0
     DomainLog(cfg, name).line(
-        "migrating in: " + (f"its QEMU gets the monitor {our_socket(d.args)} for the filter"
-                            + (" and block-refs on" if d.block_refs else "")
-                            if d.marked else "not marked by libvirt-watch: pageshare's QEMU "
-                            "arguments removed"))
+        "migrating in: "
+        + (
+            f"its QEMU gets the monitor {our_socket(d.args)} for the filter"
+            + (" and block-refs on" if d.block_refs else "")
+            if d.marked
+            else "not marked by libvirt-watch: pageshare's QEMU arguments removed"
+        )
+    )
     sys.stdout.write(out)
     return 0
 
@@ -331,8 +357,9 @@ def restore(name: str, text: str, cfg: HostConfig) -> int:
     out = rewrite(text, cfg, add=False)
     if out is None:
         return 0
-    DomainLog(cfg, name).line("restoring: pageshare's QEMU arguments removed (libvirt-watch "
-                              "attaches on the start event)")
+    DomainLog(cfg, name).line(
+        "restoring: pageshare's QEMU arguments removed (libvirt-watch attaches on the start event)"
+    )
     sys.stdout.write(out)
     return 0
 
@@ -358,11 +385,19 @@ configuration: /etc/pageshare/libvirt.toml (control, mode, timeout, qmp_dir,
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="The libvirt qemu hook: the pageshare filter on the destination of a "
-                    "live migration, before the guest runs there.")
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="PATH",
-                   help=f"the host's pageshare libvirt configuration (default {DEFAULT_CONFIG})")
+        "live migration, before the guest runs there.",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="PATH",
+        help=f"the host's pageshare libvirt configuration (default {DEFAULT_CONFIG})",
+    )
     p.add_argument("domain", help="the domain's name (libvirt's first argument)")
     p.add_argument("operation", help="migrate, started, ... (libvirt's second argument)")
     p.add_argument("suboperation", help="begin, end, ... (libvirt's third argument)")

@@ -76,14 +76,16 @@ class LibvirtQMP:
         try:
             self._conn = libvirt.open(uri)
         except self._error as e:
-            raise LibvirtUnavailable(f"cannot connect to libvirt at {uri}: "
-                                     f"{e.get_error_message()}") from None
+            raise LibvirtUnavailable(
+                f"cannot connect to libvirt at {uri}: {e.get_error_message()}"
+            ) from None
         try:
             self._dom = self._conn.lookupByName(domain)
         except self._error as e:
             self._conn.close()
-            raise LibvirtUnavailable(f"no domain {domain!r} at {uri}: "
-                                     f"{e.get_error_message()}") from None
+            raise LibvirtUnavailable(
+                f"no domain {domain!r} at {uri}: {e.get_error_message()}"
+            ) from None
         if not self._dom.isActive():
             self._conn.close()
             raise LibvirtUnavailable(f"domain {domain!r} is not running")
@@ -119,12 +121,19 @@ class LibvirtQMP:
         pageshare attached, with block references on or off; None removes
         the mark."""
         libvirt, _ = load_libvirt()
-        xml = (None if block_refs is None else
-               f'<{METADATA_ELEMENT} block-refs="{"on" if block_refs else "off"}"/>')
+        xml = (
+            None
+            if block_refs is None
+            else f'<{METADATA_ELEMENT} block-refs="{"on" if block_refs else "off"}"/>'
+        )
         try:
-            self._dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, xml,
-                                  METADATA_KEY, METADATA_NS,
-                                  libvirt.VIR_DOMAIN_AFFECT_LIVE)
+            self._dom.setMetadata(
+                libvirt.VIR_DOMAIN_METADATA_ELEMENT,
+                xml,
+                METADATA_KEY,
+                METADATA_NS,
+                libvirt.VIR_DOMAIN_AFFECT_LIVE,
+            )
         except self._error as e:
             raise QMPError(f"setting the domain's metadata: {e.get_error_message()}") from None
 
@@ -137,11 +146,12 @@ def running_domains(uri: str) -> list[str]:
     try:
         conn = libvirt.open(uri)
     except libvirt.libvirtError as e:
-        raise LibvirtUnavailable(f"cannot connect to libvirt at {uri}: "
-                                 f"{e.get_error_message()}") from None
+        raise LibvirtUnavailable(
+            f"cannot connect to libvirt at {uri}: {e.get_error_message()}"
+        ) from None
     try:
-        return sorted(d.name() for d in conn.listAllDomains(
-            libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE))
+        return sorted(
+            d.name() for d in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+        )
     finally:
         conn.close()
-

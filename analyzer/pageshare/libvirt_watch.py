@@ -59,7 +59,7 @@ from .libvirt_qmp import (
 from .qmp import Monitor, QMPError
 
 RECONNECT_SECONDS = 5.0
-STOP = ""                              # the worker's end-of-queue mark
+STOP = ""  # the worker's end-of-queue mark
 
 
 def _line(domain: str, why: str, r: dict[str, Any]) -> str:
@@ -75,28 +75,40 @@ def _line(domain: str, why: str, r: dict[str, Any]) -> str:
             text += f" (image {img.get('name', '?')}, filter {d.get('filter')})"
             rb = d.get("reads_before")
             if rb:
-                text += (f"; before attach {rb['rd_operations']} read requests, "
-                         f"{rb['rd_bytes'] / 2**20:.1f} MiB went to disk")
+                text += (
+                    f"; before attach {rb['rd_operations']} read requests, "
+                    f"{rb['rd_bytes'] / 2**20:.1f} MiB went to disk"
+                )
         elif d.get("error"):
             text += f": {d['error'].get('message')}"
         parts.append(text)
     if not parts:
         err = r.get("error") or {}
-        parts.append(f"{domain}: not attached: {err.get('message', 'no drive')}"
-                     + (f" (hint: {err['hint']})" if err.get("hint") else ""))
+        parts.append(
+            f"{domain}: not attached: {err.get('message', 'no drive')}"
+            + (f" (hint: {err['hint']})" if err.get("hint") else "")
+        )
     mig = r.get("migration")
     if mig:
         refs = mig.get("block-refs")
-        parts.append(f"{domain}: for migrations: block-refs "
-                     + ("not in this QEMU" if refs is None else "on" if refs else "off")
-                     + (f"; not set: {mig['error']}" if mig.get("error") else ""))
+        parts.append(
+            f"{domain}: for migrations: block-refs "
+            + ("not in this QEMU" if refs is None else "on" if refs else "off")
+            + (f"; not set: {mig['error']}" if mig.get("error") else "")
+        )
     return "\n".join(f"pageshare libvirt-watch: {p} [{why}]" for p in parts)
 
 
 class Watcher:
-    def __init__(self, uri: str, control: Path, mode: str | None, timeout: float,
-                 emit: Callable[[str, str, dict[str, Any]], None],
-                 block_refs: bool = False) -> None:
+    def __init__(
+        self,
+        uri: str,
+        control: Path,
+        mode: str | None,
+        timeout: float,
+        emit: Callable[[str, str, dict[str, Any]], None],
+        block_refs: bool = False,
+    ) -> None:
         self.uri, self.control, self.mode, self.timeout = uri, control, mode, timeout
         self.block_refs = block_refs
         self.emit = emit
@@ -105,20 +117,40 @@ class Watcher:
         self.worker = threading.Thread(target=self._work, name="attach", daemon=True)
 
     def attach_one(self, domain: str, why: str) -> dict[str, Any]:
-        opts = attach.Options(None, [], self.control, mode=self.mode, timeout=self.timeout,
-                              libvirt=domain, uri=self.uri)
+        opts = attach.Options(
+            None,
+            [],
+            self.control,
+            mode=self.mode,
+            timeout=self.timeout,
+            libvirt=domain,
+            uri=self.uri,
+        )
         try:
             with attach.connect(opts) as q:
                 r = attach.attach(opts, q)
                 if r["ok"]:
                     r["migration"] = self.prepare_migration(q)
         except attach.AttachError as e:
-            r = {"action": "attach", "qmp": opts.target, "drives": [], "ok": False,
-                 "error": e.to_json()}
+            r = {
+                "action": "attach",
+                "qmp": opts.target,
+                "drives": [],
+                "ok": False,
+                "error": e.to_json(),
+            }
         except QMPError as e:
-            r = {"action": "attach", "qmp": opts.target, "drives": [], "ok": False,
-                 "error": {"kind": "qemu-refused", "message": f"QMP: {e}",
-                           "hint": "nothing was changed; the message is QEMU's own"}}
+            r = {
+                "action": "attach",
+                "qmp": opts.target,
+                "drives": [],
+                "ok": False,
+                "error": {
+                    "kind": "qemu-refused",
+                    "message": f"QMP: {e}",
+                    "hint": "nothing was changed; the message is QEMU's own",
+                },
+            }
         self.emit(domain, why, r)
         return r
 
@@ -148,9 +180,20 @@ class Watcher:
                 return
             try:
                 self.attach_one(domain, why)
-            except Exception as e:       # one VM's failure must not end the watch
-                self.emit(domain, why, {"drives": [], "ok": False, "error": {
-                    "kind": "internal", "message": f"{type(e).__name__}: {e}", "hint": ""}})
+            except Exception as e:  # one VM's failure must not end the watch
+                self.emit(
+                    domain,
+                    why,
+                    {
+                        "drives": [],
+                        "ok": False,
+                        "error": {
+                            "kind": "internal",
+                            "message": f"{type(e).__name__}: {e}",
+                            "hint": "",
+                        },
+                    },
+                )
 
     def run(self) -> int:
         libvirt, _ = load_libvirt()
@@ -162,9 +205,12 @@ class Watcher:
             try:
                 conn = libvirt.openReadOnly(self.uri)
             except libvirt.libvirtError as e:
-                print(f"pageshare libvirt-watch: cannot connect to {self.uri}: "
-                      f"{e.get_error_message()}; retrying every {RECONNECT_SECONDS:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"pageshare libvirt-watch: cannot connect to {self.uri}: "
+                    f"{e.get_error_message()}; retrying every {RECONNECT_SECONDS:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.stopping.wait(RECONNECT_SECONDS)
                 continue
             closed = threading.Event()
@@ -173,24 +219,33 @@ class Watcher:
                 if event == libvirt.VIR_DOMAIN_EVENT_STARTED:
                     if detail == libvirt.VIR_DOMAIN_EVENT_STARTED_MIGRATED:
                         # libvirt holds the domain until the migration ends
-                        self.note(dom.name(), "started-migrated",
-                                  "migrating in: the libvirt hook attaches the filter "
-                                  "before the guest runs here; checked once it resumes")
+                        self.note(
+                            dom.name(),
+                            "started-migrated",
+                            "migrating in: the libvirt hook attaches the filter "
+                            "before the guest runs here; checked once it resumes",
+                        )
                     else:
                         self.todo.put((dom.name(), "started"))
-                elif (event == libvirt.VIR_DOMAIN_EVENT_RESUMED
-                      and detail == libvirt.VIR_DOMAIN_EVENT_RESUMED_MIGRATED):
+                elif (
+                    event == libvirt.VIR_DOMAIN_EVENT_RESUMED
+                    and detail == libvirt.VIR_DOMAIN_EVENT_RESUMED_MIGRATED
+                ):
                     self.todo.put((dom.name(), "resumed-migrated"))
 
             def on_close(_conn: Any, _reason: int, flag: threading.Event) -> None:
                 flag.set()
 
             conn.registerCloseCallback(on_close, closed)
-            cb = conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE,
-                                             on_event, None)
-            print(f"pageshare libvirt-watch: watching {self.uri} (block-refs "
-                  f"{'on' if self.block_refs else 'off'} for migrations from here)",
-                  file=sys.stderr, flush=True)
+            cb = conn.domainEventRegisterAny(
+                None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, on_event, None
+            )
+            print(
+                f"pageshare libvirt-watch: watching {self.uri} (block-refs "
+                f"{'on' if self.block_refs else 'off'} for migrations from here)",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 for name in running_domains(self.uri):
                     self.todo.put((name, "running"))
@@ -199,8 +254,11 @@ class Watcher:
             while not closed.is_set() and not self.stopping.is_set():
                 libvirt.virEventRunDefaultImpl()
             if closed.is_set():
-                print(f"pageshare libvirt-watch: lost {self.uri}; reconnecting",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"pageshare libvirt-watch: lost {self.uri}; reconnecting",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 try:
                     conn.domainEventDeregisterAny(cb)
@@ -268,20 +326,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pageshare libvirt-watch",
         description="Attach the pageshare filter to every libvirt domain when it starts.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--connect", metavar="URI", default=DEFAULT_URI,
-                   help=f"libvirt's URI (default {DEFAULT_URI})")
-    p.add_argument("--config", type=Path, metavar="PATH",
-                   help=f"the host's pageshare libvirt configuration, shared with the libvirt "
-                        f"hook (default {DEFAULT_CONFIG}, if it exists); the options below "
-                        "override it")
-    p.add_argument("--control", type=Path, metavar="PATH",
-                   help="the page server's control socket (default /run/pageshare/control.sock)")
-    p.add_argument("--mode", choices=("merge", "copy"),
-                   help="the filter's mode: merge (default) or copy (testing, stock kernels)")
-    p.add_argument("--block-refs", action=argparse.BooleanOptionalAction, default=None,
-                   help="live migrations from this host send listed pages as block "
-                        "references (QEMU capability block-refs; default off)")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    p.add_argument(
+        "--connect",
+        metavar="URI",
+        default=DEFAULT_URI,
+        help=f"libvirt's URI (default {DEFAULT_URI})",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help=f"the host's pageshare libvirt configuration, shared with the libvirt "
+        f"hook (default {DEFAULT_CONFIG}, if it exists); the options below "
+        "override it",
+    )
+    p.add_argument(
+        "--control",
+        type=Path,
+        metavar="PATH",
+        help="the page server's control socket (default /run/pageshare/control.sock)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("merge", "copy"),
+        help="the filter's mode: merge (default) or copy (testing, stock kernels)",
+    )
+    p.add_argument(
+        "--block-refs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live migrations from this host send listed pages as block "
+        "references (QEMU capability block-refs; default off)",
+    )
     p.add_argument("--timeout", type=float, help="seconds per QMP command (default 30)")
     p.add_argument("--json", action="store_true", help="one JSON object per attach on stdout")
     return p
@@ -292,8 +371,9 @@ def main(argv: list[str]) -> int:
 
     def emit(domain: str, why: str, r: dict[str, Any]) -> None:
         if args.json:
-            print(json.dumps({"domain": domain, "event": why, "time": time.time(), **r}),
-                  flush=True)
+            print(
+                json.dumps({"domain": domain, "event": why, "time": time.time(), **r}), flush=True
+            )
         else:
             print(_line(domain, why, r), flush=True)
 
@@ -303,9 +383,14 @@ def main(argv: list[str]) -> int:
         print_error(str(e), prog="pageshare libvirt-watch")
         return 1
     try:
-        w = Watcher(args.connect, args.control or cfg.control, args.mode or cfg.mode,
-                    args.timeout or cfg.timeout, emit,
-                    cfg.block_refs if args.block_refs is None else args.block_refs)
+        w = Watcher(
+            args.connect,
+            args.control or cfg.control,
+            args.mode or cfg.mode,
+            args.timeout or cfg.timeout,
+            emit,
+            cfg.block_refs if args.block_refs is None else args.block_refs,
+        )
 
         def stop(_sig: int, _frame: object) -> None:
             w.stopping.set()

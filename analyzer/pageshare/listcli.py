@@ -157,45 +157,92 @@ def _duration(text: str) -> float:
     m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)", text.strip())
     if not m:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration: use e.g. 3600, 90m, 12h or 7d")
+            f"{text!r} is not a duration: use e.g. 3600, 90m, 12h or 7d"
+        )
     return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
 
 
 def _add_refine(sub: Any) -> None:
     from .distribute import DEFAULT_PREFIX, DEFAULT_URL
+
     r = sub.add_parser(
         "refine",
         help="the next list generation from the blocks the fleet's guests read",
-        description=_REFINE_DESCRIPTION, epilog=_REFINE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_REFINE_DESCRIPTION,
+        epilog=_REFINE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     r.add_argument("image", metavar="IMAGE", type=Path, help="the base image (qcow2 or raw)")
-    r.add_argument("--list", dest="list_path", metavar="FILE", type=Path,
-                   help="the list to refine (default: the one published in Redis for IMAGE)")
-    r.add_argument("--min-guests", type=int, default=DEFAULT_MIN_GUESTS, metavar="N",
-                   help=f"distinct guests, summed over hosts, that must have read a block "
-                   f"(default {DEFAULT_MIN_GUESTS})")
-    r.add_argument("--min-hosts", type=int, default=DEFAULT_MIN_HOSTS, metavar="M",
-                   help=f"hosts on which a guest must have read it (default {DEFAULT_MIN_HOSTS})")
-    r.add_argument("--drop-unread", action="store_true",
-                   help="also drop listed blocks no guest read during --window")
-    r.add_argument("--window", type=_duration, default=DEFAULT_WINDOW, metavar="DURATION",
-                   help="the unread window for --drop-unread: seconds, or 90m, 12h, 7d "
-                   "(default 7d); every host's summary must cover it")
+    r.add_argument(
+        "--list",
+        dest="list_path",
+        metavar="FILE",
+        type=Path,
+        help="the list to refine (default: the one published in Redis for IMAGE)",
+    )
+    r.add_argument(
+        "--min-guests",
+        type=int,
+        default=DEFAULT_MIN_GUESTS,
+        metavar="N",
+        help=f"distinct guests, summed over hosts, that must have read a block "
+        f"(default {DEFAULT_MIN_GUESTS})",
+    )
+    r.add_argument(
+        "--min-hosts",
+        type=int,
+        default=DEFAULT_MIN_HOSTS,
+        metavar="M",
+        help=f"hosts on which a guest must have read it (default {DEFAULT_MIN_HOSTS})",
+    )
+    r.add_argument(
+        "--drop-unread",
+        action="store_true",
+        help="also drop listed blocks no guest read during --window",
+    )
+    r.add_argument(
+        "--window",
+        type=_duration,
+        default=DEFAULT_WINDOW,
+        metavar="DURATION",
+        help="the unread window for --drop-unread: seconds, or 90m, 12h, 7d "
+        "(default 7d); every host's summary must cover it",
+    )
     r.add_argument("-o", "--output", type=Path, metavar="FILE", help="the list to write")
-    r.add_argument("--lists-dir", type=Path, default=Path("lists"), metavar="DIR",
-                   help="where the list goes without --output (default ./lists)")
-    r.add_argument("--db", type=Path, metavar="PATH",
-                   help="results database (default $PAGESHARE_DB or "
-                   "~/.local/share/pageshare/results.sqlite)")
-    r.add_argument("--publish", action="store_true",
-                   help="publish the new list too (as 'pageshare list publish' does)")
-    r.add_argument("--redis", metavar="URL",
-                   default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
-                   help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})")
-    r.add_argument("--prefix", default=DEFAULT_PREFIX,
-                   help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})")
-    r.add_argument("--json", action="store_true",
-                   help="print the result (or the error) as one JSON object on stdout")
+    r.add_argument(
+        "--lists-dir",
+        type=Path,
+        default=Path("lists"),
+        metavar="DIR",
+        help="where the list goes without --output (default ./lists)",
+    )
+    r.add_argument(
+        "--db",
+        type=Path,
+        metavar="PATH",
+        help="results database (default $PAGESHARE_DB or ~/.local/share/pageshare/results.sqlite)",
+    )
+    r.add_argument(
+        "--publish",
+        action="store_true",
+        help="publish the new list too (as 'pageshare list publish' does)",
+    )
+    r.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
+        help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})",
+    )
+    r.add_argument(
+        "--prefix",
+        default=DEFAULT_PREFIX,
+        help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})",
+    )
+    r.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result (or the error) as one JSON object on stdout",
+    )
     r.set_defaults(func=_cmd_refine)
 
 
@@ -203,11 +250,19 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     from .distribute import Store
     from .progress import Progress
     from .refine import RefineOptions, format_result, refine
-    opts = RefineOptions(image=args.image, store=Store(args.redis, args.prefix),
-                         list_path=args.list_path, min_guests=args.min_guests,
-                         min_hosts=args.min_hosts, drop_unread=args.drop_unread,
-                         window_s=args.window, output=args.output, lists_dir=args.lists_dir,
-                         publish=args.publish)
+
+    opts = RefineOptions(
+        image=args.image,
+        store=Store(args.redis, args.prefix),
+        list_path=args.list_path,
+        min_guests=args.min_guests,
+        min_hosts=args.min_hosts,
+        drop_unread=args.drop_unread,
+        window_s=args.window,
+        output=args.output,
+        lists_dir=args.lists_dir,
+        publish=args.publish,
+    )
     if args.db:
         opts.db = args.db
     result = refine(opts, Progress("pageshare list refine"))
@@ -315,8 +370,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _json_error(kind: str, message: str, hint: str = "") -> None:
     """A failure as one JSON object on stdout (refine --json), as analyze-image --json."""
-    print(json.dumps({"ok": False, "exit_code": 2,
-                      "error": {"kind": kind, "message": message, "hint": hint}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "ok": False,
+                "exit_code": 2,
+                "error": {"kind": kind, "message": message, "hint": hint},
+            },
+            indent=2,
+        )
+    )
 
 
 def cli_main(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ LABEL_ID = b"LABELONE"
 LABEL_TYPE = b"LVM2 001"
 MDA_MAGIC = b" LVM2 x[5A%r0N*>"
 
-Reader = Callable[[int, int], bytes]      # (byte offset, size) -> bytes of one device
+Reader = Callable[[int, int], bytes]  # (byte offset, size) -> bytes of one device
 
 
 class LvmError(PageshareError, ValueError):
@@ -32,15 +32,16 @@ class LvmError(PageshareError, ValueError):
 
 @dataclass(frozen=True)
 class PvLabel:
-    uuid: str                 # as the metadata writes it: 6-4-4-4-4-4-6
-    pe_start: int             # bytes from the PV's start to its first extent
-    metadata: str             # the current VG metadata text ("" if the PV has none)
+    uuid: str  # as the metadata writes it: 6-4-4-4-4-4-6
+    pe_start: int  # bytes from the PV's start to its first extent
+    metadata: str  # the current VG metadata text ("" if the PV has none)
 
 
 @dataclass(frozen=True)
 class Segment:
     """A run of an LV's sectors on the disk: LV sectors [lv_start, lv_start + sectors)
     are disk sectors [disk_start, disk_start + sectors)."""
+
     lv_start: int
     sectors: int
     disk_start: int
@@ -48,8 +49,9 @@ class Segment:
 
 def _uuid(raw: bytes) -> str:
     s = raw.decode("ascii")
-    return "-".join(s[a:b] for a, b in ((0, 6), (6, 10), (10, 14), (14, 18), (18, 22),
-                                         (22, 26), (26, 32)))
+    return "-".join(
+        s[a:b] for a, b in ((0, 6), (6, 10), (10, 14), (14, 18), (18, 22), (22, 26), (26, 32))
+    )
 
 
 def read_label(read: Reader) -> PvLabel | None:
@@ -60,11 +62,11 @@ def read_label(read: Reader) -> PvLabel | None:
             break
     else:
         return None
-    offset, = struct.unpack_from("<I", sector, 20)
+    (offset,) = struct.unpack_from("<I", sector, 20)
     pvh = sector[offset:]
     uuid = _uuid(pvh[:32])
-    pos = 40                  # after the UUID and device_size_xl
-    areas: list[list[tuple[int, int]]] = [[], []]   # data areas, then metadata areas
+    pos = 40  # after the UUID and device_size_xl
+    areas: list[list[tuple[int, int]]] = [[], []]  # data areas, then metadata areas
     for kind in (0, 1):
         while pos + 16 <= len(pvh):
             off, size = struct.unpack_from("<QQ", pvh, pos)
@@ -111,8 +113,7 @@ def parse_config(text: str) -> dict[str, Any]:
             tokens.append(("value", m.group(1)[1:-1].replace('\\"', '"')))
         elif m.group(2) is not None:
             word = m.group(2)
-            tokens.append(("value", int(word)) if re.fullmatch(r"-?\d+", word)
-                          else ("word", word))
+            tokens.append(("value", int(word)) if re.fullmatch(r"-?\d+", word) else ("word", word))
         elif m.group(3) is not None:
             tokens.append(("punct", m.group(3)))
     pos = 0
@@ -163,43 +164,52 @@ def volume_group(metadata: str) -> tuple[str, dict[str, Any]]:
     return vgs[0]
 
 
-def lv_segments(vg: dict[str, Any], lv: str, pv_disk_start: dict[str, int]
-                ) -> tuple[list[Segment], str]:
+def lv_segments(
+    vg: dict[str, Any], lv: str, pv_disk_start: dict[str, int]
+) -> tuple[list[Segment], str]:
     """The disk sectors of a linear LV, or ([], why not).
 
     pv_disk_start: for each PV UUID of the VG found on the disk, the disk
     sector where its first extent is (partition start + pe_start).
     """
-    extent = int(vg["extent_size"])           # in sectors
+    extent = int(vg["extent_size"])  # in sectors
     lvs = vg.get("logical_volumes", {})
     if lv not in lvs:
         return [], f"logical volume {lv} is not in the volume group's metadata"
     pvs = {name: p.get("id", "") for name, p in vg.get("physical_volumes", {}).items()}
     out: list[Segment] = []
     lvd = lvs[lv]
-    for key in sorted((k for k in lvd if re.fullmatch(r"segment\d+", k)),
-                      key=lambda k: int(k[len("segment"):])):
+    for key in sorted(
+        (k for k in lvd if re.fullmatch(r"segment\d+", k)), key=lambda k: int(k[len("segment") :])
+    ):
         seg = lvd[key]
         kind, stripes = seg.get("type"), seg.get("stripes", [])
         if kind != "striped" or int(seg.get("stripe_count", 0)) != 1 or len(stripes) != 2:
-            what = (f"{seg.get('stripe_count')} stripes" if kind == "striped"
-                    else f"type {kind!r}")
-            return [], (f"segment {key[len('segment'):]} of {lv} is not linear ({what}): "
-                        "only linear logical volumes are mapped")
+            what = f"{seg.get('stripe_count')} stripes" if kind == "striped" else f"type {kind!r}"
+            return [], (
+                f"segment {key[len('segment') :]} of {lv} is not linear ({what}): "
+                "only linear logical volumes are mapped"
+            )
         pv_uuid = pvs.get(stripes[0], "")
         if pv_uuid not in pv_disk_start:
-            return [], (f"{lv} has extents on PV {pv_uuid or stripes[0]}, which is not on the "
-                        "image's disk")
-        out.append(Segment(int(seg["start_extent"]) * extent,
-                           int(seg["extent_count"]) * extent,
-                           pv_disk_start[pv_uuid] + int(stripes[1]) * extent))
+            return [], (
+                f"{lv} has extents on PV {pv_uuid or stripes[0]}, which is not on the image's disk"
+            )
+        out.append(
+            Segment(
+                int(seg["start_extent"]) * extent,
+                int(seg["extent_count"]) * extent,
+                pv_disk_start[pv_uuid] + int(stripes[1]) * extent,
+            )
+        )
     if not out:
         return [], f"logical volume {lv} has no segments"
     return out, ""
 
 
-def to_disk(segments: list[Segment] | tuple[Segment, ...], lv_sector: int, count: int = 1
-            ) -> int | None:
+def to_disk(
+    segments: list[Segment] | tuple[Segment, ...], lv_sector: int, count: int = 1
+) -> int | None:
     """The disk sector of LV sectors [lv_sector, lv_sector + count), None if
     they are not all in one segment (so not contiguous on the disk)."""
     for s in segments:
@@ -213,15 +223,18 @@ def to_disk(segments: list[Segment] | tuple[Segment, ...], lv_sector: int, count
 @dataclass(frozen=True)
 class VolumeGroup:
     name: str
-    metadata: dict[str, Any]              # the VG's section of its metadata
-    pv_starts: dict[str, int]             # PV UUID -> disk sector of its first extent
-    pv_partitions: tuple[tuple[int, int], ...]   # (partition number, start sector) of PVs
+    metadata: dict[str, Any]  # the VG's section of its metadata
+    pv_starts: dict[str, int]  # PV UUID -> disk sector of its first extent
+    pv_partitions: tuple[tuple[int, int], ...]  # (partition number, start sector) of PVs
 
     def partition_of(self, disk_sector: int) -> int:
         """The number of the PV partition a disk sector is in (the last one starting
         at or before it)."""
-        return max((p for p in self.pv_partitions if p[1] <= disk_sector),
-                   key=lambda p: p[1], default=(0, 0))[0]
+        return max(
+            (p for p in self.pv_partitions if p[1] <= disk_sector),
+            key=lambda p: p[1],
+            default=(0, 0),
+        )[0]
 
 
 def volume_groups(g: Any, partitions: dict[int, int]) -> dict[str, VolumeGroup]:
@@ -239,13 +252,12 @@ def volume_groups(g: Any, partitions: dict[int, int]) -> dict[str, VolumeGroup]:
         try:
             label = read_label(read)
         except (RuntimeError, LvmError, UnicodeDecodeError):
-            continue              # not a PV (or unreadable): not LVM's to map
+            continue  # not a PV (or unreadable): not LVM's to map
         if label is None or not label.metadata:
             continue
         name, vg = volume_group(label.metadata)
         old = found.get(name)
-        pv_starts = {**(old.pv_starts if old else {}),
-                     label.uuid: start + label.pe_start // SECTOR}
+        pv_starts = {**(old.pv_starts if old else {}), label.uuid: start + label.pe_start // SECTOR}
         parts = (*(old.pv_partitions if old else ()), (number, start))
         found[name] = VolumeGroup(name, old.metadata if old else vg, pv_starts, parts)
     return found

@@ -45,13 +45,13 @@ FsKey = tuple[str, int]
 # (file system sector, sectors, disk sector): where a run of the file
 # system's bytes is on the virtual disk (one for a partition, one per LV segment).
 Run = tuple[int, int, int]
-WHOLE = 1 << 62             # a partition's run: as long as the file system is
+WHOLE = 1 << 62  # a partition's run: as long as the file system is
 
 
 @dataclass(frozen=True)
 class Placement:
-    uuid: str                 # hex, no dashes
-    guest_start: int          # start_sect the guest reports for its block device
+    uuid: str  # hex, no dashes
+    guest_start: int  # start_sect the guest reports for its block device
     runs: tuple[Run, ...]
     mountpoint: str = "/"
     fstype: str = "ext4"
@@ -60,8 +60,9 @@ class Placement:
     subvols: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def partition(cls, uuid: str, start: int, mountpoint: str = "/", fstype: str = "ext4"
-                  ) -> "Placement":
+    def partition(
+        cls, uuid: str, start: int, mountpoint: str = "/", fstype: str = "ext4"
+    ) -> "Placement":
         return cls(uuid, start, ((0, WHOLE, start),), mountpoint, fstype)
 
     @property
@@ -73,8 +74,7 @@ class Placement:
         None unless they are all in one run (contiguous on the disk)."""
         for start, length, disk in self.runs:
             if start <= fs_sector < start + length:
-                return disk + fs_sector - start if fs_sector + count <= start + length \
-                    else None
+                return disk + fs_sector - start if fs_sector + count <= start + length else None
         return None
 
 
@@ -85,22 +85,27 @@ class Geometry:
     disk: str = "vda"
 
     def find(self, rec: PageRecord) -> Placement | None:
-        return next((f for f in self.filesystems
-                     if f.uuid == norm_uuid(rec.fs_uuid) and f.guest_start == rec.start_sect),
-                    None)
+        return next(
+            (
+                f
+                for f in self.filesystems
+                if f.uuid == norm_uuid(rec.fs_uuid) and f.guest_start == rec.start_sect
+            ),
+            None,
+        )
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One subvolume's block map of a btrfs inode number."""
-    tree: int                                   # the subvolume's tree id
+
+    tree: int  # the subvolume's tree id
     extents: list[Extent]
     # (first block, blocks, INLINE or COMPRESSED): file data not on disk as it reads.
     unservable: tuple[tuple[int, int, str], ...] = ()
 
     def unservable_at(self, block: int) -> str:
-        return next((why for first, n, why in self.unservable if first <= block < first + n),
-                    "")
+        return next((why for first, n, why in self.unservable if first <= block < first + n), "")
 
 
 MAPPED_FSTYPES = ("ext2", "ext3", "ext4", "xfs", "btrfs")
@@ -113,8 +118,9 @@ def fs_family(fstype: str) -> str:
     return "ext4" if fstype in ("ext2", "ext3") else fstype
 
 
-def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometry
-                     ) -> tuple[int | None, str]:
+def file_page_sector(
+    rec: PageRecord, extents: list[Extent] | None, geo: Geometry
+) -> tuple[int | None, str]:
     """Sector of a file page per the base image's block map, or (None, reason)."""
     if rec.fstype not in MAPPED_FSTYPES:
         return None, "unsupported-fs"
@@ -142,12 +148,16 @@ def file_page_sector(rec: PageRecord, extents: list[Extent] | None, geo: Geometr
         return None, "discontiguous"
     sector = fs.to_disk(b0 * (bs // 512), PAGE // 512)
     if sector is None:
-        return None, "discontiguous"      # the page spans two LV segments
+        return None, "discontiguous"  # the page spans two LV segments
     return sector, ""
 
 
-def page_sector(rec: PageRecord, extents: dict[tuple[FsKey, int], list[Extent]],
-                geo: Geometry, include_metadata: bool) -> tuple[int | None, str]:
+def page_sector(
+    rec: PageRecord,
+    extents: dict[tuple[FsKey, int], list[Extent]],
+    geo: Geometry,
+    include_metadata: bool,
+) -> tuple[int | None, str]:
     """extents: by (file system, inode), as read from the base image."""
     if rec.kind == "file":
         sector, why = file_page_sector(rec, extents.get(file_key(rec)), geo)
@@ -167,8 +177,9 @@ def file_key(rec: PageRecord) -> tuple[FsKey, int]:
     return (norm_uuid(rec.fs_uuid), rec.start_sect), rec.ino
 
 
-def _servable(rec: PageRecord, sector: int | None, why: str, geo: Geometry
-              ) -> tuple[int | None, str]:
+def _servable(
+    rec: PageRecord, sector: int | None, why: str, geo: Geometry
+) -> tuple[int | None, str]:
     if sector is None:
         return None, why
     if not rec.clean:
@@ -195,11 +206,15 @@ def verify(sector: int, guest_bytes: bytes | None, read_base: Callable[[int], by
 _FAILURE_RANK = {INLINE: 0, COMPRESSED: 0, "hole": 3, "unmapped": 4}
 
 
-def map_page(rec: PageRecord, data: bytes | None, read_base: Callable[[int], bytes],
-             extents: dict[tuple[FsKey, int], list[Extent]], geo: Geometry,
-             include_metadata: bool,
-             candidates: Mapping[tuple[FsKey, int], Sequence[Candidate]] | None = None
-             ) -> tuple[int | None, str, int]:
+def map_page(
+    rec: PageRecord,
+    data: bytes | None,
+    read_base: Callable[[int], bytes],
+    extents: dict[tuple[FsKey, int], list[Extent]],
+    geo: Geometry,
+    include_metadata: bool,
+    candidates: Mapping[tuple[FsKey, int], Sequence[Candidate]] | None = None,
+) -> tuple[int | None, str, int]:
     """(sector or None, verdict, btrfs tree or 0) of a page-cache page: page_sector,
     then verify.  A btrfs file page has a Candidate per subvolume holding its
     inode number, tried in order; the first whose block verifies is kept.
@@ -222,7 +237,8 @@ def map_page(rec: PageRecord, data: bytes | None, read_base: Callable[[int], byt
             why = verify(sector, data, read_base)
             if why == STABLE:
                 return sector, why, c.tree
-        failed.append((_FAILURE_RANK.get(why, 1 if sector is not None else 2), n, sector, why,
-                       c.tree))
+        failed.append(
+            (_FAILURE_RANK.get(why, 1 if sector is not None else 2), n, sector, why, c.tree)
+        )
     _, _, sector, why, tree = min(failed)
     return sector, why, tree

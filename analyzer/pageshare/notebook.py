@@ -28,8 +28,7 @@ REFINEMENTS_NOTEBOOK = notebook("refinements.ipynb")
 KERNEL_NAME = "python3"
 # Every setting a notebook reads besides PAGESHARE_DB: the caller's own are
 # never passed on, only those given.
-SETTINGS = ("PAGESHARE_ANALYSIS", "PAGESHARE_IMAGE", "PAGESHARE_REFINEMENT",
-            "PAGESHARE_FIGURES")
+SETTINGS = ("PAGESHARE_ANALYSIS", "PAGESHARE_IMAGE", "PAGESHARE_REFINEMENT", "PAGESHARE_FIGURES")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -47,9 +46,11 @@ def _kernel_env(db: Path, settings: dict[str, str]) -> dict[str, str]:
 
 
 def _install_hint() -> str:
-    if checkout() is None:          # the Debian package: its Recommends
-        return ("apt install python3-pandas python3-matplotlib python3-nbclient "
-                "python3-nbformat python3-ipykernel")
+    if checkout() is None:  # the Debian package: its Recommends
+        return (
+            "apt install python3-pandas python3-matplotlib python3-nbclient "
+            "python3-nbformat python3-ipykernel"
+        )
     return "pip install 'pageshare[notebooks]'"
 
 
@@ -66,8 +67,9 @@ def _first_error(nb: Any) -> tuple[int, str, str] | None:
     return None
 
 
-def run_notebook(db: Path, analysis_id: int | None, out_ipynb: Path,
-                 figures_dir: Path | None, timeout: int = 300) -> Path:
+def run_notebook(
+    db: Path, analysis_id: int | None, out_ipynb: Path, figures_dir: Path | None, timeout: int = 300
+) -> Path:
     """Execute notebooks/analysis.ipynb on `db` and write the executed notebook.
 
     analysis_id None means the newest analysis with status 'ok'; figures_dir
@@ -77,13 +79,27 @@ def run_notebook(db: Path, analysis_id: int | None, out_ipynb: Path,
     partly executed notebook is still written to out_ipynb).
     """
     settings = {} if analysis_id is None else {"PAGESHARE_ANALYSIS": str(analysis_id)}
-    return _run(NOTEBOOK, "analysis notebook", db, settings, {"analysis_id": analysis_id},
-                out_ipynb, figures_dir, timeout)
+    return _run(
+        NOTEBOOK,
+        "analysis notebook",
+        db,
+        settings,
+        {"analysis_id": analysis_id},
+        out_ipynb,
+        figures_dir,
+        timeout,
+    )
 
 
-def run_refinements_notebook(db: Path, out_ipynb: Path, figures_dir: Path | None, *,
-                             image: str | None = None, refinement_id: int | None = None,
-                             timeout: int = 300) -> Path:
+def run_refinements_notebook(
+    db: Path,
+    out_ipynb: Path,
+    figures_dir: Path | None,
+    *,
+    image: str | None = None,
+    refinement_id: int | None = None,
+    timeout: int = 300,
+) -> Path:
     """Execute notebooks/refinements.ipynb on `db`: the list generations of
     one image, each refinement's blocks and coverage (docs/results-db.md).
 
@@ -95,18 +111,33 @@ def run_refinements_notebook(db: Path, out_ipynb: Path, figures_dir: Path | None
     if image is not None:
         named = Path(image).expanduser()
         # The kernel runs in the notebook's directory: a path must be absolute.
-        settings["PAGESHARE_IMAGE"] = (str(named.resolve()) if not image.isdigit()
-                                       and named.exists() else image)
+        settings["PAGESHARE_IMAGE"] = (
+            str(named.resolve()) if not image.isdigit() and named.exists() else image
+        )
     if refinement_id is not None:
         settings["PAGESHARE_REFINEMENT"] = str(refinement_id)
-    return _run(REFINEMENTS_NOTEBOOK, "refinements notebook", db, settings,
-                {"image": image, "refinement_id": refinement_id}, out_ipynb, figures_dir,
-                timeout)
+    return _run(
+        REFINEMENTS_NOTEBOOK,
+        "refinements notebook",
+        db,
+        settings,
+        {"image": image, "refinement_id": refinement_id},
+        out_ipynb,
+        figures_dir,
+        timeout,
+    )
 
 
-def _run(notebook_path: Path, what: str, db: Path, settings: dict[str, str],
-         metadata: dict[str, Any], out_ipynb: Path, figures_dir: Path | None,
-         timeout: int) -> Path:
+def _run(
+    notebook_path: Path,
+    what: str,
+    db: Path,
+    settings: dict[str, str],
+    metadata: dict[str, Any],
+    out_ipynb: Path,
+    figures_dir: Path | None,
+    timeout: int,
+) -> Path:
     try:
         import nbformat
         from jupyter_client.kernelspec import KernelSpecManager
@@ -115,13 +146,13 @@ def _run(notebook_path: Path, what: str, db: Path, settings: dict[str, str],
         from nbclient import NotebookClient
         from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     except ImportError as e:
-        raise RuntimeError(f"running the {what} needs {e.name}: "
-                           f"{_install_hint()}") from e
+        raise RuntimeError(f"running the {what} needs {e.name}: {_install_hint()}") from e
     try:
         import ipykernel  # noqa: F401  (the kernel must run in this interpreter)
     except ImportError as e:
-        raise RuntimeError(f"ipykernel is not installed for {sys.executable}: "
-                           f"{_install_hint()}") from e
+        raise RuntimeError(
+            f"ipykernel is not installed for {sys.executable}: {_install_hint()}"
+        ) from e
 
     db = Path(db).expanduser().resolve()
     if not db.is_file():
@@ -142,11 +173,19 @@ def _run(notebook_path: Path, what: str, db: Path, settings: dict[str, str],
     # unencrypted-TCP warning.  The socket path must be absolute: the kernel
     # runs in notebooks/, not in the caller's working directory.
     sockets = Path(tempfile.mkdtemp(prefix="pageshare-kernel-"))
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs,
-                            transport="ipc", ip=str(sockets / "kernel"))
+    km = AsyncKernelManager(
+        kernel_name=KERNEL_NAME,
+        kernel_spec_manager=specs,
+        transport="ipc",
+        ip=str(sockets / "kernel"),
+    )
     client = NotebookClient(
-        nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout,
-        resources={"metadata": {"path": str(notebook_path.parent)}})
+        nb,
+        km=km,
+        kernel_name=KERNEL_NAME,
+        timeout=timeout,
+        resources={"metadata": {"path": str(notebook_path.parent)}},
+    )
 
     failure: str | None = None
     cause: BaseException | None = None
@@ -184,8 +223,10 @@ def _run(notebook_path: Path, what: str, db: Path, settings: dict[str, str],
     }
     nbformat.write(nb, out_ipynb)  # type: ignore[no-untyped-call]
     if failure is not None:
-        raise RuntimeError(f"{what} {notebook_path.name} on {db}: {failure}\n"
-                           f"(partly executed notebook: {out_ipynb})") from cause
+        raise RuntimeError(
+            f"{what} {notebook_path.name} on {db}: {failure}\n"
+            f"(partly executed notebook: {out_ipynb})"
+        ) from cause
     return out_ipynb
 
 
@@ -222,24 +263,47 @@ def main(argv: list[str]) -> int:
     from .errors import print_error
 
     p = argparse.ArgumentParser(
-        prog="pageshare report", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="pageshare report",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the results notebook headless on analyze-image's results.",
-        epilog=REPORT_EPILOG)
-    p.add_argument("--db", type=Path, default=default_db(),
-                   help="results database (default: %(default)s, or $PAGESHARE_DB)")
-    p.add_argument("--analysis", type=int, metavar="ID",
-                   help="the analysis to show (default: the newest one that succeeded)")
-    p.add_argument("--refinements", action="store_true",
-                   help="show an image's list generations and refinements instead")
-    p.add_argument("--image", metavar="IMAGE",
-                   help="with --refinements: the image (its id in the results database, its "
-                   "path, or a prefix of its content sha256; default: the newest refinement's)")
-    p.add_argument("--refinement", type=int, metavar="ID",
-                   help="with --refinements: the generations that led to this refinement "
-                   "(default: the newest that succeeded)")
-    p.add_argument("--out", type=Path,
-                   help="the executed notebook (default: pageshare-report.ipynb, with "
-                   "--refinements pageshare-refinements.ipynb)")
+        epilog=REPORT_EPILOG,
+    )
+    p.add_argument(
+        "--db",
+        type=Path,
+        default=default_db(),
+        help="results database (default: %(default)s, or $PAGESHARE_DB)",
+    )
+    p.add_argument(
+        "--analysis",
+        type=int,
+        metavar="ID",
+        help="the analysis to show (default: the newest one that succeeded)",
+    )
+    p.add_argument(
+        "--refinements",
+        action="store_true",
+        help="show an image's list generations and refinements instead",
+    )
+    p.add_argument(
+        "--image",
+        metavar="IMAGE",
+        help="with --refinements: the image (its id in the results database, its "
+        "path, or a prefix of its content sha256; default: the newest refinement's)",
+    )
+    p.add_argument(
+        "--refinement",
+        type=int,
+        metavar="ID",
+        help="with --refinements: the generations that led to this refinement "
+        "(default: the newest that succeeded)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the executed notebook (default: pageshare-report.ipynb, with "
+        "--refinements pageshare-refinements.ipynb)",
+    )
     p.add_argument("--figures", type=Path, metavar="DIR", help="also save figures as PNG here")
     args = p.parse_args(argv)
     if args.refinements and args.analysis is not None:
@@ -249,11 +313,16 @@ def main(argv: list[str]) -> int:
     try:
         if args.refinements:
             out = run_refinements_notebook(
-                args.db, args.out or Path("pageshare-refinements.ipynb"), args.figures,
-                image=args.image, refinement_id=args.refinement)
+                args.db,
+                args.out or Path("pageshare-refinements.ipynb"),
+                args.figures,
+                image=args.image,
+                refinement_id=args.refinement,
+            )
         else:
-            out = run_notebook(args.db, args.analysis, args.out or
-                               Path("pageshare-report.ipynb"), args.figures)
+            out = run_notebook(
+                args.db, args.analysis, args.out or Path("pageshare-report.ipynb"), args.figures
+            )
     except RuntimeError as e:
         first, _, rest = str(e).partition("\n")
         print_error(first, rest, prog="pageshare report")

@@ -110,8 +110,9 @@ class QMP:
     def peer_pid(self) -> int | None:
         """The pid of the QEMU at the other end (SO_PEERCRED), if known."""
         try:
-            cred = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                         struct.calcsize("3i"))
+            cred = self._sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+            )
         except OSError:
             return None
         pid: int = struct.unpack("3i", cred)[0]

@@ -72,6 +72,7 @@ BYTES_DIFFER = "bytes-differ"
 
 def default_db() -> Path:
     from .analyze import default_db as analyze_db
+
     return analyze_db()
 
 
@@ -79,7 +80,7 @@ def default_db() -> Path:
 class RefineOptions:
     image: Path
     store: distribute.Store
-    list_path: Path | None = None          # None: the list published in Redis for the image
+    list_path: Path | None = None  # None: the list published in Redis for the image
     min_guests: int = DEFAULT_MIN_GUESTS
     min_hosts: int = DEFAULT_MIN_HOSTS
     drop_unread: bool = False
@@ -89,7 +90,7 @@ class RefineOptions:
     db: Path = field(default_factory=default_db)
     workdir_parent: Path = Path(os.environ.get("PAGESHARE_WORKDIR", "/var/tmp"))
     publish: bool = False
-    now: float | None = None               # unix seconds; None: the clock
+    now: float | None = None  # unix seconds; None: the clock
 
 
 @dataclass
@@ -143,7 +144,8 @@ def refined_file_name(image: sectorlist.ImageIdentity, generation: int) -> str:
 @dataclass
 class _Tally:
     """The fleet's summaries summed per block."""
-    unlisted: dict[int, list[int]] = field(default_factory=dict)   # block -> [guests, hosts, reads]
+
+    unlisted: dict[int, list[int]] = field(default_factory=dict)  # block -> [guests, hosts, reads]
     listed_read: dict[int, list[int]] = field(default_factory=dict)  # the same, listed blocks
     guest_reads_listed: int = 0
     guest_reads_unlisted: int = 0
@@ -183,25 +185,35 @@ def tally(summaries: list[feedback.HostSummary], listed: set[int]) -> _Tally:
     return t
 
 
-def drop_refusal(summaries: list[feedback.HostSummary], failures: list[dict[str, str]],
-                 window_start: float, now: float) -> str | None:
+def drop_refusal(
+    summaries: list[feedback.HostSummary],
+    failures: list[dict[str, str]],
+    window_start: float,
+    now: float,
+) -> str | None:
     """Why unread blocks must not be dropped, or None if every host's summary
     covers [window_start, now]."""
     if failures:
-        return (f"the summaries of {', '.join(f['host'] for f in failures)} could not be read: "
-                "what their guests read is unknown")
+        return (
+            f"the summaries of {', '.join(f['host'] for f in failures)} could not be read: "
+            "what their guests read is unknown"
+        )
     late = [s for s in summaries if s.since > window_start]
     if late:
         s = late[0]
-        return (f"{len(late)} host(s) counted only since after the window began, e.g. "
-                f"{s.host} since {_iso(s.since)} (window from {_iso(window_start)}): a block "
-                "read before that would look unread; use a shorter --window or wait")
+        return (
+            f"{len(late)} host(s) counted only since after the window began, e.g. "
+            f"{s.host} since {_iso(s.since)} (window from {_iso(window_start)}): a block "
+            "read before that would look unread; use a shorter --window or wait"
+        )
     stale = [s for s in summaries if now - s.updated > STALE_SUMMARY]
     if stale:
         s = stale[0]
-        return (f"{len(stale)} host(s) have not published for over {STALE_SUMMARY:.0f} s, "
-                f"e.g. {s.host} (last {_iso(s.updated)}): what their guests read since is "
-                "unknown")
+        return (
+            f"{len(stale)} host(s) have not published for over {STALE_SUMMARY:.0f} s, "
+            f"e.g. {s.host} (last {_iso(s.updated)}): what their guests read since is "
+            "unknown"
+        )
     return None
 
 
@@ -211,18 +223,21 @@ def _now() -> str:
 
 def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
     if opts.min_guests < 1 or opts.min_hosts < 1:
-        raise RefineError("--min-guests and --min-hosts must be at least 1",
-                          "the defaults are --min-guests "
-                          f"{DEFAULT_MIN_GUESTS} --min-hosts {DEFAULT_MIN_HOSTS}")
+        raise RefineError(
+            "--min-guests and --min-hosts must be at least 1",
+            f"the defaults are --min-guests {DEFAULT_MIN_GUESTS} --min-hosts {DEFAULT_MIN_HOSTS}",
+        )
     if opts.min_guests < opts.min_hosts:
-        raise RefineError(f"--min-guests {opts.min_guests} is below --min-hosts "
-                          f"{opts.min_hosts}: every host counted needs a guest",
-                          "raise --min-guests to at least --min-hosts")
+        raise RefineError(
+            f"--min-guests {opts.min_guests} is below --min-hosts "
+            f"{opts.min_hosts}: every host counted needs a guest",
+            "raise --min-guests to at least --min-hosts",
+        )
     if opts.drop_unread and opts.window_s <= 0:
         raise RefineError("--window must be positive", "e.g. --window 7d")
     now = time.time() if opts.now is None else opts.now
     store = opts.store
-    store._call("ping", store.r.ping)          # Redis down: say so before reading the image
+    store._call("ping", store.r.ping)  # Redis down: say so before reading the image
     parent_file: sectorlist.SectorList | None = None
     if opts.list_path is not None:
         parent_file = sectorlist.read(opts.list_path)
@@ -237,6 +252,7 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
     refinement_id = 0
     try:
         from .analyze import _check_btrfs_chunks, placements
+
         geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw, content sha256)"):
             if fmt == "raw":
@@ -246,9 +262,12 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
                 diskimage.to_raw(opts.image, raw)
             read_at, _ = diskimage.raw_file_reader(raw)
             content = diskimage.image_content_sha256(read_at, vsize)
-            sources = {fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img",
-                                        copy=fs.fstype in ("xfs", "btrfs"))
-                       for i, fs in enumerate(geo.filesystems)}
+            sources = {
+                fs.key: fs_image(
+                    raw, fs.runs, workdir / f"fs-{i}.img", copy=fs.fstype in ("xfs", "btrfs")
+                )
+                for i, fs in enumerate(geo.filesystems)
+            }
             insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
         key = f"{vsize}-{content}"
 
@@ -261,9 +280,11 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             except distribute.DistributeError as e:
                 if "no list in Redis" not in e.message:
                     raise
-                raise RefineError(f"no list is published in Redis for {opts.image} ({key[:28]}"
-                                  "...)", "pass the current list with --list FILE, or publish "
-                                  "one first (pageshare list publish)") from None
+                raise RefineError(
+                    f"no list is published in Redis for {opts.image} ({key[:28]}...)",
+                    "pass the current list with --list FILE, or publish "
+                    "one first (pageshare list publish)",
+                ) from None
             rev = store._call("fetch", store.r.hget, store.key("meta", key), "revision")
             revision = int(rev) if rev is not None and bytes(rev).isdigit() else None
             parent_path = f"redis:{store.key('list', key)}"
@@ -272,7 +293,8 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             raise RefineError(
                 f"the list {parent_path} is for image {distribute.image_key(parent.image)}, "
                 f"not {opts.image} ({key})",
-                "give the list of this image (pageshare list show FILE names its image)")
+                "give the list of this image (pageshare list show FILE names its image)",
+            )
         parent_gen = generation_of(parent)
         generation = parent_gen + 1
 
@@ -281,28 +303,40 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
         for f in fleet.failures:
             progress.say(f"note: summary of host {f['host']} not used: {f['error']}")
         if not fleet.summaries:
-            why = (f"; {len(fleet.failures)} could not be read" if fleet.failures else "")
+            why = f"; {len(fleet.failures)} could not be read" if fleet.failures else ""
             raise RefineError(
                 f"no host has published feedback for {opts.image} ({key[:28]}...){why}",
                 "page servers publish it every feedback.interval_secs to "
                 f"{feedback.summary_key(store, key, '<host>')}: check that they serve this "
-                "image, reach this Redis (--redis, --prefix) and have feedback enabled")
+                "image, reach this Redis (--redis, --prefix) and have feedback enabled",
+            )
 
         image_id = resultsdb.record_image(db, opts.image, fmt, vsize, content, info)
         window_start = now - opts.window_s if opts.drop_unread else None
         refinement_id = resultsdb.start_refinement(
-            db, image_id, started_at=_now(), tool_version=__version__, parent_path=parent_path,
-            parent_digest=parent.digest(), parent_generation=parent_gen,
-            parent_revision=revision, parent_blocks=len(parent.blocks),
-            min_guests=opts.min_guests, min_hosts=opts.min_hosts,
-            drop_unread=opts.drop_unread, window_s=opts.window_s if opts.drop_unread else None,
-            window_start=window_start)
+            db,
+            image_id,
+            started_at=_now(),
+            tool_version=__version__,
+            parent_path=parent_path,
+            parent_digest=parent.digest(),
+            parent_generation=parent_gen,
+            parent_revision=revision,
+            parent_blocks=len(parent.blocks),
+            min_guests=opts.min_guests,
+            min_hosts=opts.min_hosts,
+            drop_unread=opts.drop_unread,
+            window_s=opts.window_s if opts.drop_unread else None,
+            window_start=window_start,
+        )
         db.commit()
 
         listed = {s // SECTORS_PER_PAGE for s in parent.blocks}
         t = tally(fleet.summaries, listed)
-        progress.say(f"{len(fleet.summaries)} host(s): {len(t.unlisted)} unlisted block(s) "
-                     f"read, {len(t.listed_read)} of {len(listed)} listed block(s) read")
+        progress.say(
+            f"{len(fleet.summaries)} host(s): {len(t.unlisted)} unlisted block(s) "
+            f"read, {len(t.listed_read)} of {len(listed)} listed block(s) read"
+        )
         rejected: Counter[str] = Counter()
         candidates: dict[int, list[int]] = {}
         max_block = vsize // PAGE
@@ -315,11 +349,14 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
                 rejected[BELOW_GUESTS] += 1
             else:
                 candidates[block * SECTORS_PER_PAGE] = acc
-        block_sizes = {(f.uuid.replace("-", "").lower(), f.guest_start_sector): f.block_size
-                       for f in info.filesystems}
+        block_sizes = {
+            (f.uuid.replace("-", "").lower(), f.guest_start_sector): f.block_size
+            for f in info.filesystems
+        }
         with progress.phase("map", f"mapping {len(candidates)} candidate block(s) to files"):
-            verdicts = classify(sorted(candidates), geo.filesystems, sources, block_sizes,
-                                progress.say)
+            verdicts = classify(
+                sorted(candidates), geo.filesystems, sources, block_sizes, progress.say
+            )
         added: dict[int, str] = {}
         with progress.phase("hash", "hashing the blocks to add from the image's bytes"):
             for sector in sorted(candidates):
@@ -340,73 +377,115 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             if refused:
                 progress.say(f"note: no unread block dropped: {refused}")
             else:
-                dropped = {s: UNREAD for s in parent.blocks
-                           if s // SECTORS_PER_PAGE not in t.listed_read}
+                dropped = {
+                    s: UNREAD for s in parent.blocks if s // SECTORS_PER_PAGE not in t.listed_read
+                }
         with progress.phase("verify", "checking the kept blocks against the image"):
             for sector, digest in parent.blocks.items():
-                if sector not in dropped and sectorlist.block_hash(
-                        read_at(sector * 512, PAGE)) != digest:
+                if (
+                    sector not in dropped
+                    and sectorlist.block_hash(read_at(sector * 512, PAGE)) != digest
+                ):
                     dropped[sector] = BYTES_DIFFER
 
         blocks = {s: h for s, h in parent.blocks.items() if s not in dropped}
         blocks.update(added)
         extra = dict(parent.extra)
-        extra.update({
-            "x-generation": str(generation),
-            "x-parent-list-digest": parent.digest(),
-            "x-refined": f"{len(fleet.summaries)} host(s), guests >= {opts.min_guests}, "
-                         f"hosts >= {opts.min_hosts}, +{len(added)} -{len(dropped)}",
-        })
+        extra.update(
+            {
+                "x-generation": str(generation),
+                "x-parent-list-digest": parent.digest(),
+                "x-refined": f"{len(fleet.summaries)} host(s), guests >= {opts.min_guests}, "
+                f"hosts >= {opts.min_hosts}, +{len(added)} -{len(dropped)}",
+            }
+        )
         sl = sectorlist.SectorList(
             image=sectorlist.ImageIdentity(vsize, content, parent.image.name or opts.image.name),
-            blocks=blocks, generator=f"pageshare list refine {__version__}",
+            blocks=blocks,
+            generator=f"pageshare list refine {__version__}",
             criteria=(parent.criteria + "," if parent.criteria else "")
             + f"fleet-read(guests>={opts.min_guests},hosts>={opts.min_hosts}),regular-file,"
-              "nonzero,verified",
-            runs=parent.runs, extra=extra)
+            "nonzero,verified",
+            runs=parent.runs,
+            extra=extra,
+        )
         out = opts.output or opts.lists_dir / refined_file_name(sl.image, generation)
         out.parent.mkdir(parents=True, exist_ok=True)
         with progress.phase("write-list", f"writing {out} and checking it against the image"):
             sectorlist.write(sl, out)
             written = sectorlist.read(out)
-            bad = sectorlist.verify_against_image(written,
-                                                  lambda s: read_at(s * 512, PAGE))
+            bad = sectorlist.verify_against_image(written, lambda s: read_at(s * 512, PAGE))
             if bad or written.image != sl.image:
                 out.unlink(missing_ok=True)
-                raise RuntimeError(f"the written list does not match the image at sectors "
-                                   f"{bad[:5]}: not kept")
+                raise RuntimeError(
+                    f"the written list does not match the image at sectors {bad[:5]}: not kept"
+                )
 
         hosts = [s.to_json() for s in fleet.summaries]
-        rows = [resultsdb.RefinedBlock(s, "added", "read-by-fleet", candidates[s][0],
-                                       candidates[s][1], candidates[s][2], h)
-                for s, h in sorted(added.items())]
+        rows = [
+            resultsdb.RefinedBlock(
+                s, "added", "read-by-fleet", candidates[s][0], candidates[s][1], candidates[s][2], h
+            )
+            for s, h in sorted(added.items())
+        ]
         # A dropped block's reads too (0 if unread), so that the new list's share
         # of these reads is known: guest_reads_listed - dropped + added guests.
         for s, why in sorted(dropped.items()):
             g, n, r = t.listed_read.get(s // SECTORS_PER_PAGE, [0, 0, 0])
             rows.append(resultsdb.RefinedBlock(s, "dropped", why, g, n, r, None))
         resultsdb.finish_refinement(
-            db, refinement_id, finished_at=_now(), hosts=hosts, failures=fleet.failures,
-            reported_unlisted=len(t.unlisted), reported_listed=len(t.listed_read),
+            db,
+            refinement_id,
+            finished_at=_now(),
+            hosts=hosts,
+            failures=fleet.failures,
+            reported_unlisted=len(t.unlisted),
+            reported_listed=len(t.listed_read),
             guest_reads_listed=t.guest_reads_listed,
-            guest_reads_unlisted=t.guest_reads_unlisted, rejected=rejected,
-            dropped=Counter(dropped.values()), drop_refused=refused, generation=generation,
-            list_path=out, list_digest=written.digest(), listed_blocks=len(written.blocks),
-            blocks=rows)
+            guest_reads_unlisted=t.guest_reads_unlisted,
+            rejected=rejected,
+            dropped=Counter(dropped.values()),
+            drop_refused=refused,
+            generation=generation,
+            list_path=out,
+            list_digest=written.digest(),
+            listed_blocks=len(written.blocks),
+            blocks=rows,
+        )
         db.commit()
         result = RefineResult(
-            image=str(opts.image), image_key=key,
-            parent={"path": parent_path, "digest": parent.digest(), "generation": parent_gen,
-                    "revision": revision, "blocks": len(parent.blocks)},
-            list_path=str(out), list_digest=written.digest(), generation=generation,
-            blocks=len(written.blocks), min_guests=opts.min_guests, min_hosts=opts.min_hosts,
-            hosts=hosts, failures=fleet.failures, reported_unlisted=len(t.unlisted),
-            reported_listed=len(t.listed_read), added=len(added), rejected=dict(rejected),
-            dropped=len(dropped), dropped_reasons=dict(Counter(dropped.values())),
-            drop_unread={"asked": opts.drop_unread,
-                         "window_s": opts.window_s if opts.drop_unread else None,
-                         "window_start": window_start, "refused": refused},
-            refinement_id=refinement_id, phases=dict(progress.phases))
+            image=str(opts.image),
+            image_key=key,
+            parent={
+                "path": parent_path,
+                "digest": parent.digest(),
+                "generation": parent_gen,
+                "revision": revision,
+                "blocks": len(parent.blocks),
+            },
+            list_path=str(out),
+            list_digest=written.digest(),
+            generation=generation,
+            blocks=len(written.blocks),
+            min_guests=opts.min_guests,
+            min_hosts=opts.min_hosts,
+            hosts=hosts,
+            failures=fleet.failures,
+            reported_unlisted=len(t.unlisted),
+            reported_listed=len(t.listed_read),
+            added=len(added),
+            rejected=dict(rejected),
+            dropped=len(dropped),
+            dropped_reasons=dict(Counter(dropped.values())),
+            drop_unread={
+                "asked": opts.drop_unread,
+                "window_s": opts.window_s if opts.drop_unread else None,
+                "window_start": window_start,
+                "refused": refused,
+            },
+            refinement_id=refinement_id,
+            phases=dict(progress.phases),
+        )
         if opts.publish:
             result.published = distribute.publish(store, out)
         return result
@@ -422,32 +501,44 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
 
 def format_result(r: RefineResult) -> str:
     """The human summary: what was read, added, not added and dropped, and why."""
-    lines = [f"wrote {r.list_path}: generation {r.generation}, {r.blocks} blocks "
-             f"({r.blocks * PAGE / 2**20:.1f} MiB), {r.list_digest}",
-             f"  from {r.parent['path']} (generation {r.parent['generation']}, "
-             f"{r.parent['blocks']} blocks)"]
+    lines = [
+        f"wrote {r.list_path}: generation {r.generation}, {r.blocks} blocks "
+        f"({r.blocks * PAGE / 2**20:.1f} MiB), {r.list_digest}",
+        f"  from {r.parent['path']} (generation {r.parent['generation']}, "
+        f"{r.parent['blocks']} blocks)",
+    ]
     hosts = ", ".join(h["host"] for h in r.hosts)
-    lines.append(f"fleet: {len(r.hosts)} host(s) ({hosts}): {r.reported_unlisted} unlisted "
-                 f"block(s) read, {r.reported_listed} listed block(s) read")
+    lines.append(
+        f"fleet: {len(r.hosts)} host(s) ({hosts}): {r.reported_unlisted} unlisted "
+        f"block(s) read, {r.reported_listed} listed block(s) read"
+    )
     for f in r.failures:
         lines.append(f"  not used: {f['host']}: {f['error']}")
-    lines.append(f"added {r.added} block(s) ({r.added * PAGE / 2**20:.1f} MiB): read by >= "
-                 f"{r.min_guests} guests on >= {r.min_hosts} hosts, one page of a regular file, "
-                 "not zero, hashed from the image")
+    lines.append(
+        f"added {r.added} block(s) ({r.added * PAGE / 2**20:.1f} MiB): read by >= "
+        f"{r.min_guests} guests on >= {r.min_hosts} hosts, one page of a regular file, "
+        "not zero, hashed from the image"
+    )
     if r.rejected:
-        lines.append("not added: " + ", ".join(f"{n} {why}" for why, n in
-                                               sorted(r.rejected.items(), key=lambda x: -x[1])))
+        lines.append(
+            "not added: "
+            + ", ".join(f"{n} {why}" for why, n in sorted(r.rejected.items(), key=lambda x: -x[1]))
+        )
     if r.dropped:
-        lines.append(f"dropped {r.dropped} block(s): " + ", ".join(
-            f"{n} {why}" for why, n in sorted(r.dropped_reasons.items())))
+        lines.append(
+            f"dropped {r.dropped} block(s): "
+            + ", ".join(f"{n} {why}" for why, n in sorted(r.dropped_reasons.items()))
+        )
     if r.drop_unread["asked"] and r.drop_unread["refused"]:
         lines.append(f"no unread block dropped: {r.drop_unread['refused']}")
     elif r.drop_unread["asked"] and not r.dropped_reasons.get(UNREAD):
         lines.append("no unread block dropped: every listed block was read in the window")
     lines.append(f"recorded as refinement {r.refinement_id} in the results database")
     if r.published:
-        lines.append(f"published: revision {r.published['revision']}, "
-                     f"{r.published['subscribers']} page server(s) listening")
+        lines.append(
+            f"published: revision {r.published['revision']}, "
+            f"{r.published['subscribers']} page server(s) listening"
+        )
     else:
         lines.append(f"publish it with: pageshare list publish {r.list_path}")
     return "\n".join(lines)

@@ -166,8 +166,11 @@ CREATE TABLE IF NOT EXISTS refined_block (
 
 # Columns added after a table was first released: CREATE TABLE IF NOT EXISTS
 # leaves an existing table as it is, so connect() adds these when missing.
-ADDED_COLUMNS = (("analysis", "introspector", "TEXT"), ("guest_page", "fs_uuid", "TEXT"),
-                 ("listed_block", "fs_uuid", "TEXT"))
+ADDED_COLUMNS = (
+    ("analysis", "introspector", "TEXT"),
+    ("guest_page", "fs_uuid", "TEXT"),
+    ("listed_block", "fs_uuid", "TEXT"),
+)
 
 
 def _rekey_file(db: sqlite3.Connection) -> None:
@@ -179,9 +182,10 @@ def _rekey_file(db: sqlite3.Connection) -> None:
     if "fs_uuid" in have:
         return
     db.execute("ALTER TABLE file RENAME TO file_v1")
-    db.executescript(SCHEMA)            # creates the new file table
-    db.execute("INSERT INTO file (analysis_id, ino, path) SELECT analysis_id, ino, path "
-               "FROM file_v1")
+    db.executescript(SCHEMA)  # creates the new file table
+    db.execute(
+        "INSERT INTO file (analysis_id, ino, path) SELECT analysis_id, ino, path FROM file_v1"
+    )
     db.execute("DROP TABLE file_v1")
 
 
@@ -207,12 +211,21 @@ def connect(path: Path) -> sqlite3.Connection:
 
 # The ksm_sample columns after run_id and t, in table order: the KSM counters
 # each sample records (a counter the host kernel lacks is NULL).
-KSM_SAMPLE_KEYS = ("full_scans", "pages_shared", "pages_sharing", "pages_unshared",
-                   "pages_volatile", "ksm_zero_pages", "pages_scanned", "general_profit")
+KSM_SAMPLE_KEYS = (
+    "full_scans",
+    "pages_shared",
+    "pages_sharing",
+    "pages_unshared",
+    "pages_volatile",
+    "ksm_zero_pages",
+    "pages_scanned",
+    "general_profit",
+)
 
 
 class GuestPage(NamedTuple):
     """A guest_page row without its run_id: one KSM-merged frame of a VM."""
+
     vm: str
     gpfn: int
     host_pfn: int | None
@@ -229,6 +242,7 @@ class GuestPage(NamedTuple):
 
 class ListedBlock(NamedTuple):
     """A listed_block row without its analysis_id: one block of the list written."""
+
     sector: int
     sha256: str
     ino: int | None
@@ -239,8 +253,9 @@ class ListedBlock(NamedTuple):
     fs_uuid: str | None
 
 
-def record_image(db: sqlite3.Connection, path: Path, fmt: str, vsize: int, content: str,
-                 info: ImageInfo) -> int:
+def record_image(
+    db: sqlite3.Connection, path: Path, fmt: str, vsize: int, content: str, info: ImageInfo
+) -> int:
     """The image's id: the same bytes are one row wherever the file is (the
     row keeps the latest path)."""
     db.execute(
@@ -248,39 +263,96 @@ def record_image(db: sqlite3.Connection, path: Path, fmt: str, vsize: int, conte
         "kernel_version, root_partition, root_start_sector, root_uuid, block_size) "
         "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (content_sha256, virtual_size) "
         "DO UPDATE SET path=excluded.path",
-        (str(path.resolve()), fmt, vsize, content, info.distro, info.product,
-         info.kernel_version, info.root_partition, info.root_start_sector, info.root_uuid,
-         info.block_size))
-    row = db.execute("SELECT id FROM image WHERE content_sha256=? AND virtual_size=?",
-                     (content, vsize)).fetchone()
+        (
+            str(path.resolve()),
+            fmt,
+            vsize,
+            content,
+            info.distro,
+            info.product,
+            info.kernel_version,
+            info.root_partition,
+            info.root_start_sector,
+            info.root_uuid,
+            info.block_size,
+        ),
+    )
+    row = db.execute(
+        "SELECT id FROM image WHERE content_sha256=? AND virtual_size=?", (content, vsize)
+    ).fetchone()
     return int(row[0])
 
 
-def start_analysis(db: sqlite3.Connection, image_id: int, *, started_at: str,
-                   tool_version: str, host_kernel: str, qemu_version: str,
-                   crash_version: str | None, accel: str, accel_reason: str, ram_mib: int,
-                   runs: int, min_runs: int, workload: str, settle_s: float,
-                   introspector: str) -> int:
+def start_analysis(
+    db: sqlite3.Connection,
+    image_id: int,
+    *,
+    started_at: str,
+    tool_version: str,
+    host_kernel: str,
+    qemu_version: str,
+    crash_version: str | None,
+    accel: str,
+    accel_reason: str,
+    ram_mib: int,
+    runs: int,
+    min_runs: int,
+    workload: str,
+    settle_s: float,
+    introspector: str,
+) -> int:
     """A new analysis row, status running (until finish_ or fail_analysis); its id."""
     cur = db.execute(
         "INSERT INTO analysis (image_id, started_at, status, tool_version, host_kernel, "
         "qemu_version, crash_version, accel, accel_reason, ram_mib, runs, min_runs, "
         "workload, settle_s, introspector) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-        (image_id, started_at, "running", tool_version, host_kernel, qemu_version,
-         crash_version, accel, accel_reason, ram_mib, runs, min_runs, workload, settle_s,
-         introspector))
+        (
+            image_id,
+            started_at,
+            "running",
+            tool_version,
+            host_kernel,
+            qemu_version,
+            crash_version,
+            accel,
+            accel_reason,
+            ram_mib,
+            runs,
+            min_runs,
+            workload,
+            settle_s,
+            introspector,
+        ),
+    )
     return int(cur.lastrowid or 0)
 
 
-def record_filesystems(db: sqlite3.Connection, analysis_id: int,
-                       mapped: Iterable[MappedFs], skipped: Iterable[SkippedFs]) -> None:
+def record_filesystems(
+    db: sqlite3.Connection,
+    analysis_id: int,
+    mapped: Iterable[MappedFs],
+    skipped: Iterable[SkippedFs],
+) -> None:
     """Every file system of the image: the mapped ones (UUID as the page cache
     names it), and the skipped ones with why."""
     rows: list[tuple[Any, ...]] = [
-        (analysis_id, f.mountpoint, f.device, f.fstype, norm_uuid(f.uuid), f.start_sector,
-         f.block_size, 1, None) for f in mapped]
-    rows += [(analysis_id, f.mountpoint, f.device, f.fstype, None, None, None, 0, f.reason)
-             for f in skipped]
+        (
+            analysis_id,
+            f.mountpoint,
+            f.device,
+            f.fstype,
+            norm_uuid(f.uuid),
+            f.start_sector,
+            f.block_size,
+            1,
+            None,
+        )
+        for f in mapped
+    ]
+    rows += [
+        (analysis_id, f.mountpoint, f.device, f.fstype, None, None, None, 0, f.reason)
+        for f in skipped
+    ]
     db.executemany("INSERT INTO filesystem VALUES (?,?,?,?,?,?,?,?,?)", rows)
 
 
@@ -289,28 +361,36 @@ def set_introspector(db: sqlite3.Connection, analysis_id: int, introspector: str
     db.execute("UPDATE analysis SET introspector=? WHERE id=?", (introspector, analysis_id))
 
 
-def record_list(db: sqlite3.Connection, analysis_id: int, list_path: Path,
-                listed_blocks: int) -> None:
+def record_list(
+    db: sqlite3.Connection, analysis_id: int, list_path: Path, listed_blocks: int
+) -> None:
     """The list the analysis wrote; the guest kernel's build-id is the first run's."""
-    db.execute("UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
-               "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
-               (analysis_id, str(list_path.resolve()), listed_blocks, analysis_id))
+    db.execute(
+        "UPDATE analysis SET vmlinux_build_id=(SELECT guest_build_id FROM run WHERE "
+        "analysis_id=? LIMIT 1), list_path=?, listed_blocks=? WHERE id=?",
+        (analysis_id, str(list_path.resolve()), listed_blocks, analysis_id),
+    )
 
 
-def finish_analysis(db: sqlite3.Connection, analysis_id: int, finished_at: str,
-                    phases: Mapping[str, float]) -> None:
+def finish_analysis(
+    db: sqlite3.Connection, analysis_id: int, finished_at: str, phases: Mapping[str, float]
+) -> None:
     """Status ok, and the seconds each phase took (summed over the runs)."""
-    db.execute("UPDATE analysis SET status='ok', finished_at=? WHERE id=?",
-               (finished_at, analysis_id))
-    db.executemany("INSERT OR REPLACE INTO phase VALUES (?,?,?)",
-                   [(analysis_id, k, v) for k, v in phases.items()])
+    db.execute(
+        "UPDATE analysis SET status='ok', finished_at=? WHERE id=?", (finished_at, analysis_id)
+    )
+    db.executemany(
+        "INSERT OR REPLACE INTO phase VALUES (?,?,?)",
+        [(analysis_id, k, v) for k, v in phases.items()],
+    )
 
 
-def fail_analysis(db: sqlite3.Connection, analysis_id: int, finished_at: str,
-                  error: str) -> None:
+def fail_analysis(db: sqlite3.Connection, analysis_id: int, finished_at: str, error: str) -> None:
     """Status failed, with the error (cut to 2000 characters)."""
-    db.execute("UPDATE analysis SET status='failed', finished_at=?, error=? WHERE id=?",
-               (finished_at, error[:2000], analysis_id))
+    db.execute(
+        "UPDATE analysis SET status='failed', finished_at=?, error=? WHERE id=?",
+        (finished_at, error[:2000], analysis_id),
+    )
 
 
 def start_run(db: sqlite3.Connection, analysis_id: int, seq: int) -> int:
@@ -319,53 +399,75 @@ def start_run(db: sqlite3.Connection, analysis_id: int, seq: int) -> int:
     return int(cur.lastrowid or 0)
 
 
-def record_ksm_run(db: sqlite3.Connection, run_id: int, conv: Convergence,
-                   params: Mapping[str, str]) -> None:
+def record_ksm_run(
+    db: sqlite3.Connection, run_id: int, conv: Convergence, params: Mapping[str, str]
+) -> None:
     """How KSM converged in the run, and the settings the analyzer gave it."""
-    db.execute("UPDATE run SET ksm_converged=?, ksm_seconds=?, ksm_full_scans=?, "
-               "ksm_params_json=? WHERE id=?",
-               (int(conv.converged), conv.seconds, conv.full_scans, json.dumps(params),
-                run_id))
+    db.execute(
+        "UPDATE run SET ksm_converged=?, ksm_seconds=?, ksm_full_scans=?, "
+        "ksm_params_json=? WHERE id=?",
+        (int(conv.converged), conv.seconds, conv.full_scans, json.dumps(params), run_id),
+    )
 
 
-def record_guest_kernel(db: sqlite3.Connection, run_id: int, osrelease: str,
-                        build_id: str) -> None:
+def record_guest_kernel(db: sqlite3.Connection, run_id: int, osrelease: str, build_id: str) -> None:
     """The guest kernel as the run's dump names it (VMCOREINFO)."""
-    db.execute("UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?",
-               (osrelease, build_id, run_id))
+    db.execute(
+        "UPDATE run SET guest_kernel=?, guest_build_id=? WHERE id=?", (osrelease, build_id, run_id)
+    )
 
 
-def record_vm(db: sqlite3.Connection, run_id: int, vm: str, pid: int, boot_seconds: float,
-              merged: MergeClass) -> None:
+def record_vm(
+    db: sqlite3.Connection, run_id: int, vm: str, pid: int, boot_seconds: float, merged: MergeClass
+) -> None:
     """One guest of a run: its QEMU, its boot time and how much of it KSM merged."""
-    db.execute("INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
-               (run_id, vm, pid, boot_seconds, merged.present, len(merged.cross),
-                len(merged.intra), len(merged.zero)))
+    db.execute(
+        "INSERT INTO vm VALUES (?,?,?,?,?,?,?,?)",
+        (
+            run_id,
+            vm,
+            pid,
+            boot_seconds,
+            merged.present,
+            len(merged.cross),
+            len(merged.intra),
+            len(merged.zero),
+        ),
+    )
 
 
 def record_ksm_samples(db: sqlite3.Connection, run_id: int, samples: Iterable[Sample]) -> None:
     """The run's KSM counter samples, t rounded to the millisecond (the key)."""
     for s in samples:
-        db.execute("INSERT OR REPLACE INTO ksm_sample VALUES (?,?,?,?,?,?,?,?,?,?)",
-                   (run_id, round(s.t, 3), *(s.values.get(k) for k in KSM_SAMPLE_KEYS)))
+        db.execute(
+            "INSERT OR REPLACE INTO ksm_sample VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (run_id, round(s.t, 3), *(s.values.get(k) for k in KSM_SAMPLE_KEYS)),
+        )
 
 
 def record_guest_pages(db: sqlite3.Connection, run_id: int, pages: Iterable[GuestPage]) -> None:
-    db.executemany("INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                   [(run_id, *p) for p in pages])
+    db.executemany(
+        "INSERT INTO guest_page VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", [(run_id, *p) for p in pages]
+    )
 
 
-def record_files(db: sqlite3.Connection, analysis_id: int,
-                 paths: Iterable[tuple[str, int, str | None]]) -> None:
+def record_files(
+    db: sqlite3.Connection, analysis_id: int, paths: Iterable[tuple[str, int, str | None]]
+) -> None:
     """(fs_uuid, inode, guest path or None) of each file with listed blocks."""
-    db.executemany("INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) "
-                   "VALUES (?,?,?,?)", [(analysis_id, *p) for p in paths])
+    db.executemany(
+        "INSERT OR REPLACE INTO file (analysis_id, fs_uuid, ino, path) VALUES (?,?,?,?)",
+        [(analysis_id, *p) for p in paths],
+    )
 
 
-def record_listed_blocks(db: sqlite3.Connection, analysis_id: int,
-                         blocks: Iterable[ListedBlock]) -> None:
-    db.executemany("INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
-                   [(analysis_id, *b) for b in blocks])
+def record_listed_blocks(
+    db: sqlite3.Connection, analysis_id: int, blocks: Iterable[ListedBlock]
+) -> None:
+    db.executemany(
+        "INSERT OR REPLACE INTO listed_block VALUES (?,?,?,?,?,?,?,?,?)",
+        [(analysis_id, *b) for b in blocks],
+    )
 
 
 # Recording a refinement (`pageshare list refine`, refine.py).
@@ -373,6 +475,7 @@ def record_listed_blocks(db: sqlite3.Connection, analysis_id: int,
 
 class RefinedBlock(NamedTuple):
     """A refined_block row without its refinement_id."""
+
     sector: int
     action: str
     reason: str
@@ -382,29 +485,68 @@ class RefinedBlock(NamedTuple):
     sha256: str | None
 
 
-def start_refinement(db: sqlite3.Connection, image_id: int, *, started_at: str,
-                     tool_version: str, parent_path: str, parent_digest: str,
-                     parent_generation: int, parent_revision: int | None, parent_blocks: int,
-                     min_guests: int, min_hosts: int, drop_unread: bool,
-                     window_s: float | None, window_start: float | None) -> int:
+def start_refinement(
+    db: sqlite3.Connection,
+    image_id: int,
+    *,
+    started_at: str,
+    tool_version: str,
+    parent_path: str,
+    parent_digest: str,
+    parent_generation: int,
+    parent_revision: int | None,
+    parent_blocks: int,
+    min_guests: int,
+    min_hosts: int,
+    drop_unread: bool,
+    window_s: float | None,
+    window_start: float | None,
+) -> int:
     """A new refinement row, status running (until finish_ or fail_refinement); its id."""
     cur = db.execute(
         "INSERT INTO refinement (image_id, started_at, status, tool_version, parent_path, "
         "parent_digest, parent_generation, parent_revision, parent_blocks, min_guests, "
         "min_hosts, drop_unread, window_s, window_start) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-        (image_id, started_at, "running", tool_version, parent_path, parent_digest,
-         parent_generation, parent_revision, parent_blocks, min_guests, min_hosts,
-         int(drop_unread), window_s, window_start))
+        (
+            image_id,
+            started_at,
+            "running",
+            tool_version,
+            parent_path,
+            parent_digest,
+            parent_generation,
+            parent_revision,
+            parent_blocks,
+            min_guests,
+            min_hosts,
+            int(drop_unread),
+            window_s,
+            window_start,
+        ),
+    )
     return int(cur.lastrowid or 0)
 
 
-def finish_refinement(db: sqlite3.Connection, refinement_id: int, *, finished_at: str,
-                      hosts: list[dict[str, Any]], failures: list[dict[str, str]],
-                      reported_unlisted: int, reported_listed: int, guest_reads_listed: int,
-                      guest_reads_unlisted: int, rejected: Mapping[str, int],
-                      dropped: Mapping[str, int], drop_refused: str | None, generation: int,
-                      list_path: Path, list_digest: str, listed_blocks: int,
-                      blocks: Iterable[RefinedBlock]) -> None:
+def finish_refinement(
+    db: sqlite3.Connection,
+    refinement_id: int,
+    *,
+    finished_at: str,
+    hosts: list[dict[str, Any]],
+    failures: list[dict[str, str]],
+    reported_unlisted: int,
+    reported_listed: int,
+    guest_reads_listed: int,
+    guest_reads_unlisted: int,
+    rejected: Mapping[str, int],
+    dropped: Mapping[str, int],
+    drop_refused: str | None,
+    generation: int,
+    list_path: Path,
+    list_digest: str,
+    listed_blocks: int,
+    blocks: Iterable[RefinedBlock],
+) -> None:
     """What the refinement read and wrote, and each block it added or dropped."""
     rows = list(blocks)
     db.execute(
@@ -413,17 +555,37 @@ def finish_refinement(db: sqlite3.Connection, refinement_id: int, *, finished_at
         "reported_listed=?, guest_reads_listed=?, guest_reads_unlisted=?, added=?, dropped=?, "
         "rejected_json=?, dropped_json=?, generation=?, list_path=?, list_digest=?, "
         "listed_blocks=? WHERE id=?",
-        (finished_at, drop_refused, len(hosts), json.dumps(hosts), len(failures),
-         json.dumps(failures), reported_unlisted, reported_listed, guest_reads_listed,
-         guest_reads_unlisted, sum(1 for r in rows if r.action == "added"),
-         sum(1 for r in rows if r.action == "dropped"), json.dumps(dict(rejected)),
-         json.dumps(dict(dropped)), generation, str(list_path.resolve()), list_digest,
-         listed_blocks, refinement_id))
-    db.executemany("INSERT INTO refined_block VALUES (?,?,?,?,?,?,?,?)",
-                   [(refinement_id, *r) for r in rows])
+        (
+            finished_at,
+            drop_refused,
+            len(hosts),
+            json.dumps(hosts),
+            len(failures),
+            json.dumps(failures),
+            reported_unlisted,
+            reported_listed,
+            guest_reads_listed,
+            guest_reads_unlisted,
+            sum(1 for r in rows if r.action == "added"),
+            sum(1 for r in rows if r.action == "dropped"),
+            json.dumps(dict(rejected)),
+            json.dumps(dict(dropped)),
+            generation,
+            str(list_path.resolve()),
+            list_digest,
+            listed_blocks,
+            refinement_id,
+        ),
+    )
+    db.executemany(
+        "INSERT INTO refined_block VALUES (?,?,?,?,?,?,?,?)", [(refinement_id, *r) for r in rows]
+    )
 
 
-def fail_refinement(db: sqlite3.Connection, refinement_id: int, finished_at: str,
-                    error: str) -> None:
-    db.execute("UPDATE refinement SET finished_at=?, status='failed', error=? WHERE id=?",
-               (finished_at, error, refinement_id))
+def fail_refinement(
+    db: sqlite3.Connection, refinement_id: int, finished_at: str, error: str
+) -> None:
+    db.execute(
+        "UPDATE refinement SET finished_at=?, status='failed', error=? WHERE id=?",
+        (finished_at, error, refinement_id),
+    )

@@ -44,8 +44,9 @@ def qemu_version() -> str:
 def require_qemu() -> None:
     for tool in (QEMU, "qemu-img"):
         if not shutil.which(tool):
-            raise UserError(f"{tool} not found",
-                            "run scripts/install-deps.sh (apt: qemu-system-x86 qemu-utils)")
+            raise UserError(
+                f"{tool} not found", "run scripts/install-deps.sh (apt: qemu-system-x86 qemu-utils)"
+            )
 
 
 @dataclass
@@ -67,11 +68,34 @@ def probe_kvm(kernel: Path, timeout: float = 20.0) -> tuple[bool, str]:
         return False, "/dev/kvm is not accessible"
     with tempfile.TemporaryDirectory(prefix="pageshare-kvmprobe-") as d:
         log = Path(d) / "serial.log"
-        cmd = [QEMU, "-accel", "kvm", "-machine", "q35", "-cpu", "host", "-m", "256",
-               "-nodefaults", "-display", "none", "-no-reboot", "-serial", f"file:{log}",
-               "-kernel", str(kernel), "-append", "console=ttyS0 panic=-1 root=/dev/nonexistent"]
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             preexec_fn=_child_setup, start_new_session=True)
+        cmd = [
+            QEMU,
+            "-accel",
+            "kvm",
+            "-machine",
+            "q35",
+            "-cpu",
+            "host",
+            "-m",
+            "256",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            f"file:{log}",
+            "-kernel",
+            str(kernel),
+            "-append",
+            "console=ttyS0 panic=-1 root=/dev/nonexistent",
+        ]
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_child_setup,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         ok = False
         while time.monotonic() < deadline and p.poll() is None:
@@ -132,17 +156,38 @@ class Guest:
     def command(self) -> list[str]:
         cpu = "host" if self.accel == "kvm" else "max,la57=off"  # la57 off: one variable less
         cmd = [
-            QEMU, "-name", self.name,
-            "-machine", f"q35,accel={self.accel},memory-backend=pc.ram",
+            QEMU,
+            "-name",
+            self.name,
+            "-machine",
+            f"q35,accel={self.accel},memory-backend=pc.ram",
             # Private anonymous RAM: KSM ignores shared (memfd) and hugetlb mappings.
-            "-object", f"memory-backend-ram,id=pc.ram,size={self.ram_mib}M,merge=on",
-            "-m", f"{self.ram_mib}M", "-smp", "1", "-cpu", cpu,
-            "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-            "-serial", f"file:{self.serial_log}",
-            "-device", "vmcoreinfo",
-            "-drive", f"file={self.overlay},format=qcow2,if=virtio,cache=unsafe,discard=ignore",
-            "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
-            "-kernel", str(self.boot.kernel), "-append", self.boot.cmdline,
+            "-object",
+            f"memory-backend-ram,id=pc.ram,size={self.ram_mib}M,merge=on",
+            "-m",
+            f"{self.ram_mib}M",
+            "-smp",
+            "1",
+            "-cpu",
+            cpu,
+            "-nodefaults",
+            "-display",
+            "none",
+            "-vga",
+            "none",
+            "-no-reboot",
+            "-serial",
+            f"file:{self.serial_log}",
+            "-device",
+            "vmcoreinfo",
+            "-drive",
+            f"file={self.overlay},format=qcow2,if=virtio,cache=unsafe,discard=ignore",
+            "-qmp",
+            f"unix:{self.qmp_path},server=on,wait=off",
+            "-kernel",
+            str(self.boot.kernel),
+            "-append",
+            self.boot.cmdline,
         ]
         if self.boot.initrd:
             cmd += ["-initrd", str(self.boot.initrd)]
@@ -151,13 +196,31 @@ class Guest:
         return cmd
 
     def start(self) -> None:
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(self.base.resolve()),
-                        "-F", self.base_format, str(self.overlay)], check=True)
+        subprocess.run(
+            [
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(self.base.resolve()),
+                "-F",
+                self.base_format,
+                str(self.overlay),
+            ],
+            check=True,
+        )
         self.serial_log.write_bytes(b"")
         stderr = open(self.workdir / f"{self.name}.qemu.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                     stdout=stderr, stderr=stderr,
-                                     preexec_fn=_child_setup, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=stderr,
+            stderr=stderr,
+            preexec_fn=_child_setup,
+            start_new_session=True,
+        )
         stderr.close()
         try:
             self.qmp = QMP(self.qmp_path, timeout=30)
@@ -170,11 +233,13 @@ class Guest:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.workdir / f"{self.name}.qemu.log").read_text(errors="replace").strip()
             tail = "\n    ".join(self.serial_text().strip().splitlines()[-12:])
-            raise UserError(f"guest {self.name} stopped during the analysis (QEMU exit "
-                            f"{self.proc.returncode}{': ' + log[-300:] if log else ''}); last "
-                            f"serial lines:\n    {tail}",
-                            "the image must boot with its own kernel and initrd to multi-user; "
-                            "try it by hand with qemu-system-x86_64 -kernel/-initrd")
+            raise UserError(
+                f"guest {self.name} stopped during the analysis (QEMU exit "
+                f"{self.proc.returncode}{': ' + log[-300:] if log else ''}); last "
+                f"serial lines:\n    {tail}",
+                "the image must boot with its own kernel and initrd to multi-user; "
+                "try it by hand with qemu-system-x86_64 -kernel/-initrd",
+            )
 
     def serial_text(self) -> str:
         try:
@@ -189,8 +254,13 @@ class Guest:
     def dump(self, path: Path, timeout: float = 600) -> None:
         """ELF dump of guest-physical memory (paging=false: what crash needs)."""
         assert self.qmp
-        self.qmp.command("dump-guest-memory", timeout=timeout, paging=False,
-                         protocol=f"file:{path}", format="elf")
+        self.qmp.command(
+            "dump-guest-memory",
+            timeout=timeout,
+            paging=False,
+            protocol=f"file:{path}",
+            format="elf",
+        )
 
     def shutdown(self) -> None:
         """Kills QEMU and removes its overlay and sockets; safe to call twice."""

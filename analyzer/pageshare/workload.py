@@ -21,7 +21,7 @@ FW_CFG_PATH = f"/sys/firmware/qemu_fw_cfg/by_name/{FW_CFG_NAME}/raw"
 
 @dataclass(frozen=True)
 class Workload:
-    command: str = ""        # shell command run as root after boot; "" = boot only
+    command: str = ""  # shell command run as root after boot; "" = boot only
     timeout: float = 600.0
 
     def describe(self) -> str:
@@ -66,14 +66,21 @@ def kernel_cmdline(root_uuid: str, rootflags: str = "") -> str:
     passes them: subvol=@rootfs for a btrfs root in a subvolume (GRUB's
     10_linux adds rootflags=subvol=... from the root's mount)."""
     run = f"/usr/bin/systemd-run --no-block --unit=pageshare-workload /bin/sh {FW_CFG_PATH}"
-    return " ".join([
-        f"root=UUID={root_uuid}", *([f"rootflags={rootflags}"] if rootflags else []), "ro",
-        "console=ttyS0", "modules_load=qemu_fw_cfg",
-        # Keep the guest quiet and deterministic: no kernel messages racing
-        # with markers, and no reboot when the workload service ends.
-        "loglevel=4", f"systemd.run=\"{run}\"",
-        "systemd.run_success_action=none", "systemd.run_failure_action=none",
-    ])
+    return " ".join(
+        [
+            f"root=UUID={root_uuid}",
+            *([f"rootflags={rootflags}"] if rootflags else []),
+            "ro",
+            "console=ttyS0",
+            "modules_load=qemu_fw_cfg",
+            # Keep the guest quiet and deterministic: no kernel messages racing
+            # with markers, and no reboot when the workload service ends.
+            "loglevel=4",
+            f'systemd.run="{run}"',
+            "systemd.run_success_action=none",
+            "systemd.run_failure_action=none",
+        ]
+    )
 
 
 def write_script(workdir: Path, workload: Workload, markers: Markers) -> Path:

@@ -55,9 +55,11 @@ def parse_bmaps(output: str, agblocks: int) -> dict[int, list[Extent]]:
             continue
         m = _BMAP.match(line)
         if m and cur is not None and m.group(5) == "0":
-            res[cur].append(Extent(int(m.group(1)),
-                                   int(m.group(2)) * agblocks + int(m.group(3)),
-                                   int(m.group(4))))
+            res[cur].append(
+                Extent(
+                    int(m.group(1)), int(m.group(2)) * agblocks + int(m.group(3)), int(m.group(4))
+                )
+            )
     for exts in res.values():
         exts.sort(key=lambda e: e.logical)
     return res
@@ -69,8 +71,9 @@ def read_extents(image: Path, inodes: list[int]) -> dict[int, list[Extent]]:
     agblocks = ag_blocks(image)
     out: dict[int, list[Extent]] = {}
     for i in range(0, len(inodes), CHUNK):
-        cmds = [c for ino in inodes[i:i + CHUNK]
-                for c in (f"echo ino {ino}", f"inode {ino}", "bmap")]
+        cmds = [
+            c for ino in inodes[i : i + CHUNK] for c in (f"echo ino {ino}", f"inode {ino}", "bmap")
+        ]
         out.update(parse_bmaps(_xfs_db(image, cmds), agblocks))
     return out
 

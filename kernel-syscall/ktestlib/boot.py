@@ -59,25 +59,59 @@ class Result:
     output: list[str]
 
 
-def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int,
-         extra_append: str = "", mem: str = "2G",
-         show: Callable[[str], bool] | None = None) -> list[str]:
+def boot(
+    kdir: Path,
+    initramfs: Path,
+    runlog: Path,
+    timeout: int,
+    extra_append: str = "",
+    mem: str = "2G",
+    show: Callable[[str], bool] | None = None,
+) -> list[str]:
     """Boot the kernel with the initramfs under TCG; return its serial lines.
     Lines for which show() is true are echoed (default: KTEST- markers, TAP
     results and kernel reports)."""
-    append = ("console=ttyS0 panic=-1 loglevel=5 log_buf_len=8M numa=fake=2 "
-              "transparent_hugepage=madvise " + extra_append).strip()
-    cmd = ["qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", mem, "-smp", "2",
-           "-kernel", str(kdir / "bzImage"), "-initrd", str(initramfs),
-           "-append", append, "-nographic", "-no-reboot", "-monitor", "none"]
+    append = (
+        "console=ttyS0 panic=-1 loglevel=5 log_buf_len=8M numa=fake=2 "
+        "transparent_hugepage=madvise " + extra_append
+    ).strip()
+    cmd = [
+        "qemu-system-x86_64",
+        "-accel",
+        "tcg",
+        "-cpu",
+        "max",
+        "-m",
+        mem,
+        "-smp",
+        "2",
+        "-kernel",
+        str(kdir / "bzImage"),
+        "-initrd",
+        str(initramfs),
+        "-append",
+        append,
+        "-nographic",
+        "-no-reboot",
+        "-monitor",
+        "none",
+    ]
     log(f"booting: {shlex.join(cmd)}")
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     with open(runlog, "w") as lf:
-        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+        p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
         assert p.stdout is not None
         import selectors
+
         sel = selectors.DefaultSelector()
         sel.register(p.stdout, selectors.EVENT_READ)
         in_dmesg = False
@@ -107,9 +141,16 @@ def boot(kdir: Path, initramfs: Path, runlog: Path, timeout: int,
                 in_dmesg = True
             elif line.startswith("KTEST-DMESG-END"):
                 in_dmesg = False
-            elif not in_dmesg and (show(line) if show else (
-                    line.startswith("KTEST-") or re.match(r"^\s*(not )?ok \d+", line)
-                    or line.startswith("# Totals") or BAD_RE.search(line))):
+            elif not in_dmesg and (
+                show(line)
+                if show
+                else (
+                    line.startswith("KTEST-")
+                    or re.match(r"^\s*(not )?ok \d+", line)
+                    or line.startswith("# Totals")
+                    or BAD_RE.search(line)
+                )
+            ):
                 print(f"  | {line}", flush=True)
         if p.poll() is None:
             p.kill()

@@ -66,8 +66,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.shell:
         # A debugging aid: one shell command as the only "test".
         tests = [GuestTest("shell", ["/bin/sh", "-c", args.shell], 1800)]
-    missing = [t.name for t in guest_tests(args.config, args.bench)
-               if t.needs and t.needs not in built]
+    missing = [
+        t.name for t in guest_tests(args.config, args.bench) if t.needs and t.needs not in built
+    ]
     for m in missing:
         log(f"not built (source missing in this series): {m}")
 
@@ -105,8 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         directive = " # SKIP" if r.rc == 4 else ""
         if tap != "ok":
             failed += 1
-        print(f"{tap} {i} {r.name}{directive}"
-              + (f" (rc={r.rc})" if r.rc not in (0, 4) else ""))
+        print(f"{tap} {i} {r.name}{directive}" + (f" (rc={r.rc})" if r.rc not in (0, 4) else ""))
         if tap != "ok" or args.verbose:
             for line in r.output[-60:]:
                 print(f"#   {line}")
@@ -119,8 +119,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         for line in bad[:50]:
             print(f"#   {line}")
     if not done:
-        print("# the guest did not finish (crash, hang or timeout); see "
-              + str(rundir / "serial.log"))
+        print(
+            "# the guest did not finish (crash, hang or timeout); see " + str(rundir / "serial.log")
+        )
     if args.bench:
         table = extract_between(lines, "BENCH-TABLE-BEGIN", "BENCH-TABLE-END")
         if table:
@@ -128,9 +129,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("\n".join(table))
             log(f"benchmark table saved to {rundir / 'bench.md'}")
     status = 0 if (failed == 0 and not bad and done) else 1
-    log(f"{len(results) - failed}/{len(results)} tests passed, {len(bad)} kernel reports, "
+    log(
+        f"{len(results) - failed}/{len(results)} tests passed, {len(bad)} kernel reports, "
         f"guest {'finished' if done else 'DID NOT FINISH'}; VM {vm_secs:.0f} s, total "
-        f"{time.monotonic() - t_start:.0f} s; serial log {rundir / 'serial.log'}")
+        f"{time.monotonic() - t_start:.0f} s; serial log {rundir / 'serial.log'}"
+    )
     return status
 
 
@@ -166,8 +169,10 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
         print(f"not flagged: {x}")
     for x in good:
         print(f"flagged wrongly: {x}")
-    log(f"log scan: {len(SCAN_SAMPLES_BAD) - len(bad)}/{len(SCAN_SAMPLES_BAD)} reports flagged, "
-        f"{len(SCAN_SAMPLES_GOOD) - len(good)}/{len(SCAN_SAMPLES_GOOD)} benign lines passed")
+    log(
+        f"log scan: {len(SCAN_SAMPLES_BAD) - len(bad)}/{len(SCAN_SAMPLES_BAD)} reports flagged, "
+        f"{len(SCAN_SAMPLES_GOOD) - len(good)}/{len(SCAN_SAMPLES_GOOD)} benign lines passed"
+    )
     return 1 if bad or good else 0
 
 
@@ -191,8 +196,10 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
     # tree would touch files and make the next ordinary build recompile them.
     check_tree = src.repo.parent / "check-tree"
     if not check_tree.exists():
-        run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(check_tree), "base"],
-            cwd=src.repo)
+        run(
+            ["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(check_tree), "base"],
+            cwd=src.repo,
+        )
     src = Source(src.key, src.repo, check_tree)
     patches = series_files()
     commits = apply_series(src, patches)
@@ -207,13 +214,20 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
         for p in ([cover] if cover.exists() else []) + patches:
             # spdxcheck.py needs python3-ply and python3-git: the system python.
             env = {**os.environ, "PATH": "/usr/bin:" + os.environ.get("PATH", "")}
-            r = run([str(src.tree / "scripts/checkpatch.pl"), "--strict", str(p)],
-                    cwd=src.tree, capture=True, check=False, env=env)
+            r = run(
+                [str(src.tree / "scripts/checkpatch.pl"), "--strict", str(p)],
+                cwd=src.tree,
+                capture=True,
+                check=False,
+                env=env,
+            )
             summary = [ln for ln in r.stdout.splitlines() if ln.startswith("total:")]
             log(f"checkpatch --strict {p.name}: {summary[-1] if summary else r.stdout[-200:]}")
             if r.returncode != 0 and maintainers_hint_only(src, p, r.stdout):
-                log(f"  {p.name}: the only finding is the MAINTAINERS hint for a new file, "
-                    "and get_maintainer.pl already maps every new file: accepted")
+                log(
+                    f"  {p.name}: the only finding is the MAINTAINERS hint for a new file, "
+                    "and get_maintainer.pl already maps every new file: accepted"
+                )
             elif r.returncode != 0:
                 ok = False
                 print(r.stdout)
@@ -228,11 +242,16 @@ def check_series_locked(args: argparse.Namespace, root: Path, src: Source) -> in
             configure(src, build, args.config, logfile)
             make(src, build, "bzImage", logfile=logfile, extra=["W=1"] if args.w1 else [])
             shutil.copy2(build / "arch/x86/boot/bzImage", checkdir / f"bzImage-{p.name[:4]}")
-            warn = [ln for ln in logfile.read_text(errors="replace").splitlines()
-                    if re.search(r"(warning|error):", ln)
-                    and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)]
-            log(f"build after {p.name}: ok in {time.monotonic() - t0:.0f} s" +
-                (f", {len(warn)} warnings in our files" if warn else ""))
+            warn = [
+                ln
+                for ln in logfile.read_text(errors="replace").splitlines()
+                if re.search(r"(warning|error):", ln)
+                and re.search(r"mm/ksm\.c|mm/madvise\.c|sys_ni\.c", ln)
+            ]
+            log(
+                f"build after {p.name}: ok in {time.monotonic() - t0:.0f} s"
+                + (f", {len(warn)} warnings in our files" if warn else "")
+            )
         except KtestError as e:
             ok = False
             log(f"build after {p.name}: FAILED\n{e}")
@@ -250,8 +269,19 @@ def maintainers_hint_only(src: Source, patch: Path, out: str) -> bool:
     text = patch.read_text()
     added = re.findall(r"^diff --git a/\S+ b/(\S+)\nnew file mode", text, re.M)
     for f in added:
-        r = run([str(src.tree / "scripts/get_maintainer.pl"), "--nogit", "--nogit-fallback",
-                 "--norolestats", "-f", f], cwd=src.tree, capture=True, check=False)
+        r = run(
+            [
+                str(src.tree / "scripts/get_maintainer.pl"),
+                "--nogit",
+                "--nogit-fallback",
+                "--norolestats",
+                "-f",
+                f,
+            ],
+            cwd=src.tree,
+            capture=True,
+            check=False,
+        )
         if r.returncode != 0 or "@" not in r.stdout:
             return False
     return bool(added)
@@ -268,8 +298,10 @@ def cmd_devtree(args: argparse.Namespace) -> int:
     with src.locked():
         commits = apply_series(src, series_files())
     if not dev.exists():
-        run(["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]],
-            cwd=src.repo)
+        run(
+            ["git", *GIT_ID, "worktree", "add", "-q", "-B", "series", str(dev), commits[-1]],
+            cwd=src.repo,
+        )
     log(f"dev tree: {dev} (branch 'series' of {src.repo}; base is tag 'base')")
     return 0
 
@@ -286,10 +318,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         # object count, which would rewrite every index line on export.
         # The histogram diff: the default (Myers) showed patch 4's new
         # functions in mm/ksm.c as a rewrite of 200 lines of upstream code.
-        run(["git", *GIT_ID, "-c", f"user.name={AUTHOR[0]}", "-c", f"user.email={AUTHOR[1]}",
-             "-c", "core.abbrev=9", "format-patch", "-q", "--no-signature", "--zero-commit",
-             "--diff-algorithm=histogram",
-             "--cover-letter", "--base=base", "-o", td, "base..series"], cwd=dev)
+        run(
+            [
+                "git",
+                *GIT_ID,
+                "-c",
+                f"user.name={AUTHOR[0]}",
+                "-c",
+                f"user.email={AUTHOR[1]}",
+                "-c",
+                "core.abbrev=9",
+                "format-patch",
+                "-q",
+                "--no-signature",
+                "--zero-commit",
+                "--diff-algorithm=histogram",
+                "--cover-letter",
+                "--base=base",
+                "-o",
+                td,
+                "base..series",
+            ],
+            cwd=dev,
+        )
         for old in PATCHES.glob("*.patch"):
             old.unlink()
         for f in sorted(Path(td).glob("*.patch")):

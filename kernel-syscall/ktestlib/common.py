@@ -20,8 +20,16 @@ LIBDIR = HERE / "lib"
 UAPI = HERE / "include"
 REPO = HERE.parent
 
-GIT_ID = ["-c", "user.name=pageshare ktest", "-c", "user.email=ktest@pageshare.invalid",
-          "-c", "advice.detachedHead=false", "-c", "gc.auto=0"]
+GIT_ID = [
+    "-c",
+    "user.name=pageshare ktest",
+    "-c",
+    "user.email=ktest@pageshare.invalid",
+    "-c",
+    "advice.detachedHead=false",
+    "-c",
+    "gc.auto=0",
+]
 
 
 class KtestError(Exception):
@@ -36,9 +44,15 @@ def cache_root() -> Path:
     return cache.cache_dir("kernel")
 
 
-def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
-        capture: bool = False, check: bool = True,
-        logfile: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str],
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    capture: bool = False,
+    check: bool = True,
+    logfile: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run a command; with logfile, append its output there instead of the terminal."""
     if logfile is not None:
         with open(logfile, "a") as f:
@@ -46,8 +60,7 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None =
             f.flush()
             p = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     else:
-        p = subprocess.run(cmd, cwd=cwd, env=env, text=True,
-                           capture_output=capture)
+        p = subprocess.run(cmd, cwd=cwd, env=env, text=True, capture_output=capture)
     if check and p.returncode != 0:
         tail = ""
         if logfile is not None:

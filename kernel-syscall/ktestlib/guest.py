@@ -44,9 +44,9 @@ class GuestTest:
     argv: list[str]
     timeout: int
     configs: tuple[str, ...] = ("debug", "plain")
-    needs: str = ""          # binary that must have been built
-    pre: str = ""            # shell commands run before it (after the KSM reset)
-    payload: bool = False    # needs the filter payload (QEMU, server, image) in the initramfs
+    needs: str = ""  # binary that must have been built
+    pre: str = ""  # shell commands run before it (after the KSM reset)
+    payload: bool = False  # needs the filter payload (QEMU, server, image) in the initramfs
 
 
 NO_SMART_SCAN = "echo 0 > /sys/kernel/mm/ksm/smart_scan"
@@ -56,27 +56,40 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
     """The tests /init runs, in order."""
     t = [
         GuestTest("merge_page_tests", ["/tests/merge_page_tests"], 1800, needs="merge_page_tests"),
-        GuestTest("merge_page_stress", ["/tests/merge_page_stress", "-t", "60"], 600,
-                  needs="merge_page_stress"),
+        GuestTest(
+            "merge_page_stress",
+            ["/tests/merge_page_stress", "-t", "60"],
+            600,
+            needs="merge_page_stress",
+        ),
         GuestTest("ksm_functional_tests", ["/tests/ksm_functional_tests"], 900),
         GuestTest("ksm_tests -M -p 10", ["/tests/ksm_tests", "-M", "-p", "10"], 600),
         GuestTest("ksm_tests -U", ["/tests/ksm_tests", "-U"], 600),
-        GuestTest("ksm_tests -Z -p 10 -z 0",
-                  ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600),
-        GuestTest("ksm_tests -Z -p 10 -z 1",
-                  ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600),
+        GuestTest(
+            "ksm_tests -Z -p 10 -z 0", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "0"], 600
+        ),
+        GuestTest(
+            "ksm_tests -Z -p 10 -z 1", ["/tests/ksm_tests", "-Z", "-p", "10", "-z", "1"], 600
+        ),
         # With smart_scan on, these fail in about 6 of 10 runs on this TCG VM
         # even when nothing calls merge_page(): the two full scans they wait
         # for are not always enough once smart scan skips their pages.
-        GuestTest("ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600,
-                  pre=NO_SMART_SCAN),
-        GuestTest("ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600,
-                  pre=NO_SMART_SCAN),
+        GuestTest(
+            "ksm_tests -N -m 1", ["/tests/ksm_tests", "-N", "-m", "1"], 600, pre=NO_SMART_SCAN
+        ),
+        GuestTest(
+            "ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600, pre=NO_SMART_SCAN
+        ),
         GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
         # The patched QEMU's pageshare filter in merge mode with the real
         # pageshare-server: needs the payload (build_filter_payload()).
-        GuestTest(FILTER_TEST, ["/tests/pageshare_filter_test", PAYLOAD_DIR], 1800,
-                  needs="pageshare_filter_test", payload=True),
+        GuestTest(
+            FILTER_TEST,
+            ["/tests/pageshare_filter_test", PAYLOAD_DIR],
+            1800,
+            needs="pageshare_filter_test",
+            payload=True,
+        ),
     ]
     if bench:
         t = [GuestTest("merge_bench", ["/tests/merge_bench"], 1800, needs="merge_bench")]
@@ -87,8 +100,20 @@ def sampler_argv(out: Path) -> list[str]:
     """The one gcc command line of bench/e2e_vs_ksm.py's sampler
     (tests/e2e_sampler.c): static, for any initramfs; the booted-guest
     filter test runs it too (build_tests), and tests build it on this host."""
-    return ["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(LIBDIR), "-o",
-            str(out), str(GUEST / "e2e_sampler.c"), str(LIBDIR / "ksm_sysfs.c")]
+    return [
+        "gcc",
+        "-static",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-I",
+        str(LIBDIR),
+        "-o",
+        str(out),
+        str(GUEST / "e2e_sampler.c"),
+        str(LIBDIR / "ksm_sysfs.c"),
+    ]
 
 
 def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Path) -> list[str]:
@@ -96,16 +121,39 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
     checkout_tree(src, commit)
     mm = src.tree / "tools/testing/selftests/mm"
     hdr = kdir / "headers/include"
-    cflags = ["-static", "-O2", "-Wall", "-g", "-U_FORTIFY_SOURCE", "-I", str(src.tree),
-              "-isystem", str(hdr), "-isystem", str(src.tree / "tools/include/uapi"),
-              "-I", str(mm)]
+    cflags = [
+        "-static",
+        "-O2",
+        "-Wall",
+        "-g",
+        "-U_FORTIFY_SOURCE",
+        "-I",
+        str(src.tree),
+        "-isystem",
+        str(hdr),
+        "-isystem",
+        str(src.tree / "tools/include/uapi"),
+        "-I",
+        str(mm),
+    ]
     built = []
 
-    def cc(name: str, files: list[Path], libs: Sequence[str] = (),
-           extra: Sequence[str] = ()) -> None:
-        run(["gcc", *cflags, *extra, "-o", str(outdir / name), *map(str, files), *libs,
-             "-lpthread"],
-            logfile=logfile)
+    def cc(
+        name: str, files: list[Path], libs: Sequence[str] = (), extra: Sequence[str] = ()
+    ) -> None:
+        run(
+            [
+                "gcc",
+                *cflags,
+                *extra,
+                "-o",
+                str(outdir / name),
+                *map(str, files),
+                *libs,
+                "-lpthread",
+            ],
+            logfile=logfile,
+        )
         built.append(name)
 
     vm_util = [mm / "vm_util.c"]
@@ -123,8 +171,11 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
     if (GUEST / "merge_bench.c").exists():
         cc("merge_bench", [GUEST / "merge_bench.c", *lib], extra=inc)
     if (GUEST / "pageshare_filter_test.c").exists():
-        cc("pageshare_filter_test", [GUEST / "pageshare_filter_test.c", LIBDIR / "ksm_sysfs.c"],
-           extra=["-Werror", "-I", str(LIBDIR), "-I", str(REPO / "page-server/client")])
+        cc(
+            "pageshare_filter_test",
+            [GUEST / "pageshare_filter_test.c", LIBDIR / "ksm_sysfs.c"],
+            extra=["-Werror", "-I", str(LIBDIR), "-I", str(REPO / "page-server/client")],
+        )
     if (GUEST / "e2e_sampler.c").exists():
         # bench/e2e_vs_ksm.py's sampler (not a test; built with them)
         run(sampler_argv(outdir / "e2e_sampler"), logfile=logfile)
@@ -138,14 +189,20 @@ def build_tests(src: Source, commit: str, kdir: Path, outdir: Path, logfile: Pat
 def check_uapi_header(src: Source, commit: str) -> None:
     """The project's uapi header must start with the series' one, byte for byte."""
     ours = (UAPI / "uapi/linux/ksm.h").read_text()
-    r = run(["git", "show", f"{commit}:include/uapi/linux/ksm.h"], cwd=src.repo,
-            capture=True, check=False)
+    r = run(
+        ["git", "show", f"{commit}:include/uapi/linux/ksm.h"],
+        cwd=src.repo,
+        capture=True,
+        check=False,
+    )
     if r.returncode != 0:
         log("uapi check: the series has no include/uapi/linux/ksm.h yet")
         return
     if not ours.startswith(r.stdout):
-        raise KtestError("kernel-syscall/include/uapi/linux/ksm.h does not start with the "
-                         "series' include/uapi/linux/ksm.h; copy it over and keep the additions")
+        raise KtestError(
+            "kernel-syscall/include/uapi/linux/ksm.h does not start with the "
+            "series' include/uapi/linux/ksm.h; copy it over and keep the additions"
+        )
     log("uapi check: kernel-syscall/include/uapi/linux/ksm.h matches the series")
 
 
@@ -191,8 +248,9 @@ reboot -f
 """
 
 
-def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: Path,
-                    payload: Path | None = None) -> None:
+def build_initramfs(
+    busybox: Path, testdir: Path, tests: list[GuestTest], out: Path, payload: Path | None = None
+) -> None:
     with tempfile.TemporaryDirectory(prefix="ktest-initramfs-") as td:
         root = Path(td)
         for d in ("bin", "sbin", "proc", "sys", "dev", "tmp", "tests", "etc", "root", "mnt"):
@@ -200,8 +258,9 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         shutil.copy2(busybox, root / "bin/busybox")
         (root / "init").write_text(INIT)
         (root / "init").chmod(0o755)
-        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                         "nobody:x:65534:65534:nobody:/:/bin/sh\n")
+        (root / "etc/passwd").write_text(
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n"
+        )
         (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
         for f in testdir.iterdir():
             shutil.copy2(f, root / "tests" / f.name)
@@ -209,15 +268,26 @@ def build_initramfs(busybox: Path, testdir: Path, tests: list[GuestTest], out: P
         for i, t in enumerate(tests):
             # One script per test: the list stays one word per field.
             script = root / "tests" / f"run-{i}.sh"
-            script.write_text("#!/bin/sh\n" + (t.pre + "\n" if t.pre else "") +
-                              "exec " + shlex.join(t.argv) + "\n")
+            script.write_text(
+                "#!/bin/sh\n"
+                + (t.pre + "\n" if t.pre else "")
+                + "exec "
+                + shlex.join(t.argv)
+                + "\n"
+            )
             script.chmod(0o755)
             lines.append(f"{t.name.replace(' ', '+')} {t.timeout} /tests/run-{i}.sh")
         (root / "tests/list").write_text("\n".join(lines) + "\n")
-        files = subprocess.run(["find", ".", "-print0"], cwd=root, capture_output=True,
-                               check=True).stdout
-        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-                              cwd=root, input=files, capture_output=True, check=True).stdout
+        files = subprocess.run(
+            ["find", ".", "-print0"], cwd=root, capture_output=True, check=True
+        ).stdout
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+            cwd=root,
+            input=files,
+            capture_output=True,
+            check=True,
+        ).stdout
         data = subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
         # The kernel unpacks concatenated archives, so the big cached payload
         # is appended as it is.

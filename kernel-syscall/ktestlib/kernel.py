@@ -18,7 +18,7 @@ from .source import Source
 # images built the old way are not reused.
 BUILD_RECIPE = "3"
 # The configs that are not test kernels (config_fragments()).
-GUEST_CONFIG = "guest"           # config/guest.config: the booted guest's kernel
+GUEST_CONFIG = "guest"  # config/guest.config: the booted guest's kernel
 BENCH_GUEST_CONFIG = "guest-bench"  # + config/guest-bench.config: bench/e2e_vs_ksm.py's
 
 
@@ -50,8 +50,9 @@ def parse_fragment(path: Path) -> dict[str, str]:
 
 
 def tree_id(src: Source, commit: str) -> str:
-    return run(["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo,
-               capture=True).stdout.strip()
+    return run(
+        ["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo, capture=True
+    ).stdout.strip()
 
 
 def image_key(src: Source, commit: str, config: str) -> str:
@@ -66,18 +67,38 @@ def image_key(src: Source, commit: str, config: str) -> str:
     return h.hexdigest()[:16]
 
 
-def make(src: Source, build: Path, *targets: str, logfile: Path,
-         extra: list[str] | None = None) -> None:
-    cmd = [*nice_prefix(), "make", "-C", str(src.tree), f"O={build}", "ARCH=x86_64",
-           f"-j{jobs()}", *(extra or []), *targets]
+def make(
+    src: Source, build: Path, *targets: str, logfile: Path, extra: list[str] | None = None
+) -> None:
+    cmd = [
+        *nice_prefix(),
+        "make",
+        "-C",
+        str(src.tree),
+        f"O={build}",
+        "ARCH=x86_64",
+        f"-j{jobs()}",
+        *(extra or []),
+        *targets,
+    ]
     run(cmd, logfile=logfile)
 
 
 def configure(src: Source, build: Path, config: str, logfile: Path) -> None:
     frags = config_fragments(config)
     make(src, build, "tinyconfig", logfile=logfile)
-    run([str(src.tree / "scripts/kconfig/merge_config.sh"), "-m", "-O", str(build),
-         str(build / ".config"), *map(str, frags)], cwd=build, logfile=logfile)
+    run(
+        [
+            str(src.tree / "scripts/kconfig/merge_config.sh"),
+            "-m",
+            "-O",
+            str(build),
+            str(build / ".config"),
+            *map(str, frags),
+        ],
+        cwd=build,
+        logfile=logfile,
+    )
     make(src, build, "olddefconfig", logfile=logfile)
     have: dict[str, str] = {}
     for line in (build / ".config").read_text().splitlines():
@@ -91,8 +112,9 @@ def configure(src: Source, build: Path, config: str, logfile: Path) -> None:
             if got != v:
                 bad.append(f"{k}={v} (got {got}) from {f.name}")
     if bad:
-        raise KtestError("config options did not stick (missing dependency?):\n  "
-                         + "\n  ".join(bad))
+        raise KtestError(
+            "config options did not stick (missing dependency?):\n  " + "\n  ".join(bad)
+        )
 
 
 def build_kernel(src: Source, commit: str, config: str, outdir: Path, logfile: Path) -> float:
@@ -120,8 +142,10 @@ def ensure_kernel(src: Source, patches: list[Path], config: str) -> Path:
     meta = outdir / "meta.json"
     if meta.exists() and (outdir / "bzImage").exists():
         m = json.loads(meta.read_text())
-        log(f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s "
-            f"on {m['built_at']}); no rebuild")
+        log(
+            f"kernel {config}: cached {outdir} (built in {m['build_seconds']:.0f} s "
+            f"on {m['built_at']}); no rebuild"
+        )
         return outdir
     tmp = outdir.with_name(outdir.name + ".tmp")
     if tmp.exists():
@@ -130,10 +154,20 @@ def ensure_kernel(src: Source, patches: list[Path], config: str) -> Path:
     logfile = tmp / "build.log"
     log(f"kernel {config}: building {len(patches)} patches on {src.key} (log: {outdir}/build.log)")
     secs = build_kernel(src, commits[-1], config, tmp, logfile)
-    (tmp / "meta.json").write_text(json.dumps({
-        "build_seconds": secs, "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "source": src.key, "series": [p.name for p in patches], "commit": commits[-1],
-        "config": config, "jobs": jobs()}, indent=1))
+    (tmp / "meta.json").write_text(
+        json.dumps(
+            {
+                "build_seconds": secs,
+                "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "source": src.key,
+                "series": [p.name for p in patches],
+                "commit": commits[-1],
+                "config": config,
+                "jobs": jobs(),
+            },
+            indent=1,
+        )
+    )
     if outdir.exists():
         shutil.rmtree(outdir)
     tmp.rename(outdir)

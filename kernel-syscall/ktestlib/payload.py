@@ -28,8 +28,11 @@ PAYLOAD_RECIPE = "3"
 PAYLOAD_IMAGE_MIB = 8
 PAYLOAD_SEED = 20261121
 QEMU_BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-storage-daemon"]
-QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin",   # what -M pc -nodefaults loads
-                 "linuxboot_dma.bin"]              # and -kernel (the booted guest)
+QEMU_FIRMWARE = [
+    "bios-256k.bin",
+    "kvmvapic.bin",  # what -M pc -nodefaults loads
+    "linuxboot_dma.bin",
+]  # and -kernel (the booted guest)
 
 
 # The booted guest of the test (a guest kernel reading through the filter in
@@ -37,8 +40,8 @@ QEMU_FIRMWARE = ["bios-256k.bin", "kvmvapic.bin",   # what -M pc -nodefaults loa
 # Debian's generic kernel took over 7 minutes to boot nested) and an init that
 # reads the disk, checks what it read (again after the test migrated it to a
 # second QEMU), writes a block and reads it back.
-GUEST_READ_BLOCKS = 1024         # the listed part of the payload image (blocks 0-1023)
-GUEST_WRITE_BLOCK = 5            # a listed block the guest overwrites with zeros
+GUEST_READ_BLOCKS = 1024  # the listed part of the payload image (blocks 0-1023)
+GUEST_WRITE_BLOCK = 5  # a listed block the guest overwrites with zeros
 GUEST_INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
@@ -76,9 +79,11 @@ poweroff -f
 
 def build_guest_initramfs(root: Path, busybox: Path) -> Path:
     """The booted guest's initramfs: busybox and GUEST_INIT."""
-    init = (GUEST_INIT.replace("__HALF__", str(GUEST_READ_BLOCKS // 2))
-            .replace("__BLOCKS__", str(GUEST_READ_BLOCKS))
-            .replace("__WBLOCK__", str(GUEST_WRITE_BLOCK)))
+    init = (
+        GUEST_INIT.replace("__HALF__", str(GUEST_READ_BLOCKS // 2))
+        .replace("__BLOCKS__", str(GUEST_READ_BLOCKS))
+        .replace("__WBLOCK__", str(GUEST_WRITE_BLOCK))
+    )
     with tempfile.TemporaryDirectory(prefix="ktest-guest-") as td:
         top = Path(td)
         for d in ("bin", "dev", "proc", "sys"):
@@ -86,26 +91,35 @@ def build_guest_initramfs(root: Path, busybox: Path) -> Path:
         shutil.copy2(busybox, top / "bin/busybox")
         (top / "init").write_text(init)
         (top / "init").chmod(0o755)
-        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
-                               check=True).stdout
-        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet",
-                               "--owner=0:0"], cwd=top, input=files, capture_output=True,
-                              check=True).stdout
+        files = subprocess.run(
+            ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
+        ).stdout
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+            cwd=top,
+            input=files,
+            capture_output=True,
+            check=True,
+        ).stdout
         out = root / "guest-initramfs.cpio.gz"
-        out.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
-                                       check=True).stdout)
+        out.write_bytes(
+            subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+        )
     return out
 
 
 def build_patched_qemu() -> Path:
     """qemu-patches/build.py (cached there; a warm run takes well under a second)."""
     log("QEMU with the pageshare series: qemu-patches/build.py")
-    p = subprocess.run([sys.executable, str(REPO / "qemu-patches/build.py")],
-                       stdout=subprocess.PIPE, text=True)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "qemu-patches/build.py")], stdout=subprocess.PIPE, text=True
+    )
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
-        raise KtestError(f"qemu-patches/build.py failed ({p.returncode}); the "
-                         f"{FILTER_TEST} test needs the patched QEMU (see qemu-patches/README.md)")
+        raise KtestError(
+            f"qemu-patches/build.py failed ({p.returncode}); the "
+            f"{FILTER_TEST} test needs the patched QEMU (see qemu-patches/README.md)"
+        )
     out = Path(lines[-1])
     for b in QEMU_BINARIES:
         if not (out / "bin" / b).exists():
@@ -116,16 +130,26 @@ def build_patched_qemu() -> Path:
 def build_page_server() -> Path:
     """cargo build --release of page-server/, into the tests' target directory."""
     cargo = shutil.which("cargo") or next(
-        (str(c) for c in [Path.home() / ".cargo/bin/cargo"] if c.exists()), None)
+        (str(c) for c in [Path.home() / ".cargo/bin/cargo"] if c.exists()), None
+    )
     if cargo is None:
-        raise KtestError(f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
-                         "test needs pageshare-server")
+        raise KtestError(
+            f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
+            "test needs pageshare-server"
+        )
     target = cache.cache_root() / "cargo-target"
-    env = {**os.environ, "CARGO_TARGET_DIR": str(target),
-           "PATH": f"{Path(cargo).parent}:{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "CARGO_TARGET_DIR": str(target),
+        "PATH": f"{Path(cargo).parent}:{os.environ.get('PATH', '')}",
+    }
     log("pageshare-server: cargo build --release")
-    run([*nice_prefix(), cargo, "build", "--release", "--locked", "--quiet"],
-        cwd=REPO / "page-server", env=env, capture=True)
+    run(
+        [*nice_prefix(), cargo, "build", "--release", "--locked", "--quiet"],
+        cwd=REPO / "page-server",
+        env=env,
+        capture=True,
+    )
     return target / "release/pageshare-server"
 
 
@@ -149,9 +173,11 @@ def write_pcsl(image: bytes, blocks: list[int], name: str) -> str:
 
     sl = sectorlist.SectorList(
         image=sectorlist.ImageIdentity(len(image), hashlib.sha256(image).hexdigest(), name),
-        blocks={b * 8: sectorlist.block_hash(image[b * 4096:(b + 1) * 4096]) for b in blocks},
-        generator="ktest.py", created="2026-01-01T00:00:00Z",
-        criteria="every block < 1024 except each eighth (ktest payload)")
+        blocks={b * 8: sectorlist.block_hash(image[b * 4096 : (b + 1) * 4096]) for b in blocks},
+        generator="ktest.py",
+        created="2026-01-01T00:00:00Z",
+        criteria="every block < 1024 except each eighth (ktest payload)",
+    )
     return sectorlist.dumps(sl)
 
 
@@ -209,12 +235,12 @@ def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
         for lib in shared_libs(b):
             libs[lib] = lib.resolve()
     h = hashlib.sha256(
-        f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode())
+        f"recipe={PAYLOAD_RECIPE} mib={PAYLOAD_IMAGE_MIB} seed={PAYLOAD_SEED}\n".encode()
+    )
     h.update(SERVER_TOML.encode())
     h.update(STALL_SERVER_TOML.encode())
     h.update(GUEST_INIT.encode())
-    for f in [*bins, *(f for _, f in firmware), *sorted(libs.values()), busybox,
-              guest_kernel]:
+    for f in [*bins, *(f for _, f in firmware), *sorted(libs.values()), busybox, guest_kernel]:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     out = root / "payload" / f"filter-{h.hexdigest()[:16]}.cpio.gz"
@@ -243,25 +269,35 @@ def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
         initrd = build_guest_initramfs(top, busybox)
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         shutil.move(str(initrd), pd / "guest/initramfs.cpio.gz")
-        head = image[:GUEST_READ_BLOCKS * 4096]
+        head = image[: GUEST_READ_BLOCKS * 4096]
         (pd / "guest/expect").write_text(
             f"sha256 {hashlib.sha256(head).hexdigest()}\n"
-            f"zero {hashlib.sha256(bytes(4096)).hexdigest()}\n")
+            f"zero {hashlib.sha256(bytes(4096)).hexdigest()}\n"
+        )
         blocks = [b for b in range(min(1024, len(image) // 4096)) if b % 8 != 7]
         (pd / "base.pcsl").write_text(write_pcsl(image, blocks, "base.raw"))
         (pd / "base-kept.pcsl").write_text(write_pcsl(image, blocks[::4], "base.raw"))
         (pd / "server.toml").write_text(SERVER_TOML)
         (pd / "server-stall.toml").write_text(STALL_SERVER_TOML)
-        files = subprocess.run(["find", ".", "-print0"], cwd=top, capture_output=True,
-                               check=True).stdout
-        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-                              cwd=top, input=files, capture_output=True, check=True).stdout
+        files = subprocess.run(
+            ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
+        ).stdout
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+            cwd=top,
+            input=files,
+            capture_output=True,
+            check=True,
+        ).stdout
         tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(subprocess.run(["gzip", "-1"], input=cpio, capture_output=True,
-                                       check=True).stdout)
+        tmp.write_bytes(
+            subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+        )
         tmp.rename(out)
-    log(f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) "
-        f"in {time.monotonic() - t0:.0f} s")
+    log(
+        f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) "
+        f"in {time.monotonic() - t0:.0f} s"
+    )
     old = sorted(out.parent.glob("filter-*.cpio.gz"), key=lambda f: f.stat().st_mtime)[:-3]
     for f in old:
         f.unlink()

@@ -32,15 +32,24 @@ def apply_series(src: Source, patches: list[Path]) -> list[str]:
     data: dict[str, list[str]] = json.loads(memo.read_text()) if memo.exists() else {}
     key = series_hash(patches)
     commits = data.get(key)
-    if commits and all(run(["git", "cat-file", "-e", c + "^{commit}"], cwd=src.repo,
-                           check=False, capture=True).returncode == 0 for c in commits):
+    if commits and all(
+        run(
+            ["git", "cat-file", "-e", c + "^{commit}"], cwd=src.repo, check=False, capture=True
+        ).returncode
+        == 0
+        for c in commits
+    ):
         return commits
     run(["git", *GIT_ID, "am", "--abort"], cwd=src.repo, check=False, capture=True)
     run(["git", *GIT_ID, "checkout", "-q", "-f", "--detach", "base"], cwd=src.repo)
     commits = []
     for p in patches:
-        r = run(["git", *GIT_ID, "am", "-q", "--keep-cr", str(p)], cwd=src.repo,
-                check=False, capture=True)
+        r = run(
+            ["git", *GIT_ID, "am", "-q", "--keep-cr", str(p)],
+            cwd=src.repo,
+            check=False,
+            capture=True,
+        )
         if r.returncode != 0:
             run(["git", *GIT_ID, "am", "--abort"], cwd=src.repo, check=False, capture=True)
             raise KtestError(f"{p.name} does not apply:\n{r.stdout}{r.stderr}")

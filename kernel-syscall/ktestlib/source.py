@@ -59,8 +59,11 @@ def ensure_source_tarball(root: Path) -> tuple[Path, str]:
         return SRC_TARBALL, ver
     if apt_candidate(SRC_PACKAGE) and os.geteuid() == 0:
         log(f"installing {SRC_PACKAGE} with apt-get (the host's apt has it)")
-        run(["apt-get", "install", "-y", "-q", SRC_PACKAGE], capture=True,
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        run(
+            ["apt-get", "install", "-y", "-q", SRC_PACKAGE],
+            capture=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
         ver = host_package_version(SRC_PACKAGE)
         if ver and SRC_TARBALL.exists():
             return SRC_TARBALL, ver
@@ -94,8 +97,8 @@ def source_key(root: Path, tarball: Path, ver: str) -> str:
 @dataclass
 class Source:
     key: str
-    repo: Path      # git repository used for `git am` (its work tree is scratch)
-    tree: Path      # git worktree the kernel is built from (O= builds)
+    repo: Path  # git repository used for `git am` (its work tree is scratch)
+    tree: Path  # git worktree the kernel is built from (O= builds)
 
     @contextlib.contextmanager
     def locked(self):  # type: ignore[no-untyped-def]
@@ -131,8 +134,7 @@ def ensure_source(root: Path) -> Source:
         log("making the throwaway git repository (one commit, tag 'base')")
         run(["git", "init", "-q"], cwd=repo)
         run(["git", *GIT_ID, "add", "-A", "-f"], cwd=repo)
-        run(["git", *GIT_ID, "commit", "-q", "-m",
-             f"Linux {ver} (Debian {SRC_PACKAGE})"], cwd=repo)
+        run(["git", *GIT_ID, "commit", "-q", "-m", f"Linux {ver} (Debian {SRC_PACKAGE})"], cwd=repo)
         run(["git", "tag", "base"], cwd=repo)
         run(["git", *GIT_ID, "worktree", "add", "-q", "--detach", str(tree), "base"], cwd=repo)
         (base / ".ready").write_text(ver + "\n")

@@ -84,21 +84,31 @@ def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, obj
     release = str(package["release"])
     assert release.endswith("-pageshare-cloud-amd64"), release
     image = deb(package, "image")
-    fields = subprocess.run(["dpkg-deb", "-f", str(image), "Package", "Version", "Depends"],
-                            capture_output=True, text=True, check=True).stdout
+    fields = subprocess.run(
+        ["dpkg-deb", "-f", str(image), "Package", "Version", "Depends"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert f"Package: linux-image-{release}" in fields
     assert f"Version: {package['version']}" in fields and "+pageshare" in fields
-    listing = subprocess.run(["dpkg-deb", "-c", str(image)], capture_output=True, text=True,
-                             check=True).stdout
-    for path in (f"./boot/vmlinuz-{release}", f"./boot/config-{release}",
-                 f"/modules/{release}/kernel/drivers/block/virtio_blk.ko",
-                 f"/modules/{release}/kernel/fs/fat/vfat.ko"):
+    listing = subprocess.run(
+        ["dpkg-deb", "-c", str(image)], capture_output=True, text=True, check=True
+    ).stdout
+    for path in (
+        f"./boot/vmlinuz-{release}",
+        f"./boot/config-{release}",
+        f"/modules/{release}/kernel/drivers/block/virtio_blk.ko",
+        f"/modules/{release}/kernel/fs/fat/vfat.ko",
+    ):
         assert path in listing, path
-    modules = sum(1 for line in listing.splitlines() if line.endswith(".ko")
-                  or line.endswith(".ko.xz"))
+    modules = sum(
+        1 for line in listing.splitlines() if line.endswith(".ko") or line.endswith(".ko.xz")
+    )
     assert modules > 1000, f"{modules} modules: not Debian's full cloud configuration"
-    control = subprocess.run(["dpkg-deb", "-I", str(image)], capture_output=True, text=True,
-                             check=True).stdout
+    control = subprocess.run(
+        ["dpkg-deb", "-I", str(image)], capture_output=True, text=True, check=True
+    ).stdout
     assert "postinst" in control and "postrm" in control
 
 
@@ -117,27 +127,37 @@ def _test_binaries(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed_root(package: dict[str, object], tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[Path]:
+def installed_root(
+    package: dict[str, object], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("kpkg")
     rootdir = work / "root"
     image = deb(package, "image")
     # A fresh Debian 13 system, then the operator's `apt install ./<deb>` in it.
     proc = subprocess.run(
-        ["mmdebstrap", "--mode=root", "--variant=required",
-         "--include=systemd-sysv,udev,kmod,initramfs-tools",
-         f"--customize-hook=copy-in {image} /tmp",
-         f'--customize-hook=chroot "$1" apt-get install -y /tmp/{image.name}',
-         f'--customize-hook=rm "$1/tmp/{image.name}"',
-         "trixie", str(rootdir), *debian.sources(["trixie"])],
-        capture_output=True, text=True)
+        [
+            "mmdebstrap",
+            "--mode=root",
+            "--variant=required",
+            "--include=systemd-sysv,udev,kmod,initramfs-tools",
+            f"--customize-hook=copy-in {image} /tmp",
+            f'--customize-hook=chroot "$1" apt-get install -y /tmp/{image.name}',
+            f'--customize-hook=rm "$1/tmp/{image.name}"',
+            "trixie",
+            str(rootdir),
+            *debian.sources(["trixie"]),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     yield rootdir
     shutil.rmtree(rootdir, ignore_errors=True)
 
 
 def test_apt_installs_it_and_its_postinst_makes_the_initrd(
-        package: dict[str, object], installed_root: Path) -> None:
+    package: dict[str, object], installed_root: Path
+) -> None:
     release = str(package["release"])
     status = (installed_root / "var/lib/dpkg/status").read_text()
     block = next(b for b in status.split("\n\n") if f"Package: linux-image-{release}\n" in b)
@@ -150,8 +170,9 @@ def test_apt_installs_it_and_its_postinst_makes_the_initrd(
     assert "CONFIG_KSM=y" in config and 'CONFIG_LOCALVERSION="-pageshare-cloud-amd64"' in config
 
 
-def test_boots_and_runs_the_series_selftest(package: dict[str, object], installed_root: Path,
-                                            tmp_path: Path) -> None:
+def test_boots_and_runs_the_series_selftest(
+    package: dict[str, object], installed_root: Path, tmp_path: Path
+) -> None:
     release = str(package["release"])
     tests = installed_root / "usr/local/lib/pageshare-test"
     tests.mkdir(parents=True)
@@ -162,7 +183,8 @@ def test_boots_and_runs_the_series_selftest(package: dict[str, object], installe
     wants = installed_root / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     (wants / "pageshare-kpkg-check.service").symlink_to(
-        "/etc/systemd/system/pageshare-kpkg-check.service")
+        "/etc/systemd/system/pageshare-kpkg-check.service"
+    )
     # The report goes to ttyS0: no getty there, whose vhangup() would cut it off.
     (installed_root / "etc/systemd/system/serial-getty@ttyS0.service").symlink_to("/dev/null")
     (installed_root / "etc/fstab").write_text(f"UUID={ROOT_UUID}\t/\text4\tdefaults\t0\t1\n")
@@ -174,16 +196,47 @@ def test_boots_and_runs_the_series_selftest(package: dict[str, object], installe
     golden._make_ext4(installed_root, disk, 2 << 30, ROOT_UUID)
     serial = tmp_path / "serial.log"
     qemu = subprocess.Popen(
-        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
-         "-m", "2048", "-smp", "2", "-nodefaults", "-display", "none", "-no-reboot",
-         # two NUMA nodes, for the selftest's migration case
-         "-object", "memory-backend-ram,id=m0,size=1G", "-numa", "node,memdev=m0,cpus=0",
-         "-object", "memory-backend-ram,id=m1,size=1G", "-numa", "node,memdev=m1,cpus=1",
-         "-serial", f"file:{serial}", "-kernel", str(kernel), "-initrd", str(initrd),
-         "-append", f"console=ttyS0 root=UUID={ROOT_UUID} ro",
-         "-drive", f"file={disk},if=virtio,format=raw",
-         "-netdev", "user,id=n0", "-device", "virtio-net-pci,netdev=n0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "qemu-system-x86_64",
+            "-machine",
+            "q35,accel=tcg",
+            "-cpu",
+            "max,la57=off",
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+            # two NUMA nodes, for the selftest's migration case
+            "-object",
+            "memory-backend-ram,id=m0,size=1G",
+            "-numa",
+            "node,memdev=m0,cpus=0",
+            "-object",
+            "memory-backend-ram,id=m1,size=1G",
+            "-numa",
+            "node,memdev=m1,cpus=1",
+            "-serial",
+            f"file:{serial}",
+            "-kernel",
+            str(kernel),
+            "-initrd",
+            str(initrd),
+            "-append",
+            f"console=ttyS0 root=UUID={ROOT_UUID} ro",
+            "-drive",
+            f"file={disk},if=virtio,format=raw",
+            "-netdev",
+            "user,id=n0",
+            "-device",
+            "virtio-net-pci,netdev=n0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     log = ""
     try:
         deadline = time.monotonic() + 1500

@@ -67,8 +67,13 @@ def run(d: Path, gib: int, nblocks: int) -> dict[str, Any]:
     make_list(ident, listed, d / "flood.pcsl")
     rd = Redis(free_port(), d / "redis")
     rd.start()
-    s = Server(d / "server", [ImageSpec("flood", raw, d / "flood.pcsl", fmt="raw")], rd.url,
-               "bench", extra="[feedback]\ninterval_secs = 2")
+    s = Server(
+        d / "server",
+        [ImageSpec("flood", raw, d / "flood.pcsl", fmt="raw")],
+        rd.url,
+        "bench",
+        extra="[feedback]\ninterval_secs = 2",
+    )
     try:
         s.start()
         s.wait_generation("flood", 1, 900)
@@ -82,14 +87,20 @@ def run(d: Path, gib: int, nblocks: int) -> dict[str, Any]:
             for i in range(0, nblocks, psc.READS_MAX_ENTRIES):
                 end = min(i + psc.READS_MAX_ENTRIES, nblocks)
                 c.reads(m.generation, [(256 + b, 1) for b in range(i, end)])
-            wait_for(lambda: s.image("flood")["feedback"]["counters"]["accepted_blocks"]
-                     >= nblocks, 600, "the flood counted")
+            wait_for(
+                lambda: s.image("flood")["feedback"]["counters"]["accepted_blocks"] >= nblocks,
+                600,
+                "the flood counted",
+            )
             counted = time.monotonic() - t0
             fb = s.image("flood")["feedback"]
             rss1 = rss_bytes(s.proc.pid)
             t1 = time.time()
-            wait_for(lambda: s.image("flood")["feedback"]["publish"]["last_publish"] > t1, 60,
-                     "a publish")
+            wait_for(
+                lambda: s.image("flood")["feedback"]["publish"]["last_publish"] > t1,
+                60,
+                "a publish",
+            )
             t2 = time.monotonic()
             for _ in range(100):
                 s.status()
@@ -97,13 +108,17 @@ def run(d: Path, gib: int, nblocks: int) -> dict[str, Any]:
         key = f"pageshare:feedback:{ident.virtual_size}-{ident.content_sha256}:bench"
         stored = redis.Redis.from_url(rd.url).hget(key, "blocks")
         assert isinstance(stored, bytes)
-        return {"blocks_sent": nblocks, "seconds_to_count": round(counted, 2),
-                "blocks_kept": fb["blocks"], "blocks_evicted": fb["evicted_blocks"],
-                "tally_estimate_mib": round(fb["memory_bytes"] / (1 << 20), 1),
-                "rss_before_mib": round(rss0 / (1 << 20), 1),
-                "rss_after_mib": round(rss1 / (1 << 20), 1),
-                "published_blocks_mib": round(len(stored) / (1 << 20), 1),
-                "status_round_trip_ms": round(status_ms, 2)}
+        return {
+            "blocks_sent": nblocks,
+            "seconds_to_count": round(counted, 2),
+            "blocks_kept": fb["blocks"],
+            "blocks_evicted": fb["evicted_blocks"],
+            "tally_estimate_mib": round(fb["memory_bytes"] / (1 << 20), 1),
+            "rss_before_mib": round(rss0 / (1 << 20), 1),
+            "rss_after_mib": round(rss1 / (1 << 20), 1),
+            "published_blocks_mib": round(len(stored) / (1 << 20), 1),
+            "status_round_trip_ms": round(status_ms, 2),
+        }
     finally:
         s.stop(signal.SIGKILL)
         rd.stop(signal.SIGKILL)

@@ -65,8 +65,12 @@ def main() -> int:
     n = args.mib * 256
     blocks = nonzero_blocks(raw, n)
     ident = sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name)
-    res: dict[str, object] = {"image": str(image), "virtual_size": raw.stat().st_size,
-                              "blocks": len(blocks), "list_mib": len(blocks) * 4096 / 2**20}
+    res: dict[str, object] = {
+        "image": str(image),
+        "virtual_size": raw.stat().st_size,
+        "blocks": len(blocks),
+        "list_mib": len(blocks) * 4096 / 2**20,
+    }
     server_binary()
     with tempfile.TemporaryDirectory(prefix="bench-ps-") as td:
         d = Path(td)
@@ -91,8 +95,9 @@ def main() -> int:
         pid = s.proc.pid
         res["rss_mib"] = rss_bytes(pid) / 2**20
         anon = anon_bytes(pid)
-        res["anon_overhead_bytes_per_block"] = (anon - base_anon - 4096 * (len(blocks) - 1)) \
-            / len(blocks)
+        res["anon_overhead_bytes_per_block"] = (anon - base_anon - 4096 * (len(blocks) - 1)) / len(
+            blocks
+        )
         res["table_bytes"] = img["table_bytes"]
         res["table_bytes_per_block"] = int(str(img["table_bytes"])) / len(blocks)
         s.stop()
@@ -100,10 +105,22 @@ def main() -> int:
         res["warm_start_s"] = warm
         # C lookups against the live server.
         exe = d / "bench_lookup"
-        subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
-                        str(REPO / "page-server" / "client" / "bench_lookup.c")], check=True)
-        out = subprocess.run([str(exe), str(s.sock("demo"))], capture_output=True, text=True,
-                             check=True).stdout
+        subprocess.run(
+            [
+                "cc",
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-o",
+                str(exe),
+                str(REPO / "page-server" / "client" / "bench_lookup.c"),
+            ],
+            check=True,
+        )
+        out = subprocess.run(
+            [str(exe), str(s.sock("demo"))], capture_output=True, text=True, check=True
+        ).stdout
         res["lookup"] = json.loads(out)
         s.stop()
         # The same amount of blocks scattered (every 8th non-zero block):

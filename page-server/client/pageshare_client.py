@@ -52,8 +52,14 @@ MASK64 = (1 << 64) - 1
 FLAG_DEGRADED = 1
 NO_TABLE_REASONS = {1: "loading", 2: "no-list", 3: "refused", 4: "image-changed", 5: "shutdown"}
 # STATS offset 104: whether the client uses its table, and if not, why.
-PROOF_STATES = {0: "unknown", 1: "sharing", 2: "no-table", 3: "unchecked", 4: "unproven",
-                5: "base-changed"}
+PROOF_STATES = {
+    0: "unknown",
+    1: "sharing",
+    2: "no-table",
+    3: "unchecked",
+    4: "unproven",
+    5: "base-changed",
+}
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -85,8 +91,24 @@ class Table:
         if size < TABLE_HEADER.size:
             raise ProtocolError(f"table memfd is {size} bytes")
         m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        (magic, version, hsize, gen, vsize, sha, entries, buckets, bits, bsize, boff, pid, flags,
-         abase, alen, _r) = TABLE_HEADER.unpack_from(m, 0)
+        (
+            magic,
+            version,
+            hsize,
+            gen,
+            vsize,
+            sha,
+            entries,
+            buckets,
+            bits,
+            bsize,
+            boff,
+            pid,
+            flags,
+            abase,
+            alen,
+            _r,
+        ) = TABLE_HEADER.unpack_from(m, 0)
         if magic != TABLE_MAGIC or version != 1 or hsize != 128 or bsize != 4096 or boff != 128:
             raise ProtocolError(f"bad table header {magic!r} v{version}")
         if buckets != 1 << bits or not 4 <= bits <= 40 or entries * 2 > buckets:
@@ -226,8 +248,9 @@ class PageshareClient:
     def __enter__(self) -> PageshareClient:
         return self
 
-    def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -249,21 +272,52 @@ class PageshareClient:
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"TABLE message version {version}, not {TABLE_MSG_VERSION}")
-            (version, flags, gen, entries, _tbytes, vsize, sha, pid, fmt, published, proof, _r,
-             dev, ino, fsize, mtime_ns, ctime_ns) = TABLE_PAYLOAD.unpack_from(payload)
+            (
+                version,
+                flags,
+                gen,
+                entries,
+                _tbytes,
+                vsize,
+                sha,
+                pid,
+                fmt,
+                published,
+                proof,
+                _r,
+                dev,
+                ino,
+                fsize,
+                mtime_ns,
+                ctime_ns,
+            ) = TABLE_PAYLOAD.unpack_from(payload)
             self.fds += fds
             table = Table.from_fd(fds[0])
             if table.generation != gen or table.entries != entries:
                 raise ProtocolError("TABLE message and memfd header disagree")
             stamp = FileStamp(dev, ino, fsize, mtime_ns, ctime_ns) if proof & PROOF_FILE else None
-            return TableMsg(gen, entries, vsize, sha.hex(), pid, flags, table, fds[1], version,
-                            fmt, published, proof, stamp)
+            return TableMsg(
+                gen,
+                entries,
+                vsize,
+                sha.hex(),
+                pid,
+                flags,
+                table,
+                fds[1],
+                version,
+                fmt,
+                published,
+                proof,
+                stamp,
+            )
         for fd in fds:
             os.close(fd)
         if kind == MSG_NO_TABLE:
             _version, reason = struct.unpack_from("<II", payload)
-            return NoTableMsg(NO_TABLE_REASONS.get(reason, str(reason)),
-                              payload[8:].decode(errors="replace"))
+            return NoTableMsg(
+                NO_TABLE_REASONS.get(reason, str(reason)), payload[8:].decode(errors="replace")
+            )
         if kind == MSG_BYE:
             return ByeMsg(payload.decode(errors="replace"))
         raise ProtocolError(f"unknown message type {kind}")
@@ -271,9 +325,17 @@ class PageshareClient:
     def switched(self, generation: int) -> None:
         self.sock.sendall(frame(MSG_SWITCHED, struct.pack("<Q", generation)))
 
-    def stats(self, generation: int, lookups: int, hits: int, merged: int, merge_errors: int,
-              fallbacks: int, migration_refs: Sequence[int] | None = None,
-              proof: tuple[int, str] | None = None) -> None:
+    def stats(
+        self,
+        generation: int,
+        lookups: int,
+        hits: int,
+        merged: int,
+        merge_errors: int,
+        fallbacks: int,
+        migration_refs: Sequence[int] | None = None,
+        proof: tuple[int, str] | None = None,
+    ) -> None:
         """STATS; MIGRATION_REFS: sent, refused, merged, copied, read, failed
         (None: the 48-byte message of a client without them); PROOF:
         fallback_unproven and the proof state (a name of PROOF_STATES),
@@ -287,34 +349,41 @@ class PageshareClient:
             payload += struct.pack("<2Q", proof[0], code)
         self.sock.sendall(frame(MSG_STATS, payload))
 
-    def reads(self, generation: int, counts: list[tuple[int, int]] | dict[int, int],
-              truncated: bool = False) -> None:
+    def reads(
+        self,
+        generation: int,
+        counts: list[tuple[int, int]] | dict[int, int],
+        truncated: bool = False,
+    ) -> None:
         """READS: reads of unlisted blocks since the last report, as
         (block, reads); more than 254 go in several messages."""
         items = list(counts.items() if isinstance(counts, dict) else counts)
         for i in range(0, max(len(items), 1), READS_MAX_ENTRIES):
-            chunk = items[i:i + READS_MAX_ENTRIES]
+            chunk = items[i : i + READS_MAX_ENTRIES]
             body = b"".join(struct.pack("<QII", b, n, 0) for b, n in chunk)
             flags = READS_TRUNCATED if truncated else 0
-            self.sock.sendall(frame(MSG_READS, struct.pack(
-                "<QII", generation, len(chunk), flags) + body))
+            self.sock.sendall(
+                frame(MSG_READS, struct.pack("<QII", generation, len(chunk), flags) + body)
+            )
 
     def listed_read(self, generation: int, blocks: list[int]) -> None:
         """LISTED_READ: listed blocks read for the first time; more than
         509 go in several messages."""
         for i in range(0, max(len(blocks), 1), LISTED_READ_MAX_ENTRIES):
-            chunk = blocks[i:i + LISTED_READ_MAX_ENTRIES]
+            chunk = blocks[i : i + LISTED_READ_MAX_ENTRIES]
             body = b"".join(struct.pack("<Q", b) for b in chunk)
-            self.sock.sendall(frame(MSG_LISTED_READ, struct.pack(
-                "<QII", generation, len(chunk), 0) + body))
+            self.sock.sendall(
+                frame(MSG_LISTED_READ, struct.pack("<QII", generation, len(chunk), 0) + body)
+            )
 
     def send_raw(self, kind: int, payload: bytes) -> None:
         """Any message, as is (for tests of what the server refuses)."""
         self.sock.sendall(frame(kind, payload))
 
 
-def control_request(path: str | os.PathLike[str], kind: int, payload: bytes = b"",
-                    timeout: float = 10.0) -> tuple[int, bytes]:
+def control_request(
+    path: str | os.PathLike[str], kind: int, payload: bytes = b"", timeout: float = 10.0
+) -> tuple[int, bytes]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(os.fspath(path))
@@ -361,5 +430,11 @@ def copy_server_memory(pid: int, addr: int, length: int) -> bytes:
 
 _process_vm_readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
 _process_vm_readv.restype = ctypes.c_ssize_t
-_process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                              ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IoVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]

@@ -44,7 +44,8 @@ TARGET = CACHE / "cargo-target"
 
 def cargo() -> str | None:
     return shutil.which("cargo") or next(
-        (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None)
+        (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None
+    )
 
 
 _built: dict[str, Path] = {}
@@ -56,13 +57,20 @@ def server_binary(profile: str = "release") -> Path:
         return _built[profile]
     c = cargo()
     if c is None:
-        raise HarnessError("cargo is not installed (scripts/install-deps.sh); page-server "
-                           "cannot be built")
+        raise HarnessError(
+            "cargo is not installed (scripts/install-deps.sh); page-server cannot be built"
+        )
     env = dict(os.environ, CARGO_TARGET_DIR=str(TARGET))
     env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
     args = [c, "build", "--quiet", "--locked"] + (["--release"] if profile == "release" else [])
-    p = subprocess.run(["nice", "-n", "10", *args], cwd=PAGE_SERVER, env=env,
-                       capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(
+        ["nice", "-n", "10", *args],
+        cwd=PAGE_SERVER,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if p.returncode != 0:
         raise HarnessError(f"cargo build failed:\n{p.stderr[-4000:]}")
     path = TARGET / profile / "pageshare-server"
@@ -76,8 +84,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(pred: Any, timeout: float = 30.0, what: str = "condition",
-             interval: float = 0.05) -> Any:
+def wait_for(
+    pred: Any, timeout: float = 30.0, what: str = "condition", interval: float = 0.05
+) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -105,10 +114,28 @@ class Redis:
         self.dir.mkdir(parents=True, exist_ok=True)
         # appendonly: lists survive a restart, like a production Redis.
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.dir), "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--daemonize", "no", "--logfile", str(self.dir / "log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.dir / "log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for(self.ping, 10, "redis-server to start")
 
     def ping(self) -> bool:
@@ -171,15 +198,28 @@ class Server:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not self.metrics_port:
             self.metrics_port = free_port()
-        lines = [f'socket_dir = "{self.dir / "run"}"', f'cache_dir = "{self.dir / "cache"}"',
-                 f'host_name = "{self.host}"', f'metrics_listen = "127.0.0.1:{self.metrics_port}"',
-                 self.extra]
+        lines = [
+            f'socket_dir = "{self.dir / "run"}"',
+            f'cache_dir = "{self.dir / "cache"}"',
+            f'host_name = "{self.host}"',
+            f'metrics_listen = "127.0.0.1:{self.metrics_port}"',
+            self.extra,
+        ]
         if self.redis_url:
-            lines += ["[redis]", f'url = "{self.redis_url}"', "poll_interval_secs = 2",
-                      "stats_interval_secs = 1", "max_backoff_secs = 2"]
+            lines += [
+                "[redis]",
+                f'url = "{self.redis_url}"',
+                "poll_interval_secs = 2",
+                "stats_interval_secs = 1",
+                "max_backoff_secs = 2",
+            ]
         for img in self.images:
-            lines += ["[[image]]", f'name = "{img.name}"', f'path = "{img.path}"',
-                      f'format = "{img.fmt}"']
+            lines += [
+                "[[image]]",
+                f'name = "{img.name}"',
+                f'path = "{img.path}"',
+                f'format = "{img.fmt}"',
+            ]
             if img.list_file:
                 lines.append(f'list_file = "{img.list_file}"')
             if img.list_redis:
@@ -197,13 +237,23 @@ class Server:
             for d in (self.dir, self.dir / "run", self.dir / "cache"):
                 d.mkdir(parents=True, exist_ok=True)
                 os.chown(d, uid, gid)
-            cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                   "--inh-caps=-all", "--bounding-set=-all", *cmd]
+            cmd = [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={gid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                *cmd,
+            ]
         logf = open(self.log, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, env=env)
         logf.close()
-        wait_for(lambda: self.control.exists() or self.proc is None or
-                 self.proc.poll() is not None, 20, "control socket")
+        wait_for(
+            lambda: self.control.exists() or self.proc is None or self.proc.poll() is not None,
+            20,
+            "control socket",
+        )
         assert self.proc.poll() is None, f"server died:\n{self.log_text()}"
 
     def log_text(self) -> str:
@@ -230,6 +280,7 @@ class Server:
         def ok() -> dict[str, Any] | None:
             i = self.image(name)
             return i if (i["generation"] or 0) >= gen and not i["loading"] else None
+
         result: dict[str, Any] = wait_for(ok, timeout, f"{name} generation {gen}")
         return result
 
@@ -293,7 +344,7 @@ def nonzero_blocks(raw: Path, limit: int, stride: int = 1, start: int = 0) -> di
             if not chunk:
                 break
             for i in range(0, len(chunk) - 4095, 4096):
-                b = chunk[i:i + 4096]
+                b = chunk[i : i + 4096]
                 if b != zero:
                     if n % stride == 0:
                         out[(off + i) // 512] = hashlib.sha256(b).hexdigest()
@@ -304,10 +355,16 @@ def nonzero_blocks(raw: Path, limit: int, stride: int = 1, start: int = 0) -> di
     return out
 
 
-def make_list(identity: sectorlist.ImageIdentity, blocks: dict[int, str], path: Path,
-              generator: str = "test") -> sectorlist.SectorList:
-    sl = sectorlist.SectorList(image=identity, blocks=dict(blocks), generator=generator,
-                               criteria="test blocks", runs="none")
+def make_list(
+    identity: sectorlist.ImageIdentity, blocks: dict[int, str], path: Path, generator: str = "test"
+) -> sectorlist.SectorList:
+    sl = sectorlist.SectorList(
+        image=identity,
+        blocks=dict(blocks),
+        generator=generator,
+        criteria="test blocks",
+        runs="none",
+    )
     sectorlist.write(sl, path)
     return sl
 

@@ -18,8 +18,15 @@ MASK64 = (1 << 64) - 1
 MSG_SIZE = 136
 
 
-def seed(blocks: list[int], image_blocks: int, *, lie: int = 0, full: bool = False,
-         arena: int = 0x7F0000000000, bad_addr: bool = False) -> bytes:
+def seed(
+    blocks: list[int],
+    image_blocks: int,
+    *,
+    lie: int = 0,
+    full: bool = False,
+    arena: int = 0x7F0000000000,
+    bad_addr: bool = False,
+) -> bytes:
     bits = 4
     while (1 << bits) < 2 * len(blocks):
         bits += 1
@@ -33,16 +40,50 @@ def seed(blocks: list[int], image_blocks: int, *, lie: int = 0, full: bool = Fal
         buckets[j] = (key, arena + 4096 * b + (8 if bad_addr else 0))
     if full:
         free = iter(b for b in range(image_blocks) if b not in set(blocks))
-        buckets = [(k, a) if k else ((b := next(free)) + 1, arena + 4096 * b)
-                   for k, a in buckets]
+        buckets = [(k, a) if k else ((b := next(free)) + 1, arena + 4096 * b) for k, a in buckets]
     size = image_blocks * 4096
     sha = bytes(range(32))
     entries = len(blocks) - lie
-    header = struct.pack("<8sIIQQ32sQQIIQIIQQQ", b"PSTABLE1", 1, 128, 1, size, sha,
-                         entries, n, bits, 4096, 128, 4242, 0, arena, size, 0)
+    header = struct.pack(
+        "<8sIIQQ32sQQIIQIIQQQ",
+        b"PSTABLE1",
+        1,
+        128,
+        1,
+        size,
+        sha,
+        entries,
+        n,
+        bits,
+        4096,
+        128,
+        4242,
+        0,
+        arena,
+        size,
+        0,
+    )
     table = header + b"".join(struct.pack("<QQ", k, a) for k, a in buckets)
-    msg = struct.pack("<IIQQQQ32sIIdIIQQQqq", 2, 0, 1, entries, len(table), size, sha,
-                      4242, 2, 0.0, 1, 0, 2049, 1234, size, 10**18, 10**18)
+    msg = struct.pack(
+        "<IIQQQQ32sIIdIIQQQqq",
+        2,
+        0,
+        1,
+        entries,
+        len(table),
+        size,
+        sha,
+        4242,
+        2,
+        0.0,
+        1,
+        0,
+        2049,
+        1234,
+        size,
+        10**18,
+        10**18,
+    )
     assert len(msg) == MSG_SIZE
     return msg + table
 

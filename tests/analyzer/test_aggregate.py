@@ -28,8 +28,9 @@ ROOT = Placement.partition("11" * 16, 2048)
 BOOT = Placement.partition("22" * 16, 1050624, "/boot")
 
 
-def fact(sector: int, ino: int = 12, index: int = 0, kind: str = "file",
-         fs: Placement | None = ROOT) -> PageFact:
+def fact(
+    sector: int, ino: int = 12, index: int = 0, kind: str = "file", fs: Placement | None = ROOT
+) -> PageFact:
     return PageFact(sector, ino, index, kind, fs)
 
 
@@ -38,20 +39,34 @@ Sectors = list[int] | dict[int, PageFact]
 
 def run(a: Sectors, b: Sectors | None = None) -> RunResult:
     """A run whose guests verified these sectors (only what keep_blocks reads)."""
+
     def facts(x: Sectors | None) -> dict[int, PageFact]:
         return x if isinstance(x, dict) else {s: fact(s) for s in x or []}
-    return RunResult({"A": facts(a), "B": facts(b)}, {"A": Counter(), "B": Counter()},
-                     {"A": 0, "B": 0}, {"A": {}, "B": {}})
+
+    return RunResult(
+        {"A": facts(a), "B": facts(b)},
+        {"A": Counter(), "B": Counter()},
+        {"A": 0, "B": 0},
+        {"A": {}, "B": {}},
+    )
 
 
-def tally(cats_a: dict[str, int], listed_a: dict[int, int], nonzero_a: int,
-          cats_b: dict[str, int] | None = None, listed_b: dict[int, int] | None = None,
-          nonzero_b: int = 0) -> RunResult:
+def tally(
+    cats_a: dict[str, int],
+    listed_a: dict[int, int],
+    nonzero_a: int,
+    cats_b: dict[str, int] | None = None,
+    listed_b: dict[int, int] | None = None,
+    nonzero_b: int = 0,
+) -> RunResult:
     """A run as breakdown() reads it: per guest, frames by category, the
     gpfn -> sector of its listed frames, and its merged non-zero frames."""
-    return RunResult({"A": {}, "B": {}}, {"A": Counter(cats_a), "B": Counter(cats_b or {})},
-                     {"A": nonzero_a, "B": nonzero_b},
-                     {"A": listed_a, "B": listed_b or {}})
+    return RunResult(
+        {"A": {}, "B": {}},
+        {"A": Counter(cats_a), "B": Counter(cats_b or {})},
+        {"A": nonzero_a, "B": nonzero_b},
+        {"A": listed_a, "B": listed_b or {}},
+    )
 
 
 @pytest.mark.parametrize("runs,default", [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (10, 6)])
@@ -109,8 +124,14 @@ def test_fact_is_the_last_runs_and_guest_as_first() -> None:
 def test_breakdown_counts_frames_the_majority_dropped_as_page_cache() -> None:
     # Guest A listed three frames (sectors 8, 16, 24); the list kept 8 and 24,
     # so one frame moves from listed to other page cache.  Guest B listed none.
-    r = tally({"listed": 3, "page-cache": 2, "anon": 1, "zero": 4}, {1: 8, 2: 16, 3: 24}, 6,
-              {"kernel": 2}, {}, 2)
+    r = tally(
+        {"listed": 3, "page-cache": 2, "anon": 1, "zero": 4},
+        {1: 8, 2: 16, 3: 24},
+        6,
+        {"kernel": 2},
+        {},
+        2,
+    )
     pages, coverage = breakdown([r], {8, 24})
     assert pages == {"listed": 2, "page-cache": 3, "anon": 1, "zero": 4, "kernel": 2}
     # The summary's --json keeps this order, and the zero counts (none here).
@@ -140,21 +161,33 @@ def test_coverage_of_nothing_merged_is_zero() -> None:
 
 
 def test_top_files_by_listed_blocks() -> None:
-    facts = {8: fact(8, ino=12), 16: fact(16, ino=12), 24: fact(24, ino=12, fs=BOOT),
-             32: fact(32, ino=13), 40: fact(40, ino=0, kind="bdev", fs=None),
-             48: fact(48, ino=14), 56: fact(56, ino=15, fs=None)}
+    facts = {
+        8: fact(8, ino=12),
+        16: fact(16, ino=12),
+        24: fact(24, ino=12, fs=BOOT),
+        32: fact(32, ino=13),
+        40: fact(40, ino=0, kind="bdev", fs=None),
+        48: fact(48, ino=14),
+        56: fact(56, ino=15, fs=None),
+    }
     paths: dict[tuple[Placement, int], str | None] = {
-        (ROOT, 12): "/usr/lib/libc.so.6", (BOOT, 12): "/boot/vmlinuz",
-        (ROOT, 13): "/usr/bin/python3", (ROOT, 14): None}
+        (ROOT, 12): "/usr/lib/libc.so.6",
+        (BOOT, 12): "/boot/vmlinuz",
+        (ROOT, 13): "/usr/bin/python3",
+        (ROOT, 14): None,
+    }
     keep = sorted(facts)
     mib = 4096 / 2**20
     # Inode 12 of / and of /boot are two files; a path not found (14) and a
     # page without a file system (56) are "?"; ties keep the first block's order.
     assert top_files(keep, facts, paths) == [
-        ("/usr/lib/libc.so.6", 2 * mib), ("?", 2 * mib), ("/boot/vmlinuz", mib),
-        ("/usr/bin/python3", mib), ("(metadata)", mib)]
-    assert top_files(keep, facts, paths, n=2) == [("/usr/lib/libc.so.6", 2 * mib),
-                                                  ("?", 2 * mib)]
+        ("/usr/lib/libc.so.6", 2 * mib),
+        ("?", 2 * mib),
+        ("/boot/vmlinuz", mib),
+        ("/usr/bin/python3", mib),
+        ("(metadata)", mib),
+    ]
+    assert top_files(keep, facts, paths, n=2) == [("/usr/lib/libc.so.6", 2 * mib), ("?", 2 * mib)]
     assert top_files([], facts, paths) == []
 
 
@@ -173,7 +206,16 @@ def test_ksm_series_numbers_the_runs_and_rounds_t() -> None:
     series = ksm_series([r1, r2, r3])
     assert [(e["run"], e["t"]) for e in series] == [(1, 0.0), (1, 1.0), (3, 2.5)]
     # Every column of ksm_sample, None where the kernel had no such counter.
-    assert series[2] == {"run": 3, "t": 2.5, "full_scans": None, "pages_shared": None,
-                         "pages_sharing": 7, "pages_unshared": None, "pages_volatile": None,
-                         "ksm_zero_pages": None, "pages_scanned": None, "general_profit": None}
+    assert series[2] == {
+        "run": 3,
+        "t": 2.5,
+        "full_scans": None,
+        "pages_shared": None,
+        "pages_sharing": 7,
+        "pages_unshared": None,
+        "pages_volatile": None,
+        "ksm_zero_pages": None,
+        "pages_scanned": None,
+        "general_profit": None,
+    }
     assert ksm_series([]) == []

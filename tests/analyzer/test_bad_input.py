@@ -35,8 +35,10 @@ def test_not_an_image(tmp_path: Path) -> None:
     r = run_analyze(tmp_path, str(f))
     assert_clean_failure(r, "not a disk image")
     # The refusal says what analyze-image takes.
-    assert "raw disk image that starts with a partition table (MBR or GPT) or holds an ext2, " \
-           "ext3, ext4, XFS or btrfs file system on the whole disk" in " ".join(r.stderr.split())
+    assert (
+        "raw disk image that starts with a partition table (MBR or GPT) or holds an ext2, "
+        "ext3, ext4, XFS or btrfs file system on the whole disk" in " ".join(r.stderr.split())
+    )
 
 
 def test_an_image_format_analyze_image_does_not_take_is_named(tmp_path: Path) -> None:
@@ -74,7 +76,7 @@ def test_qcow2_truncated_in_its_data_area(tmp_path: Path, small_image: Path) -> 
     r = run_analyze(tmp_path, str(f))
     assert_clean_failure(r, "the image file is damaged: truncated; qemu-img check:")
     assert "errors were found on the image" in r.stderr
-    assert "exceeding the end of the file" in r.stderr    # qemu-img check's key line
+    assert "exceeding the end of the file" in r.stderr  # qemu-img check's key line
     assert "download the golden image again" in r.stderr
     assert "no Linux installation" not in r.stderr
     error = json_error(run_analyze(tmp_path, "--json", str(f)), "image-damaged", "truncated")
@@ -93,8 +95,9 @@ def test_truncated_raw(tmp_path: Path, small_image: Path) -> None:
 
 @pytest.mark.usefixtures("host_guard")
 def test_json_errors(tmp_path: Path, small_image: Path) -> None:
-    json_error(run_analyze(tmp_path, "--json", str(tmp_path / "nope.qcow2")), "user-error",
-               "no such file")
+    json_error(
+        run_analyze(tmp_path, "--json", str(tmp_path / "nope.qcow2")), "user-error", "no such file"
+    )
     f = tmp_path / "notes.txt"
     f.write_text("this is not a disk image\n" * 200)
     json_error(run_analyze(tmp_path, "--json", str(f)), "user-error", "not a disk image")
@@ -109,8 +112,10 @@ def test_json_errors(tmp_path: Path, small_image: Path) -> None:
 @pytest.mark.usefixtures("host_guard")
 def test_image_with_backing_file(tmp_path: Path, small_image: Path) -> None:
     f = tmp_path / "overlay.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(small_image), "-F",
-                    "qcow2", str(f)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(small_image), "-F", "qcow2", str(f)],
+        check=True,
+    )
     assert_clean_failure(run_analyze(tmp_path, str(f)), "backing file")
 
 
@@ -120,8 +125,10 @@ def test_image_whose_backing_file_is_missing(tmp_path: Path) -> None:
     base = tmp_path / "base.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "64M"], check=True)
     f = tmp_path / "overlay.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2",
-                    str(f)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(f)],
+        check=True,
+    )
     base.unlink()
     r = run_analyze(tmp_path, str(f))
     assert_clean_failure(r, f"has a backing file, {base}, and it is missing")
@@ -132,9 +139,20 @@ def test_image_whose_backing_file_is_missing(tmp_path: Path) -> None:
 
 def qcow2(path: Path, backing: str = "", fmt: str = "qcow2", unsafe: bool = False) -> Path:
     """A 64 MiB qcow2 (an overlay of BACKING, named as given, if any)."""
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *(["-u"] if unsafe else []),
-                    *(["-b", backing, "-F", fmt] if backing else []), str(path), "64M"],
-                   check=True)
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            *(["-u"] if unsafe else []),
+            *(["-b", backing, "-F", fmt] if backing else []),
+            str(path),
+            "64M",
+        ],
+        check=True,
+    )
     return path
 
 
@@ -145,15 +163,17 @@ def test_an_overlay_given_by_a_relative_path_finds_its_base(tmp_path: Path) -> N
     (tmp_path / "images").mkdir()
     qcow2(tmp_path / "images/base.qcow2")
     qcow2(tmp_path / "images/overlay.qcow2", "base.qcow2")
-    r = run_analyze(tmp_path, "images/overlay.qcow2")       # run in tmp_path
+    r = run_analyze(tmp_path, "images/overlay.qcow2")  # run in tmp_path
     assert_clean_failure(r, "images/overlay.qcow2: has a backing file (base.qcow2)")
     assert "missing" not in r.stderr
     assert "qemu-img convert -O qcow2 images/overlay.qcow2 STANDALONE.qcow2" in " ".join(
-        r.stderr.split())
+        r.stderr.split()
+    )
 
 
 def test_a_missing_file_further_down_the_backing_chain_is_named(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """base <- mid <- top, base gone: `qemu-img convert` of top cannot work, so
     the error names the missing file as mid records it, and what the hint
     says to do makes an image the probe takes."""
@@ -165,15 +185,16 @@ def test_a_missing_file_further_down_the_backing_chain_is_named(
     with pytest.raises(UserError) as e:
         probe_format(top)
     mid, base = tmp_path / "mid.qcow2", tmp_path / "base.qcow2"
-    assert e.value.message == (f"{top}: has a backing file, mid.qcow2, whose backing chain "
-                               f"is broken: {mid} has a backing file, base.qcow2, and it is "
-                               f"missing (looked for {base})")
+    assert e.value.message == (
+        f"{top}: has a backing file, mid.qcow2, whose backing chain "
+        f"is broken: {mid} has a backing file, base.qcow2, and it is "
+        f"missing (looked for {base})"
+    )
     assert f"put base.qcow2 back at {base}" in e.value.hint
     rebase = f"qemu-img rebase -u -F qcow2 -b NEW_PATH {mid}"
     assert rebase in e.value.hint
     # Do as the hint says: point mid at the moved base, then convert.
-    subprocess.run(rebase.replace("NEW_PATH", str(tmp_path / "moved.qcow2")).split(),
-                   check=True)
+    subprocess.run(rebase.replace("NEW_PATH", str(tmp_path / "moved.qcow2")).split(), check=True)
     convert = f"qemu-img convert -O qcow2 {top} STANDALONE.qcow2"
     assert convert in e.value.hint
     subprocess.run(convert.split(), check=True)
@@ -183,8 +204,11 @@ def test_a_missing_file_further_down_the_backing_chain_is_named(
 def test_a_backing_file_qemu_img_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "base.qcow2").write_text("not an image\n")
     f = qcow2(tmp_path / "overlay.qcow2", str(tmp_path / "base.qcow2"), unsafe=True)
-    with pytest.raises(UserError, match=r"has a backing file, .*base.qcow2, and qemu-img cannot "
-                                        r"read it \(.*base.qcow2\): .*not in qcow2 format") as e:
+    with pytest.raises(
+        UserError,
+        match=r"has a backing file, .*base.qcow2, and qemu-img cannot "
+        r"read it \(.*base.qcow2\): .*not in qcow2 format",
+    ) as e:
         probe_format(f)
     assert f"make {tmp_path / 'base.qcow2'} readable and complete" in e.value.hint
 
@@ -192,8 +216,11 @@ def test_a_backing_file_qemu_img_cannot_read(tmp_path: Path) -> None:
 def test_a_backing_chain_that_loops(tmp_path: Path) -> None:
     a = qcow2(tmp_path / "a.qcow2", "b.qcow2", unsafe=True)
     qcow2(tmp_path / "b.qcow2", "a.qcow2", unsafe=True)
-    with pytest.raises(UserError, match=f"{tmp_path / 'b.qcow2'} has a backing file, a.qcow2, "
-                                        f"and the backing chain loops back to {a}"):
+    with pytest.raises(
+        UserError,
+        match=f"{tmp_path / 'b.qcow2'} has a backing file, a.qcow2, "
+        f"and the backing chain loops back to {a}",
+    ):
         probe_format(a)
 
 
@@ -208,8 +235,9 @@ def test_a_backing_file_that_is_no_local_file_is_not_called_missing(tmp_path: Pa
         f.unlink()
 
 
-@pytest.mark.parametrize("mkfs", [["mkfs.xfs", "-q", "-f"], ["mkfs.btrfs", "-q", "-f"]],
-                         ids=["xfs", "btrfs"])
+@pytest.mark.parametrize(
+    "mkfs", [["mkfs.xfs", "-q", "-f"], ["mkfs.btrfs", "-q", "-f"]], ids=["xfs", "btrfs"]
+)
 def test_a_raw_whole_disk_xfs_or_btrfs_is_a_disk_image(tmp_path: Path, mkfs: list[str]) -> None:
     """A file system on the whole raw disk, no partition table: the probe takes
     it as the same bytes in qcow2 are taken, and a cut copy is called damaged."""
@@ -220,8 +248,11 @@ def test_a_raw_whole_disk_xfs_or_btrfs_is_a_disk_image(tmp_path: Path, mkfs: lis
     subprocess.run([*mkfs, str(disk)], check=True, capture_output=True)
     assert probe_format(disk) == ("raw", size)
     os.truncate(disk, size // 2)
-    with pytest.raises(UserError, match=f"damaged: truncated; .* reaches byte {size}, but "
-                                        f"the file has only {size // 2} bytes"):
+    with pytest.raises(
+        UserError,
+        match=f"damaged: truncated; .* reaches byte {size}, but "
+        f"the file has only {size // 2} bytes",
+    ):
         probe_format(disk)
 
 
@@ -238,9 +269,14 @@ def test_unsupported_root_filesystem(tmp_path: Path) -> None:
     # A Debian-looking root on squashfs (as live and appliance images have):
     # inspected as Linux, but its files are compressed into blocks no disk
     # sector serves, so no block map leads from a page to the disk.
-    tree = {"etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
-            "etc/debian_version": "12.0\n", "etc/fstab": "/dev/sda1 / squashfs ro 0 0\n",
-            "bin/sh": "", "usr/bin/env": "", "etc/hostname": "x\n"}
+    tree = {
+        "etc/os-release": 'ID=debian\nVERSION_ID="12"\nNAME="Debian GNU/Linux"\n',
+        "etc/debian_version": "12.0\n",
+        "etc/fstab": "/dev/sda1 / squashfs ro 0 0\n",
+        "bin/sh": "",
+        "usr/bin/env": "",
+        "etc/hostname": "x\n",
+    }
     img = mkfs_image(tmp_path, "squashfs", tree)
     r = run_analyze(tmp_path, str(img))
     assert_clean_failure(r, "only ext2/3/4, XFS and btrfs are supported")
@@ -282,8 +318,11 @@ def test_guest_that_never_boots(tmp_path: Path, small_image: Path) -> None:
     broken = tmp_path / "broken.qcow2"
     raw = tmp_path / "broken.raw"
     subprocess.run(["qemu-img", "convert", "-O", "raw", str(small_image), str(raw)], check=True)
-    subprocess.run(["debugfs", "-w", "-R", "rm /usr/lib/systemd/systemd", str(raw)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["debugfs", "-w", "-R", "rm /usr/lib/systemd/systemd", str(raw)],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(broken)], check=True)
     raw.unlink()
     r = run_analyze(tmp_path, "--boot-timeout", "150", str(broken))
@@ -307,10 +346,26 @@ def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
     workdir = tmp_path / "work"
     workdir.mkdir()
     env = dict(os.environ, PAGESHARE_WORKDIR=str(workdir), PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.Popen([sys.executable, "-m", "pageshare.cli", "analyze", "--settle", "600",
-                          "--lists-dir", str(tmp_path), "--db", str(tmp_path / "r.sqlite"),
-                          str(small_image)], stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True, preexec_fn=_default_sigint)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pageshare.cli",
+            "analyze",
+            "--settle",
+            "600",
+            "--lists-dir",
+            str(tmp_path),
+            "--db",
+            str(tmp_path / "r.sqlite"),
+            str(small_image),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     assert p.stderr is not None
     seen = []
     deadline = time.monotonic() + 900
@@ -322,8 +377,9 @@ def test_ctrl_c_during_ksm_phase(tmp_path: Path, small_image: Path) -> None:
             assert time.monotonic() < deadline, "".join(seen)
         time.sleep(3)
         ksm_run = Path("/sys/kernel/mm/ksm/run").read_text().strip()
-        assert ksm_run == "1", (f"KSM should be running during the analysis (run = {ksm_run})\n"
-                                + "".join(seen))
+        assert ksm_run == "1", (
+            f"KSM should be running during the analysis (run = {ksm_run})\n" + "".join(seen)
+        )
         p.send_signal(signal.SIGINT)
         rest = p.stderr.read()
         assert p.wait(timeout=120) == 130, "".join(seen) + rest
@@ -361,21 +417,29 @@ def test_not_enough_space_for_dumps(tmp_path: Path, small_image: Path) -> None:
 @pytest.mark.usefixtures("host_guard")
 def test_crash_forced_on_a_kernel_it_cannot_read(tmp_path: Path) -> None:
     from pageshare import golden
+
     trixie = golden.build_image("trixie").path
     r = run_analyze(tmp_path, "--introspector", "crash", str(trixie))
     assert_clean_failure(r, "--introspector crash")
     assert "--introspector auto" in r.stderr
 
 
-@pytest.mark.parametrize("raised, kind, rc", [(RuntimeError("boom"), "internal", 1),
-                                              (KeyboardInterrupt(), "interrupted", 130)])
-def test_json_error_when_not_the_operators_fault(raised: BaseException, kind: str, rc: int,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "raised, kind, rc",
+    [(RuntimeError("boom"), "internal", 1), (KeyboardInterrupt(), "interrupted", 130)],
+)
+def test_json_error_when_not_the_operators_fault(
+    raised: BaseException,
+    kind: str,
+    rc: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from pageshare import analyze, cli
 
     def fail(*_: Any) -> None:
         raise raised
+
     monkeypatch.setattr(analyze, "analyze", fail)
     monkeypatch.delenv("PAGESHARE_DEBUG", raising=False)
     assert cli.run_analyze(["--json", "x.qcow2"]) == rc

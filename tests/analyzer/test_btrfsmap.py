@@ -105,13 +105,15 @@ leaf 30474240 items 8 free space 15000 generation 8 owner FS_TREE
 
 def test_parse_chunks_stripe_zero_by_logical_address() -> None:
     chunks = btrfsmap.parse_chunks(CHUNKS)
-    assert chunks == [Chunk(13631488, 8388608, "single", "DATA", 13631488, 1),
-                      Chunk(30408704, 33554432, "DUP", "METADATA", 38797312, 1),
-                      Chunk(298844160, 209715200, "single", "DATA", 105906176, 1)]
+    assert chunks == [
+        Chunk(13631488, 8388608, "single", "DATA", 13631488, 1),
+        Chunk(30408704, 33554432, "DUP", "METADATA", 38797312, 1),
+        Chunk(298844160, 209715200, "single", "DATA", 105906176, 1),
+    ]
     btrfsmap.check_profiles(chunks)
     assert btrfsmap.to_physical(chunks, 298844160 + 4096, 8192) == 105906176 + 4096
     with pytest.raises(RuntimeError, match="in no chunk"):
-        btrfsmap.to_physical(chunks, 13631488 + 8388608 - 4096, 8192)   # runs past its chunk
+        btrfsmap.to_physical(chunks, 13631488 + 8388608 - 4096, 8192)  # runs past its chunk
     with pytest.raises(RuntimeError, match="in no chunk"):
         btrfsmap.to_physical(chunks, 4096, 4096)
 
@@ -122,10 +124,12 @@ def test_parse_extents_skips_and_counts_what_disk_blocks_cannot_serve() -> None:
     # 258: a regular extent in the identity-mapped chunk, a hole (disk byte
     # 0), a part (offset 64 KiB, 16 KiB) of an extent in the chunk whose
     # device offset differs, and a prealloc extent (zeros) left out.
-    assert ext[258] == [Extent(0, 14680064 // 4096, 74),
-                        Extent(311296 // 4096, (105906176 + 65536) // 4096, 4)]
+    assert ext[258] == [
+        Extent(0, 14680064 // 4096, 74),
+        Extent(311296 // 4096, (105906176 + 65536) // 4096, 4),
+    ]
     assert ext[259] == [] and ext[260] == [] and ext[262] == []
-    assert 261 not in ext                       # not asked for
+    assert 261 not in ext  # not asked for
     assert (skipped.inline_extents, skipped.inline_bytes) == (1, 6)
     assert (skipped.compressed_extents, skipped.compressed_bytes) == (1, 131072)
     assert skipped.inodes == {259, 260}
@@ -137,7 +141,10 @@ def test_parse_extents_skips_and_counts_what_disk_blocks_cannot_serve() -> None:
 
 def test_parse_paths_walks_inode_refs() -> None:
     assert btrfsmap.parse_paths(FS, [258, 259, 257, 999]) == {
-        258: "/usr/two word", 259: "/small", 257: "/usr"}
+        258: "/usr/two word",
+        259: "/small",
+        257: "/usr",
+    }
 
 
 def test_unaligned_or_unknown_extents_are_errors() -> None:
@@ -164,15 +171,22 @@ def test_a_real_raid1_btrfs_is_refused(tmp_path: Path) -> None:
     for d in devs:
         with open(d, "wb") as f:
             f.truncate(200 << 20)
-    subprocess.run(["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
+        check=True,
+        capture_output=True,
+    )
     with pytest.raises(BtrfsUnsupported, match="over 2 devices"):
         btrfsmap.read_extents(devs[0], [256])
 
 
 def _tree(tmp: Path) -> dict[str, bytes]:
-    files = {"big": os.urandom(300_000), "sub/deep": os.urandom(70_000),
-             "small": b"inline\n", "empty": b""}
+    files = {
+        "big": os.urandom(300_000),
+        "sub/deep": os.urandom(70_000),
+        "small": b"inline\n",
+        "empty": b"",
+    }
     for rel, data in files.items():
         (tmp / "root" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp / "root" / rel).write_bytes(data)
@@ -181,10 +195,15 @@ def _tree(tmp: Path) -> dict[str, bytes]:
 
 def _inodes(image: Path) -> dict[str, int]:
     """path -> inode of the top-level subvolume, from its INODE_REFs."""
-    out = subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", "5", str(image)],
-                         capture_output=True, text=True, check=True).stdout
-    candidates = sorted({int(line.split("(")[1].split()[0]) for line in out.splitlines()
-                         if " INODE_REF " in line})
+    out = subprocess.run(
+        ["btrfs", "inspect-internal", "dump-tree", "-t", "5", str(image)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    candidates = sorted(
+        {int(line.split("(")[1].split()[0]) for line in out.splitlines() if " INODE_REF " in line}
+    )
     return {p.lstrip("/"): i for i, p in btrfsmap.parse_paths(out, candidates).items()}
 
 
@@ -195,7 +214,7 @@ def _check_bytes(image: Path, ext: list[Extent], data: bytes, base: int = 0) -> 
         for e in ext:
             for k in range(e.length):
                 f.seek(base + (e.physical + k) * 4096)
-                want = data[(e.logical + k) * 4096:(e.logical + k + 1) * 4096]
+                want = data[(e.logical + k) * 4096 : (e.logical + k + 1) * 4096]
                 assert f.read(len(want)) == want, f"block {e.logical + k}"
                 blocks += 1
     return blocks
@@ -206,8 +225,11 @@ def test_real_btrfs_made_by_mkfs(tmp_path: Path) -> None:
     img = tmp_path / "btrfs.img"
     with open(img, "wb") as f:
         f.truncate(200 << 20)
-    subprocess.run(["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)],
+        check=True,
+        capture_output=True,
+    )
     inos = _inodes(img)
     assert set(files) <= set(inos)
     ext, skipped = btrfsmap.read_extents(img, [inos[p] for p in files])
@@ -217,15 +239,18 @@ def test_real_btrfs_made_by_mkfs(tmp_path: Path) -> None:
     assert skipped.inodes == {inos["small"]} and skipped.inline_bytes == len(files["small"])
     assert skipped.compressed_extents == 0
     assert btrfsmap.read_paths(img, [inos["sub/deep"], inos["big"]]) == {
-        inos["sub/deep"]: "/sub/deep", inos["big"]: "/big"}
+        inos["sub/deep"]: "/sub/deep",
+        inos["big"]: "/big",
+    }
     # The same through a copy of a partition, as the analysis would give dump-tree.
     disk = tmp_path / "disk.raw"
     with open(disk, "wb") as f:
         f.truncate(300 << 20)
-    subprocess.run(["dd", f"if={img}", f"of={disk}", "bs=1M", "seek=1", "conv=notrunc,sparse",
-                    "status=none"], check=True)
-    copy, offset = fs_image(disk, ((0, (200 << 20) // 512, 2048),), tmp_path / "fs.img",
-                            copy=True)
+    subprocess.run(
+        ["dd", f"if={img}", f"of={disk}", "bs=1M", "seek=1", "conv=notrunc,sparse", "status=none"],
+        check=True,
+    )
+    copy, offset = fs_image(disk, ((0, (200 << 20) // 512, 2048),), tmp_path / "fs.img", copy=True)
     assert offset == 0
     assert btrfsmap.read_extents(copy, [inos["big"]])[0] == {inos["big"]: ext[inos["big"]]}
     # Blocks count from the file system's start: on the disk they are 1 MiB further.
@@ -242,9 +267,12 @@ def test_compressed_extents_and_a_second_data_chunk(tmp_path: Path) -> None:
     img = tmp_path / "btrfs.img"
     with open(img, "wb") as f:
         f.truncate(300 << 20)
-    subprocess.run(["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)], check=True,
-                   capture_output=True)
-    later = os.urandom(24 << 20)               # more than mkfs' first 8 MiB data chunk
+    subprocess.run(
+        ["mkfs.btrfs", "-q", "-r", str(tmp_path / "root"), str(img)],
+        check=True,
+        capture_output=True,
+    )
+    later = os.urandom(24 << 20)  # more than mkfs' first 8 MiB data chunk
     text = b"".join(b"line %d of a file that compresses well\n" % i for i in range(20000))
     (tmp_path / "later").write_bytes(later)
     (tmp_path / "text").write_bytes(text)
@@ -266,17 +294,22 @@ def test_compressed_extents_and_a_second_data_chunk(tmp_path: Path) -> None:
     ext, skipped = btrfsmap.read_extents(img, [inos["later"], inos["text"], inos["big"]])
     assert ext[inos["text"]] == []
     assert skipped.compressed_extents >= 2
-    assert skipped.compressed_bytes == -(-len(text) // 4096) * 4096    # whole sectors
+    assert skipped.compressed_bytes == -(-len(text) // 4096) * 4096  # whole sectors
     assert skipped.inodes == {inos["text"]}
     assert _check_bytes(img, ext[inos["later"]], later) == len(later) // 4096
     assert _check_bytes(img, ext[inos["big"]], files["big"]) == 74
-    out = subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", "chunk", str(img)],
-                         capture_output=True, text=True, check=True).stdout
-    moved = [c for c in btrfsmap.parse_chunks(out) if c.kind == "DATA"
-             and c.logical != c.physical]
+    out = subprocess.run(
+        ["btrfs", "inspect-internal", "dump-tree", "-t", "chunk", str(img)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    moved = [c for c in btrfsmap.parse_chunks(out) if c.kind == "DATA" and c.logical != c.physical]
     assert moved, "no data chunk whose device offset differs from its logical address"
-    assert any(moved[0].physical <= e.physical * 4096 < moved[0].physical + moved[0].length
-               for e in ext[inos["later"]])
+    assert any(
+        moved[0].physical <= e.physical * 4096 < moved[0].physical + moved[0].length
+        for e in ext[inos["later"]]
+    )
 
 
 # --- subvolumes --------------------------------------------------------------------
@@ -327,11 +360,16 @@ leaf 31014912 items 20 free space 11019 generation 11 owner ROOT_TREE
 
 def test_parse_subvolumes_their_places_and_the_default() -> None:
     subvols, default = btrfsmap.parse_subvolumes(ROOT_TREE)
-    assert subvols == [Subvolume(5), Subvolume(256, 5, 256, "@rootfs"),
-                       Subvolume(257, 256, 258, "machines"), Subvolume(258, 5, 256, "@snap")]
+    assert subvols == [
+        Subvolume(5),
+        Subvolume(256, 5, 256, "@rootfs"),
+        Subvolume(257, 256, 258, "machines"),
+        Subvolume(258, 5, 256, "@snap"),
+    ]
     assert default == 256
-    without = ROOT_TREE.replace("location key (256 ROOT_ITEM 0)",
-                                "location key (FS_TREE ROOT_ITEM 18446744073709551615)")
+    without = ROOT_TREE.replace(
+        "location key (256 ROOT_ITEM 0)", "location key (FS_TREE ROOT_ITEM 18446744073709551615)"
+    )
     assert btrfsmap.parse_subvolumes(without)[1] == 5
     asked: list[tuple[int, int]] = []
 
@@ -340,18 +378,29 @@ def test_parse_subvolumes_their_places_and_the_default() -> None:
         return "/var/lib" if (tree, dirid) == (256, 258) else None
 
     assert btrfsmap.subvolume_paths(subvols, dir_path) == {
-        5: "", 256: "@rootfs", 257: "@rootfs/var/lib/machines", 258: "@snap"}
-    assert asked == [(256, 258)]          # subvolumes in a root directory need no lookup
+        5: "",
+        256: "@rootfs",
+        257: "@rootfs/var/lib/machines",
+        258: "@snap",
+    }
+    assert asked == [(256, 258)]  # subvolumes in a root directory need no lookup
     # A subvolume whose directory is not found (being deleted) has no path.
     assert 257 not in btrfsmap.subvolume_paths(subvols, lambda t, d: None)
 
 
-REC = PageRecord(pfn=1, kind="file", index=2, ino=300, fstype="btrfs",
-                 fs_uuid="d61e0c15-e3ef-45fb-9dec-31107edbfefa", start_sect=0, blkbits=12,
-                 state="U---")
+REC = PageRecord(
+    pfn=1,
+    kind="file",
+    index=2,
+    ino=300,
+    fstype="btrfs",
+    fs_uuid="d61e0c15-e3ef-45fb-9dec-31107edbfefa",
+    start_sect=0,
+    blkbits=12,
+    state="U---",
+)
 BTRFS = Placement.partition("d61e0c15e3ef45fb9dec31107edbfefa", 2048, "/", "btrfs")
-GEO = Geometry((Placement(BTRFS.uuid, 0, BTRFS.runs, "/", "btrfs", (("@rootfs", "/"),)),),
-               1 << 30)
+GEO = Geometry((Placement(BTRFS.uuid, 0, BTRFS.runs, "/", "btrfs", (("@rootfs", "/"),)),), 1 << 30)
 
 
 def test_a_btrfs_page_keeps_the_first_subvolume_whose_block_verifies() -> None:
@@ -361,44 +410,74 @@ def test_a_btrfs_page_keeps_the_first_subvolume_whose_block_verifies() -> None:
     same_ino = [Candidate(256, [Extent(0, 98, 4)]), Candidate(258, [Extent(0, 198, 4)])]
     # Inode 300 of tree 256 has other bytes there; that of 258 has the page's.
     assert map_page(REC, b"b" * 4096, read, {}, GEO, False, {key: same_ino}) == (
-        2048 + 8 * 200, "stable", 258)
+        2048 + 8 * 200,
+        "stable",
+        258,
+    )
     assert map_page(REC, b"a" * 4096, read, {}, GEO, False, {key: same_ino}) == (
-        2048 + 8 * 100, "stable", 256)
+        2048 + 8 * 100,
+        "stable",
+        256,
+    )
     # None verifies: a mismatch says more than a hole, compressed data most.
     hole = Candidate(257, [Extent(5, 1000, 1)])
     assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {key: [hole, *same_ino]}) == (
-        2048 + 8 * 100, "mismatch", 256)
+        2048 + 8 * 100,
+        "mismatch",
+        256,
+    )
     squeezed = Candidate(259, [], ((0, 32, "compressed"),))
-    assert map_page(REC, b"c" * 4096, read, {}, GEO, False,
-                    {key: [hole, same_ino[0], squeezed]})[1:] == ("compressed", 259)
+    assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {key: [hole, same_ino[0], squeezed]})[
+        1:
+    ] == ("compressed", 259)
     tiny = Candidate(256, [], ((0, 1, "inline"),))
-    assert map_page(replace(REC, index=0), b"c" * 4096, read, {}, GEO, False,
-                    {key: [tiny]}) == (None, "inline", 256)
+    assert map_page(replace(REC, index=0), b"c" * 4096, read, {}, GEO, False, {key: [tiny]}) == (
+        None,
+        "inline",
+        256,
+    )
     assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {key: [tiny]})[1] == "hole"
     # No subvolume has the inode; another file system; a page of another btrfs.
     assert map_page(REC, b"c" * 4096, read, {}, GEO, False, {})[:2] == (None, "unmapped")
-    assert map_page(replace(REC, fstype="ext4"), b"b" * 4096, read, {}, GEO, False,
-                    {key: same_ino})[:2] == (None, "other-fs")
-    assert map_page(replace(REC, fs_uuid="00" * 16), b"b" * 4096, read, {}, GEO,
-                    False, {key: same_ino})[:2] == (None, "other-fs")
+    assert map_page(
+        replace(REC, fstype="ext4"), b"b" * 4096, read, {}, GEO, False, {key: same_ino}
+    )[:2] == (None, "other-fs")
+    assert map_page(
+        replace(REC, fs_uuid="00" * 16), b"b" * 4096, read, {}, GEO, False, {key: same_ino}
+    )[:2] == (None, "other-fs")
     # btrfs' own metadata is cached as pages of its btree inode (1).
     assert map_page(replace(REC, ino=1), b"b" * 4096, read, {}, GEO, True, {})[:2] == (
-        None, "metadata")
+        None,
+        "metadata",
+    )
     # A dirty page is not listed whichever subvolume it is in.
-    assert map_page(replace(REC, state="UD--"), b"b" * 4096, read, {}, GEO, False,
-                    {key: same_ino})[:2] == (None, "dirty")
+    assert map_page(replace(REC, state="UD--"), b"b" * 4096, read, {}, GEO, False, {key: same_ino})[
+        :2
+    ] == (None, "dirty")
 
 
 def test_placements_merge_the_mounts_of_one_btrfs() -> None:
     def fs(mp: str, uuid: str, subvol: str, fstype: str = "btrfs") -> fslayout.MappedFs:
-        return fslayout.MappedFs(mp, "/dev/sda1", 1, 2048, fstype, uuid, 4096, "devices=1",
-                                 ((0, 1 << 20, 2048),), 0, subvol=subvol)
+        return fslayout.MappedFs(
+            mp,
+            "/dev/sda1",
+            1,
+            2048,
+            fstype,
+            uuid,
+            4096,
+            "devices=1",
+            ((0, 1 << 20, 2048),),
+            0,
+            subvol=subvol,
+        )
 
     a, b = "d61e0c15-e3ef-45fb-9dec-31107edbfefa", "0c7e2f0d-3d4b-4b8e-9a51-5b8c2f3c9d11"
-    placed = analyze.placements((fs("/", a, "@rootfs"), fs("/home", a, "@home"),
-                                 fs("/srv", b, "")))
+    placed = analyze.placements((fs("/", a, "@rootfs"), fs("/home", a, "@home"), fs("/srv", b, "")))
     assert [(p.mountpoint, p.subvols) for p in placed] == [
-        ("/", (("@rootfs", "/"), ("@home", "/home"))), ("/srv", (("", "/srv"),))]
+        ("/", (("@rootfs", "/"), ("@home", "/home"))),
+        ("/srv", (("", "/srv"),)),
+    ]
     paths = {5: "", 256: "@rootfs", 257: "@home", 258: "@rootfs/var/lib/machines"}
     assert analyze.mounted_trees(placed[0], 5, paths) == [(256, "/"), (257, "/home")]
     # "" is the default subvolume; a subvolume the file system lacks is left out.
@@ -411,8 +490,7 @@ def test_split_btrfsvol() -> None:
     assert fslayout.split_btrfsvol("btrfsvol:/dev/sda1/@rootfs") == ("/dev/sda1", "@rootfs")
     assert fslayout.split_btrfsvol("btrfsvol:/dev/sda2/@/var/lib") == ("/dev/sda2", "@/var/lib")
     assert fslayout.split_btrfsvol("btrfsvol:/dev/vg0/root/@") == ("/dev/vg0/root", "@")
-    assert fslayout.split_btrfsvol("btrfsvol:/dev/mapper/luks-1/@") == ("/dev/mapper/luks-1",
-                                                                       "@")
+    assert fslayout.split_btrfsvol("btrfsvol:/dev/mapper/luks-1/@") == ("/dev/mapper/luks-1", "@")
     assert fslayout.split_btrfsvol("/dev/sda1") == ("/dev/sda1", "")
 
 
@@ -432,7 +510,9 @@ def test_a_btrfsvol_on_a_device_the_image_lacks_is_found_by_its_uuid() -> None:
 
     mps = {"/": "btrfsvol:/dev/sdb1/@rootfs", "/boot/efi": "/dev/sda15"}
     assert fslayout.canonical_btrfsvols(Disk(1), mps) == {
-        "/": "btrfsvol:/dev/sda1/@rootfs", "/boot/efi": "/dev/sda15"}
+        "/": "btrfsvol:/dev/sda1/@rootfs",
+        "/boot/efi": "/dev/sda15",
+    }
     good = {"/": "btrfsvol:/dev/sda1/@rootfs"}
     assert fslayout.canonical_btrfsvols(Disk(1), good) == good
 
@@ -440,21 +520,35 @@ def test_a_btrfsvol_on_a_device_the_image_lacks_is_found_by_its_uuid() -> None:
 def test_kernel_in_a_subvolume_through_grub() -> None:
     # grub.cfg on a btrfs names files from its top level: /@rootfs/boot/...
     v = "6.1.0-56-cloud-amd64"
-    cfg = (f"menuentry 'Debian GNU/Linux' {{\n\tlinux\t/@rootfs/boot/vmlinuz-{v} "
-           f"root=UUID=x ro rootflags=subvol=@rootfs\n\tinitrd\t/@rootfs/boot/initrd.img-{v}"
-           "\n}\n")
-    g = FakeImage({"/boot/grub/grub.cfg": cfg, f"/boot/vmlinuz-{v}": "",
-                   f"/boot/initrd.img-{v}": "", "/boot/vmlinuz-6.1.0-10-cloud-amd64": ""})
+    cfg = (
+        f"menuentry 'Debian GNU/Linux' {{\n\tlinux\t/@rootfs/boot/vmlinuz-{v} "
+        f"root=UUID=x ro rootflags=subvol=@rootfs\n\tinitrd\t/@rootfs/boot/initrd.img-{v}"
+        "\n}\n"
+    )
+    g = FakeImage(
+        {
+            "/boot/grub/grub.cfg": cfg,
+            f"/boot/vmlinuz-{v}": "",
+            f"/boot/initrd.img-{v}": "",
+            "/boot/vmlinuz-6.1.0-10-cloud-amd64": "",
+        }
+    )
     assert bootfiles.find_kernel(g, {"@rootfs": "/"}) == (
-        f"/boot/vmlinuz-{v}", f"/boot/initrd.img-{v}", v)
+        f"/boot/vmlinuz-{v}",
+        f"/boot/initrd.img-{v}",
+        v,
+    )
     # A /boot subvolume of its own, mounted on /boot.
-    assert bootfiles.resolve(g, f"/@boot/vmlinuz-{v}", {"@boot": "/boot", "@rootfs": "/"}) \
+    assert (
+        bootfiles.resolve(g, f"/@boot/vmlinuz-{v}", {"@boot": "/boot", "@rootfs": "/"})
         == f"/boot/vmlinuz-{v}"
+    )
 
 
 def test_the_guests_mount_the_root_subvolume() -> None:
     assert "root=UUID=u rootflags=subvol=@rootfs ro " in workload.kernel_cmdline(
-        "u", "subvol=@rootfs")
+        "u", "subvol=@rootfs"
+    )
     assert "rootflags" not in workload.kernel_cmdline("u")
 
 
@@ -495,22 +589,25 @@ def test_candidates_and_paths_across_subvolumes_and_a_snapshot(tmp_path: Path) -
     fs = Placement(fs.uuid, 0, fs.runs, "/", "btrfs", (("", "/"),))
     cands = analyze._btrfs_candidates(fs, img, [257, 259])
     assert [c.tree for c in cands[257]] == [257]
-    assert [c.tree for c in cands[259]] == [256, 258]          # the mounted one first
-    assert cands[259][0].extents == cands[259][1].extents     # the snapshot shares them
+    assert [c.tree for c in cands[259]] == [256, 258]  # the mounted one first
+    assert cands[259][0].extents == cands[259][1].extents  # the snapshot shares them
     assert _check_bytes(img, cands[259][0].extents, data["file"]) == 5
     assert _check_bytes(img, cands[257][0].extents, data["machine"]) == 3
     assert analyze._btrfs_paths(fs, img, {(256, 259), (257, 257), (258, 259)}) == {
-        (256, 259): "/file", (257, 257): "/var/lib/machines/data"}   # @snap is not mounted
+        (256, 259): "/file",
+        (257, 257): "/var/lib/machines/data",
+    }  # @snap is not mounted
     on_snap = Placement(fs.uuid, 0, fs.runs, "/", "btrfs", (("", "/"), ("@snap", "/snap")))
     assert analyze._btrfs_paths(on_snap, img, {(258, 259)}) == {(258, 259): "/snap/file"}
 
 
 # --- what the analysis does with a btrfs ------------------------------------------------
 
+
 def _btrfs_super(devices: int) -> bytes:
     sb = bytearray(4096)
     sb[0x40:0x48] = b"_BHRfS_M"
-    struct.pack_into("<QQI", sb, 0x88 - 8, 0, devices, 4096)   # root_dir, num_devices, sectorsize
+    struct.pack_into("<QQI", sb, 0x88 - 8, 0, devices, 4096)  # root_dir, num_devices, sectorsize
     return bytes(sb)
 
 
@@ -521,8 +618,10 @@ class BtrfsDisk:
         self.devices = devices
 
     def part_list(self, dev: str) -> list[dict[str, int]]:
-        return [{"part_num": n, "part_start": s * 512, "part_size": 2048 * 512}
-                for n, s in ((1, 2048), (2, 4096))]
+        return [
+            {"part_num": n, "part_start": s * 512, "part_size": 2048 * 512}
+            for n, s in ((1, 2048), (2, 4096))
+        ]
 
     def vfs_type(self, dev: str) -> str:
         return "btrfs"
@@ -536,27 +635,34 @@ class BtrfsDisk:
 
 
 def test_a_single_device_btrfs_is_mapped_from_its_subvolume() -> None:
-    mapped, skipped = fslayout.survey(BtrfsDisk(1), {"/": "btrfsvol:/dev/sda1/@rootfs",
-                                                     "/srv": "/dev/sda2"}, 1 << 20)
+    mapped, skipped = fslayout.survey(
+        BtrfsDisk(1), {"/": "btrfsvol:/dev/sda1/@rootfs", "/srv": "/dev/sda2"}, 1 << 20
+    )
     assert skipped == []
-    assert [(m.mountpoint, m.device, m.subvol, m.start_sector, m.guest_start_sector,
-             m.block_size) for m in mapped] == [("/", "/dev/sda1", "@rootfs", 2048, 0, 4096),
-                                                ("/srv", "/dev/sda2", "", 4096, 0, 4096)]
+    assert [
+        (m.mountpoint, m.device, m.subvol, m.start_sector, m.guest_start_sector, m.block_size)
+        for m in mapped
+    ] == [("/", "/dev/sda1", "@rootfs", 2048, 0, 4096), ("/srv", "/dev/sda2", "", 4096, 0, 4096)]
     assert fslayout.root_must_map(Path("g.qcow2"), mapped[0]) is mapped[0]
 
 
 def test_a_btrfs_over_several_devices_is_skipped_and_as_root_refused() -> None:
-    mapped, skipped = fslayout.survey(BtrfsDisk(3), {"/": "btrfsvol:/dev/sda1/@",
-                                                     "/srv": "/dev/sda2"}, 1 << 20)
+    mapped, skipped = fslayout.survey(
+        BtrfsDisk(3), {"/": "btrfsvol:/dev/sda1/@", "/srv": "/dev/sda2"}, 1 << 20
+    )
     assert mapped == []
     assert [(s.mountpoint, s.device, s.fstype) for s in skipped] == [
-        ("/", "/dev/sda1", "btrfs"), ("/srv", "/dev/sda2", "btrfs")]
+        ("/", "/dev/sda1", "btrfs"),
+        ("/srv", "/dev/sda2", "btrfs"),
+    ]
     why = "btrfs over 3 devices (a multi-device or RAID pool)"
     assert all(why in s.reason and "only a btrfs of one device" in s.reason for s in skipped)
     with pytest.raises(UserError) as e:
         fslayout.root_must_map(Path("g.qcow2"), skipped[0])
-    assert "g.qcow2: root file system is btrfs on /dev/sda1, which cannot be analyzed: over 3 " \
+    assert (
+        "g.qcow2: root file system is btrfs on /dev/sda1, which cannot be analyzed: over 3 "
         "devices (a multi-device or RAID pool)" in e.value.message
+    )
     assert "root btrfs lives on one device" in e.value.hint
 
 
@@ -570,18 +676,35 @@ def _btrfs_disk(tmp: Path, files: dict[str, str], root_fs: str) -> Path:
     disk = tmp / "disk.raw"
     with open(disk, "wb") as f:
         f.truncate(300 << 20)
-    subprocess.run(["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)], text=True,
-                   input="start=2048, size=262144\nstart=264192, size=262144\n", check=True)
+    subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)],
+        text=True,
+        input="start=2048, size=262144\nstart=264192, size=262144\n",
+        check=True,
+    )
     for at, size, fstype, src in ((2048, 128, root_fs, tree), (264192, 128, "btrfs", None)):
         fs = tmp / f"fs-{at}.img"
         with open(fs, "wb") as f:
             f.truncate(size << 20)
-        args = (["mkfs.ext4", "-q", "-F", "-b", "4096"] + (["-d", str(src)] if src else [])
-                if fstype == "ext4" else ["mkfs.btrfs", "-q"] + (["-r", str(src)] if src else []))
+        args = (
+            ["mkfs.ext4", "-q", "-F", "-b", "4096"] + (["-d", str(src)] if src else [])
+            if fstype == "ext4"
+            else ["mkfs.btrfs", "-q"] + (["-r", str(src)] if src else [])
+        )
         subprocess.run([*args, str(fs)], check=True, capture_output=True)
         assert fs.stat().st_size == size << 20, "mkfs grew the file system past its partition"
-        subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={at}",
-                        "conv=notrunc,sparse", "status=none"], check=True)
+        subprocess.run(
+            [
+                "dd",
+                f"if={fs}",
+                f"of={disk}",
+                "bs=512",
+                f"seek={at}",
+                "conv=notrunc,sparse",
+                "status=none",
+            ],
+            check=True,
+        )
         fs.unlink()
     return disk
 
@@ -600,17 +723,34 @@ def _raid1_disk(tmp: Path, files: dict[str, str]) -> Path:
     disk = tmp / "disk.raw"
     with open(disk, "wb") as f:
         f.truncate(300 << 20)
-    subprocess.run(["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)], text=True,
-                   input="start=2048, size=262144\nstart=264192, size=262144\n", check=True)
+    subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "-X", "gpt", str(disk)],
+        text=True,
+        input="start=2048, size=262144\nstart=264192, size=262144\n",
+        check=True,
+    )
     devs = [tmp / "a.img", tmp / "b.img"]
     for d in devs:
         with open(d, "wb") as f:
             f.truncate(128 << 20)
-    subprocess.run(["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.btrfs", "-q", "-d", "raid1", "-m", "raid1", *map(str, devs)],
+        check=True,
+        capture_output=True,
+    )
     for at, d in zip((2048, 264192), devs, strict=True):
-        subprocess.run(["dd", f"if={d}", f"of={disk}", "bs=512", f"seek={at}",
-                        "conv=notrunc,sparse", "status=none"], check=True)
+        subprocess.run(
+            [
+                "dd",
+                f"if={d}",
+                f"of={disk}",
+                "bs=512",
+                f"seek={at}",
+                "conv=notrunc,sparse",
+                "status=none",
+            ],
+            check=True,
+        )
         d.unlink()
     g = guestfs.GuestFS(python_return_dict=True)
     try:
@@ -628,13 +768,15 @@ def _raid1_disk(tmp: Path, files: dict[str, str]) -> Path:
 
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
-def test_image_with_a_raid1_btrfs_root_is_refused_before_any_guest_boots(
-        tmp_path: Path) -> None:
+def test_image_with_a_raid1_btrfs_root_is_refused_before_any_guest_boots(tmp_path: Path) -> None:
     files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / btrfs defaults 0 0\n"})
     img = _raid1_disk(tmp_path, files)
     r = run_analyze(tmp_path, str(img))
-    assert_clean_failure(r, "disk.raw: root file system is btrfs on /dev/sda1, which cannot "
-                            "be analyzed: over 2 devices (a multi-device or RAID pool)")
+    assert_clean_failure(
+        r,
+        "disk.raw: root file system is btrfs on /dev/sda1, which cannot "
+        "be analyzed: over 2 devices (a multi-device or RAID pool)",
+    )
     assert "root btrfs lives on one device" in r.stderr
     assert "booting guests" not in r.stderr
 
@@ -642,32 +784,57 @@ def test_image_with_a_raid1_btrfs_root_is_refused_before_any_guest_boots(
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
 def test_a_btrfs_srv_is_mapped_next_to_the_ext4_root(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
-    files = dict(DEBIAN_TREE, **{"etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n"
-                                              "/dev/sda2 /srv btrfs defaults 0 0\n",
-                                 "srv/.keep": ""})
+    files = dict(
+        DEBIAN_TREE,
+        **{
+            "etc/fstab": "/dev/sda1 / ext4 defaults 0 1\n/dev/sda2 /srv btrfs defaults 0 0\n",
+            "srv/.keep": "",
+        },
+    )
     img = _btrfs_disk(tmp_path, files, "ext4")
     fmt, vsize = probe_format(img)
     info = inspect_image(img, fmt, vsize).info
-    assert [(f.mountpoint, f.fstype, f.start_sector, f.guest_start_sector)
-            for f in info.filesystems] == [("/", "ext4", 2048, 2048),
-                                           ("/srv", "btrfs", 264192, 0)]
+    assert [
+        (f.mountpoint, f.fstype, f.start_sector, f.guest_start_sector) for f in info.filesystems
+    ] == [("/", "ext4", 2048, 2048), ("/srv", "btrfs", 264192, 0)]
     assert info.skipped == ()
 
 
 def test_a_raid_profile_found_in_the_chunk_tree_refuses_the_root_and_skips_the_rest(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from pageshare.image_inspect import ImageInfo, Inspection
     from pageshare.progress import Progress
 
     def fs(mp: str, uuid: str) -> fslayout.MappedFs:
-        return fslayout.MappedFs(mp, "/dev/sda1", 1, 2048, "btrfs", uuid, 4096, "devices=1",
-                                 ((0, 1 << 20, 2048),), 0)
+        return fslayout.MappedFs(
+            mp, "/dev/sda1", 1, 2048, "btrfs", uuid, 4096, "devices=1", ((0, 1 << 20, 2048),), 0
+        )
 
     a, b = "d61e0c15-e3ef-45fb-9dec-31107edbfefa", "0c7e2f0d-3d4b-4b8e-9a51-5b8c2f3c9d11"
-    info = ImageInfo("g", "raw", 1 << 30, "debian", "12", 12, 0, "/dev/sda1", 1, 2048, "btrfs",
-                     a, 4096, "", "6.1", "/boot/vmlinuz", "", (fs("/", a), fs("/srv", b)))
+    info = ImageInfo(
+        "g",
+        "raw",
+        1 << 30,
+        "debian",
+        "12",
+        12,
+        0,
+        "/dev/sda1",
+        1,
+        2048,
+        "btrfs",
+        a,
+        4096,
+        "",
+        "6.1",
+        "/boot/vmlinuz",
+        "",
+        (fs("/", a), fs("/srv", b)),
+    )
     insp = Inspection(info, tmp_path / "vmlinuz", None)
     geo = Geometry(analyze.placements(info.filesystems), 1 << 30)
     sources = {p.key: (tmp_path / p.uuid, 0) for p in geo.filesystems}
@@ -683,10 +850,14 @@ def test_a_raid_profile_found_in_the_chunk_tree_refuses_the_root_and_skips_the_r
     insp2, geo2 = analyze._check_btrfs_chunks(Path("g"), insp, geo, sources, progress)
     assert [f.mountpoint for f in insp2.info.filesystems] == ["/"]
     assert [(s.mountpoint, s.reason) for s in insp2.info.skipped] == [
-        ("/srv", "btrfs DATA chunk at 1 has the RAID0 profile")]
+        ("/srv", "btrfs DATA chunk at 1 has the RAID0 profile")
+    ]
     assert [p.mountpoint for p in geo2.filesystems] == ["/"]
     assert said and "/srv (btrfs) is not mapped" in said[0]
     monkeypatch.setattr(btrfsmap, "check_chunks", lambda image: check(Path(b.replace("-", ""))))
-    with pytest.raises(UserError, match="root file system is btrfs, which cannot be analyzed: "
-                                        "btrfs DATA chunk at 1 has the RAID0 profile"):
+    with pytest.raises(
+        UserError,
+        match="root file system is btrfs, which cannot be analyzed: "
+        "btrfs DATA chunk at 1 has the RAID0 profile",
+    ):
         analyze._check_btrfs_chunks(Path("g"), insp, geo, sources, progress)

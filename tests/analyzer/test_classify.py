@@ -4,8 +4,10 @@ import pytest
 from pageshare.classify import COLUMNS, ClassificationError, parse
 
 HEADER = "#pagescan v1\t" + "\t".join(COLUMNS) + "\n"
-FILE_LINE = ("4660\tfile\t2000000000002c\t17\tffff888003b1c2a8\t131\t800001\text4\t"
-             "059a5ac684ce4b8f88bf106cefac840b\t800001\tvda\t2048\t65536\t12\tU---P\n")
+FILE_LINE = (
+    "4660\tfile\t2000000000002c\t17\tffff888003b1c2a8\t131\t800001\text4\t"
+    "059a5ac684ce4b8f88bf106cefac840b\t800001\tvda\t2048\t65536\t12\tU---P\n"
+)
 
 
 def test_file_record_fields() -> None:
@@ -18,8 +20,10 @@ def test_file_record_fields() -> None:
     assert r.clean
 
 
-@pytest.mark.parametrize("state,clean", [("U---P", True), ("UD---", False), ("U-W--", False),
-                                         ("U--L-", False), ("-----", False)])
+@pytest.mark.parametrize(
+    "state,clean",
+    [("U---P", True), ("UD---", False), ("U-W--", False), ("U--L-", False), ("-----", False)],
+)
 def test_clean_needs_uptodate_and_quiet(state: str, clean: bool) -> None:
     line = FILE_LINE.replace("U---P", state)
     assert parse(HEADER + line)[4660].clean is clean
@@ -38,15 +42,18 @@ def test_dash_fields_are_empty() -> None:
     assert r.fstype == "" and r.disk == ""
 
 
-@pytest.mark.parametrize("text,msg", [
-    ("", "header"),
-    ("4660\tfile\n", "header"),
-    (HEADER.replace("state", "nope"), "columns"),
-    (HEADER + "12\tfile\t0\t1\n", "fields"),
-    (HEADER + "x\tanon\n", "line 2"),
-    (HEADER + "5\tweird\n", "unknown kind"),
-    (HEADER + FILE_LINE.replace("\t17\t", "\tseventeen\t"), "line 2"),
-])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("", "header"),
+        ("4660\tfile\n", "header"),
+        (HEADER.replace("state", "nope"), "columns"),
+        (HEADER + "12\tfile\t0\t1\n", "fields"),
+        (HEADER + "x\tanon\n", "line 2"),
+        (HEADER + "5\tweird\n", "unknown kind"),
+        (HEADER + FILE_LINE.replace("\t17\t", "\tseventeen\t"), "line 2"),
+    ],
+)
 def test_bad_input_is_rejected(text: str, msg: str) -> None:
     with pytest.raises(ClassificationError, match=msg):
         parse(text)

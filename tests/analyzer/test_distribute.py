@@ -16,8 +16,13 @@ from pageshare.cli import main
 def a_list(path: Path, seed: int, n: int = 5, name: str = "golden.qcow2") -> sectorlist.SectorList:
     ident = sectorlist.ImageIdentity(1 << 30, hashlib.sha256(b"%d" % seed).hexdigest(), name)
     blocks = {8 * (i + 1): hashlib.sha256(b"%d-%d" % (seed, i)).hexdigest() for i in range(n)}
-    sl = sectorlist.SectorList(image=ident, blocks=blocks, generator="analyze-image 0.1.0",
-                               created="2026-11-21T12:00:00Z", runs="3 runs")
+    sl = sectorlist.SectorList(
+        image=ident,
+        blocks=blocks,
+        generator="analyze-image 0.1.0",
+        created="2026-11-21T12:00:00Z",
+        runs="3 runs",
+    )
     sectorlist.write(sl, path)
     return sl
 
@@ -41,8 +46,10 @@ def test_publish_fetch_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             assert got.blocks == sl.blocks
         with pytest.raises(distribute.DistributeError, match="no list in Redis"):
             distribute.fetch(store, "nosuchimage")
-        assert main(["list", "fetch", "debian12", "-o", str(tmp_path / "c.pcsl"),
-                     "--redis", rd.url]) == 0
+        assert (
+            main(["list", "fetch", "debian12", "-o", str(tmp_path / "c.pcsl"), "--redis", rd.url])
+            == 0
+        )
         assert "wrote" in capsys.readouterr().out
         assert main(["list", "ls", "--json", "--redis", rd.url]) == 0
         images = json.loads(capsys.readouterr().out)
@@ -67,8 +74,9 @@ def test_publish_fetch_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             distribute.fetch(store, key)
         r.sadd("pageshare:images", "junk-key")
         r.sadd("pageshare:hosts", "h1", "h2")
-        r.hset("pageshare:host:h1", mapping={"status": json.dumps({"images": "nope"}),
-                                             "updated": "1"})
+        r.hset(
+            "pageshare:host:h1", mapping={"status": json.dumps({"images": "nope"}), "updated": "1"}
+        )
         r.hset("pageshare:host:h2", mapping={"status": "[1,2]"})
         assert main(["list", "ls", "--redis", rd.url]) == 0
         assert "junk-key" in capsys.readouterr().out

@@ -61,8 +61,10 @@ def test_auto_trusts_crash_9_with_new_kernels() -> None:
 
 
 def test_explicit_choice_wins() -> None:
-    assert choose_introspector("crash", "6.12.1", "crash 8.0.2") == \
-        ("crash", "requested with --introspector")
+    assert choose_introspector("crash", "6.12.1", "crash 8.0.2") == (
+        "crash",
+        "requested with --introspector",
+    )
     assert choose_introspector("drgn", "6.1.0", "crash 8.0.2")[0] == "drgn"
     with pytest.raises(ValueError):
         choose_introspector("gdb", "6.1.0", "crash 8.0.2")
@@ -72,12 +74,14 @@ def test_results_db_gains_the_introspector_column(tmp_path: Path) -> None:
     """A database made before the column existed is migrated by connect()."""
     path = tmp_path / "old.sqlite"
     old = sqlite3.connect(path)
-    old.execute("CREATE TABLE analysis (id INTEGER PRIMARY KEY, image_id INTEGER NOT NULL, "
-                "started_at TEXT NOT NULL, status TEXT NOT NULL)")
+    old.execute(
+        "CREATE TABLE analysis (id INTEGER PRIMARY KEY, image_id INTEGER NOT NULL, "
+        "started_at TEXT NOT NULL, status TEXT NOT NULL)"
+    )
     old.execute("INSERT INTO analysis VALUES (1, 1, 'then', 'ok')")
     old.commit()
     old.close()
-    for _ in range(2):   # and a second connect() leaves it alone
+    for _ in range(2):  # and a second connect() leaves it alone
         db = connect(path)
         cols = [r[1] for r in db.execute("PRAGMA table_info(analysis)")]
         assert cols.count("introspector") == 1
@@ -127,8 +131,7 @@ def _boot_and_dump(variant: str, tmp: Path) -> tuple[Path, Path, str]:
 def _all_pfns(dump: Path) -> list[int]:
     elf = ElfDump(dump)
     try:
-        return [p for s in elf.segments for p in range(s.paddr // 4096,
-                                                        (s.paddr + s.size) // 4096)]
+        return [p for s in elf.segments for p in range(s.paddr // 4096, (s.paddr + s.size) // 4096)]
     finally:
         elf.close()
 
@@ -150,8 +153,11 @@ def dump_612(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, P
 def _diff(a: PageRecord | None, b: PageRecord | None) -> str:
     if a is None or b is None:
         return f"drgn {a} / crash {b}"
-    return ", ".join(f"{f.name}: drgn {getattr(a, f.name)!r} crash {getattr(b, f.name)!r}"
-                     for f in fields(PageRecord) if getattr(a, f.name) != getattr(b, f.name))
+    return ", ".join(
+        f"{f.name}: drgn {getattr(a, f.name)!r} crash {getattr(b, f.name)!r}"
+        for f in fields(PageRecord)
+        if getattr(a, f.name) != getattr(b, f.name)
+    )
 
 
 def _tail_pages(scanner: drgn_backend.Scanner, pfns: list[int]) -> int:
@@ -164,8 +170,7 @@ def _tail_pages(scanner: drgn_backend.Scanner, pfns: list[int]) -> int:
 
 
 @pytest.mark.vm
-def test_drgn_matches_crash_on_a_6_1_dump(dump_61: tuple[Path, Path, str],
-                                          tmp_path: Path) -> None:
+def test_drgn_matches_crash_on_a_6_1_dump(dump_61: tuple[Path, Path, str], tmp_path: Path) -> None:
     vmlinux, dump, osrelease = dump_61
     assert osrelease.startswith("6.1.")
     # Every frame of the guest, plus PFNs beyond its RAM (nopage).
@@ -179,8 +184,9 @@ def test_drgn_matches_crash_on_a_6_1_dump(dump_61: tuple[Path, Path, str],
 
     assert set(by_drgn) == set(by_crash) == set(pfns)
     bad = [p for p in pfns if by_drgn[p] != by_crash[p]]
-    assert not bad, (f"{len(bad)} of {len(pfns)} records differ, e.g.:\n"
-                     + "\n".join(f"  pfn {p}: {_diff(by_drgn[p], by_crash[p])}" for p in bad[:20]))
+    assert not bad, f"{len(bad)} of {len(pfns)} records differ, e.g.:\n" + "\n".join(
+        f"  pfn {p}: {_diff(by_drgn[p], by_crash[p])}" for p in bad[:20]
+    )
     kinds = Counter(r.kind for r in by_crash.values())
     print(f"identical: {len(pfns)} records {dict(kinds)}")
     # The comparison covered what matters: lots of file pages with their
@@ -194,8 +200,9 @@ def test_drgn_matches_crash_on_a_6_1_dump(dump_61: tuple[Path, Path, str],
 
 
 @pytest.mark.vm
-def test_drgn_reads_a_dump_without_vmcoreinfo_note(dump_61: tuple[Path, Path, str],
-                                                   tmp_path: Path) -> None:
+def test_drgn_reads_a_dump_without_vmcoreinfo_note(
+    dump_61: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     """Guests without qemu_fw_cfg give dumps without the note; ElfDump finds the
     text in guest memory and drgn must still treat the dump as a kernel."""
     vmlinux, dump, _ = dump_61
@@ -209,12 +216,13 @@ def test_drgn_reads_a_dump_without_vmcoreinfo_note(dump_61: tuple[Path, Path, st
         for off, size in notes:
             at = mm.find(b"VMCOREINFO\0", off, off + size)
             if at >= 0:
-                mm[at:at + 1] = b"X"
+                mm[at : at + 1] = b"X"
                 renamed += 1
         assert renamed == 1
     pfns = _all_pfns(dump)[::17]
-    assert drgn_backend.classify_pfns(vmlinux, bare, pfns, tmp_path) == \
-        drgn_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
+    assert drgn_backend.classify_pfns(vmlinux, bare, pfns, tmp_path) == drgn_backend.classify_pfns(
+        vmlinux, dump, pfns, tmp_path
+    )
 
 
 def _corrupt_module_list(vmlinux: Path, dump: Path, out: Path) -> None:
@@ -226,7 +234,7 @@ def _corrupt_module_list(vmlinux: Path, dump: Path, out: Path) -> None:
     prog = drgn_backend.open_dump(vmlinux, dump)
     init_mm = prog["init_mm"].address_of_()
     mod = drgn.container_of(prog["modules"].next, "struct module", "list")
-    layout = mod.core_layout if hasattr(mod, "core_layout") else mod.mem[0]   # 6.1 / 6.4+
+    layout = mod.core_layout if hasattr(mod, "core_layout") else mod.mem[0]  # 6.1 / 6.4+
     text = layout.base.value_()
     notes_t = prog.type("struct module_notes_attrs")
     attr_t = prog.type("struct bin_attribute")
@@ -246,13 +254,18 @@ def _corrupt_module_list(vmlinux: Path, dump: Path, out: Path) -> None:
         note = table + drgn.offsetof(notes_t, "attrs")
         struct.pack_into("<Q", mm, note + drgn.offsetof(attr_t, "size"), 1 << 62)
         struct.pack_into("<Q", mm, note + drgn.offsetof(attr_t, "private"), text)
-        struct.pack_into("<Q", mm, file_offset(mod.value_() + drgn.offsetof(
-            prog.type("struct module"), "notes_attrs")), text)
+        struct.pack_into(
+            "<Q",
+            mm,
+            file_offset(mod.value_() + drgn.offsetof(prog.type("struct module"), "notes_attrs")),
+            text,
+        )
 
 
 @pytest.mark.vm
 def test_a_half_written_module_list_does_not_stop_either_backend(
-        dump_61: tuple[Path, Path, str], tmp_path: Path) -> None:
+    dump_61: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     """A dump that caught a module mid-load: drgn's full load_debug_info() dies
     on it, open_dump() does not need the module list, and both backends give
     the records they give on the intact dump."""
@@ -294,8 +307,9 @@ def test_drgn_classifies_a_6_12_dump(dump_612: tuple[Path, Path, str], tmp_path:
     files = [r for r in recs.values() if r.kind == "file"]
     ext4 = [r for r in files if r.fstype == "ext4"]
     assert len(ext4) == len(files)
-    assert {(r.fs_uuid, r.disk, r.start_sect, r.blkbits) for r in ext4} == \
-        {(uuid, "vda", manifest["root_start_sector"], 12)}
+    assert {(r.fs_uuid, r.disk, r.start_sect, r.blkbits) for r in ext4} == {
+        (uuid, "vda", manifest["root_start_sector"], 12)
+    }
     assert {r.fstype for r in recs.values() if r.kind == "bdev"} == {"bdev"}
     assert all(len(r.state) == 5 and r.state[0] in "U-" for r in files)
 
@@ -328,11 +342,13 @@ with open("{work}/out.jsonl", "w") as f:
 """
 
 
-def run_packaged(root: Root, backend: str, py: str, vmlinux: Path, dump: Path,
-                 pfns: list[int], work: Path) -> dict[int, PageRecord]:
+def run_packaged(
+    root: Root, backend: str, py: str, vmlinux: Path, dump: Path, pfns: list[int], work: Path
+) -> dict[int, PageRecord]:
     (work / "pfns").write_text("\n".join(map(str, pfns)))
-    (work / "run.py").write_text(PACKAGED_RUN.format(py=py, backend=backend, work=work,
-                                                     vmlinux=vmlinux, dump=dump))
+    (work / "run.py").write_text(
+        PACKAGED_RUN.format(py=py, backend=backend, work=work, vmlinux=vmlinux, dump=dump)
+    )
     p = root.run(f"/usr/bin/python3 {work}/run.py", binds=(work, vmlinux.parent, dump.parent))
     assert p.returncode == 0, p.stdout + p.stderr
     out: dict[int, PageRecord] = {}
@@ -344,8 +360,8 @@ def run_packaged(root: Root, backend: str, py: str, vmlinux: Path, dump: Path,
 
 @pytest.mark.vm
 def test_the_packaged_pagescan_classifies_as_the_checkout(
-        dump_61: tuple[Path, Path, str], pageshare_root: Callable[[str], Root],
-        tmp_path: Path) -> None:
+    dump_61: tuple[Path, Path, str], pageshare_root: Callable[[str], Root], tmp_path: Path
+) -> None:
     """The crash extension the package built, run by the installed modules with
     Debian 12's crash in a fresh root, gives the checkout's records."""
     vmlinux, dump, _ = dump_61
@@ -353,16 +369,17 @@ def test_the_packaged_pagescan_classifies_as_the_checkout(
     want = crash_backend.classify_pfns(vmlinux, dump, pfns, tmp_path)
     work = tmp_path / "packaged"
     work.mkdir()
-    got = run_packaged(pageshare_root("bookworm"), "crash_backend", "3.11", vmlinux, dump,
-                       pfns, work)
+    got = run_packaged(
+        pageshare_root("bookworm"), "crash_backend", "3.11", vmlinux, dump, pfns, work
+    )
     assert got == want
     assert Counter(r.kind for r in got.values())["file"] > 100
 
 
 @pytest.mark.vm
-def test_the_packaged_drgn_on_debian_13(dump_612: tuple[Path, Path, str],
-                                        pageshare_root: Callable[[str], Root],
-                                        tmp_path: Path) -> None:
+def test_the_packaged_drgn_on_debian_13(
+    dump_612: tuple[Path, Path, str], pageshare_root: Callable[[str], Root], tmp_path: Path
+) -> None:
     """Debian 13: the package's drgn for Python 3.13 reads the 6.12 dump as the
     checkout's does; its crash extension, built for Debian 12's crash, is
     refused with a message rather than loaded into another crash."""
@@ -374,8 +391,9 @@ def test_the_packaged_drgn_on_debian_13(dump_612: tuple[Path, Path, str],
     root = pageshare_root("trixie")
     got = run_packaged(root, "drgn_backend", "3.13", vmlinux, dump, pfns, work)
     assert got == want
-    p = root.run("/usr/bin/python3 -c 'import sys; sys.path[:0] = [\"/usr/lib/pageshare/python\"];"
-                 " from pageshare import datafiles; datafiles.pagescan_extension()'")
+    p = root.run(
+        '/usr/bin/python3 -c \'import sys; sys.path[:0] = ["/usr/lib/pageshare/python"];'
+        " from pageshare import datafiles; datafiles.pagescan_extension()'"
+    )
     assert p.returncode != 0
-    assert "was built for crash 8.0.2" in p.stderr and "--introspector drgn" in p.stderr, \
-        p.stderr
+    assert "was built for crash 8.0.2" in p.stderr and "--introspector drgn" in p.stderr, p.stderr

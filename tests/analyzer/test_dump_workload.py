@@ -6,8 +6,10 @@ from pathlib import Path
 from pageshare.dump import ElfDump, parse_vmcoreinfo
 from pageshare.workload import Markers, Workload, kernel_cmdline, script
 
-VMCI = ("OSRELEASE=6.1.0-56-cloud-amd64\nBUILD-ID=" + "ab" * 20 + "\nPAGESIZE=4096\n"
-        "KERNELOFFSET=2a000000\n")
+VMCI = (
+    "OSRELEASE=6.1.0-56-cloud-amd64\nBUILD-ID=" + "ab" * 20 + "\nPAGESIZE=4096\n"
+    "KERNELOFFSET=2a000000\n"
+)
 
 
 def make_elf(path: Path, pages: dict[int, bytes], note: bool, paddr: int = 0x1000) -> None:
@@ -15,18 +17,24 @@ def make_elf(path: Path, pages: dict[int, bytes], note: bool, paddr: int = 0x100
     ram = bytearray(4 * 4096)
     for pfn, data in pages.items():
         off = pfn * 4096 - paddr
-        ram[off:off + 4096] = data
+        ram[off : off + 4096] = data
     phnum = 2 if note else 1
     phoff = 64
     data_off = phoff + 56 * phnum
     notes = b""
     if note:
         name, desc = b"VMCOREINFO\0", VMCI.encode()
-        notes = struct.pack("<III", len(name), len(desc), 0) + name.ljust(12, b"\0") + \
-            desc.ljust((len(desc) + 3) & ~3, b"\0")
+        notes = (
+            struct.pack("<III", len(name), len(desc), 0)
+            + name.ljust(12, b"\0")
+            + desc.ljust((len(desc) + 3) & ~3, b"\0")
+        )
     load_off = data_off + len(notes)
-    hdr = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack(
-        "<HHIQQQIHHHHHH", 4, 62, 1, 0, phoff, 0, 0, 64, 56, phnum, 0, 0, 0)
+    hdr = (
+        b"\x7fELF\x02\x01\x01"
+        + bytes(9)
+        + struct.pack("<HHIQQQIHHHHHH", 4, 62, 1, 0, phoff, 0, 0, 64, 56, phnum, 0, 0, 0)
+    )
     ph = b""
     if note:
         ph += struct.pack("<IIQQQQQQ", 4, 0, data_off, 0, 0, len(notes), len(notes), 0)
@@ -41,7 +49,7 @@ def test_pages_by_guest_physical_address(tmp_path: Path) -> None:
     try:
         assert d.page(2) == b"\x11" * 4096
         assert d.page(4) == b"\x22" * 4096
-        assert d.page(0) is None and d.page(5) is None    # outside the PT_LOAD
+        assert d.page(0) is None and d.page(5) is None  # outside the PT_LOAD
         vmci = parse_vmcoreinfo(d.vmcoreinfo() or "")
         assert vmci["OSRELEASE"] == "6.1.0-56-cloud-amd64" and vmci["BUILD-ID"] == "ab" * 20
     finally:

@@ -68,8 +68,7 @@ def test_variant_specs_are_well_formed() -> None:
 def test_trixie_variant_is_small_packages_on_demo_layout() -> None:
     trixie, small = golden._spec("trixie"), golden._spec("small")
     assert trixie.suite == "trixie"
-    assert [s.split()[2] for s in trixie.sources] == ["trixie", "trixie-updates",
-                                                      "trixie-security"]
+    assert [s.split()[2] for s in trixie.sources] == ["trixie", "trixie-updates", "trixie-security"]
     assert trixie.packages == small.packages
     assert trixie.mmdebstrap_variant == small.mmdebstrap_variant
     g = golden.geometry("trixie")
@@ -77,16 +76,27 @@ def test_trixie_variant_is_small_packages_on_demo_layout() -> None:
     assert trixie.disk_guid is not None and set(trixie.partition_guids) == {"1", "14", "15"}
     # No UUID or GUID is shared with another variant: clones of different
     # golden images must not look like the same disk or file system.
-    ids = [(v, i) for v in golden.VARIANTS for i in (
-        golden._spec(v).fs_uuid, golden._spec(v).disk_guid, golden._spec(v).boot_fs_uuid,
-        *golden._spec(v).partition_guids.values()) if i]
+    ids = [
+        (v, i)
+        for v in golden.VARIANTS
+        for i in (
+            golden._spec(v).fs_uuid,
+            golden._spec(v).disk_guid,
+            golden._spec(v).boot_fs_uuid,
+            *golden._spec(v).partition_guids.values(),
+        )
+        if i
+    ]
     assert len({i for _, i in ids}) == len(ids)
 
 
 def test_bootsplit_variant_is_small_packages_with_a_separate_boot() -> None:
     spec, small = golden._spec("bootsplit"), golden._spec("small")
     assert (spec.packages, spec.mmdebstrap_variant, spec.suite) == (
-        small.packages, small.mmdebstrap_variant, small.suite)
+        small.packages,
+        small.mmdebstrap_variant,
+        small.suite,
+    )
     assert spec.boot_fs_uuid and str(uuid.UUID(spec.boot_fs_uuid)) == spec.boot_fs_uuid
     assert set(spec.partition_guids) == {"1", "2", "14", "15"}
     g = golden.geometry("bootsplit")
@@ -105,7 +115,7 @@ def test_bootsplit_variant_is_small_packages_with_a_separate_boot() -> None:
 
 def test_lvm_variant_is_small_packages_with_lvm2_on_a_pv_partition() -> None:
     spec, small = golden._spec("lvm"), golden._spec("small")
-    assert spec.packages == [*small.packages, "lvm2"]      # the initrd activates the VG
+    assert spec.packages == [*small.packages, "lvm2"]  # the initrd activates the VG
     g = golden.geometry("lvm")
     assert (g.layout, g.root_partition, g.root_start_sector) == ("gpt-lvm", 1, 262144)
     # The LV (the file system) fits in the PV partition after LVM's own metadata.
@@ -116,16 +126,15 @@ def test_lvm_variant_is_small_packages_with_lvm2_on_a_pv_partition() -> None:
 def test_xfs_variant_is_small_packages_with_an_xfs_root() -> None:
     spec, small = golden._spec("xfs"), golden._spec("small")
     assert spec.root_fstype == "xfs" and small.root_fstype == "ext4"
-    assert spec.packages == [*small.packages, "xfsprogs"]      # fsck.xfs for the initrd
+    assert spec.packages == [*small.packages, "xfsprogs"]  # fsck.xfs for the initrd
     assert golden.geometry("xfs") == golden.geometry("trixie")
     assert "FSTYPE=xfs" in golden._root_fstype_hook("xfs")
 
 
-def test_btrfs_variant_is_small_packages_with_the_root_in_a_btrfs_subvolume(
-        tmp_path: Path) -> None:
+def test_btrfs_variant_is_small_packages_with_the_root_in_a_btrfs_subvolume(tmp_path: Path) -> None:
     spec, small = golden._spec("btrfs"), golden._spec("small")
     assert (spec.root_fstype, spec.root_subvol) == ("btrfs", "@rootfs")
-    assert spec.packages == [*small.packages, "btrfs-progs"]   # btrfs device scan in the initrd
+    assert spec.packages == [*small.packages, "btrfs-progs"]  # btrfs device scan in the initrd
     assert golden.geometry("btrfs") == golden.geometry("trixie")
     assert spec.compressed_files and all(f.startswith("/usr/") for f in spec.compressed_files)
     # The other variants' specs have no btrfs fields (and their cache keys did not move).
@@ -135,19 +144,26 @@ def test_btrfs_variant_is_small_packages_with_the_root_in_a_btrfs_subvolume(
     (tmp_path / "etc/shadow").write_text("root:*:19000:0:99999:7:::\n")
     golden._customize(tmp_path, spec)
     assert (tmp_path / "etc/fstab").read_text() == (
-        f"UUID={spec.fs_uuid}\t/\tbtrfs\tdefaults,subvol=@rootfs\t0\t0\n")
+        f"UUID={spec.fs_uuid}\t/\tbtrfs\tdefaults,subvol=@rootfs\t0\t0\n"
+    )
 
 
-def test_mbr_variant_is_small_packages_on_debian_installers_bios_layout(
-        tmp_path: Path) -> None:
+def test_mbr_variant_is_small_packages_on_debian_installers_bios_layout(tmp_path: Path) -> None:
     spec, small = golden._spec("mbr"), golden._spec("small")
     assert (spec.packages, spec.mmdebstrap_variant, spec.suite) == (
-        small.packages, small.mmdebstrap_variant, small.suite)
+        small.packages,
+        small.mmdebstrap_variant,
+        small.suite,
+    )
     g = golden.geometry("mbr")
     # As fdisk -l shows a fresh BIOS install: root 1 (2048 to a MiB boundary),
     # extended 2 from two sectors before logical 5 (swap) to the end of the disk.
     assert (g.layout, g.root_partition, g.root_start_sector, g.root_end_sector) == (
-        "mbr", 1, 2048, 3930111)
+        "mbr",
+        1,
+        2048,
+        3930111,
+    )
     assert (g.extended_partition, g.extended_start_sector) == (2, 3932158)
     assert (g.swap_partition, g.swap_start_sector, g.swap_end_sector) == (5, 3932160, 4194303)
     assert g.fs_bytes == (g.root_end_sector - 2048 + 1) * 512 and g.fs_bytes % 4096 == 0
@@ -162,7 +178,8 @@ def test_mbr_variant_is_small_packages_on_debian_installers_bios_layout(
     golden._customize(tmp_path, spec)
     assert (tmp_path / "etc/fstab").read_text() == (
         f"UUID={spec.fs_uuid}\t/\text4\trw,discard,errors=remount-ro\t0\t1\n"
-        f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n")
+        f"UUID={spec.swap_uuid}\tnone\tswap\tsw\t0\t0\n"
+    )
 
 
 def test_small1k_variant_is_small_with_1k_blocks() -> None:
@@ -391,9 +408,19 @@ def _boot_to_login(variant: str, tmp_path: Path) -> str:
         check=True,
     )  # fmt: skip
     return _run_until_login(
-        ["-kernel", str(kernel), "-initrd", str(initrd),
-         "-append", f"console=ttyS0 root=UUID={m['fs_uuid']} ro",
-         "-drive", f"file={overlay},if=virtio,format=qcow2"], serial, 300)
+        [
+            "-kernel",
+            str(kernel),
+            "-initrd",
+            str(initrd),
+            "-append",
+            f"console=ttyS0 root=UUID={m['fs_uuid']} ro",
+            "-drive",
+            f"file={overlay},if=virtio,format=qcow2",
+        ],
+        serial,
+        300,
+    )
 
 
 def _run_until_login(args: list[str], serial: Path, timeout: float) -> str:
@@ -401,10 +428,26 @@ def _run_until_login(args: list[str], serial: Path, timeout: float) -> str:
     that shows a login prompt; returns the console's text then (or at the end
     of TIMEOUT seconds, or when QEMU exited)."""
     qemu = subprocess.Popen(
-        ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-cpu", "max,la57=off",
-         "-m", "1024", "-smp", "1", "-nodefaults", "-display", "none",
-         "-serial", f"file:{serial}", *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "qemu-system-x86_64",
+            "-machine",
+            "q35,accel=tcg",
+            "-cpu",
+            "max,la57=off",
+            "-m",
+            "1024",
+            "-smp",
+            "1",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-serial",
+            f"file:{serial}",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     log = ""
     try:
         deadline = time.monotonic() + timeout
@@ -431,15 +474,20 @@ def test_bootsplit_has_its_kernel_only_on_the_boot_partition(tmp_path: Path) -> 
     assert parts[2][1:] == (geo.boot_start_sector, geo.boot_end_sector)
     assert str(parts[2][0]) == spec.partition_guids["2"]
     assert (m["boot_partition"], m["boot_start_sector"], m["boot_fs_uuid"]) == (
-        2, 262144, spec.boot_fs_uuid)
-    root, boot = f"{raw}?offset={geo.root_start_sector * 512}", \
-        f"{raw}?offset={geo.boot_start_sector * 512}"
+        2,
+        262144,
+        spec.boot_fs_uuid,
+    )
+    root, boot = (
+        f"{raw}?offset={geo.root_start_sector * 512}",
+        f"{raw}?offset={geo.boot_start_sector * 512}",
+    )
     assert f"Filesystem UUID:          {spec.boot_fs_uuid}" in _debugfs(boot, "stats")
     assert "Filesystem volume name:   boot" in _debugfs(boot, "stats")
     kernel = m["kernel_version"]
     for name in (f"vmlinuz-{kernel}", f"initrd.img-{kernel}", f"config-{kernel}"):
         assert _exists(boot, f"/{name}"), name
-        assert not _exists(root, f"/boot/{name}"), name     # only the mount point is left
+        assert not _exists(root, f"/boot/{name}"), name  # only the mount point is left
     assert _exists(root, "/boot") and _exists(root, "/usr/lib/systemd/systemd")
     fstab = _debugfs(root, "cat /etc/fstab")
     assert f"UUID={m['fs_uuid']}\t/\text4" in fstab
@@ -450,7 +498,11 @@ def test_efi_variant_geometry_is_a_uefi_installers() -> None:
     spec, g = golden._spec("efi"), golden.geometry("efi")
     assert spec.suite == "trixie" and g.layout == "gpt-efi"
     assert [(p.mountpoint, p.partition) for p in g.placed] == [
-        ("/boot/efi", 1), ("/boot", 2), ("/", 3), ("/var", 4)]
+        ("/boot/efi", 1),
+        ("/boot", 2),
+        ("/", 3),
+        ("/var", 4),
+    ]
     assert g.placed[0].start_sector == 2048
     for a, b in zip(g.placed, g.placed[1:], strict=False):
         assert b.start_sector == a.end_sector + 1 and b.start_sector % 2048 == 0
@@ -472,9 +524,12 @@ def test_efi_image_has_its_file_systems_where_the_fstab_says(tmp_path: Path) -> 
     for p in geo.placed:
         assert parts[p.partition][1:] == (p.start_sector, p.end_sector), p
         assert str(parts[p.partition][0]) == spec.partition_guids[str(p.partition)]
-    assert m["filesystems"][2] == {"mountpoint": "/", "partition": 3,
-                                   "start_sector": geo.root_start_sector,
-                                   "end_sector": geo.root_end_sector}
+    assert m["filesystems"][2] == {
+        "mountpoint": "/",
+        "partition": 3,
+        "start_sector": geo.root_start_sector,
+        "end_sector": geo.root_end_sector,
+    }
 
     def at(mp: str) -> str:
         return f"{raw}?offset={geo.at(mp).start_sector * 512}"
@@ -482,16 +537,22 @@ def test_efi_image_has_its_file_systems_where_the_fstab_says(tmp_path: Path) -> 
     kernel = m["kernel_version"]
     root, boot, var = at("/"), at("/boot"), at("/var")
     # /boot is ext2 and /var ext3: no extents, so their files use indirect block maps.
-    for fs, fs_uuid, journal in ((boot, spec.filesystems[1].uuid, False),
-                                 (var, spec.filesystems[3].uuid, True)):
+    for fs, fs_uuid, journal in (
+        (boot, spec.filesystems[1].uuid, False),
+        (var, spec.filesystems[3].uuid, True),
+    ):
         stats = _debugfs(fs, "stats")
         assert f"Filesystem UUID:          {fs_uuid}" in stats
         assert " extent" not in stats.split("Filesystem features:")[1].splitlines()[0]
         assert ("has_journal" in stats) == journal
     assert "EXTENTS:" not in _debugfs(boot, f"stat /vmlinuz-{kernel}")
     assert "(IND):" in _debugfs(boot, f"stat /vmlinuz-{kernel}")
-    for name in (f"vmlinuz-{kernel}", f"initrd.img-{kernel}", "grub/grub.cfg",
-                 "grub/x86_64-efi/linux.mod"):
+    for name in (
+        f"vmlinuz-{kernel}",
+        f"initrd.img-{kernel}",
+        "grub/grub.cfg",
+        "grub/x86_64-efi/linux.mod",
+    ):
         assert _exists(boot, f"/{name}"), name
     assert not _exists(root, f"/boot/vmlinuz-{kernel}") and _exists(boot, "/efi")
     grub_cfg = _debugfs(boot, "cat /grub/grub.cfg")
@@ -503,12 +564,27 @@ def test_efi_image_has_its_file_systems_where_the_fstab_says(tmp_path: Path) -> 
     assert f"UUID={spec.filesystems[3].uuid}\t/var\text3\tdefaults\t0\t2" in fstab
     # The ESP is FAT32 with GRUB at Debian's path and the removable-media path.
     esp = f"{raw}@@{geo.at('/boot/efi').start_sector * 512}"
-    listing = subprocess.run(["mdir", "-i", esp, "-/", "::/EFI"], capture_output=True,
-                             text=True, env={**os.environ, "MTOOLS_SKIP_CHECK": "1"})
+    listing = subprocess.run(
+        ["mdir", "-i", esp, "-/", "::/EFI"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MTOOLS_SKIP_CHECK": "1"},
+    )
     assert listing.returncode == 0, listing.stderr
     assert "grubx64  efi" in listing.stdout and "BOOTX64  EFI" in listing.stdout, listing.stdout
-    blkid = subprocess.run(["blkid", "-p", "-O", str(geo.at("/boot/efi").start_sector * 512),
-                            "-o", "export", str(raw)], capture_output=True, text=True).stdout
+    blkid = subprocess.run(
+        [
+            "blkid",
+            "-p",
+            "-O",
+            str(geo.at("/boot/efi").start_sector * 512),
+            "-o",
+            "export",
+            str(raw),
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout
     assert f"UUID={spec.filesystems[0].uuid}" in blkid and "VERSION=FAT32" in blkid, blkid
 
 
@@ -522,13 +598,33 @@ def test_efi_boots_with_uefi_firmware_and_grub_to_login(tmp_path: Path) -> None:
     overlay, serial = tmp_path / "overlay.qcow2", tmp_path / "serial.log"
     vars_copy = tmp_path / "OVMF_VARS.fd"
     shutil.copyfile("/usr/share/OVMF/OVMF_VARS_4M.fd", vars_copy)
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
-                    str(image.path), str(overlay)], check=True)
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            str(image.path),
+            str(overlay),
+        ],
+        check=True,
+    )
     log = _run_until_login(
-        ["-drive", "if=pflash,format=raw,unit=0,readonly=on,"
-                   "file=/usr/share/OVMF/OVMF_CODE_4M.fd",
-         "-drive", f"if=pflash,format=raw,unit=1,file={vars_copy}",
-         "-drive", f"file={overlay},if=virtio,format=qcow2"], serial, 420)
+        [
+            "-drive",
+            "if=pflash,format=raw,unit=0,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+            "-drive",
+            f"if=pflash,format=raw,unit=1,file={vars_copy}",
+            "-drive",
+            f"file={overlay},if=virtio,format=qcow2",
+        ],
+        serial,
+        420,
+    )
     assert "pageshare-golden login:" in log, log[-3000:]
     # GRUB passed BOOT_IMAGE=, the path it loaded the kernel from on /boot.
     assert f"Command line: BOOT_IMAGE=/vmlinuz-{kernel} root=UUID=" in log, log[:5000]
@@ -539,6 +635,7 @@ def test_efi_boots_with_uefi_firmware_and_grub_to_login(tmp_path: Path) -> None:
 @pytest.mark.vm
 def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
     from pageshare import lvm
+
     image = _image("lvm")
     m, geo = image.manifest, golden.geometry("lvm")
     raw = tmp_path / "disk.raw"
@@ -552,8 +649,9 @@ def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
     assert label is not None
     name, vg = lvm.volume_group(label.metadata)
     assert name == golden.LVM_VG and list(vg["logical_volumes"]) == [golden.LVM_LV]
-    segs, why = lvm.lv_segments(vg, golden.LVM_LV,
-                                {label.uuid: geo.root_start_sector + label.pe_start // 512})
+    segs, why = lvm.lv_segments(
+        vg, golden.LVM_LV, {label.uuid: geo.root_start_sector + label.pe_start // 512}
+    )
     assert why == "" and len(segs) == 1
     assert segs[0].disk_start == m["root_fs_start_sector"]
     assert segs[0].sectors * 512 == golden.LVM_ROOT_BYTES
@@ -566,20 +664,26 @@ def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
 @pytest.mark.vm
 def test_xfs_root_partition(tmp_path: Path) -> None:
     from pageshare.ext4map import fs_image
+
     image = _image("xfs")
     m, geo = image.manifest, golden.geometry("xfs")
     raw = tmp_path / "disk.raw"
     subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
     _, parts = _gpt_partitions(raw)
     assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
-    root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
-                              geo.root_start_sector),), tmp_path / "root.xfs", copy=True)
+    root, _ = fs_image(
+        raw,
+        ((0, geo.root_end_sector - geo.root_start_sector + 1, geo.root_start_sector),),
+        tmp_path / "root.xfs",
+        copy=True,
+    )
     raw.unlink()
 
     def xfs_db(*cmds: str) -> str:
         args = [a for c in cmds for a in ("-c", c)]
-        return subprocess.run(["xfs_db", "-r", *args, str(root)], capture_output=True,
-                              text=True, check=True).stdout
+        return subprocess.run(
+            ["xfs_db", "-r", *args, str(root)], capture_output=True, text=True, check=True
+        ).stdout
 
     assert f"uuid = {m['fs_uuid']}" in xfs_db("sb 0", "print uuid")
     assert 'fname = "root' in xfs_db("sb 0", "print fname")
@@ -593,14 +697,19 @@ def test_btrfs_root_is_subvolume_rootfs_of_a_one_device_btrfs(tmp_path: Path) ->
     import guestfs  # Debian's python3-guestfs, as image_inspect uses it
     from pageshare import btrfsmap
     from pageshare.ext4map import fs_image
+
     image = _image("btrfs")
     m, geo = image.manifest, golden.geometry("btrfs")
     raw = tmp_path / "disk.raw"
     subprocess.run(["qemu-img", "convert", "-O", "raw", str(image.path), str(raw)], check=True)
     _, parts = _gpt_partitions(raw)
     assert parts[1][1:] == (geo.root_start_sector, geo.root_end_sector)
-    root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
-                              geo.root_start_sector),), tmp_path / "root.btrfs", copy=True)
+    root, _ = fs_image(
+        raw,
+        ((0, geo.root_end_sector - geo.root_start_sector + 1, geo.root_start_sector),),
+        tmp_path / "root.btrfs",
+        copy=True,
+    )
     raw.unlink()
     sb = btrfsmap.superblock(root)
     assert (sb["fsid"], sb["num_devices"], sb["sectorsize"]) == (m["fs_uuid"], "1", "4096")
@@ -615,7 +724,7 @@ def test_btrfs_root_is_subvolume_rootfs_of_a_one_device_btrfs(tmp_path: Path) ->
         assert "subvol=@rootfs" in g.cat("/etc/fstab")
         assert g.is_file(f"/boot/vmlinuz-{m['kernel_version']}")
         assert g.is_file("/usr/bin/btrfs")
-        assert oct(g.statns("/tmp")["st_mode"]) == "0o41777"   # the tar kept the sticky bit
+        assert oct(g.statns("/tmp")["st_mode"]) == "0o41777"  # the tar kept the sticky bit
         ino = g.statns(golden._spec("btrfs").compressed_files[0])["st_ino"]
     finally:
         g.close()

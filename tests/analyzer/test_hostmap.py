@@ -38,8 +38,11 @@ def test_mtree_memory_space_only() -> None:
 
 
 def view(entries: list[tuple[int, int, int]]) -> HostView:
-    return HostView(array("Q", [e[0] for e in entries]), array("Q", [e[1] for e in entries]),
-                    array("Q", [e[2] for e in entries]))
+    return HostView(
+        array("Q", [e[0] for e in entries]),
+        array("Q", [e[1] for e in entries]),
+        array("Q", [e[2] for e in entries]),
+    )
 
 
 def test_cross_intra_zero() -> None:

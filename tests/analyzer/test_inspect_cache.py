@@ -28,8 +28,9 @@ def no_empty_dirs(cache: Path) -> None:
 
 
 @pytest.mark.vm
-def test_same_image_under_other_paths_shares_one_entry(tmp_path: Path, small_image: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_image_under_other_paths_shares_one_entry(
+    tmp_path: Path, small_image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("PAGESHARE_CACHE", str(cache))
     first = tmp_path / "images" / "golden.qcow2"
@@ -43,6 +44,7 @@ def test_same_image_under_other_paths_shares_one_entry(tmp_path: Path, small_ima
     # From here on an appliance boot would be a cache miss.
     def no_guestfs(*_: Any) -> None:
         raise AssertionError("inspected again instead of reusing the cache entry")
+
     monkeypatch.setattr(image_inspect, "_inspect_with_guestfs", no_guestfs)
 
     link = tmp_path / "elsewhere" / "same-file.qcow2"
@@ -53,9 +55,9 @@ def test_same_image_under_other_paths_shares_one_entry(tmp_path: Path, small_ima
     for other in (link, copy, first):
         b = inspect_image(other, fmt, vsize)
         assert b.kernel == a.kernel and b.initrd == a.initrd
-        assert b.info.path == str(other.resolve())      # the path asked about, not the first
+        assert b.info.path == str(other.resolve())  # the path asked about, not the first
         assert b.info.kernel_version == a.info.kernel_version
-    assert entries(cache) == [a.kernel.parent]          # one kernel and initrd, not three
+    assert entries(cache) == [a.kernel.parent]  # one kernel and initrd, not three
     no_empty_dirs(cache)
 
     # Other bytes are another image: a changed copy is inspected again.
@@ -68,8 +70,7 @@ def test_same_image_under_other_paths_shares_one_entry(tmp_path: Path, small_ima
 
 
 @pytest.mark.vm
-def test_refused_inspection_leaves_nothing(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_inspection_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("PAGESHARE_CACHE", str(cache))
     img = mkfs_image(tmp_path, "ext4", {"data/readme.txt": "just data\n"})

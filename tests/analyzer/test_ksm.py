@@ -13,9 +13,15 @@ import pytest
 from pageshare.errors import UserError
 from pageshare.ksm import KSM, ksm_session
 
-SETTINGS = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "smart_scan": "1",
-            "use_zero_pages": "0", "max_page_sharing": "256",
-            "advisor_mode": "[none] scan-time"}
+SETTINGS = {
+    "run": "0",
+    "pages_to_scan": "100",
+    "sleep_millisecs": "20",
+    "smart_scan": "1",
+    "use_zero_pages": "0",
+    "max_page_sharing": "256",
+    "advisor_mode": "[none] scan-time",
+}
 
 
 def write_counter(path: Path, value: int) -> None:
@@ -92,7 +98,7 @@ def test_converges_when_a_full_scan_finds_nothing_new(tmp_path: Path) -> None:
 
 
 def test_gives_up_at_timeout(tmp_path: Path) -> None:
-    root = fake_ksm(tmp_path)   # full_scans never moves
+    root = fake_ksm(tmp_path)  # full_scans never moves
     conv = KSM(root).converge(timeout=0.3, interval=0.05)
     assert not conv.converged
 
@@ -108,7 +114,7 @@ def test_settle_time_is_sampled_but_not_cut_short(tmp_path: Path) -> None:
     conv = KSM(root).converge(timeout=5, interval=0.05, min_time=0.5, on_sample=scans_advance)
     assert conv.converged
     assert conv.seconds >= 0.5
-    assert len(conv.samples) >= 8     # sampled throughout the settle period
+    assert len(conv.samples) >= 8  # sampled throughout the settle period
 
 
 def test_an_unreadable_counter_is_not_a_stable_zero(tmp_path: Path) -> None:
@@ -127,13 +133,16 @@ def test_an_unreadable_counter_is_not_a_stable_zero(tmp_path: Path) -> None:
 
 def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pageshare.ksm import host_lock
+
     monkeypatch.setenv("PAGESHARE_KSM_LOCK", str(tmp_path / "ksm.lock"))
     order: list[str] = []
     waited: list[str] = []
     with host_lock():
+
         def second() -> None:
             with host_lock(waited.append):
                 order.append("second")
+
         t = threading.Thread(target=second)
         t.start()
         time.sleep(0.3)
@@ -143,29 +152,38 @@ def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.Monk
     assert waited and "another analysis" in waited[0]
 
 
-def test_settings_left_by_a_killed_analysis_are_restored(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_left_by_a_killed_analysis_are_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL cannot be caught: the next analysis must put the host back."""
     import subprocess
     import sys
+
     (tmp_path / "ksm").mkdir()
     root = fake_ksm(tmp_path / "ksm")
     monkeypatch.setenv("PAGESHARE_KSM_LOCK", str(tmp_path / "ksm.lock"))
     child = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from pageshare.ksm import KSM, ksm_session\n"
-         "with ksm_session(KSM(Path(sys.argv[1]))) as k:\n"
-         "    k.tune(); print('tuned', flush=True); time.sleep(60)\n", str(root)],
-        stdout=subprocess.PIPE, text=True,
-        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2] / "analyzer")})
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path\n"
+            "from pageshare.ksm import KSM, ksm_session\n"
+            "with ksm_session(KSM(Path(sys.argv[1]))) as k:\n"
+            "    k.tune(); print('tuned', flush=True); time.sleep(60)\n",
+            str(root),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2] / "analyzer")},
+    )
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "tuned"
     child.kill()
     child.wait()
-    assert (root / "run").read_text().strip() == "1"       # left tuned
+    assert (root / "run").read_text().strip() == "1"  # left tuned
     said: list[str] = []
     with ksm_session(KSM(root), said.append):
-        assert (root / "run").read_text().strip() == "0"   # recovered before use
+        assert (root / "run").read_text().strip() == "0"  # recovered before use
         assert (root / "pages_to_scan").read_text().strip() == "100"
     assert any("died" in s for s in said)
     assert not (tmp_path / "ksm.saved").exists()

@@ -25,14 +25,21 @@ SOCK = f"/var/lib/libvirt/qemu/pageshare-{UUID}.qmp"
 
 def domain(mark: str | None, args: tuple[str, ...] = (), env: bool = False) -> str:
     """A domain XML as libvirt formats it for a migration."""
-    meta = (f'<metadata>\n    <pageshare:filter xmlns:pageshare="{METADATA_NS}" '
-            f'block-refs="{mark}"/>\n    <nova:instance xmlns:nova="http://openstack.org/'
-            'xmlns/libvirt/nova/1.1"><nova:name>x</nova:name></nova:instance>\n  </metadata>'
-            if mark else "")
+    meta = (
+        f'<metadata>\n    <pageshare:filter xmlns:pageshare="{METADATA_NS}" '
+        f'block-refs="{mark}"/>\n    <nova:instance xmlns:nova="http://openstack.org/'
+        'xmlns/libvirt/nova/1.1"><nova:name>x</nova:name></nova:instance>\n  </metadata>'
+        if mark
+        else ""
+    )
     cmd = ""
     if args or env:
-        cmd = ("<qemu:commandline>\n" + "".join(f"    <qemu:arg value='{a}'/>\n" for a in args)
-               + ("    <qemu:env name='X' value='1'/>\n" if env else "") + "  </qemu:commandline>")
+        cmd = (
+            "<qemu:commandline>\n"
+            + "".join(f"    <qemu:arg value='{a}'/>\n" for a in args)
+            + ("    <qemu:env name='X' value='1'/>\n" if env else "")
+            + "  </qemu:commandline>"
+        )
     return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>ps-guest</name>
   <uuid>{UUID}</uuid>
@@ -45,8 +52,12 @@ def domain(mark: str | None, args: tuple[str, ...] = (), env: bool = False) -> s
 
 
 def ours(refs: bool) -> list[str]:
-    out = ["-chardev", f"socket,id=pageshare-qmp,path={SOCK},server=on,wait=off",
-           "-mon", "chardev=pageshare-qmp,mode=control"]
+    out = [
+        "-chardev",
+        f"socket,id=pageshare-qmp,path={SOCK},server=on,wait=off",
+        "-mon",
+        "chardev=pageshare-qmp,mode=control",
+    ]
     return out + (["-global", "migration.block-refs=on"] if refs else [])
 
 
@@ -59,13 +70,12 @@ def test_a_marked_domain_gets_the_monitor_once(refs: bool) -> None:
     assert d.args == ["-foo", "bar", *ours(refs)]
     assert d.marked and d.block_refs == refs and d.uuid == UUID
     assert hook.our_socket(d.args) == Path(SOCK)
-    assert hook.rewrite(out, CFG) is None                    # the same XML in, nothing out
+    assert hook.rewrite(out, CFG) is None  # the same XML in, nothing out
     root = ET.fromstring(out)
     cmd = root.find(f"{{{hook.QEMU_NS}}}commandline")
-    assert cmd is not None and cmd[-1].tag == f"{{{hook.QEMU_NS}}}env"   # env stays last
+    assert cmd is not None and cmd[-1].tag == f"{{{hook.QEMU_NS}}}env"  # env stays last
     # the other tools' metadata is kept, in its namespace
-    assert root.find("metadata/{http://openstack.org/xmlns/libvirt/nova/1.1}instance") \
-        is not None
+    assert root.find("metadata/{http://openstack.org/xmlns/libvirt/nova/1.1}instance") is not None
     assert "xmlns:qemu=" in out and "<qemu:arg" in out
 
 
@@ -98,14 +108,17 @@ def test_config(tmp_path: Path) -> None:
         load(tmp_path / "missing.toml", required=True)
     conf = tmp_path / "libvirt.toml"
     conf.write_text('control = "/run/x.sock"\nmode = "copy"\nblock_refs = true\ntimeout = 5\n')
-    assert load(conf) == HostConfig(control=Path("/run/x.sock"), mode="copy", block_refs=True,
-                                    timeout=5.0)
-    for text, err in (("block_refs = 1\n", "block_refs must be a bool"),
-                      ('mode = "fast"\n', "mode must be one of"),
-                      ("timeout = true\n", "timeout must be a int or float"),
-                      ('qmp_dir = "/a,b"\n', "comma"),
-                      ("blockrefs = true\n", "unknown key"),
-                      ("block_refs = \n", "libvirt.toml")):
+    assert load(conf) == HostConfig(
+        control=Path("/run/x.sock"), mode="copy", block_refs=True, timeout=5.0
+    )
+    for text, err in (
+        ("block_refs = 1\n", "block_refs must be a bool"),
+        ('mode = "fast"\n', "mode must be one of"),
+        ("timeout = true\n", "timeout must be a int or float"),
+        ('qmp_dir = "/a,b"\n', "comma"),
+        ("blockrefs = true\n", "unknown key"),
+        ("block_refs = \n", "libvirt.toml"),
+    ):
         conf.write_text(text)
         with pytest.raises(ConfigError, match=err):
             load(conf)
@@ -125,15 +138,20 @@ def run_script(tmp: Path, args: list[str], xml: str) -> tuple[int, str]:
     text = (REPO / "analyzer" / "pageshare-libvirt-hook").read_text()
     script.write_text(text.replace("PAGESHARE=/usr/bin/pageshare", f"PAGESHARE={stub}"))
     script.chmod(0o755)
-    p = subprocess.run([str(script), *args], input=xml, text=True, capture_output=True,
-                       timeout=30)
+    p = subprocess.run([str(script), *args], input=xml, text=True, capture_output=True, timeout=30)
     return p.returncode, record.read_text() if record.exists() else ""
 
 
 def test_the_script_calls_pageshare_only_when_it_matters(tmp_path: Path) -> None:
     marked, plain = domain("on"), domain(None)
-    for other in (["prepare", "begin"], ["start", "begin"], ["stopped", "end"],
-                  ["release", "end"], ["migrate", "end"], ["restore", "end"]):
+    for other in (
+        ["prepare", "begin"],
+        ["start", "begin"],
+        ["stopped", "end"],
+        ["release", "end"],
+        ["migrate", "end"],
+        ["restore", "end"],
+    ):
         assert run_script(tmp_path, ["ps-guest", *other, "-"], marked) == (0, "")
     assert run_script(tmp_path, ["ps-guest", "migrate", "begin", "-"], plain) == (0, "")
     for op in ("migrate", "restore"):
@@ -149,16 +167,24 @@ def test_the_script_calls_pageshare_only_when_it_matters(tmp_path: Path) -> None
     assert rc == 3 and called.startswith("libvirt-hook ps-guest started begin -\n"), called
     # the package removed, the hook (a conffile) left behind
     script = tmp_path / "hook"
-    script.write_text((REPO / "analyzer" / "pageshare-libvirt-hook").read_text().replace(
-        "PAGESHARE=/usr/bin/pageshare", f"PAGESHARE={tmp_path / 'gone'}"))
-    p = subprocess.run([str(script), "ps-guest", "migrate", "begin", "-"], input=marked,
-                       text=True, capture_output=True, timeout=30)
+    script.write_text(
+        (REPO / "analyzer" / "pageshare-libvirt-hook")
+        .read_text()
+        .replace("PAGESHARE=/usr/bin/pageshare", f"PAGESHARE={tmp_path / 'gone'}")
+    )
+    p = subprocess.run(
+        [str(script), "ps-guest", "migrate", "begin", "-"],
+        input=marked,
+        text=True,
+        capture_output=True,
+        timeout=30,
+    )
     assert (p.returncode, p.stdout) == (0, "")
 
 
-def test_main_ignores_other_calls_and_prints_the_xml(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_ignores_other_calls_and_prints_the_xml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     conf = tmp_path / "none.toml"
     log_dir = tmp_path / "log"
     log_dir.mkdir()

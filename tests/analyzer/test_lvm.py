@@ -17,7 +17,7 @@ from pageshare.ext4map import fs_image
 
 
 def reader(dev: bytes) -> lvm.Reader:
-    return lambda at, size: dev[at:at + size]
+    return lambda at, size: dev[at : at + size]
 
 
 def test_label_and_metadata() -> None:
@@ -47,23 +47,28 @@ def test_parse_config() -> None:
 
 def test_linear_segments_to_disk_sectors() -> None:
     _, vg = lvm.volume_group(METADATA)
-    pv_start = 262144 + PE_START // 512      # partition start + pe_start
+    pv_start = 262144 + PE_START // 512  # partition start + pe_start
     segs, why = lvm.lv_segments(vg, "root", {PV_ID: pv_start})
     assert why == ""
-    assert segs == [lvm.Segment(0, 100 * 8192, pv_start),
-                    lvm.Segment(100 * 8192, 20 * 8192, pv_start + 150 * 8192)]
+    assert segs == [
+        lvm.Segment(0, 100 * 8192, pv_start),
+        lvm.Segment(100 * 8192, 20 * 8192, pv_start + 150 * 8192),
+    ]
     assert lvm.to_disk(segs, 5) == pv_start + 5
     assert lvm.to_disk(segs, 100 * 8192 + 8) == pv_start + 150 * 8192 + 8
-    assert lvm.to_disk(segs, 100 * 8192 - 4, 8) is None     # spans the two segments
-    assert lvm.to_disk(segs, 120 * 8192) is None            # past the end
+    assert lvm.to_disk(segs, 100 * 8192 - 4, 8) is None  # spans the two segments
+    assert lvm.to_disk(segs, 120 * 8192) is None  # past the end
 
 
-@pytest.mark.parametrize("lv,why", [
-    ("striped", "segment 1 of striped is not linear (2 stripes)"),
-    ("mirrored", "segment 1 of mirrored is not linear (type 'raid1')"),
-    ("elsewhere", f"elsewhere has extents on PV {OTHER_PV}, which is not on the image's disk"),
-    ("nope", "logical volume nope is not in the volume group's metadata"),
-])
+@pytest.mark.parametrize(
+    "lv,why",
+    [
+        ("striped", "segment 1 of striped is not linear (2 stripes)"),
+        ("mirrored", "segment 1 of mirrored is not linear (type 'raid1')"),
+        ("elsewhere", f"elsewhere has extents on PV {OTHER_PV}, which is not on the image's disk"),
+        ("nope", "logical volume nope is not in the volume group's metadata"),
+    ],
+)
 def test_what_is_not_mapped(lv: str, why: str) -> None:
     _, vg = lvm.volume_group(METADATA)
     segs, reason = lvm.lv_segments(vg, lv, {PV_ID: 264192})
@@ -78,7 +83,7 @@ class FakeGuestfs:
 
     def pread_device(self, dev: str, size: int, offset: int) -> bytes:
         start = self.parts[int(dev.removeprefix("/dev/sda") or 0)] * 512
-        return self.disk[start + offset:start + offset + size]
+        return self.disk[start + offset : start + offset + size]
 
 
 def test_volume_groups_on_the_disk() -> None:
@@ -95,16 +100,16 @@ def test_fs_image_assembles_segments(tmp_path: Path) -> None:
     with open(raw, "wb") as f:
         f.truncate(64 << 20)
         f.seek(16 << 20)
-        f.write(b"A" * 4096)                  # LV sectors 0.. at disk sector 32768
+        f.write(b"A" * 4096)  # LV sectors 0.. at disk sector 32768
         f.seek(40 << 20)
-        f.write(b"B" * 4096)                  # LV sectors 2048.. at disk sector 81920
+        f.write(b"B" * 4096)  # LV sectors 2048.. at disk sector 81920
     runs = ((0, 2048, 32768), (2048, 2048, 81920))
     image, offset = fs_image(raw, runs, tmp_path / "lv.img")
     assert offset == 0 and image.stat().st_size == 4096 * 512
     data = image.read_bytes()
-    assert data[:4096] == b"A" * 4096 and data[1 << 20:(1 << 20) + 4096] == b"B" * 4096
+    assert data[:4096] == b"A" * 4096 and data[1 << 20 : (1 << 20) + 4096] == b"B" * 4096
     assert data.count(0) == len(data) - 8192
-    assert image.stat().st_blocks * 512 < 1 << 20         # holes stayed holes
+    assert image.stat().st_blocks * 512 < 1 << 20  # holes stayed holes
     # One run from the start: debugfs reads the raw disk at an offset, nothing copied.
     assert fs_image(raw, ((0, 2048, 32768),), tmp_path / "x.img") == (raw, 32768 * 512)
     assert not os.path.exists(tmp_path / "x.img")
@@ -114,8 +119,10 @@ class FakeImage(FakeGuestfs):
     """Also the file system facts survey() asks libguestfs for."""
 
     def part_list(self, dev: str) -> list[dict[str, int]]:
-        return [{"part_num": n, "part_start": s * 512, "part_size": 8 << 20}
-                for n, s in self.parts.items()]
+        return [
+            {"part_num": n, "part_start": s * 512, "part_size": 8 << 20}
+            for n, s in self.parts.items()
+        ]
 
     def vfs_type(self, dev: str) -> str:
         return "ext4"
@@ -130,17 +137,23 @@ class FakeImage(FakeGuestfs):
 def test_survey_maps_a_linear_lv_and_refuses_the_others() -> None:
     from pageshare import fslayout
     from pageshare.errors import UserError
+
     disk = bytes(2048 * 512) + pv_device(METADATA) + bytes(1 << 20)
     g = FakeImage(disk, {1: 2048})
-    mapped, skipped = fslayout.survey(g, {"/": "/dev/vg0/root", "/srv": "/dev/vg0/mirrored",
-                                          "/data": "/dev/vg0/striped"}, 1 << 22)
+    mapped, skipped = fslayout.survey(
+        g, {"/": "/dev/vg0/root", "/srv": "/dev/vg0/mirrored", "/data": "/dev/vg0/striped"}, 1 << 22
+    )
     pv_start = 2048 + PE_START // 512
     assert len(mapped) == 1
     root = mapped[0]
-    assert (root.device, root.lv, root.partition, root.start_sector, root.guest_start_sector) \
-        == ("/dev/vg0/root", "vg0/root", 1, pv_start, 0)
-    assert root.runs == ((0, 100 * 8192, pv_start), (100 * 8192, 20 * 8192,
-                                                      pv_start + 150 * 8192))
+    assert (root.device, root.lv, root.partition, root.start_sector, root.guest_start_sector) == (
+        "/dev/vg0/root",
+        "vg0/root",
+        1,
+        pv_start,
+        0,
+    )
+    assert root.runs == ((0, 100 * 8192, pv_start), (100 * 8192, 20 * 8192, pv_start + 150 * 8192))
     why = {s.mountpoint: s.reason for s in skipped}
     assert "not linear (type 'raid1')" in why["/srv"]
     assert "not linear (2 stripes)" in why["/data"]

@@ -21,8 +21,18 @@ UUID = "059a5ac684ce4b8f88bf106cefac840b"
 BOOT_UUID = "2d6c9b1e5f484a0793e2b8c1f4a6d750"
 ROOT = Placement.partition(UUID, 262144)
 GEO = Geometry((ROOT,), virtual_size=3 << 30)
-REC = PageRecord(pfn=1, kind="file", index=0, ino=12, fstype="ext4",
-                 fs_uuid=UUID, disk="vda", start_sect=262144, blkbits=12, state="U----")
+REC = PageRecord(
+    pfn=1,
+    kind="file",
+    index=0,
+    ino=12,
+    fstype="ext4",
+    fs_uuid=UUID,
+    disk="vda",
+    start_sect=262144,
+    blkbits=12,
+    state="U----",
+)
 
 DEBUGFS = """debugfs 1.47.0 (5-Feb-2023)
 debugfs: ex <12>
@@ -77,7 +87,7 @@ def test_parse_block_maps_of_both_kinds() -> None:
     ext = parse_block_maps(DEBUGFS_STAT)
     # Indirect blocks hold no file data; runs that continue on disk are one.
     assert ext[12] == [Extent(0, 1553, 12), Extent(12, 1566, 256), Extent(268, 1824, 25)]
-    assert ext[13] == [Extent(0, 4678, 5), Extent(20, 5000, 2)]      # unwritten left out
+    assert ext[13] == [Extent(0, 4678, 5), Extent(20, 5000, 2)]  # unwritten left out
     assert ext[14] == [Extent(5000, 1852, 3)]
     assert ext[15] == []
 
@@ -86,8 +96,7 @@ def test_ext3_mounted_as_ext4_is_the_same_file_system() -> None:
     geo = replace(GEO, filesystems=(Placement.partition(UUID, 262144, fstype="ext3"),))
     ext = on(geo.filesystems[0].key, {12: [Extent(0, 33000, 10)]})
     for fstype in ("ext3", "ext4", "ext2"):
-        assert page_sector(replace(REC, fstype=fstype), ext, geo, False) \
-            == (262144 + 33000 * 8, "")
+        assert page_sector(replace(REC, fstype=fstype), ext, geo, False) == (262144 + 33000 * 8, "")
 
 
 def _random_tree(root: Path) -> dict[str, bytes]:
@@ -95,42 +104,53 @@ def _random_tree(root: Path) -> dict[str, bytes]:
     rnd = random.Random(7)
     files = {
         "direct": rnd.randbytes(9000),
-        "indirect": rnd.randbytes(300_000),                  # past 12 blocks: IND
-        "double": rnd.randbytes(1_200_000),                  # past 268 1 KiB blocks: DIND
+        "indirect": rnd.randbytes(300_000),  # past 12 blocks: IND
+        "double": rnd.randbytes(1_200_000),  # past 268 1 KiB blocks: DIND
         "tail": rnd.randbytes(4096 * 3 + 17),
     }
     root.mkdir()
     for name, data in files.items():
         (root / name).write_bytes(data)
-    with (root / "sparse").open("wb") as f:                  # a hole, then data
+    with (root / "sparse").open("wb") as f:  # a hole, then data
         f.seek(5 << 20)
         f.write(rnd.randbytes(10_000))
-    files["sparse"] = bytes(5 << 20) + (root / "sparse").read_bytes()[5 << 20:]
+    files["sparse"] = bytes(5 << 20) + (root / "sparse").read_bytes()[5 << 20 :]
     return files
 
 
-@pytest.mark.parametrize("mkfs,block,upgrade", [
-    ("mkfs.ext2", 4096, False), ("mkfs.ext3", 1024, False), ("mkfs.ext3", 4096, False),
-    ("mkfs.ext4", 1024, False),
-    # ext3 turned into ext4 in place: the old files keep their indirect maps.
-    ("mkfs.ext3", 4096, True),
-])
-def test_block_maps_lead_to_the_files_bytes(tmp_path: Path, mkfs: str, block: int,
-                                            upgrade: bool) -> None:
+@pytest.mark.parametrize(
+    "mkfs,block,upgrade",
+    [
+        ("mkfs.ext2", 4096, False),
+        ("mkfs.ext3", 1024, False),
+        ("mkfs.ext3", 4096, False),
+        ("mkfs.ext4", 1024, False),
+        # ext3 turned into ext4 in place: the old files keep their indirect maps.
+        ("mkfs.ext3", 4096, True),
+    ],
+)
+def test_block_maps_lead_to_the_files_bytes(
+    tmp_path: Path, mkfs: str, block: int, upgrade: bool
+) -> None:
     """Every page read_extents maps holds the file's bytes at that offset on the
     image, whatever the block map's kind and block size; pages it does not map
     are holes (zeros) or have a block that is not contiguous with the others."""
     files = _random_tree(tmp_path / "root")
     img = tmp_path / "fs.img"
-    subprocess.run([mkfs, "-q", "-F", "-b", str(block), "-d", str(tmp_path / "root"),
-                    str(img), "64M"], check=True, capture_output=True)
+    subprocess.run(
+        [mkfs, "-q", "-F", "-b", str(block), "-d", str(tmp_path / "root"), str(img), "64M"],
+        check=True,
+        capture_output=True,
+    )
     if upgrade:
         subprocess.run(["tune2fs", "-O", "extent", str(img)], check=True, capture_output=True)
-        features = subprocess.run(["dumpe2fs", "-h", str(img)], capture_output=True,
-                                  text=True, check=True).stdout
+        features = subprocess.run(
+            ["dumpe2fs", "-h", str(img)], capture_output=True, text=True, check=True
+        ).stdout
         assert " extent" in features
-    listing = subprocess.run(["debugfs", "-R", "ls -l /", str(img)],
-                             capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        ["debugfs", "-R", "ls -l /", str(img)], capture_output=True, text=True, check=True
+    ).stdout
     inos = {f[-1]: int(f[0]) for f in map(str.split, listing.splitlines()) if f and f[-1] in files}
     ext = read_extents(img, 0, sorted(inos.values()))
     per_page = 4096 // block
@@ -139,14 +159,14 @@ def test_block_maps_lead_to_the_files_bytes(tmp_path: Path, mkfs: str, block: in
         mapped = 0
         for index in range((len(content) + 4095) // 4096):
             blocks = [lookup(ext[inos[name]], index * per_page + k) for k in range(per_page)]
-            page = content[index * 4096:(index + 1) * 4096]
+            page = content[index * 4096 : (index + 1) * 4096]
             if blocks[0] is None:
                 assert page == bytes(len(page)), f"{name} page {index}: data but no block"
                 continue
             if any(b != blocks[0] + k for k, b in enumerate(blocks)):
                 continue
             at = blocks[0] * block
-            assert data[at:at + len(page)] == page, f"{name} page {index} at block {blocks[0]}"
+            assert data[at : at + len(page)] == page, f"{name} page {index} at block {blocks[0]}"
             mapped += 1
         assert mapped > 0, name
 
@@ -167,8 +187,7 @@ def test_partition_offset_and_block_size() -> None:
 def test_whole_disk_layout() -> None:
     geo = replace(GEO, filesystems=(Placement.partition(UUID, 0),))
     rec = replace(REC, start_sect=0, index=1)
-    assert page_sector(rec, on((UUID, 0), {12: [Extent(0, 500, 4)]}), geo, False) \
-        == (501 * 8, "")
+    assert page_sector(rec, on((UUID, 0), {12: [Extent(0, 500, 4)]}), geo, False) == (501 * 8, "")
 
 
 def test_each_file_system_at_its_own_offset() -> None:
@@ -176,8 +195,7 @@ def test_each_file_system_at_its_own_offset() -> None:
     # mapped with its own extents and partition start.
     boot = Placement.partition(BOOT_UUID, 2048, "/boot")
     geo = replace(GEO, filesystems=(ROOT, boot))
-    ext = {**on(ROOT.key, {12: [Extent(0, 33000, 10)]}),
-           **on(boot.key, {12: [Extent(0, 700, 10)]})}
+    ext = {**on(ROOT.key, {12: [Extent(0, 33000, 10)]}), **on(boot.key, {12: [Extent(0, 700, 10)]})}
     assert page_sector(REC, ext, geo, False) == (262144 + 33000 * 8, "")
     brec = replace(REC, fs_uuid=BOOT_UUID, start_sect=2048)
     assert page_sector(brec, ext, geo, False) == (2048 + 700 * 8, "")
@@ -217,23 +235,27 @@ def test_small_blocks_need_four_contiguous() -> None:
 def test_unaligned_block_is_refused() -> None:
     rec = replace(REC, blkbits=10, index=0)
     # 1 KiB blocks starting at an odd block: sector not a multiple of 8
-    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 2001, 4)]}), GEO, False) \
-        == (None, "unaligned")
+    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 2001, 4)]}), GEO, False) == (
+        None,
+        "unaligned",
+    )
 
 
-@pytest.mark.parametrize("change,why", [
-    ({"fs_uuid": "00" * 16}, "other-fs"),
-    ({"start_sect": 2048}, "other-disk"),
-    ({"fstype": "vfat"}, "unsupported-fs"),
-    ({"fstype": "xfs"}, "other-fs"),
-    ({"state": "UD---"}, "dirty"),
-    ({"kind": "anon"}, "not-page-cache"),
-    ({"index": 10}, "hole"),
-])
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        ({"fs_uuid": "00" * 16}, "other-fs"),
+        ({"start_sect": 2048}, "other-disk"),
+        ({"fstype": "vfat"}, "unsupported-fs"),
+        ({"fstype": "xfs"}, "other-fs"),
+        ({"state": "UD---"}, "dirty"),
+        ({"kind": "anon"}, "not-page-cache"),
+        ({"index": 10}, "hole"),
+    ],
+)
 def test_rejections(change: dict[str, object], why: str) -> None:
     rec = replace(REC, **change)  # type: ignore[arg-type]
-    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 33000, 10)]}), GEO, False) \
-        == (None, why)
+    assert page_sector(rec, on(ROOT.key, {12: [Extent(0, 33000, 10)]}), GEO, False) == (None, why)
 
 
 def test_unmapped_inode() -> None:
@@ -242,9 +264,9 @@ def test_unmapped_inode() -> None:
 
 def test_past_end_of_image() -> None:
     geo = replace(GEO, virtual_size=(262144 + 8) * 512)
-    assert page_sector(replace(REC, index=1), on(ROOT.key, {12: [Extent(0, 0, 10)]}), geo,
-                       False) \
-        == (None, "out-of-range")
+    assert page_sector(
+        replace(REC, index=1), on(ROOT.key, {12: [Extent(0, 0, 10)]}), geo, False
+    ) == (None, "out-of-range")
 
 
 def test_bdev_pages_only_with_metadata() -> None:
@@ -271,11 +293,18 @@ def test_read_paths_of_thousands_of_inodes(tmp_path: Path) -> None:
     for i in range(3000):
         (d / f"lib{i:05d}.so").write_bytes(b"x")
     img = tmp_path / "fs.ext4"
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-N", "4096", "-d", str(root), str(img), "32M"],
-                   check=True, capture_output=True)
-    listing = subprocess.run(["debugfs", "-R", "ls -l /usr/lib", str(img)],
-                             capture_output=True, text=True, check=True).stdout
-    names = {int(f[0]): f[-1] for f in map(str.split, listing.splitlines())
-             if f and f[-1].startswith("lib")}
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-N", "4096", "-d", str(root), str(img), "32M"],
+        check=True,
+        capture_output=True,
+    )
+    listing = subprocess.run(
+        ["debugfs", "-R", "ls -l /usr/lib", str(img)], capture_output=True, text=True, check=True
+    ).stdout
+    names = {
+        int(f[0]): f[-1]
+        for f in map(str.split, listing.splitlines())
+        if f and f[-1].startswith("lib")
+    }
     assert len(names) == 3000
     assert read_paths(img, 0, sorted(names)) == {i: f"/usr/lib/{n}" for i, n in names.items()}

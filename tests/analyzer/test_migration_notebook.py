@@ -43,12 +43,25 @@ def _execute(run: Path, figures: Path) -> Any:
 
     nb = _read_nb(NOTEBOOK)
     sockets = Path(tempfile.mkdtemp(prefix="migration-kernel-"))
-    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(
-        kernel_dirs=[]), transport="ipc", ip=str(sockets / "kernel"))
-    client = NotebookClient(nb, km=km, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(REPO / "notebooks")}})
-    env = dict(os.environ, PAGESHARE_MIGRATION_RESULTS=str(run),
-               PAGESHARE_FIGURES=str(figures), MPLBACKEND="Agg")
+    km = AsyncKernelManager(
+        kernel_name="python3",
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[]),
+        transport="ipc",
+        ip=str(sockets / "kernel"),
+    )
+    client = NotebookClient(
+        nb,
+        km=km,
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(REPO / "notebooks")}},
+    )
+    env = dict(
+        os.environ,
+        PAGESHARE_MIGRATION_RESULTS=str(run),
+        PAGESHARE_FIGURES=str(figures),
+        MPLBACKEND="Agg",
+    )
     try:
         client.execute(cleanup_kc=True, env=env)
     finally:
@@ -79,35 +92,51 @@ def test_a_run_is_recorded() -> None:
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
     nb = _execute(run, tmp_path)
-    errors = [(c.get("id"), o.get("ename"), o.get("evalue")) for c in nb.cells
-              if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        (c.get("id"), o.get("ename"), o.get("evalue"))
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert errors == []
     assert run.name in _cell_text(nb, "setup")
 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"migration_{f}.png" for f in FIGURES)
+        f"migration_{f}.png" for f in FIGURES
+    )
     for name in FIGURES:
         data = (tmp_path / f"migration_{name}.png").read_bytes()
         assert data[:8] == PNG_MAGIC, name
         assert data[12:16] == b"IHDR", name
         width, height = struct.unpack(">II", data[16:24])
         assert width >= 400 and height >= 200, (name, width, height)
-    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-             if "image/png" in o.get("data", {})]
+    shown = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(shown) == len(FIGURES)
 
     # the medians table: the same numbers as summary.md, to summary.md's precision
     expected = _summary_rows(run)
     assert expected, f"{run / 'summary.md'} has no table"
-    printed = {line.split()[0]: line.split()[1:]
-               for line in _cell_text(nb, "table").splitlines()[1:] if line.strip()}
+    printed = {
+        line.split()[0]: line.split()[1:]
+        for line in _cell_text(nb, "table").splitlines()[1:]
+        if line.strip()
+    }
     assert set(printed) == set(expected)
     for config, cells in expected.items():
         for got, want in zip(printed[config], cells[1:10], strict=True):
             decimals = len(want.partition(".")[2])
             assert abs(float(got) - float(want)) <= 0.5 * 10**-decimals + 1e-9, (
-                config, printed[config], cells)
+                config,
+                printed[config],
+                cells,
+            )
 
 
 def test_committed_notebook_has_no_outputs() -> None:

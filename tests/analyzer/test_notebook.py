@@ -51,8 +51,7 @@ def results_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def executed(results_db: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[Any, Path]:
+def executed(results_db: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     out = tmp_path_factory.mktemp("out")
     figures = out / "figures"
     path = run_notebook(results_db, None, out / "executed.ipynb", figures, timeout=120)
@@ -76,8 +75,7 @@ def _text(cell: Any) -> str:
     for out in cell.outputs:
         if out.output_type == "stream":
             parts.append(out.text)
-        elif (out.output_type in ("display_data", "execute_result")
-              and "image/png" not in out.data):
+        elif out.output_type in ("display_data", "execute_result") and "image/png" not in out.data:
             parts.append(out.data.get("text/plain", "") + "\n")
     return "".join(parts)
 
@@ -88,7 +86,7 @@ def _table_rows(text: str, labels: list[str]) -> dict[str, list[float]]:
     for line in text.splitlines():
         line = line.strip()
         for label in labels:
-            rest = line[len(label):]
+            rest = line[len(label) :]
             if line.startswith(label) and (not rest or rest[0] == " "):
                 rows[label] = [float(x) for x in rest.split()]
     return rows
@@ -100,14 +98,18 @@ def _mib(pages: float) -> float:
 
 def test_notebook_runs_without_errors(executed: tuple[Any, Path]) -> None:
     nb, _ = executed
-    errors = [(c.get("id"), o.get("ename"), o.get("evalue")) for c in nb.cells
-              if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        (c.get("id"), o.get("ename"), o.get("evalue"))
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert errors == []
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
     setup = _text(_cell(nb, "setup"))
-    assert "analysis: #2" in setup                      # newest 'ok', not the failed #3
-    assert f"python:   {sys.executable}" in setup       # kernel runs in this interpreter
+    assert "analysis: #2" in setup  # newest 'ok', not the failed #3
+    assert f"python:   {sys.executable}" in setup  # kernel runs in this interpreter
     assert nb.metadata["pageshare"]["analysis_id"] is None
 
 
@@ -121,8 +123,13 @@ def test_figures_are_saved_as_png(executed: tuple[Any, Path]) -> None:
         width, height = struct.unpack(">II", data[16:24])
         assert width >= 400 and height >= 200, (name, width, height)
         assert len(data) > 5000, name
-    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-             if "image/png" in o.get("data", {})]
+    shown = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert len(shown) == len(FIGURES)
 
 
@@ -141,7 +148,8 @@ def test_breakdown_table_has_the_mib_per_category(executed: tuple[Any, Path]) ->
         assert rows[cat] == pytest.approx(expected, abs=0.006), (cat, text)
     a_all = sum(rows[c][0] for c in CATEGORIES)
     assert rows["all merged"] == pytest.approx(
-        [a_all, all_total - a_all, all_total, 100.0], abs=0.02)
+        [a_all, all_total - a_all, all_total, 100.0], abs=0.02
+    )
     # Spot check against hand arithmetic: listed = (512+256)/2 and (512+768)/2 pages.
     assert rows["listed"][:3] == [1.5, 2.5, 4.0]
 
@@ -149,10 +157,9 @@ def test_breakdown_table_has_the_mib_per_category(executed: tuple[Any, Path]) ->
 def test_top_files_and_verdicts(executed: tuple[Any, Path]) -> None:
     nb, _ = executed
     files = _text(_cell(nb, "files"))
-    labels = [p or ("(metadata)" if k == "bdev" else f"(inode {i})")
-              for i, p, k, _ in LISTED_FILES]
+    labels = [p or ("(metadata)" if k == "bdev" else f"(inode {i})") for i, p, k, _ in LISTED_FILES]
     order = [files.index(label) for label in labels]
-    assert order == sorted(order), files                 # by listed MiB, largest first
+    assert order == sorted(order), files  # by listed MiB, largest first
     for label, (_, _, _, n) in zip(labels, LISTED_FILES, strict=True):
         line = next(x for x in files.splitlines() if label in x)
         assert line.split()[-2:] == [str(n), f"{_mib(n):.3f}"], line
@@ -169,7 +176,7 @@ def test_top_files_and_verdicts(executed: tuple[Any, Path]) -> None:
 
     phases = _text(_cell(nb, "phases"))
     order = [phases.index(f"{name} ") for name, _ in PHASES]
-    assert order == sorted(order), phases                # pipeline order
+    assert order == sorted(order), phases  # pipeline order
     rows = _table_rows(phases, [name for name, _ in PHASES])
     assert rows == {name: [pytest.approx(round(s, 2))] for name, s in PHASES}
 
@@ -182,14 +189,17 @@ def test_explicit_analysis_without_figures(results_db: Path, tmp_path: Path) -> 
     assert rows["listed"][:3] == [0.25, 0.25, 0.5]
     assert rows["all merged"][:3] == [1.0, 1.0, 2.0]
     assert "no unlisted page-cache frames" in _text(_cell(nb, "verdicts"))
-    assert list(tmp_path.iterdir()) == [tmp_path / "old.ipynb"]   # no figures saved
+    assert list(tmp_path.iterdir()) == [tmp_path / "old.ipynb"]  # no figures saved
 
 
 def test_failure_names_the_cell_and_error(results_db: Path, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"cell 1 \(setup\) failed: LookupError: .*"
-                                           r"no analysis with id 42"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cell 1 \(setup\) failed: LookupError: .*"
+        r"no analysis with id 42",
+    ):
         run_notebook(results_db, 42, tmp_path / "bad.ipynb", None)
-    assert (tmp_path / "bad.ipynb").is_file()             # partly executed, for debugging
+    assert (tmp_path / "bad.ipynb").is_file()  # partly executed, for debugging
     with pytest.raises(RuntimeError, match="results database not found"):
         run_notebook(tmp_path / "missing.sqlite", None, tmp_path / "x.ipynb", None)
 

@@ -39,8 +39,12 @@ class WholeDisk:
             return f.read(size)
 
     def _blkid(self, tag: str) -> str:
-        return subprocess.run(["blkid", "-p", "-o", "value", "-s", tag, str(self.image)],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["blkid", "-p", "-o", "value", "-s", tag, str(self.image)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
 
     def vfs_type(self, dev: str) -> str:
         assert dev == "/dev/sda"
@@ -76,7 +80,8 @@ def _raw_xfs(tmp: Path) -> tuple[Path, dict[str, bytes]]:
         f"big ---644 0 0 {tmp}/root/big\n"
         "sub d--755 0 0\n"
         f"deep ---644 0 0 {tmp}/root/sub/deep\n"
-        "$\n$\n")
+        "$\n$\n"
+    )
     disk = _empty_disk(tmp)
     subprocess.run(["mkfs.xfs", "-q", "-p", str(tmp / "proto"), str(disk)], check=True)
     return disk, files
@@ -85,8 +90,9 @@ def _raw_xfs(tmp: Path) -> tuple[Path, dict[str, bytes]]:
 def _raw_btrfs(tmp: Path) -> tuple[Path, dict[str, bytes]]:
     files = _files(tmp)
     disk = _empty_disk(tmp)
-    subprocess.run(["mkfs.btrfs", "-q", "-r", str(tmp / "root"), str(disk)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["mkfs.btrfs", "-q", "-r", str(tmp / "root"), str(disk)], check=True, capture_output=True
+    )
     return disk, files
 
 
@@ -96,7 +102,12 @@ def _surveyed(disk: Path, fstype: str) -> fslayout.MappedFs:
     assert skipped == []
     [fs] = mapped
     assert (fs.mountpoint, fs.fstype, fs.partition, fs.start_sector, fs.block_size) == (
-        "/", fstype, 0, 0, 4096)
+        "/",
+        fstype,
+        0,
+        0,
+        4096,
+    )
     assert fs.runs == ((0, SIZE // 512, 0),)
     return fs
 
@@ -108,7 +119,7 @@ def _check_bytes(disk: Path, ext: list[Extent], data: bytes) -> int:
         for e in ext:
             for k in range(e.length):
                 f.seek((e.physical + k) * 4096)
-                want = data[(e.logical + k) * 4096:(e.logical + k + 1) * 4096]
+                want = data[(e.logical + k) * 4096 : (e.logical + k + 1) * 4096]
                 assert f.read(len(want)) == want, f"block {e.logical + k}"
                 blocks += 1
     return blocks
@@ -125,11 +136,16 @@ def test_a_raw_whole_disk_xfs_is_probed_surveyed_and_its_files_mapped(tmp_path: 
     # analyze-image hands xfs_db a copy of the file system's runs.
     copy, offset = fs_image(disk, fs.runs, tmp_path / "fs.img", copy=True)
     assert offset == 0
-    out = subprocess.run(["xfs_db", "-r", "-c", "blockget -n", "-c", "ncheck", str(copy)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["xfs_db", "-r", "-c", "blockget -n", "-c", "ncheck", str(copy)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     inos = {line.split()[1]: int(line.split()[0]) for line in out.splitlines() if line.strip()}
     assert _inodes_by_path(xfsmap.read_paths(copy, [inos[p] for p in files])) == {
-        p: inos[p] for p in files}
+        p: inos[p] for p in files
+    }
     ext = xfsmap.read_extents(copy, [inos[p] for p in files])
     for rel, data in files.items():
         assert _check_bytes(disk, ext[inos[rel]], data) == -(-len(data) // 4096), rel
@@ -144,14 +160,18 @@ def test_a_raw_whole_disk_btrfs_is_probed_surveyed_and_its_files_mapped(tmp_path
     assert offset == 0
     # mkfs.btrfs --rootdir keeps the source files' inode numbers: every
     # inode with a name in the top-level subvolume, and its path.
-    dump = subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", "5", str(copy)],
-                          capture_output=True, text=True, check=True).stdout
-    named = sorted({int(line.split("(")[1].split()[0]) for line in dump.splitlines()
-                    if " INODE_REF " in line})
+    dump = subprocess.run(
+        ["btrfs", "inspect-internal", "dump-tree", "-t", "5", str(copy)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    named = sorted(
+        {int(line.split("(")[1].split()[0]) for line in dump.splitlines() if " INODE_REF " in line}
+    )
     inos = _inodes_by_path(btrfsmap.read_paths(copy, named))
     assert set(files) <= set(inos), inos
     ext, skipped = btrfsmap.read_extents(copy, [inos[p] for p in files])
     assert skipped.inodes == set() and skipped.compressed_extents == 0
     for rel, data in files.items():
         assert _check_bytes(disk, ext[inos[rel]], data) == -(-len(data) // 4096), rel
-

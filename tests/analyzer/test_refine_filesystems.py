@@ -75,17 +75,21 @@ ELF = b"\x7fELF"
 @dataclass
 class Golden:
     img: Image
-    fs: Path          # the root file system's bytes as a file of their own
-    start: int        # its first sector on the disk
+    fs: Path  # the root file system's bytes as a file of their own
+    start: int  # its first sector on the disk
 
 
 def golden_image(name: str, tmp: Path) -> Golden:
     img = raw_image(golden.build_image(name).path, tmp / f"{name}.raw")
     geo = golden.geometry(name)
-    if geo.root_start_sector == 0:               # whole disk: the raw file is the fs
+    if geo.root_start_sector == 0:  # whole disk: the raw file is the fs
         return Golden(img, img.raw, 0)
-    fs = partition_copy(img.raw, geo.root_start_sector,
-                        geo.root_end_sector - geo.root_start_sector + 1, tmp / f"{name}.fs")
+    fs = partition_copy(
+        img.raw,
+        geo.root_start_sector,
+        geo.root_end_sector - geo.root_start_sector + 1,
+        tmp / f"{name}.fs",
+    )
     return Golden(img, fs, geo.root_start_sector)
 
 
@@ -121,8 +125,7 @@ def some_pages(pages: dict[int, int], *indexes: int) -> list[int]:
 # --------------------------------------------------------------------------- XFS
 
 
-def test_refine_on_xfs(xfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                       ) -> None:
+def test_refine_on_xfs(xfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     img, fs, start = xfs.img, xfs.fs, xfs.start
     libc, dash = xfs_pages(fs, start, LIBC), xfs_pages(fs, start, DASH)
     # xfsprogs cannot read a file out of an unmounted XFS: that xfs_db's maps
@@ -131,18 +134,18 @@ def test_refine_on_xfs(xfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixtur
     parent = some_pages(libc, 0, 1, 2, 3)
     # The last pages end past EOF: still a page the guest reads whole.
     pages = [*some_pages(libc, 10, 11, 200, -1), *some_pages(dash, 0, -1)]
-    usr_bin = xfs_bmap(fs, "/usr/bin")[0][1]                  # a directory block
-    log = xfs_linear(fs, "fsblock", xfs_sb(fs, "logstart"))   # the internal log's first block
-    first, n = max(xfs_free_extents(fs), key=lambda e: e[1])   # the largest free extent
+    usr_bin = xfs_bmap(fs, "/usr/bin")[0][1]  # a directory block
+    log = xfs_linear(fs, "fsblock", xfs_sb(fs, "logstart"))  # the internal log's first block
+    first, n = max(xfs_free_extents(fs), key=lambda e: e[1])  # the largest free extent
     free = first + n - 1
     assert not any(img.block_bytes(start + free * 8))
     rejected = [
-        (start, NOT_REGULAR),                                  # superblock, AGF, AGI, AGFL
+        (start, NOT_REGULAR),  # superblock, AGF, AGI, AGFL
         (start + xfs_inode_block(fs, LIBC) * 8, NOT_REGULAR),  # inodes
         (start + usr_bin * 8, NOT_REGULAR),
         (start + log * 8, NOT_REGULAR),
-        (start + free * 8, NOT_REGULAR),                       # free space, zeros
-        (0, OUTSIDE_FS),                                       # the GPT
+        (start + free * 8, NOT_REGULAR),  # free space, zeros
+        (0, OUTSIDE_FS),  # the GPT
     ]
     check_refinement(img, tmp_path, capsys, parent, pages, rejected)
 
@@ -150,8 +153,7 @@ def test_refine_on_xfs(xfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixtur
 # --------------------------------------------------------------------------- btrfs
 
 
-def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                         ) -> None:
+def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     img, fs, start = btrfs.img, btrfs.fs, btrfs.start
     chunks = btrfs_chunks(fs)
     items = btrfs_items(fs, btrfs_subvolume(fs, "@rootfs"))
@@ -159,9 +161,12 @@ def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFi
     parent = some_pages(libc, 0, 1, 2, 3)
     pages = [*some_pages(libc, 10, 11, 300, -1), *some_pages(dash, 0, -1)]
     # Each of them is its file's page as btrfs-progs reads the file (restore).
-    assert sum(check_file_pages(img, got, btrfs_restore(fs, "@rootfs", path, tmp_path / "r"),
-                                [*parent, *pages])
-               for path, got in ((LIBC, libc), (DASH, dash))) == len(parent) + len(pages)
+    assert sum(
+        check_file_pages(
+            img, got, btrfs_restore(fs, "@rootfs", path, tmp_path / "r"), [*parent, *pages]
+        )
+        for path, got in ((LIBC, libc), (DASH, dash))
+    ) == len(parent) + len(pages)
 
     # The tree block holding libc's inode, in both copies of the DUP metadata.
     ino = btrfs_inode(items, LIBC)
@@ -175,10 +180,13 @@ def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFi
     # A block of a disk extent that no file extent uses (mkfs.btrfs --rootdir
     # leaves such tails): its bytes are no file's, no guest reads them.
     used = sorted((e.disk + e.offset, e.disk + e.offset + e.bytes) for e in extents)
-    tails = sorted(t for e in extents
-                   if not e.compression and e.offset + e.bytes < e.disk_bytes
-                   for t in range(e.disk + e.offset + e.bytes, e.disk + e.disk_bytes, PAGE)
-                   if not any(a <= t < b for a, b in used))
+    tails = sorted(
+        t
+        for e in extents
+        if not e.compression and e.offset + e.bytes < e.disk_bytes
+        for t in range(e.disk + e.offset + e.bytes, e.disk + e.disk_bytes, PAGE)
+        if not any(a <= t < b for a, b in used)
+    )
     assert tails, "the golden btrfs has no unused tail of a disk extent: pick another case"
     (stale,) = btrfs_device(chunks, tails[0])
     assert any(img.block_bytes(start + stale // 512))
@@ -190,13 +198,13 @@ def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFi
     assert all(free >= s + c.length for c in chunks for s in c.stripes)
     assert not any(img.block_bytes(start + free // 512))
     rejected = [
-        (start + 65536 // 512, NOT_REGULAR),                   # the superblock
+        (start + 65536 // 512, NOT_REGULAR),  # the superblock
         (start + copies[0] // 512, NOT_REGULAR),
         (start + copies[1] // 512, NOT_REGULAR),
         (start + compressed // 512, NOT_REGULAR),
         (start + stale // 512, NOT_REGULAR),
         (start + free // 512, NOT_REGULAR),
-        (0, OUTSIDE_FS),                                       # the GPT
+        (0, OUTSIDE_FS),  # the GPT
     ]
     check_refinement(img, tmp_path, capsys, parent, pages, rejected)
 
@@ -204,22 +212,26 @@ def test_refine_on_btrfs(btrfs: Golden, tmp_path: Path, capsys: pytest.CaptureFi
 # --------------------------------------------------------------------------- ext4, 1 KiB blocks
 
 
-def test_refine_on_ext4_with_1k_blocks(small1k: Golden, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_refine_on_ext4_with_1k_blocks(
+    small1k: Golden, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A 4 KiB block is four file system blocks (block b at sector 2b, whole disk)."""
     img, raw = small1k.img, small1k.fs
     stats = debugfs(raw, "stats")
     assert re.search(r"^Block size:\s+1024$", stats, re.M)
     m = re.search(r"^First inode:\s+(\d+)", stats, re.M)
     assert m
-    first_ino = int(m.group(1))              # below it: the journal, resize inode, root dir
+    first_ino = int(m.group(1))  # below it: the journal, resize inode, root dir
     files = ext4_files(raw, [LIBC, DASH, "/usr/bin/bash", "/usr/lib/systemd/systemd"])
     # Every 4 KiB unit (4 blocks from a multiple of 4) holding a block of these.
     units = sorted({b - b % 4 for f in files.values() for b in [*f.data, *f.tree]})
     owners = ext4_owners(raw, [u + k for u in units for k in range(4)])
     inodes = ext4_files(raw, sorted({o for o in owners.values() if o is not None}))
-    regular = {ino: f for ino, f in inodes.items() if f.type == "regular" and
-               isinstance(ino, int) and ino >= first_ino}
+    regular = {
+        ino: f
+        for ino, f in inodes.items()
+        if f.type == "regular" and isinstance(ino, int) and ino >= first_ino
+    }
 
     def logical(block: int) -> int | None:
         """The file block a file system block is, None if it is no regular file's data."""
@@ -261,13 +273,13 @@ def test_refine_on_ext4_with_1k_blocks(small1k: Golden, tmp_path: Path,
     usr_bin = min(ext4_files(raw, ["/usr/bin"])["/usr/bin"].data)
     count = re.search(r"^Block count:\s+(\d+)", stats, re.M)
     assert count
-    free = int(count.group(1)) // 4 * 4 - 4                    # the last whole unit
+    free = int(count.group(1)) // 4 * 4 - 4  # the last whole unit
     assert set(ext4_owners(raw, [0, 1, 2, 3]).values()) == {None}
     assert ext4_in_use(raw, free, 4) == [False] * 4 and not any(img.block_bytes(free * 2))
     rejected = [
-        (0, NOT_REGULAR),                                      # boot block, superblock, GDT
-        ((usr_bin - usr_bin % 4) * 2, NOT_REGULAR),            # a directory's
-        (free * 2, NOT_REGULAR),                               # free, zeros
+        (0, NOT_REGULAR),  # boot block, superblock, GDT
+        ((usr_bin - usr_bin % 4) * 2, NOT_REGULAR),  # a directory's
+        (free * 2, NOT_REGULAR),  # free, zeros
         (kinds["two-files"][0] * 2, NOT_WHOLE_PAGE),
         ((lt or kinds["data-and-metadata"])[0] * 2, NOT_REGULAR),
         (kinds["one-file-not-a-page"][0] * 2, NOT_WHOLE_PAGE),

@@ -40,12 +40,21 @@ def mbr_image(tmp: Path, start_sector: int, srv_sector: int = 0) -> Path:
     table = f"start={start_sector}, size={24 << 11}, type=83\n"
     if srv_sector:
         table += f"start={srv_sector}, size={24 << 11}, type=83\n"
-    subprocess.run(["sfdisk", "-q", "--no-reread", str(disk)], input=table, text=True,
-                   check=True)
+    subprocess.run(["sfdisk", "-q", "--no-reread", str(disk)], input=table, text=True, check=True)
     for at in (start_sector, srv_sector):
         if at:
-            subprocess.run(["dd", f"if={fs}", f"of={disk}", "bs=512", f"seek={at}",
-                            "conv=notrunc,sparse", "status=none"], check=True)
+            subprocess.run(
+                [
+                    "dd",
+                    f"if={fs}",
+                    f"of={disk}",
+                    "bs=512",
+                    f"seek={at}",
+                    "conv=notrunc,sparse",
+                    "status=none",
+                ],
+                check=True,
+            )
             # The second copy needs a UUID of its own, as a real /srv would have.
             subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", str(fs)], check=True)
     fs.unlink()
@@ -56,20 +65,25 @@ def mbr_image(tmp: Path, start_sector: int, srv_sector: int = 0) -> Path:
 def test_root_partition_at_sector_63_is_refused_with_how_to_realign(tmp_path: Path) -> None:
     img = mbr_image(tmp_path, 63)
     r = run_analyze(tmp_path, str(img))
-    assert_clean_failure(r, "mbr63.raw: root file system /dev/sda1 cannot be analyzed: the "
-                            "partition starts at sector 63, which is not a multiple of 8")
+    assert_clean_failure(
+        r,
+        "mbr63.raw: root file system /dev/sda1 cannot be analyzed: the "
+        "partition starts at sector 63, which is not a multiple of 8",
+    )
     assert "4 KiB-aligned" in r.stderr
     assert "virt-resize --align-first always" in r.stderr
     # The refusal comes from the inspection, before any guest boots.
     assert "booting guests" not in r.stderr
-    error = json_error(run_analyze(tmp_path, "--json", str(img)), "user-error",
-                       "which is not a multiple of 8")
+    error = json_error(
+        run_analyze(tmp_path, "--json", str(img)), "user-error", "which is not a multiple of 8"
+    )
     assert "realign /dev/sda1" in str(error["hint"])
 
 
 @pytest.mark.usefixtures("host_guard")
-def test_the_same_root_at_sector_2048_is_inspected(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_same_root_at_sector_2048_is_inspected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The control: only the alignment differs, and the inspection gets past the
     # file systems to the kernel (this fake one is found; booting it would fail).
     monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
@@ -82,7 +96,8 @@ def test_the_same_root_at_sector_2048_is_inspected(tmp_path: Path,
 
 @pytest.mark.usefixtures("host_guard")
 def test_other_file_system_at_an_odd_sector_is_skipped_with_the_reason(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Only /srv is unaligned: the root is analysed, /srv is skipped and says why.
     monkeypatch.setenv("PAGESHARE_CACHE", str(tmp_path / "cache"))
     img = mbr_image(tmp_path, 2048, srv_sector=51263)

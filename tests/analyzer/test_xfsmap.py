@@ -31,7 +31,7 @@ def test_parse_bmaps_linear_blocks_and_unwritten() -> None:
     # (1/200) is block 200 of the second allocation group; the unwritten
     # extent (flag 1) reads as zeros and is left out, like a hole.
     assert ext[131] == [Extent(0, 24, 25), Extent(40, 19200 + 200, 3)]
-    assert ext[132] == []                     # inline data: no extents
+    assert ext[132] == []  # inline data: no extents
     assert ext[133] == [Extent(0, 10, 1)]
 
 
@@ -39,8 +39,18 @@ def test_xfs_pages_map_only_on_their_own_file_system() -> None:
     uuid = "e3b5a1c72d944f608b1e9c7d4a2f6e35"
     fs = Placement.partition(uuid, 262144, fstype="xfs")
     geo = Geometry((fs,), virtual_size=2 << 30)
-    rec = PageRecord(pfn=1, kind="file", index=2, ino=131, fstype="xfs", fs_uuid=uuid,
-                     disk="vda", start_sect=262144, blkbits=12, state="U----")
+    rec = PageRecord(
+        pfn=1,
+        kind="file",
+        index=2,
+        ino=131,
+        fstype="xfs",
+        fs_uuid=uuid,
+        disk="vda",
+        start_sect=262144,
+        blkbits=12,
+        state="U----",
+    )
     ext = {(fs.key, 131): [Extent(0, 24, 25)]}
     assert page_sector(rec, ext, geo, False) == (262144 + 26 * 8, "")
     # The same UUID named as ext4 by the guest is not this file system.
@@ -55,17 +65,22 @@ def test_real_xfs_extents_and_paths(tmp_path: Path) -> None:
         f"big ---644 0 0 {tmp_path}/big\n"
         "sub d--755 0 0\n"
         f"deep ---644 0 0 {tmp_path}/big\n"
-        "$\n$\n")
+        "$\n$\n"
+    )
     # 4 allocation groups of 75 MiB: the subdirectory's file lands in another one.
     img = tmp_path / "xfs.img"
     with open(img, "wb") as f:
         f.truncate(300 << 20)
-    subprocess.run(["mkfs.xfs", "-q", "-d", "agcount=4", "-p", str(tmp_path / "proto"),
-                    str(img)], check=True)
-    out = subprocess.run(["xfs_db", "-r", "-c", "blockget -n", "-c", "ncheck", str(img)],
-                         capture_output=True, text=True, check=True).stdout
-    inos = {line.split()[1]: int(line.split()[0]) for line in out.splitlines()
-            if line.strip()}
+    subprocess.run(
+        ["mkfs.xfs", "-q", "-d", "agcount=4", "-p", str(tmp_path / "proto"), str(img)], check=True
+    )
+    out = subprocess.run(
+        ["xfs_db", "-r", "-c", "blockget -n", "-c", "ncheck", str(img)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    inos = {line.split()[1]: int(line.split()[0]) for line in out.splitlines() if line.strip()}
     big, deep = inos["big"], inos["sub/deep"]
     paths = xfsmap.read_paths(img, [big, deep])
     assert paths == {big: "/big", deep: "/sub/deep"}
@@ -78,13 +93,14 @@ def test_real_xfs_extents_and_paths(tmp_path: Path) -> None:
             for e in ext[ino]:
                 f.seek(e.physical * 4096)
                 got += f.read(e.length * 4096)
-            assert got[:len(data)] == data, f"inode {ino}"
+            assert got[: len(data)] == data, f"inode {ino}"
     # The same through a copy of a partition, as analyze-image gives xfs_db.
     disk = tmp_path / "disk.raw"
     with open(disk, "wb") as f:
         f.truncate(400 << 20)
-    subprocess.run(["dd", f"if={img}", f"of={disk}", "bs=1M", "seek=1", "conv=notrunc,sparse",
-                    "status=none"], check=True)
-    copy, offset = fs_image(disk, ((0, (300 << 20) // 512, 2048),), tmp_path / "fs.img",
-                            copy=True)
+    subprocess.run(
+        ["dd", f"if={img}", f"of={disk}", "bs=1M", "seek=1", "conv=notrunc,sparse", "status=none"],
+        check=True,
+    )
+    copy, offset = fs_image(disk, ((0, (300 << 20) // 512, 2048),), tmp_path / "fs.img", copy=True)
     assert offset == 0 and xfsmap.read_extents(copy, [big]) == {big: ext[big]}

@@ -35,11 +35,11 @@ assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root
 
 REPO = Path(__file__).resolve().parents[2]
 DEBIAN_QEMU = "/usr/bin/qemu-system-x86_64"
-BLOCKS = 2048                          # 8 MiB images
-LISTED = list(range(0, 256, 2))        # 128 listed blocks
+BLOCKS = 2048  # 8 MiB images
+LISTED = list(range(0, 256, 2))  # 128 listed blocks
 UNLISTED = [1, 3, 300, 1001]
-WRITTEN = 4                            # a listed block the guest overwrites in its overlay
-NEW = 0xFE                             # the byte it writes (no pattern uses it)
+WRITTEN = 4  # a listed block the guest overwrites in its overlay
+NEW = 0xFE  # the byte it writes (no pattern uses it)
 
 
 def pattern(kind: str, block: int) -> int:
@@ -59,15 +59,22 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     a, b = make_image(d / "a.raw", "A"), make_image(d / "b.raw", "B")
     data = a.read_bytes()
     ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), a.name)
-    make_list(ident, {blk * 8: hashlib.sha256(data[blk * 4096:(blk + 1) * 4096]).hexdigest()
-                      for blk in LISTED}, d / "a.pcsl")
+    make_list(
+        ident,
+        {
+            blk * 8: hashlib.sha256(data[blk * 4096 : (blk + 1) * 4096]).hexdigest()
+            for blk in LISTED
+        },
+        d / "a.pcsl",
+    )
     return {"a": a, "b": b, "list": d / "a.pcsl"}
 
 
 @pytest.fixture
 def server(images: dict[str, Path], tmp_path: Path) -> Iterator[Server]:
-    s = Server(tmp_path / "srv", [ImageSpec("golden", images["a"], list_file=images["list"],
-                                            fmt="raw")])
+    s = Server(
+        tmp_path / "srv", [ImageSpec("golden", images["a"], list_file=images["list"], fmt="raw")]
+    )
     s.start()
     s.wait_generation("golden", 1)
     try:
@@ -80,19 +87,40 @@ class Vm:
     """A QEMU with no machine; its block graph over QMP, reads with HMP
     qemu-io (which prints to QEMU's stdout, line-buffered into a file)."""
 
-    def __init__(self, tmp: Path, name: str, args: list[str], binary: str | None = None,
-                 machine: tuple[str, ...] = ("-M", "none"), cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        args: list[str],
+        binary: str | None = None,
+        machine: tuple[str, ...] = ("-M", "none"),
+        cwd: Path | None = None,
+    ) -> None:
         self.tmp, self.name = tmp, name
-        self.qmp_path = tmp / f"{name}.qmp"            # the operator's (pageshare attach)
+        self.qmp_path = tmp / f"{name}.qmp"  # the operator's (pageshare attach)
         self.test_qmp_path = tmp / f"{name}-test.qmp"  # the test's own (QEMU serves one
-        self.stdout_path = tmp / f"{name}.stdout"      # client per socket)
+        self.stdout_path = tmp / f"{name}.stdout"  # client per socket)
         with open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
-                ["stdbuf", "-oL", binary or qemu_build().qemu_system, *machine,
-                 "-nodefaults", "-display", "none",
-                 "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
-                 "-qmp", f"unix:{self.test_qmp_path},server=on,wait=off", *args],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+                [
+                    "stdbuf",
+                    "-oL",
+                    binary or qemu_build().qemu_system,
+                    *machine,
+                    "-nodefaults",
+                    "-display",
+                    "none",
+                    "-qmp",
+                    f"unix:{self.qmp_path},server=on,wait=off",
+                    "-qmp",
+                    f"unix:{self.test_qmp_path},server=on,wait=off",
+                    *args,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+            )
         self.qmp = QMP(self.test_qmp_path, timeout=30)
         self.out_pos = 0
 
@@ -118,16 +146,19 @@ class Vm:
         return wrong
 
     def nodes(self) -> dict[str, dict[str, Any]]:
-        return {n["node-name"]: n for n in
-                self.qmp.command("query-named-block-nodes", None, flat=True)}
+        return {
+            n["node-name"]: n for n in self.qmp.command("query-named-block-nodes", None, flat=True)
+        }
 
     def pageshare_nodes(self) -> list[str]:
         return [k for k, n in self.nodes().items() if n["drv"] == "pageshare"]
 
     def stats(self, node: str) -> dict[str, Any] | None:
         for s in self.qmp.command("query-blockstats", None, **{"query-nodes": True}):
-            if s.get("node-name") == node and s.get("driver-specific", {}).get(
-                    "driver") == "pageshare":
+            if (
+                s.get("node-name") == node
+                and s.get("driver-specific", {}).get("driver") == "pageshare"
+            ):
                 d: dict[str, Any] = s["driver-specific"]
                 return d
         return None
@@ -156,25 +187,57 @@ def vms() -> Iterator[list[Vm]]:
 def overlay(tmp: Path, name: str, base: Path) -> Path:
     ovl = tmp / f"{name}.qcow2"
     # 4 KiB clusters: a write to one block copies no neighbour into the overlay
-    subprocess.run([qemu_build().qemu_img, "create", "-q", "-f", "qcow2", "-o",
-                    "cluster_size=4096", "-b", str(base), "-F", "raw", str(ovl)], check=True)
+    subprocess.run(
+        [
+            qemu_build().qemu_img,
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+            "-b",
+            str(base),
+            "-F",
+            "raw",
+            str(ovl),
+        ],
+        check=True,
+    )
     return ovl
 
 
-def blockdev_vm(vms: list[Vm], tmp: Path, name: str, base: Path, *,
-                on_cmdline: bool = False, ovl_opts: dict[str, Any] | None = None,
-                base_writable: bool = False) -> Vm:
+def blockdev_vm(
+    vms: list[Vm],
+    tmp: Path,
+    name: str,
+    base: Path,
+    *,
+    on_cmdline: bool = False,
+    ovl_opts: dict[str, Any] | None = None,
+    base_writable: bool = False,
+) -> Vm:
     """overlay "ovl" over base "base" with node names of their own, defined
     on the command line (-blockdev JSON, as libvirt writes it) or added
     over QMP (blockdev-add, as a hot-plug does)."""
     ovl = overlay(tmp, name, base)
     defs: list[dict[str, Any]] = [
-        {"driver": "file", "node-name": "base-file", "filename": str(base),
-         "read-only": not base_writable},
+        {
+            "driver": "file",
+            "node-name": "base-file",
+            "filename": str(base),
+            "read-only": not base_writable,
+        },
         {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
         {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base",
-         **(ovl_opts or {})}]
+        {
+            "driver": "qcow2",
+            "node-name": "ovl",
+            "file": "ovl-file",
+            "backing": "base",
+            **(ovl_opts or {}),
+        },
+    ]
     args = [a for d in defs for a in ("-blockdev", json.dumps(d))] if on_cmdline else []
     vm = Vm(tmp, name, args)
     vms.append(vm)
@@ -194,8 +257,13 @@ def drive_vm(vms: list[Vm], tmp: Path, name: str, base: Path, extra: str = "") -
 
 def pageshare(*args: str) -> tuple[int, str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", *args],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert "Traceback" not in p.stderr, p.stderr
     return p.returncode, p.stdout, p.stderr
 
@@ -211,8 +279,15 @@ def run_json(*args: str) -> tuple[int, dict[str, Any]]:
 
 
 def copy_opts(server: Server) -> list[str]:
-    return ["--control", str(server.control), "--mode", "copy", "--x-any-buffer",
-            "--reconnect-delay", "1"]
+    return [
+        "--control",
+        str(server.control),
+        "--mode",
+        "copy",
+        "--x-any-buffer",
+        "--reconnect-delay",
+        "1",
+    ]
 
 
 def expect(kind: str, blocks: list[int]) -> dict[int, int]:
@@ -231,16 +306,21 @@ def chain_bytes(vm: Vm, device: str) -> None:
 
 
 @pytest.mark.parametrize("style", ["blockdev-add", "cmdline"])
-def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                            server: Server, style: str) -> None:
+def test_attach_read_detach(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server, style: str
+) -> None:
     """Before attach the base is read from disk (no filter); attach puts the
     filter in, listed blocks are then copied from the server; attach again
     changes nothing; detach takes it out and reads go to disk again.  The
     overlay's options (cache, detect-zeroes, discard) survive both reopens."""
-    ovl_opts: dict[str, Any] = {"cache": {"direct": False, "no-flush": True},
-                                "detect-zeroes": "unmap", "discard": "unmap"}
-    vm = blockdev_vm(vms, tmp_path, "vm", images["a"], on_cmdline=style == "cmdline",
-                     ovl_opts=ovl_opts)
+    ovl_opts: dict[str, Any] = {
+        "cache": {"direct": False, "no-flush": True},
+        "detect-zeroes": "unmap",
+        "discard": "unmap",
+    }
+    vm = blockdev_vm(
+        vms, tmp_path, "vm", images["a"], on_cmdline=style == "cmdline", ovl_opts=ovl_opts
+    )
     vm.qemu_io("ovl", f"write -P {NEW} {WRITTEN * 4096} 4096")
     chain_bytes(vm, "ovl")
     assert vm.pageshare_nodes() == []
@@ -257,12 +337,12 @@ def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[V
     assert d["base_file"] == str(images["a"]) and d["image"]["name"] == "golden", d
     assert d["image"]["socket"] == str(server.sock("golden")), d
     # blockdev-reopen only with the overlay's whole definition at hand
-    assert d["method"] == {"cmdline": "blockdev-reopen", "blockdev-add": "qemu-io-reopen"}[
-        style], d
-    assert data["qemu_pid"] == vm.proc.pid       # stdbuf execs QEMU: the same process
+    assert d["method"] == {"cmdline": "blockdev-reopen", "blockdev-add": "qemu-io-reopen"}[style], d
+    assert data["qemu_pid"] == vm.proc.pid  # stdbuf execs QEMU: the same process
     # the filter proves the image with the server's content sha256
-    assert d["filter_options"]["image-sha256"] == server.image("golden")["identity"][
-        "content_sha256"]
+    assert (
+        d["filter_options"]["image-sha256"] == server.image("golden")["identity"]["content_sha256"]
+    )
     ps = d["filter"]
     assert vm.pageshare_nodes() == [ps]
     s0 = d["stats"]
@@ -290,7 +370,7 @@ def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[V
     assert rc == 0, det
     (dd,) = det["drives"]
     assert dd["result"] == "detached" and dd["filter"] == ps, dd
-    assert dd["stats"]["merged"] == len(LISTED) - 1, dd     # what it did while attached
+    assert dd["stats"]["merged"] == len(LISTED) - 1, dd  # what it did while attached
     assert vm.pageshare_nodes() == []
     assert {k: vm.nodes()["ovl"][k] for k in kept} == kept
     chain_bytes(vm, "ovl")
@@ -307,8 +387,9 @@ def test_attach_read_detach(images: dict[str, Path], tmp_path: Path, vms: list[V
     assert s2 is not None and s2["merged"] == len(LISTED) - 1, s2
 
 
-def test_drive_style_generated_node_names(images: dict[str, Path], tmp_path: Path,
-                                         vms: list[Vm], server: Server) -> None:
+def test_drive_style_generated_node_names(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """-drive: QEMU generated every node name ("#block123"), which
     blockdev-reopen cannot address; attach and detach go through qemu-io's
     reopen, which keeps the drive's cache mode."""
@@ -342,29 +423,44 @@ def test_drive_style_generated_node_names(images: dict[str, Path], tmp_path: Pat
     chain_bytes(vm, "drive0")
 
 
-def test_disk_in_an_iothread(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                             server: Server) -> None:
+def test_disk_in_an_iothread(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """A virtio-blk disk served by an iothread (its nodes live in the
     iothread's AioContext; qtest accel, nothing runs in the guest): the
     filter joins that context, reads through the device are right and
     copied, detach works."""
     ovl = overlay(tmp_path, "vm", images["a"])
-    defs = [{"driver": "file", "node-name": "base-file", "filename": str(images["a"]),
-             "read-only": True},
-            {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
-            {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"}]
-    vm = Vm(tmp_path, "vm", ["-object", "iothread,id=io0",
-                             *(a for d in defs for a in ("-blockdev", json.dumps(d))),
-                             "-device", "virtio-blk-pci,drive=ovl,id=disk0,iothread=io0"],
-            machine=("-M", "q35", "-accel", "qtest"))
+    defs = [
+        {
+            "driver": "file",
+            "node-name": "base-file",
+            "filename": str(images["a"]),
+            "read-only": True,
+        },
+        {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
+        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"},
+    ]
+    vm = Vm(
+        tmp_path,
+        "vm",
+        [
+            "-object",
+            "iothread,id=io0",
+            *(a for d in defs for a in ("-blockdev", json.dumps(d))),
+            "-device",
+            "virtio-blk-pci,drive=ovl,id=disk0,iothread=io0",
+        ],
+        machine=("-M", "q35", "-accel", "qtest"),
+    )
     vms.append(vm)
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0, data
     (d,) = data["drives"]
     assert d["drive"] == "disk0" and d["result"] == "attached", d
     assert d["reads_before"]["devices"] == ["disk0"], d
-    dev = "-d /machine/peripheral/disk0/virtio-backend"      # the device's BlockBackend
+    dev = "-d /machine/peripheral/disk0/virtio-backend"  # the device's BlockBackend
     assert vm.wrong_blocks(dev, expect("A", LISTED)) == []
     s = vm.stats(d["filter"])
     assert s is not None and s["merged"] == len(LISTED), s
@@ -374,8 +470,9 @@ def test_disk_in_an_iothread(images: dict[str, Path], tmp_path: Path, vms: list[
     assert vm.wrong_blocks(dev, expect("A", LISTED[:16])) == []
 
 
-def test_text_output(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                     server: Server) -> None:
+def test_text_output(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
     rc, text, err = pageshare("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0 and err == "", err
@@ -391,18 +488,37 @@ def test_text_output(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
     assert "10 blocks merged/copied, 0 read from disk" in text, text
 
 
-def test_deeper_chain(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                      server: Server) -> None:
+def test_deeper_chain(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """drive -> top -> middle -> base: the filter goes between the middle
     overlay and the base, the drive's name finds it, and blocks the middle
     or the top overlay hold are read from them."""
     mid = overlay(tmp_path, "mid", images["a"])
     q = qemu_build()
-    subprocess.run([q.qemu_io, "-f", "qcow2", "-c", f"write -P {NEW} {WRITTEN * 4096} 4096",
-                    str(mid)], check=True, capture_output=True)
+    subprocess.run(
+        [q.qemu_io, "-f", "qcow2", "-c", f"write -P {NEW} {WRITTEN * 4096} 4096", str(mid)],
+        check=True,
+        capture_output=True,
+    )
     top = tmp_path / "top.qcow2"
-    subprocess.run([q.qemu_img, "create", "-q", "-f", "qcow2", "-o", "cluster_size=4096",
-                    "-b", str(mid), "-F", "qcow2", str(top)], check=True)
+    subprocess.run(
+        [
+            q.qemu_img,
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+            "-b",
+            str(mid),
+            "-F",
+            "qcow2",
+            str(top),
+        ],
+        check=True,
+    )
     vm = Vm(tmp_path, "vm", ["-drive", f"if=none,id=drive0,file={top},format=qcow2"])
     vms.append(vm)
     vm.qemu_io("drive0", f"write -P {NEW} {6 * 4096} 4096")
@@ -423,20 +539,27 @@ def test_deeper_chain(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
 # --------------------------------------------------------------------------- what goes wrong
 
 
-def test_two_overlays_over_one_base_node(images: dict[str, Path], tmp_path: Path,
-                                         vms: list[Vm], server: Server) -> None:
+def test_two_overlays_over_one_base_node(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """Two disks whose overlays share one base node: one filter above it,
     both overlays re-pointed at it, and detach removes it once both are off."""
     vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
     ovl2 = overlay(tmp_path, "vm2", images["a"])
-    vm.qmp.command("blockdev-add", None, **{"driver": "file", "node-name": "ovl2-file",
-                                            "filename": str(ovl2)})
-    vm.qmp.command("blockdev-add", None, **{"driver": "qcow2", "node-name": "ovl2",
-                                            "file": "ovl2-file", "backing": "base"})
+    vm.qmp.command(
+        "blockdev-add", None, **{"driver": "file", "node-name": "ovl2-file", "filename": str(ovl2)}
+    )
+    vm.qmp.command(
+        "blockdev-add",
+        None,
+        **{"driver": "qcow2", "node-name": "ovl2", "file": "ovl2-file", "backing": "base"},
+    )
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0, data
     assert [(d["overlay"], d["result"], d["filter"]) for d in data["drives"]] == [
-        ("ovl", "attached", "pageshare-base"), ("ovl2", "attached", "pageshare-base")], data
+        ("ovl", "attached", "pageshare-base"),
+        ("ovl2", "attached", "pageshare-base"),
+    ], data
     assert vm.pageshare_nodes() == ["pageshare-base"]
     for dev in ("ovl", "ovl2"):
         assert vm.wrong_blocks(dev, expect("A", LISTED)) == []
@@ -444,8 +567,10 @@ def test_two_overlays_over_one_base_node(images: dict[str, Path], tmp_path: Path
     assert s is not None and s["merged"] == 2 * len(LISTED), s
     rc, data = run_json("detach", str(vm.qmp_path), "--drive", "ovl2")
     assert rc == 0 and data["drives"][0]["result"] == "detached", data
-    assert "filter node pageshare-base kept: ovl still read(s) through it" in \
-        data["drives"][0]["warnings"], data
+    assert (
+        "filter node pageshare-base kept: ovl still read(s) through it"
+        in data["drives"][0]["warnings"]
+    ), data
     assert vm.pageshare_nodes() == ["pageshare-base"]
     rc, data = run_json("detach", str(vm.qmp_path))
     assert rc == 0 and [d["result"] for d in data["drives"]] == ["detached", "not-attached"]
@@ -454,8 +579,9 @@ def test_two_overlays_over_one_base_node(images: dict[str, Path], tmp_path: Path
         assert vm.wrong_blocks(dev, expect("A", LISTED[:16])) == []
 
 
-def test_base_not_served(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                         server: Server) -> None:
+def test_base_not_served(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """A VM over another image (same size) than the server's: refused before
     anything changes, and a copy of the served image is not the served file."""
     vm = blockdev_vm(vms, tmp_path, "vm", images["b"])
@@ -477,13 +603,22 @@ def test_base_not_served(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
     assert vm2.pageshare_nodes() == []
 
 
-def test_one_disk_served_one_not(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                                 server: Server) -> None:
+def test_one_disk_served_one_not(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """Two disks, one over the served image: that one is attached, the
     other skipped, and the command succeeds; naming the other fails."""
     ovl_a, ovl_b = overlay(tmp_path, "a", images["a"]), overlay(tmp_path, "b", images["b"])
-    vm = Vm(tmp_path, "vm", ["-drive", f"if=none,id=disk-a,file={ovl_a},format=qcow2",
-                             "-drive", f"if=none,id=disk-b,file={ovl_b},format=qcow2"])
+    vm = Vm(
+        tmp_path,
+        "vm",
+        [
+            "-drive",
+            f"if=none,id=disk-a,file={ovl_a},format=qcow2",
+            "-drive",
+            f"if=none,id=disk-b,file={ovl_b},format=qcow2",
+        ],
+    )
     vms.append(vm)
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0, data
@@ -504,13 +639,15 @@ def test_one_disk_served_one_not(images: dict[str, Path], tmp_path: Path, vms: l
     assert len(vm.pageshare_nodes()) == 1
 
 
-def test_qemu_without_the_driver(images: dict[str, Path], tmp_path: Path, vms: list[Vm],
-                                 server: Server) -> None:
+def test_qemu_without_the_driver(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     if not Path(DEBIAN_QEMU).exists():
         pytest.fail(f"{DEBIAN_QEMU} (Debian's qemu-system-x86) is not installed")
     ovl = overlay(tmp_path, "vm", images["a"])
-    vm = Vm(tmp_path, "vm", ["-drive", f"if=none,id=drive0,file={ovl},format=qcow2"],
-            binary=DEBIAN_QEMU)
+    vm = Vm(
+        tmp_path, "vm", ["-drive", f"if=none,id=drive0,file={ovl},format=qcow2"], binary=DEBIAN_QEMU
+    )
     vms.append(vm)
     before = vm.nodes()
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
@@ -523,16 +660,18 @@ def test_server_down(images: dict[str, Path], tmp_path: Path, vms: list[Vm]) -> 
     """No server: attach refuses (it cannot tell which image the base is)
     and changes nothing; with --socket it attaches anyway, reads go to disk,
     and once the server is up the filter connects and serves."""
-    srv = Server(tmp_path / "srv", [ImageSpec("golden", images["a"],
-                                              list_file=images["list"], fmt="raw")])
+    srv = Server(
+        tmp_path / "srv", [ImageSpec("golden", images["a"], list_file=images["list"], fmt="raw")]
+    )
     vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(srv))
     assert rc == 1 and data["error"]["kind"] == "server-down", data
     assert str(srv.control) in data["error"]["message"] and "--socket" in data["error"]["hint"]
     assert vm.pageshare_nodes() == []
 
-    rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(srv),
-                        "--socket", str(srv.sock("golden")))
+    rc, data = run_json(
+        "attach", str(vm.qmp_path), *copy_opts(srv), "--socket", str(srv.sock("golden"))
+    )
     assert rc == 0, data
     ps = data["drives"][0]["filter"]
     assert data["drives"][0]["stats"]["connected"] is False
@@ -542,8 +681,11 @@ def test_server_down(images: dict[str, Path], tmp_path: Path, vms: list[Vm]) -> 
     srv.start()
     try:
         srv.wait_generation("golden", 1)
-        wait_for(lambda: (vm.stats(ps) or {}).get("generation") == 1, 30,
-                 "the filter connects once the server is up")
+        wait_for(
+            lambda: (vm.stats(ps) or {}).get("generation") == 1,
+            30,
+            "the filter connects once the server is up",
+        )
         assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
         s = vm.stats(ps)
         assert s is not None and s["merged"] == len(LISTED), s
@@ -554,8 +696,9 @@ def test_server_down(images: dict[str, Path], tmp_path: Path, vms: list[Vm]) -> 
     assert rc == 0 and data["drives"][0]["result"] == "already-attached", data
 
 
-def test_base_by_another_path_relative_to_qemu(images: dict[str, Path], tmp_path: Path,
-                                               vms: list[Vm], server: Server) -> None:
+def test_base_by_another_path_relative_to_qemu(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """The VM names its base by a relative path (QEMU's working directory)
     through a symbolic link: the same file as the server's, so served.  (A
     hard link would not do here: making it changes the file's ctime, so the
@@ -563,13 +706,23 @@ def test_base_by_another_path_relative_to_qemu(images: dict[str, Path], tmp_path
     (tmp_path / "vmdir").mkdir()
     (tmp_path / "vmdir" / "golden-link.raw").symlink_to(images["a"])
     ovl = overlay(tmp_path, "vm", images["a"])
-    defs = [{"driver": "file", "node-name": "base-file", "filename": "golden-link.raw",
-             "read-only": True},
-            {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
-            {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"}]
-    vm = Vm(tmp_path, "vm", [a for d in defs for a in ("-blockdev", json.dumps(d))],
-            cwd=tmp_path / "vmdir")
+    defs = [
+        {
+            "driver": "file",
+            "node-name": "base-file",
+            "filename": "golden-link.raw",
+            "read-only": True,
+        },
+        {"driver": "raw", "node-name": "base", "file": "base-file", "read-only": True},
+        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
+        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base"},
+    ]
+    vm = Vm(
+        tmp_path,
+        "vm",
+        [a for d in defs for a in ("-blockdev", json.dumps(d))],
+        cwd=tmp_path / "vmdir",
+    )
     vms.append(vm)
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 0, data
@@ -581,8 +734,9 @@ def test_base_by_another_path_relative_to_qemu(images: dict[str, Path], tmp_path
     assert s is not None and s["merged"] == len(LISTED) and s["fallback-unproven"] == 0, s
 
 
-def test_qmp_socket_held_by_another_client(images: dict[str, Path], tmp_path: Path,
-                                           vms: list[Vm]) -> None:
+def test_qmp_socket_held_by_another_client(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm]
+) -> None:
     """QEMU serves one client per QMP socket (libvirtd holds its own)."""
     vm = blockdev_vm(vms, tmp_path, "vm", images["a"])
     holder = QMP(vm.qmp_path)
@@ -613,30 +767,39 @@ def test_no_qmp_and_usage(tmp_path: Path) -> None:
     rc, text, _ = pageshare("libvirt-watch", "--help")
     assert rc == 0 and "unprivileged-qemu.conf" in text and "reads from disk (see" not in text
     examples = text.split("examples:", 1)[1].strip().splitlines()
-    assert len(examples) >= 3 and all(e.lstrip().startswith(("pageshare", "systemctl"))
-                                      for e in examples), examples
+    assert len(examples) >= 3 and all(
+        e.lstrip().startswith(("pageshare", "systemctl")) for e in examples
+    ), examples
     # Each example works as written: every flag is the watcher's, every unit is shipped.
     for e in examples:
         cmd = shlex.split(e, comments=True)
         if cmd[0] == "pageshare":
             assert cmd[1] == "libvirt-watch", e
-            libvirt_watch.build_parser().parse_args(cmd[2:])     # exits 2 on a wrong flag
+            libvirt_watch.build_parser().parse_args(cmd[2:])  # exits 2 on a wrong flag
         else:
             assert (REPO / "analyzer" / f"{cmd[-1]}.service").is_file(), e
 
 
-def test_qemu_refuses_and_nothing_changes(images: dict[str, Path], tmp_path: Path,
-                                          vms: list[Vm], server: Server) -> None:
+def test_qemu_refuses_and_nothing_changes(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm], server: Server
+) -> None:
     """A node that writes the base keeps the filter out (it shares no WRITE
     on the base): QEMU's refusal is reported, nothing is left behind."""
     vm = blockdev_vm(vms, tmp_path, "vm", images["a"], base_writable=True)
     # a second user that writes the base's file (a writable NBD export of it)
-    vm.qmp.command("blockdev-add", None, **{"driver": "raw", "node-name": "writer",
-                                            "file": "base-file", "read-only": False})
-    vm.qmp.command("nbd-server-start", None, addr={
-        "type": "unix", "data": {"path": str(tmp_path / "nbd.sock")}})
-    vm.qmp.command("block-export-add", None, type="nbd", id="w", **{"node-name": "writer"},
-                   writable=True)
+    vm.qmp.command(
+        "blockdev-add",
+        None,
+        **{"driver": "raw", "node-name": "writer", "file": "base-file", "read-only": False},
+    )
+    vm.qmp.command(
+        "nbd-server-start",
+        None,
+        addr={"type": "unix", "data": {"path": str(tmp_path / "nbd.sock")}},
+    )
+    vm.qmp.command(
+        "block-export-add", None, type="nbd", id="w", **{"node-name": "writer"}, writable=True
+    )
     rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(server))
     assert rc == 1 and data["error"]["kind"] == "qemu-refused", data
     assert "QEMU refused" in data["error"]["message"]
@@ -644,36 +807,40 @@ def test_qemu_refuses_and_nothing_changes(images: dict[str, Path], tmp_path: Pat
     assert vm.wrong_blocks("ovl", expect("A", LISTED[:8])) == []
 
 
-
-def test_base_changed_just_before_attach(images: dict[str, Path], tmp_path: Path,
-                                         vms: list[Vm]) -> None:
+def test_base_changed_just_before_attach(
+    images: dict[str, Path], tmp_path: Path, vms: list[Vm]
+) -> None:
     """A hard link made to the base changes its ctime: the server withdraws
     its table and verifies the file again.  An attach in that window
     succeeds and says that reads go to disk for now; bytes are right all
     along, and once the server publishes again the filter serves."""
     base = tmp_path / "golden.raw"
     base.write_bytes(images["a"].read_bytes())
-    srv = Server(tmp_path / "srv", [ImageSpec("g2", base, list_file=images["list"],
-                                              fmt="raw")])
+    srv = Server(tmp_path / "srv", [ImageSpec("g2", base, list_file=images["list"], fmt="raw")])
     srv.start()
     try:
         gen = srv.wait_generation("g2", 1)["generation"]
         os.link(base, tmp_path / "golden-link.raw")
-        wait_for(lambda: srv.image("g2")["generation"] is None, 10,
-                 "the server withdraws the table of a changed file")
+        wait_for(
+            lambda: srv.image("g2")["generation"] is None,
+            10,
+            "the server withdraws the table of a changed file",
+        )
         vm = blockdev_vm(vms, tmp_path, "vm", tmp_path / "golden-link.raw")
         rc, data = run_json("attach", str(vm.qmp_path), *copy_opts(srv))
         assert rc == 0, data
         (d,) = data["drives"]
         assert d["result"] == "attached" and d["image"]["name"] == "g2", d
-        assert any("is not serving yet" in w and "reads go to disk" in w
-                   for w in d["warnings"]), d
+        assert any("is not serving yet" in w and "reads go to disk" in w for w in d["warnings"]), d
         assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
         s = vm.stats(d["filter"])
         assert s is not None and s["merged"] == 0, s
         srv.wait_generation("g2", gen + 1)
-        wait_for(lambda: (vm.stats(d["filter"]) or {}).get("generation") == gen + 1, 30,
-                 "the filter gets the new table")
+        wait_for(
+            lambda: (vm.stats(d["filter"]) or {}).get("generation") == gen + 1,
+            30,
+            "the filter gets the new table",
+        )
         assert vm.wrong_blocks("ovl", expect("A", LISTED)) == []
         s = vm.stats(d["filter"])
         assert s is not None and s["merged"] == len(LISTED), s

@@ -38,8 +38,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def pageshare(*args: str) -> tuple[int, dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", *args, "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert "Traceback" not in p.stderr, p.stderr
     data: dict[str, Any] = json.loads(p.stdout)
     assert data["exit_code"] == p.returncode
@@ -62,57 +67,99 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
     try:
         server.wait_generation("small", 1)
         ovl = tmp_path / "ovl.qcow2"
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F",
-                        "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
         signal_disk = tmp_path / "go.raw"
         signal_disk.write_bytes(bytes(1 << 20))
 
         markers = Markers.new()
-        command = "; ".join([phase(files, "before"), wait_for("GO1"),
-                             phase(files, "attached"), wait_for("GO2"),
-                             phase(files, "detached")])
+        command = "; ".join(
+            [
+                phase(files, "before"),
+                wait_for("GO1"),
+                phase(files, "attached"),
+                wait_for("GO2"),
+                phase(files, "detached"),
+            ]
+        )
         wl = tmp_path / "workload.sh"
         wl.write_text(script(Workload(command), markers))
         accel, _ = choose_accel("auto", insp.kernel)
         serial = tmp_path / "serial.log"
         qmp_path, test_qmp = tmp_path / "vm.qmp", tmp_path / "test.qmp"
         nodes = [
-            {"driver": "file", "node-name": "base-file", "filename": str(image),
-             "read-only": True},
+            {"driver": "file", "node-name": "base-file", "filename": str(image), "read-only": True},
             {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
             {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "base",
-             "discard": "unmap"},
+            {
+                "driver": "qcow2",
+                "node-name": "ovl",
+                "file": "ovl-file",
+                "backing": "base",
+                "discard": "unmap",
+            },
             {"driver": "file", "node-name": "go-file", "filename": str(signal_disk)},
             {"driver": "raw", "node-name": "go", "file": "go-file"},
         ]
-        cmd = [q.qemu_system, "-machine", f"q35,accel={accel},memory-backend=pc.ram",
-               "-object", "memory-backend-ram,id=pc.ram,size=1024M,share=off",
-               "-m", "1024M", "-smp", "1",
-               "-cpu", "host" if accel == "kvm" else "max,la57=off",
-               "-nodefaults", "-display", "none", "-vga", "none", "-no-reboot",
-               "-serial", f"file:{serial}",
-               *(a for n in nodes for a in ("-blockdev", json.dumps(n))),
-               "-device", "virtio-blk-pci,drive=ovl,id=disk0",
-               "-device", "virtio-blk-pci,drive=go,id=disk1",
-               "-qmp", f"unix:{qmp_path},server=on,wait=off",
-               "-qmp", f"unix:{test_qmp},server=on,wait=off",
-               "-kernel", str(insp.kernel), "-append", kernel_cmdline(insp.info.root_uuid),
-               "-fw_cfg", f"name={FW_CFG_NAME},file={wl}"]
+        cmd = [
+            q.qemu_system,
+            "-machine",
+            f"q35,accel={accel},memory-backend=pc.ram",
+            "-object",
+            "memory-backend-ram,id=pc.ram,size=1024M,share=off",
+            "-m",
+            "1024M",
+            "-smp",
+            "1",
+            "-cpu",
+            "host" if accel == "kvm" else "max,la57=off",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-vga",
+            "none",
+            "-no-reboot",
+            "-serial",
+            f"file:{serial}",
+            *(a for n in nodes for a in ("-blockdev", json.dumps(n))),
+            "-device",
+            "virtio-blk-pci,drive=ovl,id=disk0",
+            "-device",
+            "virtio-blk-pci,drive=go,id=disk1",
+            "-qmp",
+            f"unix:{qmp_path},server=on,wait=off",
+            "-qmp",
+            f"unix:{test_qmp},server=on,wait=off",
+            "-kernel",
+            str(insp.kernel),
+            "-append",
+            kernel_cmdline(insp.info.root_uuid),
+            "-fw_cfg",
+            f"name={FW_CFG_NAME},file={wl}",
+        ]
         if insp.initrd:
             cmd += ["-initrd", str(insp.initrd)]
         qlog = tmp_path / "qemu.log"
         with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         qmp = QMP(test_qmp, timeout=30)
 
         def serial_until(marker: str, timeout: float = 300) -> str:
             deadline = time.monotonic() + timeout
             text = ""
             while marker not in text:
-                assert proc is not None and proc.poll() is None, \
-                    qlog.read_text(errors="replace")[-3000:]
+                assert proc is not None and proc.poll() is None, qlog.read_text(errors="replace")[
+                    -3000:
+                ]
                 assert time.monotonic() < deadline, f"no {marker}:\n" + text[-3000:]
                 assert "Kernel panic" not in text, "guest panicked:\n" + text[-3000:]
                 time.sleep(1)
@@ -125,14 +172,15 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
         text = serial_until("before-end")
         assert hashes(text, "before") == want
 
-        rc, data = pageshare("attach", str(qmp_path), "--control", str(server.control),
-                             "--mode", "copy")
+        rc, data = pageshare(
+            "attach", str(qmp_path), "--control", str(server.control), "--mode", "copy"
+        )
         assert rc == 0, data
         by = {d["drive"]: d for d in data["drives"]}
-        assert set(by) == {"disk0"}, data          # the signal disk has no base
+        assert set(by) == {"disk0"}, data  # the signal disk has no base
         d = by["disk0"]
         assert d["result"] == "attached" and d["overlay"] == "ovl" and d["base"] == "base", d
-        assert d["method"] == "blockdev-reopen", d     # its -blockdev JSON is on the cmdline
+        assert d["method"] == "blockdev-reopen", d  # its -blockdev JSON is on the cmdline
         # the boot and the first hashes went to disk, through the guest's device
         rb = d["reads_before"]
         assert rb["devices"] == ["disk0"] and rb["rd_operations"] > 100, rb
@@ -144,8 +192,11 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
         go(b"GO1")
         text = serial_until("attached-end")
         assert hashes(text, "attached") == want
-        st = {s["node-name"]: s.get("driver-specific") for s in
-              qmp.command("query-blockstats", **{"query-nodes": True}) if s.get("node-name")}
+        st = {
+            s["node-name"]: s.get("driver-specific")
+            for s in qmp.command("query-blockstats", **{"query-nodes": True})
+            if s.get("node-name")
+        }
         ps = st[d["filter"]]
         assert ps is not None
         print(f"reads before attach: {rb}; filter while attached: {ps}")

@@ -45,8 +45,13 @@ def only(*checks: str) -> list[str]:
 
 def host_check(*args: str) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", "host", "check", *args],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", "host", "check", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert not p.stderr.strip() or "Traceback" not in p.stderr, p.stderr
     return p.returncode, p.stdout
 
@@ -124,7 +129,7 @@ def test_kernel_fix_names_the_package_target(tmp_path: Path) -> None:
     recipes = makefile_recipes(REPO / "Makefile")
     builds_deb = [t for t, r in recipes.items() if "packaging/kernel_deb.py" in r]
     assert builds_deb, recipes
-    [k] = hostcheck.check_kernel(tmp_path)      # no merge_page_merged there
+    [k] = hostcheck.check_kernel(tmp_path)  # no merge_page_merged there
     named = re.findall(r"`make ([\w.-]+)`", k.fix)
     assert named and all(t in recipes for t in named), (named, sorted(recipes))
     assert set(named) & set(builds_deb), (named, builds_deb)
@@ -210,6 +215,7 @@ def start(s: Server, servers: list[Server]) -> None:
             return True
         except ConnectionRefusedError:
             return False
+
     wait_for(answers, 20, "the control socket to answer")
 
 
@@ -221,17 +227,27 @@ def servers() -> Iterator[list[Server]]:
         s.stop()
 
 
-def test_server_images_published_then_stopped(image: tuple[Path, str], tmp_path: Path,
-                                              servers: list[Server]) -> None:
+def test_server_images_published_then_stopped(
+    image: tuple[Path, str], tmp_path: Path, servers: list[Server]
+) -> None:
     raw, sha = image
     blocks = nonzero_blocks(raw, 500, stride=3)
-    good = make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name), blocks,
-                     tmp_path / "good.pcsl")
+    good = make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name), blocks, tmp_path / "good.pcsl"
+    )
     # A list for another image (wrong content hash): the server refuses it.
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name), blocks,
-              tmp_path / "other.pcsl")
-    s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw"),
-                                  ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
+    make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name),
+        blocks,
+        tmp_path / "other.pcsl",
+    )
+    s = Server(
+        tmp_path / "srv",
+        [
+            ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw"),
+            ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw"),
+        ],
+    )
     start(s, servers)
     s.wait_generation("img", 1)
     wait_for(lambda: not s.image("other")["loading"], 60, "the other image's load")
@@ -272,28 +288,40 @@ def test_server_images_published_then_stopped(image: tuple[Path, str], tmp_path:
     assert str(s.control) in err["what"] and "pageshare-server" in err["fix"]
 
 
-def test_server_with_no_image_serving_is_an_error(image: tuple[Path, str], tmp_path: Path,
-                                                  servers: list[Server]) -> None:
+def test_server_with_no_image_serving_is_an_error(
+    image: tuple[Path, str], tmp_path: Path, servers: list[Server]
+) -> None:
     raw, _ = image
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name),
-              nonzero_blocks(raw, 10), tmp_path / "other.pcsl")
+    make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, "00" * 32, raw.name),
+        nonzero_blocks(raw, 10),
+        tmp_path / "other.pcsl",
+    )
     s = Server(tmp_path / "srv", [ImageSpec("other", raw, tmp_path / "other.pcsl", fmt="raw")])
     start(s, servers)
     wait_for(lambda: not s.image("other")["loading"], 60, "the image's load")
     rc, data = host_check_json("--control", str(s.control), *only("server"))
     assert rc == 2
     assert [f["what"] for f in findings(data, "server") if f["severity"] == "error"] == [
-        "the server publishes no image"]
+        "the server publishes no image"
+    ]
 
 
-def test_redis_reachable_and_down(image: tuple[Path, str], tmp_path: Path,
-                                  servers: list[Server]) -> None:
+def test_redis_reachable_and_down(
+    image: tuple[Path, str], tmp_path: Path, servers: list[Server]
+) -> None:
     raw, sha = image
-    make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name),
-              nonzero_blocks(raw, 10), tmp_path / "good.pcsl")
+    make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, sha, raw.name),
+        nonzero_blocks(raw, 10),
+        tmp_path / "good.pcsl",
+    )
     with redis_server(tmp_path) as r:
-        s = Server(tmp_path / "srv", [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw")],
-                   redis_url=r.url)
+        s = Server(
+            tmp_path / "srv",
+            [ImageSpec("img", raw, tmp_path / "good.pcsl", fmt="raw")],
+            redis_url=r.url,
+        )
         start(s, servers)
         s.wait_generation("img", 1)
         wait_for(lambda: s.status()["redis"]["connected"], 30, "the server's Redis connection")
@@ -330,20 +358,36 @@ def test_patched_qemu_has_the_driver_and_debian_lacks_it() -> None:
     # Debian's alone: no QEMU on this host has the driver, an error.
     rc, data = host_check_json("--no-path", "--qemu", DEBIAN_QEMU, *only("qemu"))
     assert rc == 2
-    assert any(f["severity"] == "error" and "no QEMU with the pageshare block driver" in f["what"]
-               for f in findings(data, "qemu"))
+    assert any(
+        f["severity"] == "error" and "no QEMU with the pageshare block driver" in f["what"]
+        for f in findings(data, "qemu")
+    )
 
 
 # --------------------------------------------------------------------------- guests
 
 
-def start_qemu(binary: str, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes],
-                                                                          Path]:
+def start_qemu(
+    binary: str, tmp: Path, name: str, *extra: str
+) -> tuple[subprocess.Popen[bytes], Path]:
     qmp = tmp / f"{name}.qmp"
-    p = subprocess.Popen([binary, "-M", "none", "-nodefaults", "-display", "none",
-                          "-name", f"{name},debug-threads=on", "-qmp",
-                          f"unix:{qmp},server=on,wait=off", *extra],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            binary,
+            "-M",
+            "none",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-name",
+            f"{name},debug-threads=on",
+            "-qmp",
+            f"unix:{qmp},server=on,wait=off",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     wait_for(lambda: qmp.exists() or p.poll() is not None, 30, f"{name}'s QMP socket")
     assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
     return p, qmp
@@ -365,10 +409,14 @@ def test_guest_without_the_filter_is_reported(tmp_path: Path) -> None:
         plain, _ = start_qemu(DEBIAN_QEMU, tmp_path, "hostcheck-plain")
         # A patched QEMU with a pageshare node (no server: the filter reads from disk).
         with_filter, _ = start_qemu(
-            build.qemu_system, tmp_path, "hostcheck-filtered",
-            "-blockdev", f"driver=file,node-name=base,filename={raw},read-only=on",
-            "-blockdev", f"driver=pageshare,node-name=ps,file=base,read-only=on,"
-                         f"server={tmp_path / 'none.sock'}")
+            build.qemu_system,
+            tmp_path,
+            "hostcheck-filtered",
+            "-blockdev",
+            f"driver=file,node-name=base,filename={raw},read-only=on",
+            "-blockdev",
+            f"driver=pageshare,node-name=ps,file=base,read-only=on,server={tmp_path / 'none.sock'}",
+        )
         time.sleep(0.5)
         args = only("guests")
         rc, text = host_check(*args)
@@ -398,25 +446,31 @@ def test_json_reports_bad_arguments_as_json() -> None:
 
 def test_control_framing_matches_the_reference_client() -> None:
     assert (hostcheck.MSG_STATUS_REQ, hostcheck.MSG_STATUS_REPLY) == (
-        psc.MSG_STATUS_REQ, psc.MSG_STATUS_REPLY)
+        psc.MSG_STATUS_REQ,
+        psc.MSG_STATUS_REPLY,
+    )
 
 
 def test_who_may_read_the_server() -> None:
     """process_vm_readv()/merge_pages() need PTRACE_MODE_READ on the server."""
-    full, dac = (1 << 41) - 1, 1 << 2                     # all capabilities; CAP_DAC_READ_SEARCH
+    full, dac = (1 << 41) - 1, 1 << 2  # all capabilities; CAP_DAC_READ_SEARCH
     root = hostcheck.Creds((0, 0, 0, 0), (0, 0, 0, 0), full)
     qemu = hostcheck.Creds((64055,) * 4, (64055,) * 4, 0)
     same_user = hostcheck.Creds((64055,) * 4, (64055,) * 4, 0)
     same_user_dac = hostcheck.Creds((64055,) * 4, (64055,) * 4, dac)
     other_group = hostcheck.Creds((64055,) * 4, (107,) * 4, 0)
     root_server = hostcheck.Creds((0, 0, 0, 0), (0, 0, 0, 0), dac)
-    assert hostcheck.read_refusal(root, root_server) == ""          # CAP_SYS_PTRACE
+    assert hostcheck.read_refusal(root, root_server) == ""  # CAP_SYS_PTRACE
     assert hostcheck.read_refusal(qemu, same_user) == ""
-    assert hostcheck.read_refusal(qemu, root_server) == \
-        "QEMU runs as uid 64055 gid 64055, the server as uid 0 gid 0"
+    assert (
+        hostcheck.read_refusal(qemu, root_server)
+        == "QEMU runs as uid 64055 gid 64055, the server as uid 0 gid 0"
+    )
     assert "gid 107" in hostcheck.read_refusal(qemu, other_group)
-    assert hostcheck.read_refusal(qemu, same_user_dac) == \
-        "the server holds capabilities QEMU lacks (CapPrm 0x4)"
+    assert (
+        hostcheck.read_refusal(qemu, same_user_dac)
+        == "the server holds capabilities QEMU lacks (CapPrm 0x4)"
+    )
     me = hostcheck.proc_creds(os.getpid())
     assert me is not None and me.uids[0] == os.getuid() and me.gids[0] == os.getgid()
-    assert hostcheck.proc_creds(2 ** 22 + 1) is None
+    assert hostcheck.proc_creds(2**22 + 1) is None

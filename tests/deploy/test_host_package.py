@@ -46,8 +46,12 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
             if node.level:
                 base = "pageshare" + (f".{node.module}" if node.module else "")
                 # `from . import X`: module X, or a name of pageshare/__init__.py
-                names = [base if node.module or not (PKG / f"{a.name}.py").exists()
-                         else f"{base}.{a.name}" for a in node.names]
+                names = [
+                    base
+                    if node.module or not (PKG / f"{a.name}.py").exists()
+                    else f"{base}.{a.name}"
+                    for a in node.names
+                ]
             else:
                 names = [node.module or ""]
             out += [(n, node.lineno, id(node) in top) for n in names]
@@ -61,10 +65,13 @@ def test_host_modules_import_only_each_other() -> None:
         for name, line, top in imports(PKG / f"{m}.py"):
             root = name.split(".")[0]
             if root == "pageshare":
-                ok = name in allowed or (m == "cli" and not top)   # cli: analyzer commands
+                ok = name in allowed or (m == "cli" and not top)  # cli: analyzer commands
             else:
-                ok = root in sys.stdlib_module_names or root == "__future__" or (
-                    root in THIRD_PARTY and not top)
+                ok = (
+                    root in sys.stdlib_module_names
+                    or root == "__future__"
+                    or (root in THIRD_PARTY and not top)
+                )
             if not ok:
                 bad.append(f"{m}.py:{line}: {name}")
     assert not bad, bad
@@ -80,22 +87,32 @@ def host_tree(tmp: Path) -> Path:
 
 
 def run_host(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pageshare.cli", *args], cwd=tree,
-                          capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", *args],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_host_commands_run_without_the_analyzer(tmp_path: Path) -> None:
     tree = host_tree(tmp_path)
     usage = run_host(tree, "--help")
     assert usage.returncode == 0, usage.stderr
-    for line in ("host check", "attach QMP", "detach QMP", "attach --libvirt", "libvirt-watch",
-                 "libvirt-hook"):
+    for line in (
+        "host check",
+        "attach QMP",
+        "detach QMP",
+        "attach --libvirt",
+        "libvirt-watch",
+        "libvirt-hook",
+    ):
         assert line in usage.stdout, usage.stdout
     assert "analyze IMAGE" not in usage.stdout and "list publish" not in usage.stdout
     assert "the analyzer, in the pageshare package" in usage.stdout, usage.stdout
-    for args in (["host", "check"], ["attach"], ["detach"], ["libvirt-watch"],
-                 ["libvirt-hook"]):
+    for args in (["host", "check"], ["attach"], ["detach"], ["libvirt-watch"], ["libvirt-hook"]):
         p = run_host(tree, *args, "--help")
         assert p.returncode == 0 and "Traceback" not in p.stderr, (args, p.stderr)
     for cmd in ANALYZER_COMMANDS:
@@ -112,9 +129,16 @@ def test_host_commands_run_without_the_analyzer(tmp_path: Path) -> None:
         "    cli.main(['host', 'check', '--json', '--control', '/nonexistent.sock'])\n"
         "    cli.main(['attach', '/nonexistent.qmp', '--json'])\n"
         "    cli.main(['libvirt-hook', 'vm1', 'prepare', 'begin', '-'])\n"
-        "print(json.dumps(sorted(sys.modules)))\n")
-    p = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,
-                       timeout=300, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+    )
     assert p.returncode == 0, p.stderr
     loaded = json.loads(p.stdout)
     ours = {m for m in loaded if m.startswith("pageshare.")}
@@ -124,6 +148,7 @@ def test_host_commands_run_without_the_analyzer(tmp_path: Path) -> None:
 
 def test_the_checkout_lists_every_command() -> None:
     from pageshare import cli
+
     assert cli.analyzer_installed()
     text = cli.usage()
     assert "analyze IMAGE" in text and "host check" in text and "not installed" not in text
@@ -132,10 +157,13 @@ def test_the_checkout_lists_every_command() -> None:
 def exposure(unit: Path, tmp: Path) -> float:
     """`systemd-analyze security --offline` of a unit (its binary need not exist here)."""
     copy = tmp / unit.name
-    copy.write_text(re.sub(r"^ExecStart=\S+", "ExecStart=/bin/true", unit.read_text(),
-                           flags=re.M))
-    p = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(copy)],
-                       capture_output=True, text=True, timeout=60)
+    copy.write_text(re.sub(r"^ExecStart=\S+", "ExecStart=/bin/true", unit.read_text(), flags=re.M))
+    p = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     m = re.search(r"exposure level for \S+: (\d+\.\d+)", p.stdout)
     assert m, p.stdout + p.stderr
     return float(m.group(1))
@@ -168,21 +196,28 @@ def apparmor_tree(tmp: Path, *, qemu: bool, libvirtd: bool, copy_mode: bool = Fa
     """A copy of this host's /etc/apparmor.d with pageshare-host's parts
     installed, and included where host check says (and the README), as
     asked."""
-    assert (ETC_APPARMOR / "usr.sbin.libvirtd").exists(), \
+    assert (ETC_APPARMOR / "usr.sbin.libvirtd").exists(), (
         "libvirt's AppArmor profiles are missing (scripts/install-deps.sh installs libvirt)"
+    )
     from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+
     root = tmp / "apparmor.d"
     shutil.copytree(ETC_APPARMOR, root, symlinks=True)
     text = (REPO / "analyzer" / "pageshare-qemu.apparmor").read_text()
     if copy_mode:
         text = text.replace("  #ptrace (read, trace)", "  ptrace (read, trace)").replace(
-            "  #@{PROC}", "  @{PROC}")
+            "  #@{PROC}", "  @{PROC}"
+        )
         assert "\n  ptrace (read, trace) peer=unconfined," in text
     (root / "abstractions" / "pageshare-qemu").write_text(text)
-    shutil.copy2(REPO / "analyzer" / "pageshare-libvirtd.apparmor",
-                 root / "abstractions" / "pageshare-libvirtd")
-    for wanted, local, line in ((qemu, "local/abstractions/libvirt-qemu", QEMU_INCLUDE),
-                                (libvirtd, "local/usr.sbin.libvirtd", LIBVIRTD_INCLUDE)):
+    shutil.copy2(
+        REPO / "analyzer" / "pageshare-libvirtd.apparmor",
+        root / "abstractions" / "pageshare-libvirtd",
+    )
+    for wanted, local, line in (
+        (qemu, "local/abstractions/libvirt-qemu", QEMU_INCLUDE),
+        (libvirtd, "local/usr.sbin.libvirtd", LIBVIRTD_INCLUDE),
+    ):
         if wanted:
             (root / local).parent.mkdir(parents=True, exist_ok=True)
             with open(root / local, "a") as f:
@@ -193,15 +228,18 @@ def apparmor_tree(tmp: Path, *, qemu: bool, libvirtd: bool, copy_mode: bool = Fa
 def apparmor_parser(root: Path, profile: Path, *args: str) -> str:
     parser = shutil.which("apparmor_parser", path="/usr/sbin:/sbin:/usr/bin")
     assert parser, "apparmor_parser is missing (scripts/install-deps.sh installs apparmor)"
-    p = subprocess.run([parser, "-Q", "-K", "--base", str(root), *args, str(profile)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [parser, "-Q", "-K", "--base", str(root), *args, str(profile)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout
 
 
 @pytest.mark.parametrize("copy_mode", [False, True])
-def test_the_apparmor_parts_compile_in_libvirts_profiles(copy_mode: bool,
-                                                         tmp_path: Path) -> None:
+def test_the_apparmor_parts_compile_in_libvirts_profiles(copy_mode: bool, tmp_path: Path) -> None:
     """libvirt's per-domain profile (TEMPLATE.qemu, as virt-aa-helper fills
     it) with pageshare-qemu included from libvirt's local abstraction, and
     libvirtd's profile with pageshare-libvirtd included from its local
@@ -213,7 +251,7 @@ def test_the_apparmor_parts_compile_in_libvirts_profiles(copy_mode: bool,
     apparmor_parser(root, root / "libvirt" / "TEMPLATE.qemu")
     daemon = apparmor_parser(root, root / "usr.sbin.libvirtd", "-p")
     assert f"\n  {EMULATOR} PUx,\n" in daemon
-    assert "/run/pageshare" not in daemon             # QEMU's rules stay QEMU's
+    assert "/run/pageshare" not in daemon  # QEMU's rules stay QEMU's
     apparmor_parser(root, root / "usr.sbin.libvirtd")
     # `include if exists`: both still compile once pageshare-host is purged
     for part in ("pageshare-qemu", "pageshare-libvirtd"):
@@ -245,16 +283,18 @@ print(json.dumps(out))
 
 def exec_rules(root: Path) -> dict[str, dict[str, list[str]]]:
     (root.parent / "aa-conf").mkdir(exist_ok=True)
-    p = subprocess.run([sys.executable, "-c", EXEC_RULES, str(root), EMULATOR,
-                        "/usr/bin/qemu-system-x86_64"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", EXEC_RULES, str(root), EMULATOR, "/usr/bin/qemu-system-x86_64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, "python3-apparmor (scripts/install-deps.sh installs it): " + p.stderr
     out: dict[str, dict[str, list[str]]] = json.loads(p.stdout.splitlines()[-1])
     return out
 
 
-def test_libvirtd_may_execute_pageshare_qemu_only_with_pageshare_libvirtd(
-        tmp_path: Path) -> None:
+def test_libvirtd_may_execute_pageshare_qemu_only_with_pageshare_libvirtd(tmp_path: Path) -> None:
     """Why a domain on pageshare-qemu did not start under Debian 12's
     AppArmor with only the domains' part included (Permission denied):
     libvirtd executes the emulator itself (its capabilities probe) under its
@@ -265,9 +305,11 @@ def test_libvirtd_may_execute_pageshare_qemu_only_with_pageshare_libvirtd(
     stock = exec_rules(apparmor_tree(tmp_path / "stock", qemu=False, libvirtd=False))
     assert stock["libvirtd"] == {EMULATOR: [], "/usr/bin/qemu-system-x86_64": ["/usr/bin/* PUx,"]}
     assert stock["LIBVIRT_TEMPLATE"] == {
-        EMULATOR: [], "/usr/bin/qemu-system-x86_64": ["/usr/bin/qemu-system-x86_64 mrix,"]}
+        EMULATOR: [],
+        "/usr/bin/qemu-system-x86_64": ["/usr/bin/qemu-system-x86_64 mrix,"],
+    }
     domains_only = exec_rules(apparmor_tree(tmp_path / "qemu", qemu=True, libvirtd=False))
-    assert domains_only["libvirtd"][EMULATOR] == []          # the Permission denied
+    assert domains_only["libvirtd"][EMULATOR] == []  # the Permission denied
     assert domains_only["LIBVIRT_TEMPLATE"][EMULATOR] == ["/usr/lib/pageshare-qemu/bin/* mrix,"]
     both = exec_rules(apparmor_tree(tmp_path / "both", qemu=True, libvirtd=True))
     assert both["libvirtd"][EMULATOR] == [f"{EMULATOR} PUx,"]
@@ -285,16 +327,22 @@ def fake_apparmor(tmp: Path, debian: int) -> tuple[Path, Path, Path, Path]:
     (d / "libvirt").mkdir()
     (d / "libvirt" / "TEMPLATE.qemu").write_text(
         "#include <tunables/global>\nprofile LIBVIRT_TEMPLATE flags=(attach_disconnected) {\n"
-        "  #include <abstractions/libvirt-qemu>\n}\n")
-    local = ("  include if exists <abstractions/libvirt-qemu.d>\n"
-             "  include if exists <local/abstractions/libvirt-qemu>\n" if debian == 13 else
-             "  # Site-specific additions and overrides. See local/README for details.\n"
-             "  #include <local/abstractions/libvirt-qemu>\n")
-    (d / "abstractions" / "libvirt-qemu").write_text("  /usr/bin/qemu-system-x86_64 rmix,\n"
-                                                      + local)
+        "  #include <abstractions/libvirt-qemu>\n}\n"
+    )
+    local = (
+        "  include if exists <abstractions/libvirt-qemu.d>\n"
+        "  include if exists <local/abstractions/libvirt-qemu>\n"
+        if debian == 13
+        else "  # Site-specific additions and overrides. See local/README for details.\n"
+        "  #include <local/abstractions/libvirt-qemu>\n"
+    )
+    (d / "abstractions" / "libvirt-qemu").write_text(
+        "  /usr/bin/qemu-system-x86_64 rmix,\n" + local
+    )
     (d / "usr.sbin.libvirtd").write_text(
         "profile libvirtd /usr/sbin/libvirtd {\n  /usr/bin/* PUx,\n"
-        "  #include <local/usr.sbin.libvirtd>\n}\n")
+        "  #include <local/usr.sbin.libvirtd>\n}\n"
+    )
     (d / "local" / "abstractions").mkdir(parents=True)
     (d / "local" / "usr.sbin.libvirtd").write_text("")
     emulator = tmp / "pageshare-qemu" / "bin" / "qemu-system-x86_64"
@@ -325,7 +373,7 @@ def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path
         return list(check_apparmor(enabled, d, emulator, domains, parse=False))
 
     enabled.write_text("N\n")
-    assert findings() == []                                       # AppArmor off
+    assert findings() == []  # AppArmor off
     enabled.write_text("Y\n")
     # pageshare-host's parts missing (pageshare-qemu alone)
     qemu, daemon = findings()
@@ -339,24 +387,32 @@ def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path
     assert "does not include" in qemu.what and "Permission denied" in qemu.why, qemu
     assert qemu.details["line"] == QEMU_INCLUDE, qemu
     assert qemu.details["file"] == str(
-        d / "abstractions" / "libvirt-qemu.d" / "pageshare-qemu" if debian == 13 else
-        d / "local" / "abstractions" / "libvirt-qemu"), qemu
-    assert f"libvirtd's AppArmor profile ({d / 'usr.sbin.libvirtd'}) does not let it execute " \
-           f"pageshare-qemu ({emulator})" == daemon.what, daemon
+        d / "abstractions" / "libvirt-qemu.d" / "pageshare-qemu"
+        if debian == 13
+        else d / "local" / "abstractions" / "libvirt-qemu"
+    ), qemu
+    assert (
+        f"libvirtd's AppArmor profile ({d / 'usr.sbin.libvirtd'}) does not let it execute "
+        f"pageshare-qemu ({emulator})" == daemon.what
+    ), daemon
     assert "to probe it" in daemon.why and "cannot execute binary" in daemon.why, daemon
-    assert daemon.fix == (f"echo '{LIBVIRTD_INCLUDE}' >> {d / 'local' / 'usr.sbin.libvirtd'} "
-                          f"&& apparmor_parser -r {d / 'usr.sbin.libvirtd'} "
-                          "(a running libvirtd gets it at once)"), daemon
+    assert daemon.fix == (
+        f"echo '{LIBVIRTD_INCLUDE}' >> {d / 'local' / 'usr.sbin.libvirtd'} "
+        f"&& apparmor_parser -r {d / 'usr.sbin.libvirtd'} "
+        "(a running libvirtd gets it at once)"
+    ), daemon
 
     # a defined domain on pageshare-qemu (named by its /usr/bin link) cannot start: errors
     link = tmp_path / "pageshare-qemu-system-x86_64"
     link.symlink_to(emulator)
     (domains / "vm1.xml").write_text(
         f"<domain type='kvm'><name>vm1</name><devices><emulator>{link}</emulator>"
-        "</devices></domain>\n")
+        "</devices></domain>\n"
+    )
     (domains / "vm2.xml").write_text(
         "<domain type='kvm'><name>vm2</name><devices><emulator>/usr/bin/qemu-system-x86_64"
-        "</emulator></devices></domain>\n")
+        "</emulator></devices></domain>\n"
+    )
     (domains / "broken.xml").write_text("<domain")
     qemu, daemon = findings()
     assert qemu.severity == daemon.severity == "error", (qemu, daemon)
@@ -386,17 +442,22 @@ def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path
 
 def test_apparmor_includes_follows_what_apparmor_parser_reads(tmp_path: Path) -> None:
     from pageshare.hostcheck import apparmor_includes
+
     d = tmp_path / "apparmor.d"
     (d / "a.d").mkdir(parents=True)
-    (d / "p").write_text('#include <tunables/x>\n  # include <commented>\n'
-                         '  include if exists <a.d>\n  include "/abs/olute"\n'
-                         '  #include "rel"\n')
+    (d / "p").write_text(
+        "#include <tunables/x>\n  # include <commented>\n"
+        '  include if exists <a.d>\n  include "/abs/olute"\n'
+        '  #include "rel"\n'
+    )
     (d / "a.d" / "one").write_text("include <b>\n")
     (d / "a.d" / "one.dpkg-old").write_text("include <old>\n")
     (d / "a.d" / ".hidden").write_text("include <hidden>\n")
-    (d / "b").write_text("include <p>\n")                    # a loop
-    got = {str(p.relative_to(d)) if p.is_relative_to(d) else str(p)
-           for p in apparmor_includes(d / "p", d)}
+    (d / "b").write_text("include <p>\n")  # a loop
+    got = {
+        str(p.relative_to(d)) if p.is_relative_to(d) else str(p)
+        for p in apparmor_includes(d / "p", d)
+    }
     assert got == {"tunables/x", "a.d", "a.d/one", "b", "/abs/olute", "rel"}, got
 
 
@@ -404,6 +465,7 @@ def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) ->
     """With this host's real profiles: the lines the README gives are ok,
     and a profile that no longer compiles once included is an error."""
     from pageshare.hostcheck import check_apparmor
+
     root = apparmor_tree(tmp_path, qemu=True, libvirtd=True)
     enabled = tmp_path / "enabled"
     enabled.write_text("Y\n")
@@ -412,7 +474,7 @@ def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) ->
     found = list(check_apparmor(enabled, root, emulator, tmp_path / "none"))
     assert [f.severity for f in found] == ["ok", "ok"], found
     with open(root / "local" / "usr.sbin.libvirtd", "a") as f:
-        f.write(f"  {EMULATOR} ix,\n")                     # conflicts with the part's PUx
+        f.write(f"  {EMULATOR} ix,\n")  # conflicts with the part's PUx
     qemu, daemon = check_apparmor(enabled, root, emulator, tmp_path / "none")
     assert qemu.severity == "ok", qemu
     assert daemon.severity == "error" and "does not compile" in daemon.what, daemon
@@ -422,10 +484,12 @@ def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) ->
 def test_the_readme_and_the_parts_give_host_checks_lines() -> None:
     """One line per profile, the same wherever it is written."""
     from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+
     readme = (REPO / "README.md").read_text()
     for line, local, part in (
-            (QEMU_INCLUDE, "/etc/apparmor.d/local/abstractions/libvirt-qemu", "pageshare-qemu"),
-            (LIBVIRTD_INCLUDE, "/etc/apparmor.d/local/usr.sbin.libvirtd", "pageshare-libvirtd")):
+        (QEMU_INCLUDE, "/etc/apparmor.d/local/abstractions/libvirt-qemu", "pageshare-qemu"),
+        (LIBVIRTD_INCLUDE, "/etc/apparmor.d/local/usr.sbin.libvirtd", "pageshare-libvirtd"),
+    ):
         assert f"echo '{line}' >> {local}" in readme, line
         header = (REPO / "analyzer" / f"{part}.apparmor").read_text()
         assert f"#   echo '{line}' \\\n#       >> {local}\n" in header, part

@@ -60,15 +60,27 @@ from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden, sectorlist
 
 VARIANTS = {"small": "bookworm", "trixie": "trixie"}
-APT = ("-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
-       "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io")
-INSTALL = f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y " \
-          "--no-install-recommends"
+APT = (
+    "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
+    "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
+)
+INSTALL = (
+    f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y --no-install-recommends"
+)
 WATCH = "pageshare-libvirt-watch.service"
 LIBVIRT = ("libvirt-daemon-system", "python3-libvirt", "apparmor")
 # Debian packages of the analyzer's world that a hypervisor must not get.
-ANALYZER_PACKAGES = ("python3-drgn", "libguestfs0", "python3-guestfs", "supermin", "crash",
-                     "qemu-system-x86", "qemu-utils", "qemu-system-common", "mmdebstrap")
+ANALYZER_PACKAGES = (
+    "python3-drgn",
+    "libguestfs0",
+    "python3-guestfs",
+    "supermin",
+    "crash",
+    "qemu-system-x86",
+    "qemu-utils",
+    "qemu-system-common",
+    "mmdebstrap",
+)
 LISTS = "/var/lib/pageshare"
 DOMAIN = "ps-vm"
 DOMAIN_XML = """<domain type='qemu'>
@@ -102,8 +114,9 @@ def test_host_package_on_a_hypervisor(variant: str, tmp_path: Path) -> None:
     server_deb = build_deb("pageshare-server")
     qemu_deb = build_deb("pageshare-qemu")
     img = golden.build_image(variant)
-    repo = guest_repo(img, suite, host_deb, tmp_path,
-                      also=(str(server_deb), str(qemu_deb), *LIBVIRT))
+    repo = guest_repo(
+        img, suite, host_deb, tmp_path, also=(str(server_deb), str(qemu_deb), *LIBVIRT)
+    )
     lap("build")
 
     payload = tmp_path / "payload"
@@ -134,8 +147,11 @@ def test_host_package_on_a_hypervisor(variant: str, tmp_path: Path) -> None:
 def installed(g: Agent) -> dict[str, int]:
     """Installed packages and their Installed-Size (KiB)."""
     out = g.ok("dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Installed-Size}\\n'")
-    return {f[1]: int(f[2] or 0) for f in (line.split() for line in out.splitlines())
-            if len(f) == 3 and f[0] == "ii"}
+    return {
+        f[1]: int(f[2] or 0)
+        for f in (line.split() for line in out.splitlines())
+        if len(f) == 3 and f[0] == "ii"
+    }
 
 
 def score(g: Agent, unit: str) -> float:
@@ -149,9 +165,11 @@ def score(g: Agent, unit: str) -> float:
 def host_alone(g: Agent, deb: str, lap: Any) -> dict[str, Any]:
     """pageshare-host installed alone, as on a new hypervisor: what came
     with it, and what it runs."""
-    g.ok("mount -o ro /dev/vdb /mnt && "
-         "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
-         f"apt-get {APT} update -q")
+    g.ok(
+        "mount -o ro /dev/vdb /mnt && "
+        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
+        f"apt-get {APT} update -q"
+    )
     before = installed(g)
     out = g.ok(f"{INSTALL} ./{deb}", timeout=900)
     assert "Setting up pageshare-host" in out, out
@@ -165,9 +183,11 @@ def host_alone(g: Agent, deb: str, lap: Any) -> dict[str, Any]:
     assert "/usr/bin/pageshare" in files and "/usr/bin/analyze-image" not in files
     assert g.run("ls -d /usr/lib/pageshare/python3.* /usr/bin/analyze-image 2>&1")[0] != 0
     assert g.ok("find / -xdev \\( -name 'drgn*' -o -name '*guestfs*' \\) -print").strip() == ""
-    sizes = {"package_kib": after["pageshare-host"],
-             "with_dependencies_kib": sum(added.values()),
-             "packages_added": sorted(added)}
+    sizes = {
+        "package_kib": after["pageshare-host"],
+        "with_dependencies_kib": sum(added.values()),
+        "packages_added": sorted(added),
+    }
 
     # the CLI: only what it can run
     usage = g.ok("pageshare --help")

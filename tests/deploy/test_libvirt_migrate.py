@@ -107,8 +107,10 @@ class Host:
     watchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def configure(self, control: Path, block_refs: bool) -> None:
-        self.conf.write_text(f'control = "{control}"\nmode = "copy"\n'
-                             f"block_refs = {'true' if block_refs else 'false'}\n")
+        self.conf.write_text(
+            f'control = "{control}"\nmode = "copy"\n'
+            f"block_refs = {'true' if block_refs else 'false'}\n"
+        )
 
     def domain_log(self) -> str:
         return self.lv.domain_log(DOMAIN)
@@ -131,9 +133,11 @@ def install_hook(etc: Path, conf: Path) -> None:
     configuration (libvirtd runs hooks with a clean environment)."""
     etc.mkdir(parents=True, exist_ok=True)
     wrapper = etc / "pageshare-from-checkout"
-    wrapper.write_text(f"#!/bin/sh\nexport PYTHONPATH={REPO / 'analyzer'}\n"
-                       f'cmd=$1; shift\nexec {sys.executable} -m pageshare.cli "$cmd" '
-                       f'--config {conf} "$@"\n')
+    wrapper.write_text(
+        f"#!/bin/sh\nexport PYTHONPATH={REPO / 'analyzer'}\n"
+        f'cmd=$1; shift\nexec {sys.executable} -m pageshare.cli "$cmd" '
+        f'--config {conf} "$@"\n'
+    )
     wrapper.chmod(0o755)
     text = HOOK.read_text()
     assert "\nPAGESHARE=/usr/bin/pageshare\n" in text
@@ -151,17 +155,34 @@ def make_host(tmp: Path, name: str) -> Host:
     lv = PrivateLibvirtd(
         root,
         QEMU_CONF + f"migration_port_min = {port}\nmigration_port_max = {port + 15}\n",
-        LIBVIRTD_CONF + f'host_uuid = "{uuid.uuid4()}"\n')
+        LIBVIRTD_CONF + f'host_uuid = "{uuid.uuid4()}"\n',
+    )
     return Host(name, lv, conf, WatchLog(tmp / f"watch-{name}.jsonl"), tmp / f"watch-{name}.err")
 
 
 def migrate(src: Host, dst: Host) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
     p = subprocess.run(
-        ["virsh", "-q", "-c", src.lv.uri, "migrate", "--live", "--p2p", "--unsafe", DOMAIN,
-         dst.lv.uri.replace("qemu:///", "qemu+unix:///"), "--migrateuri", "tcp://127.0.0.1",
-         "--listen-address", "127.0.0.1"],
-        capture_output=True, text=True, timeout=MIGRATION_TIMEOUT)
+        [
+            "virsh",
+            "-q",
+            "-c",
+            src.lv.uri,
+            "migrate",
+            "--live",
+            "--p2p",
+            "--unsafe",
+            DOMAIN,
+            dst.lv.uri.replace("qemu:///", "qemu+unix:///"),
+            "--migrateuri",
+            "tcp://127.0.0.1",
+            "--listen-address",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=MIGRATION_TIMEOUT,
+    )
     return p, time.monotonic() - t0
 
 
@@ -170,8 +191,9 @@ def serial_until(path: Path, marker: str, hosts: list[Host], timeout: float = 60
     text = ""
     while marker not in text:
         assert "Kernel panic" not in text, text[-3000:]
-        assert time.monotonic() < deadline, (f"no {marker}:\n{text[-3000:]}\n"
-                                             + "\n".join(h.domain_log()[-2000:] for h in hosts))
+        assert time.monotonic() < deadline, f"no {marker}:\n{text[-3000:]}\n" + "\n".join(
+            h.domain_log()[-2000:] for h in hosts
+        )
         time.sleep(1)
         text = path.read_text(errors="replace") if path.exists() else ""
     return text
@@ -181,8 +203,7 @@ def hook_time(line: str) -> float:
     """The UTC time at the start of a line of the hook's, as epoch seconds."""
     m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3})\+0000: ", line)
     assert m, line
-    return calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) \
-        + int(m.group(2)) / 1000
+    return calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
 
 
 def qemu_cmdlines(uuid_: str) -> list[list[str]]:
@@ -230,7 +251,7 @@ def check_arrival(dst: Host, src: Host, after: int, refs: bool) -> tuple[int, st
     n, r = dst.log.wait(DOMAIN, "resumed-migrated", n)
     assert r["ok"], r
     (d,) = r["drives"]
-    assert d["result"] == "already-attached", d        # the hook's filter
+    assert d["result"] == "already-attached", d  # the hook's filter
     assert hook_time(done[-1]) < r["time"], (done[-1], r["time"])
     assert [x for x in dst.log.records()[after:] if x["event"] == "started"] == []
     m = re.search(r"attached \(filter (\S+?)[,)]", done[-1])
@@ -263,8 +284,9 @@ def watch_migration(sock: Path, node: str, stop: list[bool]) -> dict[str, Any]:
     return {}
 
 
-def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
-                                                             host_guard: None) -> None:
+def test_virsh_migrate_live_puts_the_filter_in_place_first(
+    tmp_path: Path, host_guard: None
+) -> None:
     q = qemu_build()
     image = golden.build_image("small").path
     raw = raw_copy(image, tmp_path / "small.raw")
@@ -274,22 +296,46 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
 
     markers = Markers.new()
     wl = tmp_path / "workload.sh"
-    wl.write_text(script(Workload("; ".join([
-        wait_for("GO1"), phase(listed.files, "on-a"), wait_for("GO2"),
-        phase(listed.files, "on-b"), wait_for("GO3"), phase(listed.files, "back-on-a"),
-        "sleep 1"])), markers))
+    wl.write_text(
+        script(
+            Workload(
+                "; ".join(
+                    [
+                        wait_for("GO1"),
+                        phase(listed.files, "on-a"),
+                        wait_for("GO2"),
+                        phase(listed.files, "on-b"),
+                        wait_for("GO3"),
+                        phase(listed.files, "back-on-a"),
+                        "sleep 1",
+                    ]
+                )
+            ),
+            markers,
+        )
+    )
     ovl, go = tmp_path / "ovl.qcow2", tmp_path / "go.raw"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2",
-                    str(ovl)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+        check=True,
+    )
     go.write_bytes(bytes(1 << 20))
     serial = tmp_path / "serial.log"
     boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
     if insp.initrd:
         boot["initrd"] = str(insp.initrd)
     xml = tmp_path / "guest.xml"
-    xml.write_text(domain_xml(DOMAIN, q.qemu_system, [disk(ovl, "qcow2", "vda"),
-                                                      disk(go, "raw", "vdb")],
-                              serial, boot, wl, serial_append=True))
+    xml.write_text(
+        domain_xml(
+            DOMAIN,
+            q.qemu_system,
+            [disk(ovl, "qcow2", "vda"), disk(go, "raw", "vdb")],
+            serial,
+            boot,
+            wl,
+            serial_append=True,
+        )
+    )
 
     server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
     a, b = make_host(tmp_path, "a"), make_host(tmp_path, "b")
@@ -302,8 +348,7 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
         server.wait_generation("small", 1)
         for h in hosts:
             h.lv.start()
-            h.watchers.append(start_watcher(h.lv.uri, h.log.path, h.err,
-                                            "--config", str(h.conf)))
+            h.watchers.append(start_watcher(h.lv.uri, h.log.path, h.err, "--config", str(h.conf)))
 
         # 1. started on A: attached on the start event, block-refs off, marked
         a.lv.virsh("create", str(xml))
@@ -349,7 +394,7 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
         assert hashes(text, "on-b") == listed.want
         st_b = filter_stats(b.lv, DOMAIN, node_b)
         print(f"B's filter after the guest's reads there: {st_b}")
-        assert st_b["merged"] > 0 and st_b["connected"], st_b     # it serves the guest
+        assert st_b["merged"] > 0 and st_b["connected"], st_b  # it serves the guest
         assert st_b["fallback-unproven"] == 0 and not st_b["base-changed"], st_b
 
         # 4. B -> A with block-refs; B's counters over the hook's monitor
@@ -383,15 +428,17 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
         assert "filter" in seen, seen
         sent, info = seen["filter"], seen["migrate"]
         st_a = filter_stats(a.lv, DOMAIN, node_a)
-        print(f"B -> A: {took:.1f} s; source: {json.dumps(info)}\nB's filter: {sent}\n"
-              f"A's filter on arrival: {st_a}")
+        print(
+            f"B -> A: {took:.1f} s; source: {json.dumps(info)}\nB's filter: {sent}\n"
+            f"A's filter on arrival: {st_a}"
+        )
         assert info["ram"]["block-ref-pages"] > 0, info
         assert sent["migration-refs-sent"] > 0, sent
         received = st_a["migration-refs-copied"] + st_a["migration-refs-read"]
         assert received == sent["migration-refs-sent"], (sent, st_a)
         assert st_a["migration-refs-merged"] == 0 and st_a["migration-refs-failed"] == 0, st_a
         _, r = a.log.wait(DOMAIN, "resumed-migrated", na - 1)
-        assert r["migration"] == {"block-refs": False}, r        # A's setting again
+        assert r["migration"] == {"block-refs": False}, r  # A's setting again
         assert 'block-refs="off"' in a.dumpxml(), a.dumpxml()
         signal_guest(go, b"GO3")
         text = serial_until(serial, markers.ready, hosts)
@@ -409,8 +456,10 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
         t0 = time.monotonic()
         a.lv.virsh("restore", str(saved))
         took = time.monotonic() - t0
-        assert a.hook_lines()[-1].endswith("restoring: pageshare's QEMU arguments removed "
-                                           "(libvirt-watch attaches on the start event)")
+        assert a.hook_lines()[-1].endswith(
+            "restoring: pageshare's QEMU arguments removed "
+            "(libvirt-watch attaches on the start event)"
+        )
         argv = the_qemu(dom_uuid)
         assert not [x for x in argv if "pageshare-qmp" in x or "block-refs" in x], argv
         _, r = a.log.wait(DOMAIN, "started", na)
@@ -422,31 +471,58 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(tmp_path: Path,
         # 5. detached on A (block-refs on by hand first): block-refs off and
         # the mark gone; the next migration is libvirt's own, and B's watcher
         # attaches once the guest resumes there
-        a.lv.virsh("qemu-monitor-command", DOMAIN, json.dumps(
-            {"execute": "migrate-set-capabilities", "arguments": {"capabilities": [
-                {"capability": "block-refs", "state": True}]}}))
-        p = subprocess.run([sys.executable, "-m", "pageshare.cli", "detach", "--libvirt",
-                            DOMAIN, "--connect", a.lv.uri, "--json"], capture_output=True,
-                           text=True, timeout=120, env=dict(os.environ,
-                                                            PYTHONPATH=str(REPO / "analyzer")))
+        a.lv.virsh(
+            "qemu-monitor-command",
+            DOMAIN,
+            json.dumps(
+                {
+                    "execute": "migrate-set-capabilities",
+                    "arguments": {"capabilities": [{"capability": "block-refs", "state": True}]},
+                }
+            ),
+        )
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pageshare.cli",
+                "detach",
+                "--libvirt",
+                DOMAIN,
+                "--connect",
+                a.lv.uri,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=str(REPO / "analyzer")),
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         r = json.loads(p.stdout)
         assert r["drives"][0]["result"] == "detached" and r["block_refs"] == "turned off", r
-        caps = json.loads(a.lv.virsh("qemu-monitor-command", DOMAIN, json.dumps(
-            {"execute": "query-migrate-capabilities"})).stdout)["return"]
+        caps = json.loads(
+            a.lv.virsh(
+                "qemu-monitor-command",
+                DOMAIN,
+                json.dumps({"execute": "query-migrate-capabilities"}),
+            ).stdout
+        )["return"]
         assert {"capability": "block-refs", "state": False} in caps, caps
         assert "pageshare:filter" not in a.dumpxml(), a.dumpxml()
         nb, lines = len(b.log.records()), len(b.hook_lines())
         p, took = migrate(a, b)
         assert p.returncode == 0, p.stderr + b.domain_log()[-3000:]
         assert DOMAIN not in a.domains() and b.state() == "running"
-        assert len(b.hook_lines()) == lines, b.hook_lines()      # nothing for the hook
+        assert len(b.hook_lines()) == lines, b.hook_lines()  # nothing for the hook
         argv = the_qemu(dom_uuid)
         assert not [x for x in argv if "pageshare-qmp" in x or "block-refs" in x], argv
         _, r = b.log.wait(DOMAIN, "resumed-migrated", nb)
         assert r["ok"] and r["drives"][0]["result"] == "attached", r
-        print(f"detached, A -> B: {took:.1f} s; attached on B once it resumed: "
-              f"{r['drives'][0]['reads_before']}")
+        print(
+            f"detached, A -> B: {took:.1f} s; attached on B once it resumed: "
+            f"{r['drives'][0]['reads_before']}"
+        )
 
         for h in hosts:
             h.watchers[0].send_signal(signal.SIGTERM)

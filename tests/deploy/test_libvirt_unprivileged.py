@@ -68,15 +68,17 @@ def world_dir() -> Iterator[Path]:
 def dac_label(lv: PrivateLibvirtd) -> tuple[int, int]:
     """uid and gid libvirt runs QEMU as (its DAC base label, `+uid:+gid`)."""
     caps = lv.virsh("capabilities").stdout
-    m = re.search(r"<model>dac</model>.*?<baselabel type='qemu'>\+(\d+):\+(\d+)</baselabel>",
-                  caps, re.S)
+    m = re.search(
+        r"<model>dac</model>.*?<baselabel type='qemu'>\+(\d+):\+(\d+)</baselabel>", caps, re.S
+    )
     assert m, caps
     return int(m.group(1)), int(m.group(2))
 
 
 def qemu_creds(name: str) -> tuple[int, int]:
-    pid = subprocess.run(["pgrep", "-f", f"guest={name}"], capture_output=True, text=True,
-                         check=True).stdout.split()[0]
+    pid = subprocess.run(
+        ["pgrep", "-f", f"guest={name}"], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     status = Path(f"/proc/{pid}/status").read_text()
     uid = int(re.search(r"^Uid:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
     gid = int(re.search(r"^Gid:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
@@ -85,16 +87,30 @@ def qemu_creds(name: str) -> tuple[int, int]:
 
 def pageshare(*args: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", *args, "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     r: dict[str, Any] = json.loads(p.stdout)
     return r
 
 
 def attach(lv: PrivateLibvirtd, control: Path) -> dict[str, Any]:
-    return pageshare("attach", "--libvirt", DOMAIN, "--connect", lv.uri, "--control",
-                     str(control), "--mode", "copy")
+    return pageshare(
+        "attach",
+        "--libvirt",
+        DOMAIN,
+        "--connect",
+        lv.uri,
+        "--control",
+        str(control),
+        "--mode",
+        "copy",
+    )
 
 
 def detach(lv: PrivateLibvirtd) -> dict[str, Any]:
@@ -104,15 +120,35 @@ def detach(lv: PrivateLibvirtd) -> dict[str, Any]:
 def host_check_refusals(control: Path) -> list[dict[str, Any]]:
     """`pageshare host check`'s findings that a guest may not read the server."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([sys.executable, "-m", "pageshare.cli", "host", "check", "--json",
-                        "--control", str(control), "--skip", "kernel", "--skip", "ksm",
-                        "--skip", "qemu"], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pageshare.cli",
+            "host",
+            "check",
+            "--json",
+            "--control",
+            str(control),
+            "--skip",
+            "kernel",
+            "--skip",
+            "ksm",
+            "--skip",
+            "qemu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     findings: list[dict[str, Any]] = json.loads(p.stdout)["findings"]
     return [f for f in findings if "may not read pageshare-server's memory" in f["what"]]
 
 
 def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
-        tmp_path: Path, world_dir: Path) -> None:
+    tmp_path: Path, world_dir: Path
+) -> None:
     w = world_dir
     q = qemu_build()
     # The patched QEMU where QEMU's user can execute it (an install would
@@ -127,16 +163,31 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
     insp = inspect_image(golden_image, "qcow2", raw.stat().st_size)
     lst = w / "small.pcsl"
     listed = list_files(image, raw, lst, tmp_path)
-    boot = {"kernel": str(shutil.copy2(insp.kernel, w / "vmlinuz")),
-            "cmdline": kernel_cmdline(insp.info.root_uuid)}
+    boot = {
+        "kernel": str(shutil.copy2(insp.kernel, w / "vmlinuz")),
+        "cmdline": kernel_cmdline(insp.info.root_uuid),
+    }
     if insp.initrd:
         boot["initrd"] = str(shutil.copy2(insp.initrd, w / "initrd.img"))
 
     markers = Markers.new()
     wl = w / "workload.sh"
-    wl.write_text(script(Workload("; ".join([wait_for("GO"), phase(listed.files, "run"),
-                                             wait_for("G2"), phase(listed.files, "after"),
-                                             "sleep 2"])), markers))
+    wl.write_text(
+        script(
+            Workload(
+                "; ".join(
+                    [
+                        wait_for("GO"),
+                        phase(listed.files, "run"),
+                        wait_for("G2"),
+                        phase(listed.files, "after"),
+                        "sleep 2",
+                    ]
+                )
+            ),
+            markers,
+        )
+    )
     ovl, go, serial = w / "ovl.qcow2", w / "go.raw", w / "serial.log"
     lv = PrivateLibvirtd(tmp_path / "libvirt", qemu_conf=QEMU_CONF_UNPRIVILEGED)
     servers: list[Server] = []
@@ -145,12 +196,20 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
     def run_guest(server: Server) -> tuple[dict[str, Any], dict[str, Any]]:
         """Start the domain, attach the filter, let the guest hash the files."""
         ovl.unlink(missing_ok=True)
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F",
-                        "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
         go.write_bytes(bytes(1 << 20))
         serial.write_text("")
-        xml = domain_xml(DOMAIN, str(emulator), [disk(ovl, "qcow2", "vda"),
-                                                 disk(go, "raw", "vdb")], serial, boot, wl)
+        xml = domain_xml(
+            DOMAIN,
+            str(emulator),
+            [disk(ovl, "qcow2", "vda"), disk(go, "raw", "vdb")],
+            serial,
+            boot,
+            wl,
+        )
         (tmp_path / "domain.xml").write_text(xml)
         lv.virsh("create", str(tmp_path / "domain.xml"))
         assert qemu_creds(DOMAIN) == uid_gid, "QEMU does not run as libvirt's user"
@@ -158,6 +217,7 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         (d,) = r["drives"]
         assert d["result"] == "attached", r
         refusals.append(host_check_refusals(server.control))
+
         def until(marker: str) -> str:
             deadline = time.monotonic() + 600
             text = ""
@@ -188,22 +248,24 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         assert uid_gid[0] != 0, "libvirt's default QEMU user is root here"
 
         # The server as QEMU's user and group, started before any VM.
-        server = Server(w / "server", [ImageSpec("small", image, list_file=lst)],
-                        run_as=uid_gid)
+        server = Server(w / "server", [ImageSpec("small", image, list_file=lst)], run_as=uid_gid)
         servers.append(server)
         server.start()
         server.wait_generation("small", 1)
         st, _ = run_guest(server)
         print(f"unprivileged QEMU, server of its user: {st}")
-        assert st["merged"] > len(listed.blocks) // 2, st      # copied into guest RAM
+        assert st["merged"] > len(listed.blocks) // 2, st  # copied into guest RAM
         assert st["fallback-merge-failed"] == 0 and st["last-merge-errno"] == 0, st
         assert st["fallback-unproven"] == 0 and not st["base-changed"], st
-        assert refusals[-1] == [], refusals       # host check: this guest may read it
+        assert refusals[-1] == [], refusals  # host check: this guest may read it
         server.stop()
 
         # The server as root: QEMU may connect (0666) but not read its memory.
-        root_server = Server(w / "server-root", [ImageSpec("small", image, list_file=lst)],
-                             extra='socket_mode = "0666"')
+        root_server = Server(
+            w / "server-root",
+            [ImageSpec("small", image, list_file=lst)],
+            extra='socket_mode = "0666"',
+        )
         servers.append(root_server)
         root_server.start()
         root_server.wait_generation("small", 1)
@@ -216,10 +278,12 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
         assert info["log"].count("may not read the page server's memory") == 1, info["log"]
         assert f"this QEMU (uid {uid_gid[0]}, gid {uid_gid[1]})" in info["log"]
         assert "run pageshare-server as QEMU's user and group" in info["log"]
-        (finding,) = refusals[-1]                 # host check says so before any read
+        (finding,) = refusals[-1]  # host check says so before any read
         assert finding["severity"] == "warning", finding
-        assert f"QEMU runs as uid {uid_gid[0]} gid {uid_gid[1]}, the server as uid 0 gid 0" \
-            in finding["what"], finding
+        assert (
+            f"QEMU runs as uid {uid_gid[0]} gid {uid_gid[1]}, the server as uid 0 gid 0"
+            in finding["what"]
+        ), finding
         assert "unprivileged-qemu.conf" in finding["fix"], finding
     finally:
         lv.stop()

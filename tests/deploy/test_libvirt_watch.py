@@ -52,26 +52,51 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
     # the guest: boot, wait for GO, hash the listed files, power off
     markers = Markers.new()
     wl = tmp_path / "workload.sh"
-    wl.write_text(script(Workload("; ".join([wait_for("GO"), phase(listed.files, "attached"),
-                                             "sleep 2"])), markers))
+    wl.write_text(
+        script(
+            Workload("; ".join([wait_for("GO"), phase(listed.files, "attached"), "sleep 2"])),
+            markers,
+        )
+    )
     ovl, go = tmp_path / "ovl.qcow2", tmp_path / "go.raw"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2",
-                    str(ovl)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+        check=True,
+    )
     go.write_bytes(bytes(1 << 20))
     serial = tmp_path / "serial.log"
     boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
     if insp.initrd:
         boot["initrd"] = str(insp.initrd)
-    guest = domain_xml("ps-guest", q.qemu_system, [disk(ovl, "qcow2", "vda"),
-                                                   disk(go, "raw", "vdb")],
-                       serial, boot, wl)
+    guest = domain_xml(
+        "ps-guest",
+        q.qemu_system,
+        [disk(ovl, "qcow2", "vda"), disk(go, "raw", "vdb")],
+        serial,
+        boot,
+        wl,
+    )
     # a VM over a base nobody serves: it never boots anything (no OS on it)
     other_base, other_ovl = tmp_path / "other.raw", tmp_path / "other.qcow2"
     other_base.write_bytes(os.urandom(1 << 20) * 16)
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(other_base), "-F",
-                    "raw", str(other_ovl)], check=True)
-    other = domain_xml("ps-other", q.qemu_system, [disk(other_ovl, "qcow2", "vda")],
-                       tmp_path / "other-serial.log")
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            str(other_base),
+            "-F",
+            "raw",
+            str(other_ovl),
+        ],
+        check=True,
+    )
+    other = domain_xml(
+        "ps-other", q.qemu_system, [disk(other_ovl, "qcow2", "vda")], tmp_path / "other-serial.log"
+    )
 
     server = Server(tmp_path / "server", [ImageSpec("small", image, list_file=lst)])
     lv = PrivateLibvirtd(tmp_path / "libvirt")
@@ -94,9 +119,9 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
             lv.virsh("start", "ps-guest")
             after, r = log.wait("ps-guest", "started", after)
             assert r["ok"], r
-            (d,) = r["drives"]                 # vdb's raw image has no base
+            (d,) = r["drives"]  # vdb's raw image has no base
             assert d["result"] == "attached" and d["method"] == "blockdev-reopen", d
-            assert d["overlay"].startswith("libvirt-"), d      # libvirt's own node names
+            assert d["overlay"].startswith("libvirt-"), d  # libvirt's own node names
             assert d["reads_before"]["rd_operations"] >= 0, d
             # the filter sits in the running domain, seen through libvirt
             assert filter_stats(lv, "ps-guest", d["filter"])["connected"]
@@ -111,7 +136,7 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
             assert hashes(text, "attached") == listed.want
             st = filter_stats(lv, "ps-guest", d["filter"])
             print(f"reads before attach: {d['reads_before']}; filter: {st}")
-            assert st["merged"] > len(listed.blocks) // 2, st      # copied into guest RAM
+            assert st["merged"] > len(listed.blocks) // 2, st  # copied into guest RAM
             assert st["fallback-unproven"] == 0 and not st["base-changed"], st
             return after
 

@@ -28,7 +28,7 @@ import pytest
 from package_root import Root, built_deb, load_debs, pageshare_deb
 from results_samples import make_results_db
 
-pytestmark = pytest.mark.vm      # long: builds roots from the Debian archive
+pytestmark = pytest.mark.vm  # long: builds roots from the Debian archive
 
 SUITES = {"bookworm": "3.11", "trixie": "3.13"}
 
@@ -46,8 +46,10 @@ def test_the_packages_hold_what_they_should() -> None:
     assert "Recommends:" in control and "crash" in control
     # the host tools are pageshare-host's, not the analyzer's
     assert not [p for p in paths if p.startswith(("etc/", "lib/systemd"))], paths
-    assert "usr/bin/pageshare" not in paths and "usr/lib/pageshare/python/pageshare/cli.py" \
-        not in paths
+    assert (
+        "usr/bin/pageshare" not in paths
+        and "usr/lib/pageshare/python/pageshare/cli.py" not in paths
+    )
     assert debs.deb_control_file(deb, "conffiles") == ""
 
     host = built_deb("pageshare-host")
@@ -61,17 +63,22 @@ def test_the_packages_hold_what_they_should() -> None:
     # and the AppArmor abstractions: conffiles, the hook executable, calling
     # the installed pageshare
     conffiles = debs.deb_control_file(host, "conffiles").split()
-    assert {"/etc/libvirt/hooks/qemu.d/pageshare", "/etc/pageshare/libvirt.toml",
-            "/etc/apparmor.d/abstractions/pageshare-qemu",
-            "/etc/apparmor.d/abstractions/pageshare-libvirtd"} <= set(conffiles), conffiles
+    assert {
+        "/etc/libvirt/hooks/qemu.d/pageshare",
+        "/etc/pageshare/libvirt.toml",
+        "/etc/apparmor.d/abstractions/pageshare-qemu",
+        "/etc/apparmor.d/abstractions/pageshare-libvirtd",
+    } <= set(conffiles), conffiles
     hook = debs.deb_member(host, "etc/libvirt/hooks/qemu.d/pageshare")
     assert "PAGESHARE=/usr/bin/pageshare" in hook and "libvirt-hook" in hook
-    listing = subprocess.run(["dpkg-deb", "-c", str(host)], capture_output=True, text=True,
-                             check=True).stdout
+    listing = subprocess.run(
+        ["dpkg-deb", "-c", str(host)], capture_output=True, text=True, check=True
+    ).stdout
     assert re.search(r"^-rwxr-xr-x .* \./etc/libvirt/hooks/qemu\.d/pageshare$", listing, re.M)
     assert "try-reload-or-restart" in debs.deb_control_file(host, "postinst")
-    modules = sorted(p.rsplit("/", 1)[1] for p in hpaths
-                     if p.startswith("usr/lib/pageshare/python/pageshare/"))
+    modules = sorted(
+        p.rsplit("/", 1)[1] for p in hpaths if p.startswith("usr/lib/pageshare/python/pageshare/")
+    )
     assert modules == sorted(f"{m}.py" for m in debs.HOST_MODULES), modules
     for d in (deb, host):
         assert (d.parent / "lintian.txt").exists()
@@ -79,9 +86,10 @@ def test_the_packages_hold_what_they_should() -> None:
 
 @pytest.mark.parametrize("suite", list(SUITES))
 def test_installed_by_apt_and_run_from_the_package(
-        suite: str, pageshare_root: Callable[[str], Root], tmp_path: Path) -> None:
+    suite: str, pageshare_root: Callable[[str], Root], tmp_path: Path
+) -> None:
     root = pageshare_root(suite)
-    assert not (root.path / "work").exists()            # no checkout in the root
+    assert not (root.path / "work").exists()  # no checkout in the root
 
     p = root.run("pageshare --version && analyze-image --help && pageshare --help")
     assert p.returncode == 0, p.stderr
@@ -91,8 +99,10 @@ def test_installed_by_apt_and_run_from_the_package(
 
     # the vendored drgn for this suite's Python, from the package
     vendored = f"/usr/lib/pageshare/python{SUITES[suite]}"
-    p = root.run("/usr/bin/python3 -c 'import sys; sys.path[:0] = [\"/usr/lib/pageshare/python\","
-                 f" \"{vendored}\"]; import drgn, pageshare.drgn_backend; print(drgn.__file__)'")
+    p = root.run(
+        '/usr/bin/python3 -c \'import sys; sys.path[:0] = ["/usr/lib/pageshare/python",'
+        f' "{vendored}"]; import drgn, pageshare.drgn_backend; print(drgn.__file__)\''
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(f"{vendored}/drgn/"), p.stdout
 
@@ -100,15 +110,20 @@ def test_installed_by_apt_and_run_from_the_package(
     work = tmp_path / "work"
     work.mkdir()
     db = make_results_db(work / "results.sqlite")
-    p = root.run(f"cd {work} && pageshare report --db {db} --out {work}/report.ipynb "
-                 f"--figures {work}/figures", binds=(work,))
+    p = root.run(
+        f"cd {work} && pageshare report --db {db} --out {work}/report.ipynb "
+        f"--figures {work}/figures",
+        binds=(work,),
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     nb = json.loads((work / "report.ipynb").read_text())
-    errors = [o for c in nb["cells"] for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not errors, errors
-    assert sorted(f.suffix for f in (work / "figures").iterdir()) and \
-        all(f.suffix == ".png" for f in (work / "figures").iterdir())
+    assert sorted(f.suffix for f in (work / "figures").iterdir()) and all(
+        f.suffix == ".png" for f in (work / "figures").iterdir()
+    )
     sqlite3.connect(db).close()
 
     # the libvirt binding (pageshare-host recommends it): libvirt's test
@@ -124,8 +139,10 @@ def test_installed_by_apt_and_run_from_the_package(
     # returns at once; a migrating domain pageshare never marked is left
     # as it is (nothing printed: libvirt keeps its XML)
     hook = "/etc/libvirt/hooks/qemu.d/pageshare"
-    p = root.run(f"{hook} vm1 prepare begin - </dev/null && echo '<domain><name>vm1</name>"
-                 f"</domain>' | {hook} vm1 migrate begin - && pageshare libvirt-hook --help")
+    p = root.run(
+        f"{hook} vm1 prepare begin - </dev/null && echo '<domain><name>vm1</name>"
+        f"</domain>' | {hook} vm1 migrate begin - && pageshare libvirt-hook --help"
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("usage: pageshare libvirt-hook"), p.stdout
 

@@ -70,8 +70,10 @@ from pageshare import golden, sectorlist
 VARIANTS = {"small": ("bookworm", True), "trixie": ("trixie", False)}
 LIB = "/usr/lib/pageshare-qemu"
 LISTS = "/var/lib/pageshare"
-APT = ("-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
-       "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io")
+APT = (
+    "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
+    "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
+)
 DEBIAN_QEMU = ("qemu-system-x86", "qemu-utils")
 
 # QMP over a Unix socket from the guest's shell: qmp_capabilities, then each
@@ -101,7 +103,8 @@ BOOT_PROBE = (
     "-netdev hubport,id=n0,hubid=0 -device virtio-net-pci,netdev=n0 "
     "-kernel $K -append console=ttyS0 -serial none -daemonize -pidfile /tmp/sb.pid && "
     "for i in $(seq 240); do grep -aq 'Booting from ROM' /tmp/sb.log && break; sleep 0.5; done; "
-    "kill $(cat /tmp/sb.pid); grep -a 'SeaBIOS (version\\|Booting from ROM' /tmp/sb.log")
+    "kill $(cat /tmp/sb.pid); grep -a 'SeaBIOS (version\\|Booting from ROM' /tmp/sb.log"
+)
 
 
 @pytest.mark.vm
@@ -117,8 +120,9 @@ def test_qemu_package_installs_beside_debian_qemu(variant: str, tmp_path: Path) 
     qemu_deb = build_deb("pageshare-qemu")
     server_deb = build_deb("pageshare-server")
     img = golden.build_image(variant)
-    repo = guest_repo(img, suite, qemu_deb, tmp_path,
-                      also=(str(server_deb), *(DEBIAN_QEMU if full else ())))
+    repo = guest_repo(
+        img, suite, qemu_deb, tmp_path, also=(str(server_deb), *(DEBIAN_QEMU if full else ()))
+    )
     lap("build")
 
     payload = tmp_path / "payload"
@@ -133,8 +137,11 @@ def test_qemu_package_installs_beside_debian_qemu(variant: str, tmp_path: Path) 
     served.write_bytes(data)
     ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
     (payload / "v1").mkdir()
-    n1 = len(make_list(ident, nonzero_blocks(served, 100_000, stride=3),
-                       payload / "v1" / "test.pcsl").blocks)
+    n1 = len(
+        make_list(
+            ident, nonzero_blocks(served, 100_000, stride=3), payload / "v1" / "test.pcsl"
+        ).blocks
+    )
     (payload / "client.pl").write_text(PERL_CLIENT)
     (payload / "qmp.pl").write_text(QMP_CLIENT)
     disk = payload_disk(payload, tmp_path / "payload.ext4")
@@ -144,23 +151,28 @@ def test_qemu_package_installs_beside_debian_qemu(variant: str, tmp_path: Path) 
     print(f"phases (s): {times}")
 
 
-def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
-               lap: Any) -> None:
-    g.ok("mount -o ro /dev/vdb /mnt && "
-         "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
-         f"apt-get {APT} update -q")
-    install = f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y " \
-              "--no-install-recommends"
+def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool, lap: Any) -> None:
+    g.ok(
+        "mount -o ro /dev/vdb /mnt && "
+        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
+        f"apt-get {APT} update -q"
+    )
+    install = (
+        f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y "
+        "--no-install-recommends"
+    )
 
     # --- pageshare-qemu, from the repository, as an operator would.
     out = g.ok(f"{install} ./{qemu_deb}", timeout=600)
     assert "Setting up pageshare-qemu" in out, out
     lap("install-qemu")
     files = g.ok("dpkg -L pageshare-qemu").split()
-    ours = re.compile(rf"^(/\.|/usr|/usr/(bin|lib|share|share/doc|share/man|share/man/man1)|"
-                      rf"{LIB}(/.*)?|/usr/bin/pageshare-qemu-[\w-]+|"
-                      r"/usr/share/doc/pageshare-qemu(/.*)?|"
-                      r"/usr/share/man/man1/pageshare-qemu[\w-]*\.1\.gz)$")
+    ours = re.compile(
+        rf"^(/\.|/usr|/usr/(bin|lib|share|share/doc|share/man|share/man/man1)|"
+        rf"{LIB}(/.*)?|/usr/bin/pageshare-qemu-[\w-]+|"
+        r"/usr/share/doc/pageshare-qemu(/.*)?|"
+        r"/usr/share/man/man1/pageshare-qemu[\w-]*\.1\.gz)$"
+    )
     assert [f for f in files if not ours.match(f)] == [], files
     assert f"{LIB}/bin/qemu-system-x86_64" in files
     # No Debian QEMU came with it, and nothing is in its paths.
@@ -168,17 +180,21 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
     assert not re.search(r"^ii", installed, re.M), installed
     assert g.run("ls /usr/bin/qemu-* 2>&1")[0] != 0
     # Every firmware link resolves, except iPXE's for the other suite.
-    links = g.ok(f"cd {LIB}/share && for l in qemu/* qemu-firmware/*; do "
-                 "[ -L $l ] && echo \"$l $(readlink -f $l) $([ -e $l ] && echo ok)\"; "
-                 "done").splitlines()
+    links = g.ok(
+        f"cd {LIB}/share && for l in qemu/* qemu-firmware/*; do "
+        '[ -L $l ] && echo "$l $(readlink -f $l) $([ -e $l ] && echo ok)"; '
+        "done"
+    ).splitlines()
     resolved = {line.split()[0]: line.endswith(" ok") for line in links}
     assert resolved["qemu/bios-256k.bin"] and resolved["qemu/vgabios-stdvga.bin"], links
     ipxe = {d: resolved[f"{d}/efi-virtio.rom"] for d in ("qemu", "qemu-firmware")}
-    assert ipxe == ({"qemu": True, "qemu-firmware": False} if full
-                    else {"qemu": False, "qemu-firmware": True}), links
+    assert ipxe == (
+        {"qemu": True, "qemu-firmware": False} if full else {"qemu": False, "qemu-firmware": True}
+    ), links
     dangling = [k for k, ok in resolved.items() if not ok]
-    assert all(k.endswith(".rom") and k.startswith("qemu-firmware/" if full else "qemu/")
-               for k in dangling), dangling
+    assert all(
+        k.endswith(".rom") and k.startswith("qemu-firmware/" if full else "qemu/") for k in dangling
+    ), dangling
 
     # The binaries run, have the driver, and look in their own data directories.
     version = g.ok("pageshare-qemu-img --version")
@@ -189,7 +205,9 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
     assert "pageshare" in formats.split(), formats
     assert has_driver(g, f"{LIB}/bin/qemu-system-x86_64")
     assert g.ok(f"{LIB}/bin/qemu-system-x86_64 -L help").split() == [
-        f"{LIB}/bin/../share/qemu-firmware", f"{LIB}/bin/../share/qemu"]
+        f"{LIB}/bin/../share/qemu-firmware",
+        f"{LIB}/bin/../share/qemu",
+    ]
     lap("qemu-checks")
     if not full:
         return
@@ -202,15 +220,17 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
     assert "Setting up pageshare-server" in out, out
     assert not re.search(r"^Setting up qemu-", out, re.M), out
     assert g.run("command -v qemu-storage-daemon")[0] != 0
-    g.ok(f"mkdir -p {LISTS}/images && cp /mnt/test.raw {LISTS}/images/ && "
-         f"cp -r /mnt/v1 {LISTS}/ && "
-         "cat > /etc/pageshare/server.toml <<'EOF'\n"
-         "[[image]]\n"
-         'name = "test"\n'
-         f'path = "{LISTS}/images/test.raw"\n'
-         'format = "raw"\n'
-         f'list_file = "{LISTS}/v1/test.pcsl"\n'
-         "EOF\n")
+    g.ok(
+        f"mkdir -p {LISTS}/images && cp /mnt/test.raw {LISTS}/images/ && "
+        f"cp -r /mnt/v1 {LISTS}/ && "
+        "cat > /etc/pageshare/server.toml <<'EOF'\n"
+        "[[image]]\n"
+        'name = "test"\n'
+        f'path = "{LISTS}/images/test.raw"\n'
+        'format = "raw"\n'
+        f'list_file = "{LISTS}/v1/test.pcsl"\n'
+        "EOF\n"
+    )
     checked = g.ok("pageshare-server check-config /etc/pageshare/server.toml")
     assert f"images are read with {LIB}/bin/qemu-storage-daemon" in checked, checked
     g.ok("systemctl start pageshare-server", timeout=120)
@@ -221,17 +241,30 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
 
     # The installed QEMU reads the served image through the filter, with the
     # installed server's table (copy mode: this kernel lacks merge_pages).
-    node = {"driver": "pageshare", "node-name": "ps", "read-only": True, "mode": "copy",
-            "x-any-buffer": True, "server": "/run/pageshare/test.sock",
-            "file": {"driver": "file", "filename": f"{LISTS}/images/test.raw",
-                     "read-only": True}}
-    g.ok(f"{LIB}/bin/qemu-system-x86_64 -M none -nodefaults -display none -daemonize "
-         "-pidfile /run/psq.pid -qmp unix:/run/psq.qmp,server=on,wait=off "
-         f"-blockdev '{json.dumps(node)}'", timeout=120)
+    node = {
+        "driver": "pageshare",
+        "node-name": "ps",
+        "read-only": True,
+        "mode": "copy",
+        "x-any-buffer": True,
+        "server": "/run/pageshare/test.sock",
+        "file": {"driver": "file", "filename": f"{LISTS}/images/test.raw", "read-only": True},
+    }
+    g.ok(
+        f"{LIB}/bin/qemu-system-x86_64 -M none -nodefaults -display none -daemonize "
+        "-pidfile /run/psq.pid -qmp unix:/run/psq.qmp,server=on,wait=off "
+        f"-blockdev '{json.dumps(node)}'",
+        timeout=120,
+    )
     try:
         wait_until("the filter's table", lambda: stats(g).get("generation") == 1, 120, 1)
-        qmp(g, {"execute": "human-monitor-command",
-                "arguments": {"command-line": 'qemu-io ps "read 0 4M"'}})
+        qmp(
+            g,
+            {
+                "execute": "human-monitor-command",
+                "arguments": {"command-line": 'qemu-io ps "read 0 4M"'},
+            },
+        )
         st = stats(g)
         assert st["connected"] and st["table-entries"] == n1, st
         assert st["hits"] > 0 and st["merged"] == st["hits"], st
@@ -261,8 +294,9 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool,
 
     # --- removing pageshare-qemu keeps the server (Debian's qemu-system-common
     # satisfies it now) and Debian's QEMU, and leaves nothing behind.
-    out = g.ok(f"DEBIAN_FRONTEND=noninteractive apt-get {APT} remove -y pageshare-qemu",
-               timeout=300)
+    out = g.ok(
+        f"DEBIAN_FRONTEND=noninteractive apt-get {APT} remove -y pageshare-qemu", timeout=300
+    )
     assert "Removing pageshare-qemu" in out and "pageshare-server" not in out, out
     assert g.run(f"ls {LIB} 2>&1")[0] != 0
     assert g.ok(verify).strip() == ""
@@ -289,8 +323,9 @@ def stats(g: Agent) -> dict[str, Any]:
 def has_driver(g: Agent, qemu: str) -> bool:
     """Whether ``qemu`` knows -blockdev driver=pageshare: the patched one
     wants the filter's options, any other refuses the driver name."""
-    rc, out = g.run(f"{qemu} -M none -nodefaults -display none -S "
-                    "-blockdev driver=pageshare,node-name=ps")
+    rc, out = g.run(
+        f"{qemu} -M none -nodefaults -display none -S -blockdev driver=pageshare,node-name=ps"
+    )
     assert rc != 0, out
     if "does not accept value 'pageshare'" in out:
         return False

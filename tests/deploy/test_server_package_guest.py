@@ -95,15 +95,16 @@ def test_server_package_under_systemd(variant: str, tmp_path: Path) -> None:
     shutil.copy2(deb, payload / deb.name)
     rnd = random.Random(12)
     data = bytearray(rnd.randbytes(16 << 20))
-    data[4 << 20:6 << 20] = bytes(2 << 20)
+    data[4 << 20 : 6 << 20] = bytes(2 << 20)
     served = payload / "test.raw"
     served.write_bytes(bytes(data))
     ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
     lists = {}
     for release, stride in (("v1", 3), ("v2", 5)):
         (payload / release).mkdir()
-        lists[release] = make_list(ident, nonzero_blocks(served, 100_000, stride=stride),
-                                   payload / release / "test.pcsl")
+        lists[release] = make_list(
+            ident, nonzero_blocks(served, 100_000, stride=stride), payload / release / "test.pcsl"
+        )
     n1, n2 = len(lists["v1"].blocks), len(lists["v2"].blocks)
     assert n1 != n2
     (payload / "client.pl").write_text(PERL_CLIENT)
@@ -117,12 +118,19 @@ def test_server_package_under_systemd(variant: str, tmp_path: Path) -> None:
 def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> None:
     # --- install, as an operator would: apt resolves the Depends from a repository.
     g.ok("mount -o ro /dev/vdb /mnt")
-    apt = ("-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
-           "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io")
-    g.ok("echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
-         f"apt-get {apt} update -q")
-    out = g.ok(f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
-               f"--no-install-recommends ./{deb}", timeout=900)
+    apt = (
+        "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
+        "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
+    )
+    g.ok(
+        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
+        f"apt-get {apt} update -q"
+    )
+    out = g.ok(
+        f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
+        f"--no-install-recommends ./{deb}",
+        timeout=900,
+    )
     assert "Setting up pageshare-server" in out, out
     assert g.ok("command -v qemu-storage-daemon").strip() == "/usr/bin/qemu-storage-daemon"
     lap("install")
@@ -142,10 +150,12 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     g.ok(boot_cmd.group(1))
     assert g.ok(f"cat {ksm_run} {ptes}").split() == ["1", "0"]
     # An operator's copy in /etc replaces the package's.
-    g.ok("sed 's/max_ptes_shared - - - - 0/max_ptes_shared - - - - 7/' "
-         "/usr/lib/tmpfiles.d/pageshare-server.conf > /etc/tmpfiles.d/pageshare-server.conf && "
-         "systemd-tmpfiles --create pageshare-server.conf && "
-         "rm /etc/tmpfiles.d/pageshare-server.conf")
+    g.ok(
+        "sed 's/max_ptes_shared - - - - 0/max_ptes_shared - - - - 7/' "
+        "/usr/lib/tmpfiles.d/pageshare-server.conf > /etc/tmpfiles.d/pageshare-server.conf && "
+        "systemd-tmpfiles --create pageshare-server.conf && "
+        "rm /etc/tmpfiles.d/pageshare-server.conf"
+    )
     assert g.ok(f"cat {ptes}").strip() == "7"
     g.ok("systemd-tmpfiles --create pageshare-server.conf")
     assert g.ok(f"cat {ptes}").strip() == "0"
@@ -157,14 +167,19 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     shown = g.ok(f"systemctl show {UNIT} -p ConditionResult -p ExecMainPID -p FragmentPath")
     assert "ConditionResult=no" in shown and "ExecMainPID=0" in shown, shown
     # /lib on Debian 12; Debian 13's systemd finds it through /lib -> usr/lib
-    assert re.search(r"^FragmentPath=(/usr)?/lib/systemd/system/pageshare-server.service$",
-                     shown, re.M), shown
-    assert "pageshare-serve" not in g.ok("cat /proc/[0-9]*/comm 2>/dev/null; true"), \
+    assert re.search(
+        r"^FragmentPath=(/usr)?/lib/systemd/system/pageshare-server.service$", shown, re.M
+    ), shown
+    assert "pageshare-serve" not in g.ok("cat /proc/[0-9]*/comm 2>/dev/null; true"), (
         "the server runs without a configuration"
-    assert g.ok("dpkg-query -W -f='${Conffiles}' pageshare-server").split()[0] == \
-        "/etc/pageshare/server.example.toml"
-    assert g.ok("test ! -e /etc/pageshare/server.toml && ls /etc/pageshare").split() == \
-        ["server.example.toml"]
+    )
+    assert (
+        g.ok("dpkg-query -W -f='${Conffiles}' pageshare-server").split()[0]
+        == "/etc/pageshare/server.example.toml"
+    )
+    assert g.ok("test ! -e /etc/pageshare/server.toml && ls /etc/pageshare").split() == [
+        "server.example.toml"
+    ]
     assert "ExecStart=/usr/bin/pageshare-server run" in g.ok(f"systemctl cat {UNIT}")
     # The installed unit verifies (this includes its ExecStart binary).
     rc, out = g.run(f"systemd-analyze verify /lib/systemd/system/{UNIT}")
@@ -173,19 +188,21 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     lap("installed-state")
 
     # --- configure: an image, two list releases, "current" -> v1.
-    g.ok(f"mkdir -p {LISTS}/images {LISTS}/releases && "
-         f"cp /mnt/test.raw {LISTS}/images/ && cp -r /mnt/v1 /mnt/v2 {LISTS}/releases/ && "
-         f"ln -s releases/v1 {LISTS}/current && "
-         "cat > /etc/pageshare/server.toml <<'EOF'\n"
-         "# server.example.toml's defaults, its metrics listener, and one image.\n"
-         'metrics_listen = "127.0.0.1:9477"\n'
-         "[[image]]\n"
-         'name = "test"\n'
-         f'path = "{LISTS}/images/test.raw"\n'
-         'format = "raw"\n'
-         f'list_file = "{LISTS}/current/test.pcsl"\n'
-         "EOF\n"
-         "pageshare-server check-config /etc/pageshare/server.toml")
+    g.ok(
+        f"mkdir -p {LISTS}/images {LISTS}/releases && "
+        f"cp /mnt/test.raw {LISTS}/images/ && cp -r /mnt/v1 /mnt/v2 {LISTS}/releases/ && "
+        f"ln -s releases/v1 {LISTS}/current && "
+        "cat > /etc/pageshare/server.toml <<'EOF'\n"
+        "# server.example.toml's defaults, its metrics listener, and one image.\n"
+        'metrics_listen = "127.0.0.1:9477"\n'
+        "[[image]]\n"
+        'name = "test"\n'
+        f'path = "{LISTS}/images/test.raw"\n'
+        'format = "raw"\n'
+        f'list_file = "{LISTS}/current/test.pcsl"\n'
+        "EOF\n"
+        "pageshare-server check-config /etc/pageshare/server.toml"
+    )
 
     # --- start: systemctl returns once the server sent READY=1.
     g.ok("systemctl start pageshare-server", timeout=120)
@@ -201,7 +218,7 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     # Hardening: what the unit asked for is what the process has, and it works.
     s = g.ok(f"cat /proc/{pid1}/status")
     fields = dict(re.findall(r"^(\w+):\s*(.*)$", s, re.M))
-    assert int(fields["CapBnd"], 16) == 1 << 2, fields["CapBnd"]   # CAP_DAC_READ_SEARCH
+    assert int(fields["CapBnd"], 16) == 1 << 2, fields["CapBnd"]  # CAP_DAC_READ_SEARCH
     assert int(fields["CapEff"], 16) & ~(1 << 2) == 0, fields["CapEff"]
     assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2", fields
     assert g.ok(f"readlink /proc/{pid1}/ns/mnt") != g.ok("readlink /proc/1/ns/mnt")
@@ -214,9 +231,11 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     assert m and float(m.group(1)) < 4.0, exposure
 
     # Metrics answer on the default listener.
-    metrics = g.ok("exec 5<>/dev/tcp/127.0.0.1/9477 && "
-                   "printf 'GET /metrics HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&5 && "
-                   "timeout 10 cat <&5")
+    metrics = g.ok(
+        "exec 5<>/dev/tcp/127.0.0.1/9477 && "
+        "printf 'GET /metrics HTTP/1.0\\r\\nHost: localhost\\r\\n\\r\\n' >&5 && "
+        "timeout 10 cat <&5"
+    )
     assert metrics.startswith("HTTP/1.") and " 200 " in metrics.splitlines()[0], metrics[:500]
     assert re.search(r"^pageshare_\w+", metrics, re.M), metrics[:2000]
     degraded = re.search(r"^pageshare_degraded (\d)", metrics, re.M)
@@ -236,19 +255,26 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     # --- a broken configuration (an operator's typo): `systemctl reload`
     # fails and the journal says which file and line; the running server
     # never re-reads its configuration, so it keeps serving generation 2.
-    g.ok("cp /etc/pageshare/server.toml /root/server.toml.good && "
-         "printf 'socket_dir = [\\n' >> /etc/pageshare/server.toml")
+    g.ok(
+        "cp /etc/pageshare/server.toml /root/server.toml.good && "
+        "printf 'socket_dir = [\\n' >> /etc/pageshare/server.toml"
+    )
     rc, out = g.run("systemctl reload pageshare-server")
     assert rc != 0, out
-    img = [i for i in json.loads(g.ok("pageshare-server status --json --socket "
-                                      "/run/pageshare/control.sock"))["images"]
-           if i["name"] == "test"]
+    img = [
+        i
+        for i in json.loads(
+            g.ok("pageshare-server status --json --socket /run/pageshare/control.sock")
+        )["images"]
+        if i["name"] == "test"
+    ]
     assert img and img[0]["generation"] == 2 and img[0]["blocks"] == n2, img
     show = props(g)
     assert show["ActiveState"] == "active" and int(show["MainPID"]) == pid1, show
     typo = g.ok(f"journalctl -u {UNIT} --no-pager -o cat -t pageshare-server")
-    assert re.search(r"error: /etc/pageshare/server.toml: TOML parse error at line \d+", typo), \
+    assert re.search(r"error: /etc/pageshare/server.toml: TOML parse error at line \d+", typo), (
         typo[-2000:]
+    )
     g.ok("cp /root/server.toml.good /etc/pageshare/server.toml")
     lap("broken-config reload")
 
@@ -267,24 +293,31 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     ]
     loading = rf"^image test: loading file {LISTS}/current/test.pcsl"
     restarted = [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n2} "]
-    own = {pid1: [rf"{loading} \(start-up\)", rf"^image test: published generation 1: {n1} ",
-                  rf"{loading} \(reload requested\)",
-                  rf"^image test: published generation 2: {n2} "]}
+    own = {
+        pid1: [
+            rf"{loading} \(start-up\)",
+            rf"^image test: published generation 1: {n1} ",
+            rf"{loading} \(reload requested\)",
+            rf"^image test: published generation 2: {n2} ",
+        ]
+    }
     pid, restarts = pid1, 0
 
     if full:
         # --- watchdog: a hung server (SIGSTOP) is killed and restarted.
         g.ok(f"kill -STOP {pid}")
-        old, pid = pid, wait_until("a restart after the watchdog", lambda: new_pid(g, pid1),
-                                   120, 2)
+        old, pid = pid, wait_until("a restart after the watchdog", lambda: new_pid(g, pid1), 120, 2)
         st = serving(g, 1, n2)
         assert st["pid_table"] == pid, st
         restarts += 1
-        said += [r"Watchdog timeout \(limit 30s\)!",
-                 rf"Killing process {old} \(pageshare-serve\) with signal SIGABRT",
-                 r"Main process exited, code=(killed|dumped), status=6/ABRT",
-                 r"Failed with result 'watchdog'",
-                 rf"Scheduled restart job, restart counter is at {restarts}\.", STARTED]
+        said += [
+            r"Watchdog timeout \(limit 30s\)!",
+            rf"Killing process {old} \(pageshare-serve\) with signal SIGABRT",
+            r"Main process exited, code=(killed|dumped), status=6/ABRT",
+            r"Failed with result 'watchdog'",
+            rf"Scheduled restart job, restart counter is at {restarts}\.",
+            STARTED,
+        ]
         own[pid] = restarted
         lap("watchdog")
 
@@ -297,9 +330,12 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     restarts += 1
     show = props(g)
     assert int(show["NRestarts"]) == restarts, show
-    said += [r"Main process exited, code=killed, status=9/KILL",
-             r"Failed with result 'signal'",
-             rf"Scheduled restart job, restart counter is at {restarts}\.", STARTED]
+    said += [
+        r"Main process exited, code=killed, status=9/KILL",
+        r"Failed with result 'signal'",
+        rf"Scheduled restart job, restart counter is at {restarts}\.",
+        STARTED,
+    ]
     own[pid] = restarted
     lap("sigkill")
 
@@ -307,8 +343,11 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
         # --- an upgrade (the same version again) restarts the running server
         # and leaves the operator's configuration alone.
         conf = g.ok("sha256sum /etc/pageshare/server.toml")
-        out = g.ok(f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
-                   f"--reinstall ./{deb}", timeout=300)
+        out = g.ok(
+            f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
+            f"--reinstall ./{deb}",
+            timeout=300,
+        )
         assert "Setting up pageshare-server" in out, out
         old = pid
         pid = wait_until("the restart after the upgrade", lambda: new_pid(g, old), 60, 1)
@@ -320,17 +359,26 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
         lap("upgrade")
 
     # --- the journal says what happened.
-    entries = [json.loads(line) for line in
-               g.ok(f"journalctl -u {UNIT} --no-pager -o json").splitlines() if line]
-    assert_in_order("\n".join(str(e["MESSAGE"]) for e in entries
-                              if e.get("SYSLOG_IDENTIFIER") == "systemd"), said)
+    entries = [
+        json.loads(line)
+        for line in g.ok(f"journalctl -u {UNIT} --no-pager -o json").splitlines()
+        if line
+    ]
+    assert_in_order(
+        "\n".join(str(e["MESSAGE"]) for e in entries if e.get("SYSLOG_IDENTIFIER") == "systemd"),
+        said,
+    )
     for pid, lines in own.items():
-        mine = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "pageshare-server"
-                and int(e.get("_PID", 0)) == pid]
+        mine = [
+            e
+            for e in entries
+            if e.get("SYSLOG_IDENTIFIER") == "pageshare-server" and int(e.get("_PID", 0)) == pid
+        ]
         text = "\n".join(str(e["MESSAGE"]) for e in mine)
         assert_in_order(text, lines)
-        assert re.search("^listening: control /run/pageshare/control.sock, 1 image socket",
-                         text, re.M), text
+        assert re.search(
+            "^listening: control /run/pageshare/control.sock, 1 image socket", text, re.M
+        ), text
         # The guest kernel lacks merge_pages: said at warning priority, and in the metrics.
         prio = [e["PRIORITY"] for e in mine if str(e["MESSAGE"]).startswith("DEGRADED MODE")]
         assert prio == (["4"] if degraded.group(1) == "1" else []), (prio, text)
@@ -338,8 +386,10 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
     # --- stop, then purge: gone, the operator's configuration stays.
     g.ok("systemctl stop pageshare-server")
     assert props(g)["Result"] == "success"
-    g.ok("DEBIAN_FRONTEND=noninteractive apt-get -o Dpkg::Options::=--force-unsafe-io "
-         "purge -y pageshare-server")
+    g.ok(
+        "DEBIAN_FRONTEND=noninteractive apt-get -o Dpkg::Options::=--force-unsafe-io "
+        "purge -y pageshare-server"
+    )
     assert g.ok("ls /etc/pageshare").split() == ["server.toml"]
     after = g.ok(f"ls /var/cache/pageshare-server /lib/systemd/system/{UNIT} 2>&1; true")
     assert after.count("No such file or directory") == 2, after
@@ -359,8 +409,10 @@ def assert_in_order(text: str, patterns: list[str]) -> None:
 
 
 def props(g: Agent) -> dict[str, str]:
-    out = g.ok(f"systemctl show {UNIT} -p ActiveState -p SubState -p MainPID -p Type "
-               "-p WatchdogUSec -p NRestarts -p Result -p StatusText")
+    out = g.ok(
+        f"systemctl show {UNIT} -p ActiveState -p SubState -p MainPID -p Type "
+        "-p WatchdogUSec -p NRestarts -p Result -p StatusText"
+    )
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 

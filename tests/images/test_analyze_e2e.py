@@ -21,8 +21,11 @@ from pageshare.ksm import host_lock
 pytestmark = pytest.mark.vm
 
 WORKLOAD = "python3 -c 'import json, email.parser' && nginx -t"
-ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
-               "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-252.so")
+ALWAYS_READ = (
+    "/usr/lib/systemd/systemd",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-252.so",
+)
 
 
 def raw_copy(image: Path, tmp: Path) -> Path:
@@ -32,8 +35,9 @@ def raw_copy(image: Path, tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=["demo", "small"])
-def analysed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, Path, Analysis, Path]]:
+def analysed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, Analysis, Path]]:
     variant = request.param
     image = golden.build_image(variant).path
     tmp = tmp_path_factory.mktemp(f"e2e-{variant}")
@@ -56,8 +60,9 @@ def load_list(result: Analysis) -> sectorlist.SectorList:
     return sectorlist.read(path)
 
 
-def test_every_listed_block_matches_the_base_image(analysed: tuple[str, Path, Analysis, Path]
-                                                    ) -> None:
+def test_every_listed_block_matches_the_base_image(
+    analysed: tuple[str, Path, Analysis, Path],
+) -> None:
     _, _image, result, raw = analysed
     every_listed_block_is_the_images(str(result.json()["list_path"]), raw)
 
@@ -76,25 +81,27 @@ def test_files_every_boot_reads_are_listed(analysed: tuple[str, Path, Analysis, 
 def test_workload_files_are_listed(analysed: tuple[str, Path, Analysis, Path]) -> None:
     variant, _, result, raw = analysed
     if variant != "demo":
-        return   # the small image runs no workload; nothing to check there
+        return  # the small image runs no workload; nothing to check there
     sl = load_list(result)
     start = 262144
     sectors = set(file_sectors(raw, start * 512, "/usr/bin/python3.11", start, 4096))
     assert sectors & set(sl.blocks), "python3, read only by the workload, is not listed"
     db = sqlite3.connect(result.db)
-    (workload,) = db.execute("SELECT workload FROM analysis WHERE id=?",
-                             (result.json()["analysis_id"],)).fetchone()
+    (workload,) = db.execute(
+        "SELECT workload FROM analysis WHERE id=?", (result.json()["analysis_id"],)
+    ).fetchone()
     assert workload == WORKLOAD
 
 
-def test_notebook_runs_on_the_real_results(analysed: tuple[str, Path, Analysis, Path],
-                                          tmp_path: Path) -> None:
+def test_notebook_runs_on_the_real_results(
+    analysed: tuple[str, Path, Analysis, Path], tmp_path: Path
+) -> None:
     from pageshare.notebook import run_notebook
+
     _, _, result, _ = analysed
     figures = tmp_path / "fig"
     figures.mkdir()
-    run_notebook(result.db, int(str(result.json()["analysis_id"])), tmp_path / "out.ipynb",
-                 figures)
+    run_notebook(result.db, int(str(result.json()["analysis_id"])), tmp_path / "out.ipynb", figures)
     pngs = sorted(figures.glob("*.png"))
     assert len(pngs) >= 4
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
@@ -105,11 +112,12 @@ def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> N
     summary = result.json()
     db = sqlite3.connect(result.db)
     status, listed, runs = db.execute(
-        "SELECT status, listed_blocks, runs FROM analysis WHERE id=?",
-        (summary["analysis_id"],)).fetchone()
+        "SELECT status, listed_blocks, runs FROM analysis WHERE id=?", (summary["analysis_id"],)
+    ).fetchone()
     assert status == "ok" and listed == summary["listed_blocks"]
-    (n_runs,) = db.execute("SELECT count(*) FROM run WHERE analysis_id=?",
-                           (summary["analysis_id"],)).fetchone()
+    (n_runs,) = db.execute(
+        "SELECT count(*) FROM run WHERE analysis_id=?", (summary["analysis_id"],)
+    ).fetchone()
     assert n_runs == runs
     (samples,) = db.execute("SELECT count(*) FROM ksm_sample").fetchone()
     assert samples >= 3
@@ -117,7 +125,8 @@ def test_results_db_is_complete(analysed: tuple[str, Path, Analysis, Path]) -> N
     (bad,) = db.execute(
         "SELECT count(*) FROM listed_block lb WHERE NOT EXISTS (SELECT 1 FROM guest_page g "
         "JOIN run r ON r.id = g.run_id WHERE r.analysis_id = lb.analysis_id AND "
-        "g.sector = lb.sector AND g.merge = 'cross' AND g.verdict = 'stable')").fetchone()
+        "g.sector = lb.sector AND g.merge = 'cross' AND g.verdict = 'stable')"
+    ).fetchone()
     assert bad == 0
     (paths,) = db.execute("SELECT count(*) FROM file WHERE path LIKE '/usr/%'").fetchone()
     assert paths > 0
@@ -137,7 +146,8 @@ def test_list_show_cli(analysed: tuple[str, Path, Analysis, Path]) -> None:
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[str, Path, Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[str, Path, Analysis, Path], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     _, _, result, raw = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

@@ -43,12 +43,15 @@ def listed(result: Analysis) -> sectorlist.SectorList:
 
 
 def test_guest_booted_with_boot_mounted_and_ran_the_workload(
-        analysed: tuple[Analysis, Path]) -> None:
+    analysed: tuple[Analysis, Path],
+) -> None:
     result, _ = analysed
     assert "guest A ready" in result.stderr and "guest B ready" in result.stderr
     assert "warning: the workload" not in result.stderr, result.stderr
-    assert "also mapped: /boot (ext4 on /dev/sda2, at sector 262144, 4096-byte blocks)" \
+    assert (
+        "also mapped: /boot (ext4 on /dev/sda2, at sector 262144, 4096-byte blocks)"
         in result.stderr
+    )
 
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
@@ -57,8 +60,9 @@ def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Pat
     boot = range(geo.boot_start_sector, geo.boot_end_sector + 1)
     root = range(geo.root_start_sector, geo.root_end_sector + 1)
     # File pages only (no --include-metadata): inside one of the two file systems.
-    every_listed_block_is_the_images(str(result.json()["list_path"]), raw, [boot, root],
-                                     "/boot and /")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]), raw, [boot, root], "/boot and /"
+    )
 
 
 def test_boot_files_are_listed_at_the_boot_partition(analysed: tuple[Analysis, Path]) -> None:
@@ -74,12 +78,17 @@ def test_boot_files_are_listed_at_the_boot_partition(analysed: tuple[Analysis, P
     db = sqlite3.connect(result.db)
     analysis_id = result.json()["analysis_id"]
     # Its path is the guest's, and its inode is told apart from the root's by file system.
-    rows = db.execute("SELECT fs_uuid, path FROM file WHERE analysis_id=? AND path=?",
-                      (analysis_id, f"/boot/vmlinuz-{kernel}")).fetchall()
+    rows = db.execute(
+        "SELECT fs_uuid, path FROM file WHERE analysis_id=? AND path=?",
+        (analysis_id, f"/boot/vmlinuz-{kernel}"),
+    ).fetchall()
     boot_uuid = str(golden._spec("bootsplit").boot_fs_uuid).replace("-", "")
     assert rows == [(boot_uuid, f"/boot/vmlinuz-{kernel}")]
-    fss = db.execute("SELECT mountpoint, start_sector, mapped FROM filesystem "
-                     "WHERE analysis_id=? ORDER BY mountpoint", (analysis_id,)).fetchall()
+    fss = db.execute(
+        "SELECT mountpoint, start_sector, mapped FROM filesystem "
+        "WHERE analysis_id=? ORDER BY mountpoint",
+        (analysis_id,),
+    ).fetchall()
     assert fss == [("/", geo.root_start_sector, 1), ("/boot", geo.boot_start_sector, 1)]
 
 
@@ -99,7 +108,8 @@ def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path]) -> Non
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[Analysis, Path], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     result, raw = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

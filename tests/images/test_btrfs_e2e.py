@@ -41,22 +41,33 @@ def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysi
     tmp = tmp_path_factory.mktemp("e2e-btrfs")
     result, raw = analyze_cleanly(tmp, image, "--workload", WORKLOAD)
     geo = golden.geometry("btrfs")
-    root, _ = fs_image(raw, ((0, geo.root_end_sector - geo.root_start_sector + 1,
-                              geo.root_start_sector),), tmp / "root.btrfs", copy=True)
+    root, _ = fs_image(
+        raw,
+        ((0, geo.root_end_sector - geo.root_start_sector + 1, geo.root_start_sector),),
+        tmp / "root.btrfs",
+        copy=True,
+    )
     yield result, raw, root
     raw.unlink()
     root.unlink()
 
 
 def dump(root: Path, tree: str) -> str:
-    return subprocess.run(["btrfs", "inspect-internal", "dump-tree", "-t", tree, str(root)],
-                          capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["btrfs", "inspect-internal", "dump-tree", "-t", tree, str(root)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
 
 
 def rootfs_tree(root: Path) -> int:
     """The tree id of subvolume @rootfs, from its ROOT_BACKREF in the root tree."""
-    m = re.search(r"key \((\d+) ROOT_BACKREF 5\)[^\n]*\n\s*root backref key dirid 256 "
-                  r"sequence \d+ name @rootfs\n", dump(root, "root"))
+    m = re.search(
+        r"key \((\d+) ROOT_BACKREF 5\)[^\n]*\n\s*root backref key dirid 256 "
+        r"sequence \d+ name @rootfs\n",
+        dump(root, "root"),
+    )
     assert m, "no subvolume @rootfs at the top level"
     return int(m.group(1))
 
@@ -101,8 +112,11 @@ def test_the_guest_root_was_btrfs(analysed: tuple[Analysis, Path, Path]) -> None
     assert "root btrfs on btrfsvol:/dev/sda1/@rootfs" in result.stderr
     db = sqlite3.connect(result.db)
     aid = result.json()["analysis_id"]
-    rows = db.execute("SELECT mountpoint, fstype, start_sector, block_size, mapped FROM "
-                      "filesystem WHERE analysis_id=?", (aid,)).fetchall()
+    rows = db.execute(
+        "SELECT mountpoint, fstype, start_sector, block_size, mapped FROM "
+        "filesystem WHERE analysis_id=?",
+        (aid,),
+    ).fetchall()
     assert rows == [("/", "btrfs", golden.geometry("btrfs").root_start_sector, 4096, 1)]
     # Listed files got their paths, in the subvolume mounted on /.
     (paths,) = db.execute("SELECT count(*) FROM file WHERE path LIKE '/usr/%'").fetchone()
@@ -110,19 +124,27 @@ def test_the_guest_root_was_btrfs(analysed: tuple[Analysis, Path, Path]) -> None
     (odd,) = db.execute("SELECT count(*) FROM file WHERE path LIKE '%@rootfs%'").fetchone()
     assert odd == 0
     # btrfs' metadata (its btree inode's page cache) is metadata, not a file.
-    verdicts = {v for (v,) in db.execute("SELECT DISTINCT verdict FROM guest_page g JOIN run r "
-                                         "ON g.run_id=r.id WHERE r.analysis_id=? AND ino=1 "
-                                         "AND kind='file'", (aid,))}
+    verdicts = {
+        v
+        for (v,) in db.execute(
+            "SELECT DISTINCT verdict FROM guest_page g JOIN run r "
+            "ON g.run_id=r.id WHERE r.analysis_id=? AND ino=1 "
+            "AND kind='file'",
+            (aid,),
+        )
+    }
     assert verdicts <= {"metadata"}
 
 
-def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, Path]
-                                                    ) -> None:
+def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, Path]) -> None:
     result, raw, _ = analysed
     geo = golden.geometry("btrfs")
-    every_listed_block_is_the_images(str(result.json()["list_path"]), raw,
-                                     [range(geo.root_start_sector, geo.root_end_sector + 1)],
-                                     "the root partition")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]),
+        raw,
+        [range(geo.root_start_sector, geo.root_end_sector + 1)],
+        "the root partition",
+    )
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, Path]) -> None:
@@ -135,7 +157,8 @@ def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, Path]
 
 
 def test_compressed_and_inline_data_is_counted_not_listed(
-        analysed: tuple[Analysis, Path, Path]) -> None:
+    analysed: tuple[Analysis, Path, Path],
+) -> None:
     result, _, root = analysed
     ino = inode_of(root, COMPRESSED)
     _, skipped = btrfsmap.read_extents(root, [ino], rootfs_tree(root))
@@ -143,15 +166,21 @@ def test_compressed_and_inline_data_is_counted_not_listed(
     unservable = result.json()["unservable_pages"]
     assert isinstance(unservable, dict)
     assert unservable.get("compressed", 0) > 0 and unservable.get("inline", 0) > 0
-    assert "btrfs page cache no disk block holds as read" not in result.stdout   # --json
+    assert "btrfs page cache no disk block holds as read" not in result.stdout  # --json
     db = sqlite3.connect(result.db)
     aid = result.json()["analysis_id"]
-    verdicts = {v for (v,) in db.execute(
-        "SELECT DISTINCT verdict FROM guest_page g JOIN run r ON g.run_id=r.id "
-        "WHERE r.analysis_id=? AND kind='file' AND ino=?", (aid, ino))}
-    assert verdicts == {"compressed"}, verdicts       # the workload read it in both guests
-    assert db.execute("SELECT count(*) FROM listed_block WHERE analysis_id=? AND ino=?",
-                      (aid, ino)).fetchone() == (0,)
+    verdicts = {
+        v
+        for (v,) in db.execute(
+            "SELECT DISTINCT verdict FROM guest_page g JOIN run r ON g.run_id=r.id "
+            "WHERE r.analysis_id=? AND kind='file' AND ino=?",
+            (aid, ino),
+        )
+    }
+    assert verdicts == {"compressed"}, verdicts  # the workload read it in both guests
+    assert db.execute(
+        "SELECT count(*) FROM listed_block WHERE analysis_id=? AND ino=?", (aid, ino)
+    ).fetchone() == (0,)
 
 
 def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path, Path]) -> None:

@@ -26,8 +26,7 @@ pytestmark = pytest.mark.vm
 # Fails (and the analyzer warns with its exit status) unless the guest's root
 # really is the logical volume.
 WORKLOAD = "findmnt -n -o SOURCE / | grep -qx /dev/mapper/vg0-root"
-ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
-               "/usr/sbin/lvm")
+ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/sbin/lvm")
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +41,26 @@ def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysi
 def test_guest_root_was_the_logical_volume(analysed: tuple[Analysis, Path, int]) -> None:
     result, _, lv_start = analysed
     assert "warning: the workload" not in result.stderr, result.stderr
-    assert f"mapped: / (ext4 on /dev/vg0/root, LV vg0/root, 1 segment(s) from sector " \
-           f"{lv_start}" in result.stderr
+    assert (
+        f"mapped: / (ext4 on /dev/vg0/root, LV vg0/root, 1 segment(s) from sector "
+        f"{lv_start}" in result.stderr
+    )
     # The LV starts after the PV's label and metadata, not at the partition.
     assert lv_start > golden.geometry("lvm").root_start_sector
     db = sqlite3.connect(result.db)
-    rows = db.execute("SELECT mountpoint, device, start_sector, mapped FROM filesystem "
-                      "WHERE analysis_id=?", (result.json()["analysis_id"],)).fetchall()
+    rows = db.execute(
+        "SELECT mountpoint, device, start_sector, mapped FROM filesystem WHERE analysis_id=?",
+        (result.json()["analysis_id"],),
+    ).fetchall()
     assert rows == [("/", "/dev/vg0/root", lv_start, 1)]
 
 
-def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, int]
-                                                    ) -> None:
+def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path, int]) -> None:
     result, raw, lv_start = analysed
     lv = range(lv_start, lv_start + golden.LVM_ROOT_BYTES // 512)
-    every_listed_block_is_the_images(str(result.json()["list_path"]), raw, [lv],
-                                     "the logical volume")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]), raw, [lv], "the logical volume"
+    )
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path, int]) -> None:
@@ -75,7 +78,8 @@ def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path, int]) -
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[Analysis, Path, int], tmp_path: Path) -> None:
+    analysed: tuple[Analysis, Path, int], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     result, raw, _ = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

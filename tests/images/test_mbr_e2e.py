@@ -26,9 +26,11 @@ pytestmark = pytest.mark.vm
 
 # Fails (and the analyzer warns) unless the guest's root is partition 1 of a
 # dos-labelled disk and the swap in logical partition 5 is on.
-WORKLOAD = ("findmnt -n -o SOURCE / | grep -qx /dev/vda1 && "
-            "[ \"$(blkid -p -o value -s PTTYPE /dev/vda)\" = dos ] && "
-            "grep -q '^/dev/vda5 ' /proc/swaps")
+WORKLOAD = (
+    "findmnt -n -o SOURCE / | grep -qx /dev/vda1 && "
+    '[ "$(blkid -p -o value -s PTTYPE /dev/vda)" = dos ] && '
+    "grep -q '^/dev/vda5 ' /proc/swaps"
+)
 ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6")
 
 
@@ -46,12 +48,16 @@ def mbr_partitions(raw: Path) -> dict[int, tuple[int, int, int]]:
     the logical ones in the extended partition's chain of EBRs, read from the disk."""
     parts: dict[int, tuple[int, int, int]] = {}
     with open(raw, "rb") as f:
+
         def entries(sector: int) -> list[tuple[int, int, int]]:
             f.seek(sector * 512)
             block = f.read(512)
             assert block[510:512] == b"\x55\xaa", f"no boot signature at sector {sector}"
-            return [(e[4], *struct.unpack_from("<II", e, 8))
-                    for e in (block[446 + 16 * i:462 + 16 * i] for i in range(4))]
+            return [
+                (e[4], *struct.unpack_from("<II", e, 8))
+                for e in (block[446 + 16 * i : 462 + 16 * i] for i in range(4))
+            ]
+
         extended = 0
         for n, (ptype, start, count) in enumerate(entries(0), 1):
             if ptype:
@@ -71,11 +77,17 @@ def test_the_mbr_is_debian_installers_layout(analysed: tuple[Analysis, Path]) ->
     geo = golden.geometry("mbr")
     parts = mbr_partitions(raw)
     assert sorted(parts) == [1, 2, 5]
-    assert parts[1] == (0x83, geo.root_start_sector,
-                        geo.root_end_sector - geo.root_start_sector + 1)
+    assert parts[1] == (
+        0x83,
+        geo.root_start_sector,
+        geo.root_end_sector - geo.root_start_sector + 1,
+    )
     assert parts[2][:2] == (0x05, geo.extended_start_sector)
-    assert parts[5] == (0x82, geo.swap_start_sector,
-                        geo.swap_end_sector - geo.swap_start_sector + 1)
+    assert parts[5] == (
+        0x82,
+        geo.swap_start_sector,
+        geo.swap_end_sector - geo.swap_start_sector + 1,
+    )
     with open(raw, "rb") as f:
         f.seek(440)
         assert f.read(4) == int(str(golden._spec("mbr").disk_guid), 16).to_bytes(4, "little")
@@ -88,9 +100,11 @@ def test_the_root_was_mapped_at_its_mbr_partition(analysed: tuple[Analysis, Path
     start = mbr_partitions(raw)[1][1]
     assert f"root ext4 on /dev/sda1 at sector {start}, 4096-byte blocks" in result.stderr
     db = sqlite3.connect(result.db)
-    rows = db.execute("SELECT mountpoint, fstype, start_sector, block_size, mapped FROM "
-                      "filesystem WHERE analysis_id=?",
-                      (result.json()["analysis_id"],)).fetchall()
+    rows = db.execute(
+        "SELECT mountpoint, fstype, start_sector, block_size, mapped FROM "
+        "filesystem WHERE analysis_id=?",
+        (result.json()["analysis_id"],),
+    ).fetchall()
     assert rows == [("/", "ext4", start, 4096, 1)]
     # Swap is no file system of /etc/fstab to map, nor one to skip.
     assert "is not mapped" not in result.stderr
@@ -99,8 +113,9 @@ def test_the_root_was_mapped_at_its_mbr_partition(analysed: tuple[Analysis, Path
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
     result, raw = analysed
     _, start, count = mbr_partitions(raw)[1]
-    every_listed_block_is_the_images(str(result.json()["list_path"]), raw,
-                                     [range(start, start + count)], "the root partition")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]), raw, [range(start, start + count)], "the root partition"
+    )
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path]) -> None:
@@ -119,7 +134,8 @@ def test_list_verifies_against_the_image(analysed: tuple[Analysis, Path]) -> Non
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[Analysis, Path], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     result, raw = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

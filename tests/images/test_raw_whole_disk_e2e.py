@@ -30,23 +30,27 @@ PAGE = 4096
 
 
 @pytest.fixture(scope="module", params=["xfs", "btrfs"])
-def analysed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, Analysis, Path]]:
+def analysed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Analysis, Path]]:
     variant: str = request.param
     tmp = tmp_path_factory.mktemp(f"e2e-raw-whole-disk-{variant}")
     geo = golden.geometry(variant)
     disk = tmp / "golden.raw"
-    subprocess.run(["qemu-img", "convert", "-O", "raw", str(golden.build_image(variant).path),
-                    str(disk)], check=True)
-    whole, _ = fs_image(disk, ((0, geo.fs_bytes // 512, geo.root_start_sector),),
-                        tmp / "whole-disk.raw", copy=True)
+    subprocess.run(
+        ["qemu-img", "convert", "-O", "raw", str(golden.build_image(variant).path), str(disk)],
+        check=True,
+    )
+    whole, _ = fs_image(
+        disk, ((0, geo.fs_bytes // 512, geo.root_start_sector),), tmp / "whole-disk.raw", copy=True
+    )
     disk.unlink()
     assert whole.stat().st_size == geo.fs_bytes
     # The workload fails (and the test with it) unless / is this file system on
     # the whole virtual disk (findmnt shows btrfs' subvolume in brackets).
     workload = f"findmnt -n -o FSTYPE,SOURCE / | grep -Eq '^{variant} +/dev/vda(\\[|$)'"
     result, raw = analyze_cleanly(tmp, whole, "--workload", workload)
-    raw.unlink()                # the same bytes as whole
+    raw.unlink()  # the same bytes as whole
     yield variant, result, whole
     whole.unlink()
 
@@ -56,11 +60,16 @@ def test_the_guest_root_was_the_whole_disk(analysed: tuple[str, Analysis, Path])
     assert "warning: the workload" not in result.stderr, result.stderr
     db = sqlite3.connect(result.db)
     aid = result.json()["analysis_id"]
-    assert db.execute("SELECT i.format, i.virtual_size FROM image i JOIN analysis a ON "
-                      "a.image_id=i.id WHERE a.id=?", (aid,)).fetchone() == (
-        "raw", whole.stat().st_size)
-    rows = db.execute("SELECT mountpoint, device, fstype, start_sector, block_size, mapped FROM "
-                      "filesystem WHERE analysis_id=?", (aid,)).fetchall()
+    assert db.execute(
+        "SELECT i.format, i.virtual_size FROM image i JOIN analysis a ON "
+        "a.image_id=i.id WHERE a.id=?",
+        (aid,),
+    ).fetchone() == ("raw", whole.stat().st_size)
+    rows = db.execute(
+        "SELECT mountpoint, device, fstype, start_sector, block_size, mapped FROM "
+        "filesystem WHERE analysis_id=?",
+        (aid,),
+    ).fetchall()
     assert rows == [("/", "/dev/sda", variant, 0, 4096, 1)]
     root = "btrfsvol:/dev/sda/@rootfs" if variant == "btrfs" else "/dev/sda"
     assert f"root {variant} on {root} at sector 0" in result.stderr
@@ -68,23 +77,22 @@ def test_the_guest_root_was_the_whole_disk(analysed: tuple[str, Analysis, Path])
 
 def test_every_listed_block_matches_the_image(analysed: tuple[str, Analysis, Path]) -> None:
     _, result, whole = analysed
-    every_listed_block_is_the_images(str(result.json()["list_path"]), whole,
-                                     [range(0, whole.stat().st_size // 512)], "the disk")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]), whole, [range(0, whole.stat().st_size // 512)], "the disk"
+    )
     list_verifies(str(result.json()["list_path"]), whole)
 
 
-def _copied_out(variant: str, image: Path, paths: tuple[str, ...], dest: Path
-                ) -> dict[str, bytes]:
+def _copied_out(variant: str, image: Path, paths: tuple[str, ...], dest: Path) -> dict[str, bytes]:
     """The files' bytes, as the appliance kernel's file system driver reads them."""
     import guestfs  # Debian's python3-guestfs
 
     g = guestfs.GuestFS(python_return_dict=True)
     try:
-        g.set_backend_settings(["force_tcg"])        # as image_inspect does by default
+        g.set_backend_settings(["force_tcg"])  # as image_inspect does by default
         g.add_drive_opts(str(image), readonly=1, format="raw")
         g.launch()
-        g.mount_options("ro" + (",subvol=@rootfs" if variant == "btrfs" else ""),
-                        "/dev/sda", "/")
+        g.mount_options("ro" + (",subvol=@rootfs" if variant == "btrfs" else ""), "/dev/sda", "/")
         got = {}
         for i, path in enumerate(paths):
             g.download(path, str(dest / str(i)))
@@ -95,7 +103,8 @@ def _copied_out(variant: str, image: Path, paths: tuple[str, ...], dest: Path
 
 
 def test_files_every_boot_reads_are_listed_as_their_own_pages(
-        analysed: tuple[str, Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[str, Analysis, Path], tmp_path: Path
+) -> None:
     variant, result, whole = analysed
     files = _copied_out(variant, whole, ALWAYS_READ, tmp_path)
     db = sqlite3.connect(result.db)
@@ -105,10 +114,13 @@ def test_files_every_boot_reads_are_listed_as_their_own_pages(
             blocks = db.execute(
                 "SELECT lb.sector, lb.file_offset FROM listed_block lb JOIN file f ON "
                 "f.analysis_id=lb.analysis_id AND f.ino=lb.ino WHERE lb.analysis_id=? "
-                "AND lb.kind='file' AND f.path=?", (aid, path)).fetchall()
+                "AND lb.kind='file' AND f.path=?",
+                (aid, path),
+            ).fetchall()
             assert blocks, f"no block of {path} is listed"
             for sector, offset in blocks:
-                page = data[offset:offset + PAGE]
+                page = data[offset : offset + PAGE]
                 disk.seek(sector * 512)
-                assert disk.read(PAGE) == page + bytes(PAGE - len(page)), \
+                assert disk.read(PAGE) == page + bytes(PAGE - len(page)), (
                     f"{path} offset {offset} listed at sector {sector} is not its page"
+                )

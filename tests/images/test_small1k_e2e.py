@@ -24,9 +24,13 @@ from pageshare.ext4map import lookup, parse_extents
 
 pytestmark = pytest.mark.vm
 
-ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
-               "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-252.so",
-               "/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libcrypto.so.3")
+ALWAYS_READ = (
+    "/usr/lib/systemd/systemd",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-252.so",
+    "/usr/bin/bash",
+    "/usr/lib/x86_64-linux-gnu/libcrypto.so.3",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,9 @@ def analysed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysi
 
 def pages(raw: Path, path: str) -> tuple[set[int], set[int]]:
     """(sectors of the file's listable pages, sectors of all its blocks' 4 KiB units)."""
-    out = subprocess.run(["debugfs", "-R", f"ex {path}", str(raw)], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["debugfs", "-R", f"ex {path}", str(raw)], capture_output=True, text=True, check=True
+    ).stdout
     exts = next(iter(parse_extents("debugfs: ex <1>\n" + out).values()))
     assert exts, f"{path}: no extents"
     size = max(e.logical + e.length for e in exts)
@@ -75,13 +80,15 @@ def test_only_whole_aligned_pages_are_listed(analysed: tuple[Analysis, Path]) ->
     db = sqlite3.connect(result.db)
     (size,) = db.execute("SELECT block_size FROM filesystem WHERE mountpoint='/'").fetchone()
     assert size == 1024
-    verdicts = {v for (v,) in db.execute("SELECT DISTINCT verdict FROM guest_page "
-                                         "WHERE kind='file'")}
+    verdicts = {
+        v for (v,) in db.execute("SELECT DISTINCT verdict FROM guest_page WHERE kind='file'")
+    }
     assert "stable" in verdicts and verdicts & {"unaligned", "discontiguous"}, verdicts
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[Analysis, Path], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     result, raw = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

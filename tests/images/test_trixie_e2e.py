@@ -20,8 +20,11 @@ from pageshare.ext4map import file_sectors
 pytestmark = pytest.mark.vm
 
 # systemd 257 in trixie (252 in bookworm).
-ALWAYS_READ = ("/usr/lib/systemd/systemd", "/usr/lib/x86_64-linux-gnu/libc.so.6",
-               "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-257.so")
+ALWAYS_READ = (
+    "/usr/lib/systemd/systemd",
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    "/usr/lib/x86_64-linux-gnu/systemd/libsystemd-shared-257.so",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +44,41 @@ def test_drgn_classified_the_6_12_guest(analysed: tuple[Analysis, Path]) -> None
     assert reason.startswith("auto: guest kernel 6.12.") and "crash" in reason
     assert "classifying them with drgn" in result.stderr
     db = sqlite3.connect(result.db)
-    (used,) = db.execute("SELECT introspector FROM analysis WHERE id=?",
-                         (summary["analysis_id"],)).fetchone()
+    (used,) = db.execute(
+        "SELECT introspector FROM analysis WHERE id=?", (summary["analysis_id"],)
+    ).fetchone()
     assert used == "drgn"
     (kernel,) = db.execute("SELECT guest_kernel FROM run").fetchone()
     assert kernel == golden.build_image("trixie").manifest["kernel_version"]
     # The records drgn wrote are the kinds pagescan defines, with page cache among them.
-    kinds = {k for (k,) in db.execute("SELECT DISTINCT kind FROM guest_page WHERE kind "
-                                      "IS NOT NULL")}
+    kinds = {
+        k for (k,) in db.execute("SELECT DISTINCT kind FROM guest_page WHERE kind IS NOT NULL")
+    }
     assert "file" in kinds
-    assert kinds <= {"file", "bdev", "shmem", "anon", "ksm", "movable", "slab", "nomapping",
-                     "badmapping", "nopage", "unreadable"}
+    assert kinds <= {
+        "file",
+        "bdev",
+        "shmem",
+        "anon",
+        "ksm",
+        "movable",
+        "slab",
+        "nomapping",
+        "badmapping",
+        "nopage",
+        "unreadable",
+    }
 
 
 def test_every_listed_block_matches_the_base_image(analysed: tuple[Analysis, Path]) -> None:
     result, raw = analysed
     start = golden.geometry("trixie").root_start_sector
-    every_listed_block_is_the_images(str(result.json()["list_path"]), raw,
-                                     [range(start, raw.stat().st_size // 512)],
-                                     "the root partition")
+    every_listed_block_is_the_images(
+        str(result.json()["list_path"]),
+        raw,
+        [range(start, raw.stat().st_size // 512)],
+        "the root partition",
+    )
 
 
 def test_files_every_boot_reads_are_listed(analysed: tuple[Analysis, Path]) -> None:
@@ -76,8 +95,9 @@ def test_summary_adds_up(analysed: tuple[Analysis, Path]) -> None:
     result, _ = analysed
     summary = result.json()
     db = sqlite3.connect(result.db)
-    status, listed = db.execute("SELECT status, listed_blocks FROM analysis WHERE id=?",
-                                (summary["analysis_id"],)).fetchone()
+    status, listed = db.execute(
+        "SELECT status, listed_blocks FROM analysis WHERE id=?", (summary["analysis_id"],)
+    ).fetchone()
     assert status == "ok" and listed == summary["listed_blocks"]
     breakdown = summary["breakdown_pages"]
     assert isinstance(breakdown, dict)
@@ -87,7 +107,8 @@ def test_summary_adds_up(analysed: tuple[Analysis, Path]) -> None:
 
 
 def test_every_listed_block_is_its_files_page(
-        analysed: tuple[Analysis, Path], tmp_path: Path) -> None:
+    analysed: tuple[Analysis, Path], tmp_path: Path
+) -> None:
     """By e2fsprogs' own reading of each recorded (inode, offset), not the analyzer's map."""
     result, raw = analysed
     every_listed_block_is_its_files_page(result.db, result.json(), raw, tmp_path)

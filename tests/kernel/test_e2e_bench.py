@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import e2e_vs_ksm as e2e  # noqa: E402
 
 KSM = Path("/sys/kernel/mm/ksm")
-GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1     # its column in an E2E-G line
+GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1  # its column in an E2E-G line
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,9 @@ def test_sampler_and_benchmark_hash_pages_alike(sampler: Path, tmp_path: Path) -
     pages = [rnd.randbytes(4096) for _ in range(6)] + [bytes(4096), b"\xff" * 4096]
     f = tmp_path / "pages.bin"
     f.write_bytes(b"".join(pages))
-    out = subprocess.run([str(sampler), "--hash", str(f)], capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [str(sampler), "--hash", str(f)], capture_output=True, text=True, check=True
+    ).stdout.split()
     want = [f"{e2e.page_hash(p):016x}" for p in pages]
     assert out == want
     assert len(set(want)) == len(want)
@@ -68,30 +69,36 @@ def test_stale_pages_are_the_guests(sampler: Path, tmp_path: Path) -> None:
     init = (REPO / "bench/e2e/guest-init.sh").read_text()
     prog = init.split("'BEGIN ", 1)[1].split("' > /stale", 1)[0]
     f = tmp_path / "stale"
-    awk = ["busybox", "awk"] if shutil.which("busybox") else ["awk"]   # the guests' is busybox's
+    awk = ["busybox", "awk"] if shutil.which("busybox") else ["awk"]  # the guests' is busybox's
     with open(f, "wb") as out:
         subprocess.run([*awk, "-v", "n=512", "BEGIN " + prog], stdout=out, check=True)
     data = f.read_bytes()
     assert data == b"".join(e2e.stale_page(i) for i in range(512))
-    got = subprocess.run([str(sampler), "--hash", str(f)], capture_output=True, text=True,
-                         check=True).stdout.split()
+    got = subprocess.run(
+        [str(sampler), "--hash", str(f)], capture_output=True, text=True, check=True
+    ).stdout.split()
     want = e2e.stale_hashes(2)
-    assert [int(h, 16) for h in got] == [int.from_bytes(want[i:i + 8], "little")
-                                         for i in range(0, len(want), 8)]
+    assert [int(h, 16) for h in got] == [
+        int.from_bytes(want[i : i + 8], "little") for i in range(0, len(want), 8)
+    ]
     assert len(set(got)) == 512
 
 
 def test_summary_stale_class() -> None:
     """Freed stale pages shared by KSM are saved as their own class, not as
     "everything else"; those still held are reported."""
+
     def g(t: int, guest: int, stale: int, stale_shared: int) -> str:
         return _g("ksm", t, guest, 10, 10) + f" {stale} {stale_shared}"
 
     lines = [
         "E2E-EV ksm 0 begin filter=0",
-        g(100, 1, 500, 0), g(100, 2, 500, 0), _h("ksm", 100, 0, 0, 10, 0, 0) + " 0 0 0",
+        g(100, 1, 500, 0),
+        g(100, 2, 500, 0),
+        _h("ksm", 100, 0, 0, 10, 0, 0) + " 0 0 0",
         "E2E-EV ksm 200 work-done",
-        g(300, 1, 500, 500), g(300, 2, 500, 500),
+        g(300, 1, 500, 500),
+        g(300, 2, 500, 500),
         _h("ksm", 300, 0, 0, 10, 0, 0) + " 0 0 500",
     ]
     st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm"], "", "", 100, 900, 2)
@@ -123,7 +130,8 @@ time.sleep(120)
 
 
 def test_sampler_census_counts_duplicates_and_the_servers_pages(
-        sampler: Path, tmp_path: Path) -> None:
+    sampler: Path, tmp_path: Path
+) -> None:
     """The census on two real processes whose pages are known: a "guest"
     with 16 MiB of RAM holding 1000 copies of one page, 100 random pages,
     100 written zero pages and private copies of 20 of the server's 50
@@ -134,14 +142,20 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
     hashes = tmp_path / "listed.hashes"
     hashes.write_bytes(b"".join(struct.pack("<Q", e2e.page_hash(p)) for p in listed))
-    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, role, str(seed)],
-                              stdout=subprocess.PIPE, text=True)
-             for role in ("guest", "server")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, role, str(seed)], stdout=subprocess.PIPE, text=True
+        )
+        for role in ("guest", "server")
+    ]
     sam = None
     try:
         guest, server = (int(p.stdout.readline()) for p in procs if p.stdout)
-        sam = subprocess.Popen([str(sampler), "t", str(hashes), "200", str(server), "16",
-                                f"{guest}:-"], stdout=subprocess.PIPE, text=True)
+        sam = subprocess.Popen(
+            [str(sampler), "t", str(hashes), "200", str(server), "16", f"{guest}:-"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert sam.stdout is not None
         g = h = None
         for line in sam.stdout:
@@ -157,7 +171,7 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     assert g is not None and h is not None
     assert g["full"] == 1 and g["listed"] == 20 and g["listed_shared"] == 0
     assert g["present"] == 1220
-    assert g["anon_huge_kb"] >= 0      # smaps_rollup's AnonHugePages was read
+    assert g["anon_huge_kb"] >= 0  # smaps_rollup's AnonHugePages was read
     assert h["mem_pages"] == 1220 + 50
     assert h["distinct_pages"] == 1 + 100 + 1 + 50
     assert h["server_unused"] == 50
@@ -175,15 +189,19 @@ def test_sampler_reads_everything_after_a_mark(sampler: Path, tmp_path: Path) ->
     marks = tmp_path / "marks"
     marks.mkdir()
     (tmp_path / "none.hashes").write_bytes(b"")
-    guest = subprocess.Popen([sys.executable, "-c", HOLDER, "guest", "1"],
-                             stdout=subprocess.PIPE, text=True)
+    guest = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "guest", "1"], stdout=subprocess.PIPE, text=True
+    )
     sam = None
     try:
         assert guest.stdout is not None
         pid = int(guest.stdout.readline())
-        sam = subprocess.Popen([str(sampler), "t", str(tmp_path / "none.hashes"), "100", "0",
-                                "16", f"{pid}:-"], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "E2E_MARKS": str(marks)})
+        sam = subprocess.Popen(
+            [str(sampler), "t", str(tmp_path / "none.hashes"), "100", "0", "16", f"{pid}:-"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "E2E_MARKS": str(marks)},
+        )
         assert sam.stdout is not None
         full = []
         for line in sam.stdout:
@@ -208,12 +226,23 @@ def test_sampler_reads_the_filters_merge_batches(sampler: Path, tmp_path: Path) 
     that answers as QEMU with the filter does), its merge-batches list
     among them, and the summary adds the guests' last readings up."""
     sock_path = tmp_path / "qmp.sock"
-    stats = {"driver": "pageshare", "connected": True, "requests": 5, "merged": 9,
-             "merge-ns": 100, "fallback-merge-failed": 0, "fallback-not-listed": 1,
-             "fallback-partial": 2, "fallback-unaligned": 3, "fallback-no-table": 4,
-             "fallback-not-guest-ram": 5, "fallback-unsupported": 6,
-             "fallback-unproven": 7, "merge-batches": [3, 0, 1, 0, 0, 11, 2],
-             "merge-calls": 17}
+    stats = {
+        "driver": "pageshare",
+        "connected": True,
+        "requests": 5,
+        "merged": 9,
+        "merge-ns": 100,
+        "fallback-merge-failed": 0,
+        "fallback-not-listed": 1,
+        "fallback-partial": 2,
+        "fallback-unaligned": 3,
+        "fallback-no-table": 4,
+        "fallback-not-guest-ram": 5,
+        "fallback-unsupported": 6,
+        "fallback-unproven": 7,
+        "merge-batches": [3, 0, 1, 0, 0, 11, 2],
+        "merge-calls": 17,
+    }
     reply = json.dumps({"return": [{"node-name": "ps", "driver-specific": stats}]})
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(sock_path))
@@ -232,15 +261,26 @@ def test_sampler_reads_the_filters_merge_batches(sampler: Path, tmp_path: Path) 
     t = threading.Thread(target=qmp, daemon=True)
     t.start()
     (tmp_path / "none.hashes").write_bytes(b"")
-    guest = subprocess.Popen([sys.executable, "-c", HOLDER, "guest", "1"],
-                             stdout=subprocess.PIPE, text=True)
+    guest = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "guest", "1"], stdout=subprocess.PIPE, text=True
+    )
     sam = None
     try:
         assert guest.stdout is not None
         pid = int(guest.stdout.readline())
-        sam = subprocess.Popen([str(sampler), "pageshare", str(tmp_path / "none.hashes"), "100",
-                                "0", "16", f"{pid}:{sock_path}"], stdout=subprocess.PIPE,
-                               text=True)
+        sam = subprocess.Popen(
+            [
+                str(sampler),
+                "pageshare",
+                str(tmp_path / "none.hashes"),
+                "100",
+                "0",
+                "16",
+                f"{pid}:{sock_path}",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert sam.stdout is not None
         lines = []
         for line in sam.stdout:
@@ -254,8 +294,9 @@ def test_sampler_reads_the_filters_merge_batches(sampler: Path, tmp_path: Path) 
         srv.close()
     rows = e2e.parse(lines)
     f = dict(zip(e2e.FALLBACK_FIELDS, rows["fallback"][0], strict=True))
-    assert [f[k] for k in ("partial", "unaligned", "no_table", "not_ram", "unsupported",
-                           "unproven")] == ["2", "3", "4", "5", "6", "7"]
+    assert [
+        f[k] for k in ("partial", "unaligned", "no_table", "not_ram", "unsupported", "unproven")
+    ] == ["2", "3", "4", "5", "6", "7"]
     assert [int(f[k]) for k in e2e.BATCH_FIELDS] == [3, 0, 1, 0, 0, 11, 2]
     g = dict(zip(e2e.GUEST_FIELDS, rows["E2E-G"][0], strict=True))
     assert (g["requests"], g["merged"], g["merge_ns"]) == ("5", "9", "100")
@@ -277,8 +318,13 @@ def preflight(ksm: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     if ksm is not None:
         env["E2E_KSM_SYSFS"] = str(ksm)
-    return subprocess.run(["sh", str(REPO / "bench/e2e/driver.sh"), "--preflight"],
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        ["sh", str(REPO / "bench/e2e/driver.sh"), "--preflight"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_driver_preflight_on_this_kernel() -> None:
@@ -341,8 +387,7 @@ def test_driver_preflight_passes_a_pageshare_host(tmp_path: Path) -> None:
     assert p.returncode == 0 and p.stdout == "E2E-PREFLIGHT ok\n", p.stdout + p.stderr
 
 
-def test_benchmark_refuses_before_building(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_benchmark_refuses_before_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No host KSM and no list: refused with what to do, before the golden
     image, kernels or QEMU are built (build_image is never called)."""
     image = tmp_path / "golden.qcow2"
@@ -361,14 +406,14 @@ def test_benchmark_refuses_before_building(tmp_path: Path,
         e2e.main()
     # with a list given, host KSM is not needed: the refusal is gone (the
     # next step, which would build, is reached)
-    monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image),
-                                      "--list", str(image)])
+    monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image), "--list", str(image)])
     with pytest.raises(AssertionError, match="built something"):
         e2e.main()
 
 
 def test_benchmark_refuses_a_series_without_merge_pages(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     repo = tmp_path / "repo"
     (repo / "kernel-syscall/patches").mkdir(parents=True)
     shutil.copytree(REPO / "kernel-syscall/config", repo / "kernel-syscall/config")
@@ -385,17 +430,47 @@ def test_benchmark_refuses_a_series_without_merge_pages(
         e2e.host_preflight(KSM, False)
 
 
-def _g(cfg: str, t: int, guest: int, listed: int, shared: int, *, merged: int = -1,
-       merge_ns: int = -1, zero_shared: int = 0, other_shared: int = 0,
-       pss: int = 100_000) -> str:
-    vals = [cfg, t, guest, 1000, pss + 1000, pss, 5000, shared + zero_shared + other_shared,
-            listed, shared, 800, zero_shared, other_shared, 10, merged, merge_ns, 0, 0, 1,
-            shared if merged >= 0 else 0]
+def _g(
+    cfg: str,
+    t: int,
+    guest: int,
+    listed: int,
+    shared: int,
+    *,
+    merged: int = -1,
+    merge_ns: int = -1,
+    zero_shared: int = 0,
+    other_shared: int = 0,
+    pss: int = 100_000,
+) -> str:
+    vals = [
+        cfg,
+        t,
+        guest,
+        1000,
+        pss + 1000,
+        pss,
+        5000,
+        shared + zero_shared + other_shared,
+        listed,
+        shared,
+        800,
+        zero_shared,
+        other_shared,
+        10,
+        merged,
+        merge_ns,
+        0,
+        0,
+        1,
+        shared if merged >= 0 else 0,
+    ]
     return "E2E-G " + " ".join(map(str, vals))
 
 
-def _h(cfg: str, t: int, ksmd_ms: int, sharing: int, dl: int, dz: int, do: int,
-       server_ms: int = 0) -> str:
+def _h(
+    cfg: str, t: int, ksmd_ms: int, sharing: int, dl: int, dz: int, do: int, server_ms: int = 0
+) -> str:
     vals = [cfg, t, 5_000_000, ksmd_ms, server_ms, 0, 0, 10, sharing, 0, 0, 1, dl, dz, do, 50]
     return "E2E-H " + " ".join(map(str, vals))
 
@@ -404,23 +479,31 @@ def test_summary_arithmetic() -> None:
     lines = [
         "E2E-EV ksm 1000 begin filter=0",
         # two guests, 1000 listed pages each; KSM shares them after the reads
-        _g("ksm", 2000, 1, 1000, 0), _g("ksm", 2000, 2, 1000, 0),
+        _g("ksm", 2000, 1, 1000, 0),
+        _g("ksm", 2000, 2, 1000, 0),
         _h("ksm", 2000, 0, 0, 0, 0, 0),
         "E2E-EV ksm 3000 work-done",
-        _g("ksm", 3000, 1, 1000, 100), _g("ksm", 3000, 2, 1000, 100),
+        _g("ksm", 3000, 1, 1000, 100),
+        _g("ksm", 3000, 2, 1000, 100),
         _h("ksm", 3000, 500, 100, 50, 0, 0),
         _g("ksm", 13000, 1, 1000, 950, zero_shared=200),
         _g("ksm", 13000, 2, 1000, 950, zero_shared=200, other_shared=60),
         _h("ksm", 13000, 4500, 2**18, 950, 1, 30),
         # a sample taken as the guests were being stopped: not counted
-        _g("ksm", 13400, 1, 0, 0, pss=-1), _g("ksm", 13400, 2, 0, 0, pss=-1),
+        _g("ksm", 13400, 1, 0, 0, pss=-1),
+        _g("ksm", 13400, 2, 0, 0, pss=-1),
         _h("ksm", 13400, 0, 0, 0, 0, 0),
         "E2E-EV ksm 13500 end",
         # after the end event: the guests are being stopped, not counted
-        _g("ksm", 14000, 1, 0, 0), _g("ksm", 14000, 2, 0, 0), _h("ksm", 14000, 0, 0, 0, 0, 0),
-        "E2E-EV ksm 1500 mark 1 BOOTED", "E2E-EV ksm 1600 mark 2 BOOTED",
-        "E2E-EV ksm 1700 mark 1 BINS", "E2E-EV ksm 1800 mark 2 BINS",
-        "E2E-EV ksm 2200 mark 1 GREP", "E2E-EV ksm 2400 mark 2 GREP",
+        _g("ksm", 14000, 1, 0, 0),
+        _g("ksm", 14000, 2, 0, 0),
+        _h("ksm", 14000, 0, 0, 0, 0, 0),
+        "E2E-EV ksm 1500 mark 1 BOOTED",
+        "E2E-EV ksm 1600 mark 2 BOOTED",
+        "E2E-EV ksm 1700 mark 1 BINS",
+        "E2E-EV ksm 1800 mark 2 BINS",
+        "E2E-EV ksm 2200 mark 1 GREP",
+        "E2E-EV ksm 2400 mark 2 GREP",
         "E2E-GUEST ksm 1 GUEST-BOOTED 20.5 GUEST-BINS 21 25 GUEST-GREP 25 55 GUEST-SUM abc",
         "E2E-GUEST ksm 2 GUEST-BOOTED 22.5 GUEST-BINS 23 26 GUEST-GREP 26 66 GUEST-SUM abc",
         "E2E-EV all 14000 finished",
@@ -447,8 +530,8 @@ def test_summary_arithmetic() -> None:
     assert c["ksmd_cpu_s"] == pytest.approx(4.5)
     assert c["ksmd_cpu_s_per_gib"] == pytest.approx(4.5)
     assert c["pageshare_cpu_s_per_gib"] is None
-    assert c["listed_on_server_frac_end"] == 0.0   # KSM's pages are not the server's
-    assert c["grep_s_mean"] == pytest.approx(0.55)   # driver stamps, not guest clocks
+    assert c["listed_on_server_frac_end"] == 0.0  # KSM's pages are not the server's
+    assert c["grep_s_mean"] == pytest.approx(0.55)  # driver stamps, not guest clocks
     assert c["bins_s_mean"] == pytest.approx(0.2)
     assert c["boot_s_mean"] == pytest.approx(0.55)
     md = e2e.markdown(s, "bench/e2e_vs_ksm.py", "facts")
@@ -472,7 +555,7 @@ def test_summary_pageshare_cpu_and_wrong_bytes() -> None:
     c = s["configs"]["pageshare"]
     assert c["t90_after_reads_s"] == pytest.approx(0.1)
     assert c["filter_merged"] == gib_pages
-    assert c["kernel_merge_page_merged"] == 0   # _h() leaves the kernel counter at 0
+    assert c["kernel_merge_page_merged"] == 0  # _h() leaves the kernel counter at 0
     assert c["listed_on_server_frac_end"] == 1.0
     # 2 s in merge_pages per GiB; the server's 1.5 s before its first merge
     # (start-up: the image's hash) is reported apart
@@ -487,21 +570,28 @@ def test_summary_takes_the_last_start_of_a_configuration() -> None:
     """A configuration whose guest did not boot ran again: its samples and
     marks before the last "begin" are not counted, the hang is recorded;
     the stale memory the guests freed and the host's THP collapses are."""
+
     def h(t: int, sharing: int, thp: int) -> str:
         return _h("ksm", t, 0, sharing, 0, 0, 0) + f" {thp} 0"
 
     lines = [
         "E2E-EV ksm 1000 begin filter=0",
-        _g("ksm", 1500, 1, 999, 999), h(1500, 999, 5),
+        _g("ksm", 1500, 1, 999, 999),
+        h(1500, 999, 5),
         "E2E-EV ksm 1600 mark 1 BOOTED",
         "E2E-EV ksm 2000 boot-hung 2 not booted after 900 s; RIP ffffffff81000010 ffffffff81000020",
         "E2E-GLOG ksm 2 [    0.000000] Linux version 6.12",
         "E2E-EV ksm 2100 retry a guest did not boot",
         "E2E-EV ksm 3000 begin filter=0",
-        _g("ksm", 3500, 1, 100, 0), _g("ksm", 3500, 2, 100, 0), h(3500, 0, 7),
-        "E2E-EV ksm 3600 mark 1 BOOTED", "E2E-EV ksm 3700 mark 2 BOOTED",
+        _g("ksm", 3500, 1, 100, 0),
+        _g("ksm", 3500, 2, 100, 0),
+        h(3500, 0, 7),
+        "E2E-EV ksm 3600 mark 1 BOOTED",
+        "E2E-EV ksm 3700 mark 2 BOOTED",
         "E2E-EV ksm 4000 work-done",
-        _g("ksm", 5000, 1, 100, 100), _g("ksm", 5000, 2, 100, 100), h(5000, 100, 9),
+        _g("ksm", 5000, 1, 100, 100),
+        _g("ksm", 5000, 2, 100, 100),
+        h(5000, 100, 9),
         "E2E-GUEST ksm 1 GUEST-SUM abc GUEST-FREED 64 200000 134000 190000 9",
         "E2E-GUEST ksm 2 GUEST-SUM abc GUEST-FREED 64 200000 134000 192048 9",
         "E2E-EV ksm 5500 end",
@@ -511,9 +601,14 @@ def test_summary_takes_the_last_start_of_a_configuration() -> None:
     assert rows["glog"] == [["ksm", "2", "[    0.000000] Linux version 6.12"]]
     s = e2e.summarize(rows, st, 10)
     c = s["configs"]["ksm"]
-    assert s["boot_hangs"] == [{"cfg": "ksm", "t_ms": 2000, "detail":
-                                "2 not booted after 900 s; RIP ffffffff81000010 ffffffff81000020"}]
-    assert c["boot_s_mean"] == pytest.approx(0.65)   # (600 + 700) / 2, not the 1st start
+    assert s["boot_hangs"] == [
+        {
+            "cfg": "ksm",
+            "t_ms": 2000,
+            "detail": "2 not booted after 900 s; RIP ffffffff81000010 ffffffff81000020",
+        }
+    ]
+    assert c["boot_s_mean"] == pytest.approx(0.65)  # (600 + 700) / 2, not the 1st start
     assert c["listed_pages_held"] == 200
     assert c["thp_collapses"] == 2
     assert c["stale_freed_mib"] == 64
@@ -529,21 +624,29 @@ def test_summary_frontier_counts_every_cost() -> None:
     kworkers beyond none's rate; duplicates not yet shared integrate over
     the census samples; savings are net of the server's pages and of
     none's; the targets are read from the frontier, misses as misses."""
-    def h(cfg: str, t: int, ksmd: int, server: int, kw: int, mem: int, dist: int,
-          unused: int = 0) -> str:
-        return (_h(cfg, t, ksmd, 0, 0, 0, 0, server_ms=server)
-                + f" 0 0 0 {kw} {2 * t} {t // 10} {mem} {dist} {unused}")
+
+    def h(
+        cfg: str, t: int, ksmd: int, server: int, kw: int, mem: int, dist: int, unused: int = 0
+    ) -> str:
+        return (
+            _h(cfg, t, ksmd, 0, 0, 0, 0, server_ms=server)
+            + f" 0 0 0 {kw} {2 * t} {t // 10} {mem} {dist} {unused}"
+        )
 
     lines = []
     for cfg in ("none", "ksm", "pageshare-pts0"):
         lines += [f"E2E-EV {cfg} 0 begin filter=0", f"E2E-EV {cfg} 500 work-done"]
     lines += [
         # none: 1000 duplicates all along; kworkers at 0.1 s/s
-        _g("none", 1000, 1, 10, 0), h("none", 1000, 0, 0, 0, 5000, 4000),
-        _g("none", 11000, 1, 10, 0), h("none", 11000, 0, 0, 1000, 5000, 4000),
+        _g("none", 1000, 1, 10, 0),
+        h("none", 1000, 0, 0, 0, 5000, 4000),
+        _g("none", 11000, 1, 10, 0),
+        h("none", 11000, 0, 0, 1000, 5000, 4000),
         # ksm: 10 s of ksmd, 0.5 s of kworkers beyond none's, 900 pages saved
-        _g("ksm", 1000, 1, 10, 0), h("ksm", 1000, 0, 0, 0, 5000, 4000),
-        _g("ksm", 11000, 1, 10, 10), h("ksm", 11000, 10_000, 0, 1500, 4100, 4000),
+        _g("ksm", 1000, 1, 10, 0),
+        h("ksm", 1000, 0, 0, 0, 5000, 4000),
+        _g("ksm", 11000, 1, 10, 10),
+        h("ksm", 11000, 10_000, 0, 1500, 4100, 4000),
         # pageshare, ksmd idle: 0.1 s ksmd, 1 s merge_pages, the server's 5 s
         # start-up and 0.5 s after; 880 saved net of 20 unused server pages
         _g("pageshare-pts0", 1000, 1, 10, 10, merged=100, merge_ns=0),
@@ -552,8 +655,7 @@ def test_summary_frontier_counts_every_cost() -> None:
         h("pageshare-pts0", 11000, 100, 5500, 1000, 4120, 4120, unused=20),
     ]
     lines += [f"E2E-GUEST {c} 1 GUEST-SUM abc" for c in ("none", "ksm", "pageshare-pts0")]
-    st = e2e.Settings(1, 384, 6144, 10, 1000, ["none", "ksm", "pageshare-pts0"], "", "",
-                      100)
+    st = e2e.Settings(1, 384, 6144, 10, 1000, ["none", "ksm", "pageshare-pts0"], "", "", 100)
     s = e2e.summarize(e2e.parse(lines), st, 10)
     mib = 4096 / 2**20
     none, ksm, ps = (s["configs"][c] for c in ("none", "ksm", "pageshare-pts0"))
@@ -587,8 +689,12 @@ def test_benchmark_names_scan_rates() -> None:
     assert e2e.SCAN_RATE.fullmatch("ksm-pts0") and e2e.SCAN_RATE.fullmatch("pageshare-pts5000")
     assert not e2e.SCAN_RATE.fullmatch("ksm-ptsx")
     assert all(c in e2e.CONFIGS or e2e.SCAN_RATE.fullmatch(c) for c in e2e.FRONTIER)
-    p = subprocess.run([sys.executable, str(REPO / "bench/e2e_vs_ksm.py"), "--configs",
-                        "ksm,ksm-pts12x"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench/e2e_vs_ksm.py"), "--configs", "ksm,ksm-pts12x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "unknown configuration(s) ksm-pts12x" in p.stderr
     driver = (REPO / "bench/e2e/driver.sh").read_text()
     assert "ksm-pts[0-9]*) run_once_more" in driver
@@ -599,20 +705,28 @@ def test_mixed_guests_get_their_own_reads(tmp_path: Path) -> None:
     """--mixed: what the driver puts on guest i's kernel command line (from
     e2e.env, as driver.sh's start_guest evaluates it) makes guest-init.sh
     read and checksum MIXED[i - 1]'s directories after its delay."""
-    st = e2e.Settings(3, 384, 6144, 10, 1000, ["ksm"], e2e.GREP_DIRS, e2e.SUM_DIRS, 100,
-                      mixed=True)
+    st = e2e.Settings(3, 384, 6144, 10, 1000, ["ksm"], e2e.GREP_DIRS, e2e.SUM_DIRS, 100, mixed=True)
     init = (REPO / "bench/e2e/guest-init.sh").read_text()
-    parse = init[init.index('grep_dirs="__GREP_DIRS__"'):init.index('sleep "$delay"')]
-    parse = (parse.replace("__GREP_DIRS__", st.grep_dirs).replace("__SUM_DIRS__", st.sum_dirs)
-             .replace("/proc/cmdline", str(tmp_path / "cmdline")))
+    parse = init[init.index('grep_dirs="__GREP_DIRS__"') : init.index('sleep "$delay"')]
+    parse = (
+        parse.replace("__GREP_DIRS__", st.grep_dirs)
+        .replace("__SUM_DIRS__", st.sum_dirs)
+        .replace("/proc/cmdline", str(tmp_path / "cmdline"))
+    )
     driver = (REPO / "bench/e2e/driver.sh").read_text()
     assert 'eval "gargs=\\${GUEST_ARGS_$i:-}"' in driver
     for i in (1, 2, 3):
-        script = (e2e.mixed_env(st) + f"i={i}\n" + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
-                  + f'echo "console=ttyS0 panic=-1 $gargs" > {tmp_path / "cmdline"}\n' + parse
-                  + 'echo "$grep_dirs|$sum_dirs|$delay"\n')
-        out = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
-                             check=True).stdout.strip()
+        script = (
+            e2e.mixed_env(st)
+            + f"i={i}\n"
+            + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
+            + f'echo "console=ttyS0 panic=-1 $gargs" > {tmp_path / "cmdline"}\n'
+            + parse
+            + 'echo "$grep_dirs|$sum_dirs|$delay"\n'
+        )
+        out = subprocess.run(
+            ["sh", "-c", script], capture_output=True, text=True, check=True
+        ).stdout.strip()
         dirs, delay = e2e.MIXED[i - 1]
         assert out == f"{dirs}|{dirs}|{delay}"
     # without --mixed: no arguments, every guest the default dirs at once
@@ -624,8 +738,7 @@ def test_bytes_identical_per_guest_when_mixed() -> None:
     in every configuration; in lockstep all guests must agree."""
     lines = [f"E2E-GUEST {c} {g} GUEST-SUM s{g}" for c in ("ksm", "pageshare") for g in (1, 2)]
     for mixed, want in ((True, True), (False, False)):
-        st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm", "pageshare"], "", "", 100,
-                          mixed=mixed)
+        st = e2e.Settings(2, 384, 6144, 10, 1000, ["ksm", "pageshare"], "", "", 100, mixed=mixed)
         assert e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"] is want
     lines[-1] = "E2E-GUEST pageshare 2 GUEST-SUM wrong"
     assert not e2e.summarize(e2e.parse(lines), st, 10)["bytes_identical"]
@@ -635,34 +748,47 @@ def test_summary_huge_pages() -> None:
     """Guest RAM in transparent huge pages (the E2E-G column after
     unshared_never), summed over guests at the end of the workload and at
     the end; a sampler without the column reports nothing."""
+
     def g(t: int, guest: int, thp_kb: int) -> str:
         return _g("pageshare", t, guest, 10, 10) + " 0 0 0 0 0 0 " + str(thp_kb)
 
-    lines = ["E2E-EV pageshare 0 begin filter=1",
-             g(100, 1, 4096), g(100, 2, 2048), _h("pageshare", 100, 0, 0, 0, 0, 0),
-             "E2E-EV pageshare 200 work-done",
-             g(300, 1, 2048), g(300, 2, 0), _h("pageshare", 300, 0, 0, 0, 0, 0)]
+    lines = [
+        "E2E-EV pageshare 0 begin filter=1",
+        g(100, 1, 4096),
+        g(100, 2, 2048),
+        _h("pageshare", 100, 0, 0, 0, 0, 0),
+        "E2E-EV pageshare 200 work-done",
+        g(300, 1, 2048),
+        g(300, 2, 0),
+        _h("pageshare", 300, 0, 0, 0, 0, 0),
+    ]
     st = e2e.Settings(2, 384, 6144, 10, 1000, ["pageshare"], "", "", 100)
     c = e2e.summarize(e2e.parse(lines), st, 10)["configs"]["pageshare"]
     assert c["anon_huge_mib_work_done"] == 6.0 and c["anon_huge_mib_end"] == 2.0
-    old = [x if not x.startswith("E2E-G") else _g("pageshare", 100, 1, 10, 10)
-           for x in lines]
+    old = [x if not x.startswith("E2E-G") else _g("pageshare", 100, 1, 10, 10) for x in lines]
     c = e2e.summarize(e2e.parse(old), st, 10)["configs"]["pageshare"]
     assert c["anon_huge_mib_end"] is None
 
 
 def test_symbolize(tmp_path: Path) -> None:
     m = tmp_path / "System.map"
-    m.write_text("ffffffff81000000 T _text\nffffffff81000010 t spin\n"
-                 "ffffffff81000018 D data\nffffffff81000040 T next\n")
-    assert e2e.symbolize([0xffffffff81000014, 0xffffffff81000040, 0x10], m) == [
-        "spin+0x4", "next+0x0", "0x10"]
+    m.write_text(
+        "ffffffff81000000 T _text\nffffffff81000010 t spin\n"
+        "ffffffff81000018 D data\nffffffff81000040 T next\n"
+    )
+    assert e2e.symbolize([0xFFFFFFFF81000014, 0xFFFFFFFF81000040, 0x10], m) == [
+        "spin+0x4",
+        "next+0x0",
+        "0x10",
+    ]
 
 
 def test_list_workload_is_the_guests_grep() -> None:
     w = e2e.list_workload(e2e.GREP_DIRS)
-    assert w == ("grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND /usr/bin /usr/sbin "
-                 "/usr/lib/x86_64-linux-gnu /usr/lib/systemd /usr/lib/udev; true")
+    assert w == (
+        "grep -r -q -F PAGESHARE-BENCH-NEVER-FOUND /usr/bin /usr/sbin "
+        "/usr/lib/x86_64-linux-gnu /usr/lib/systemd /usr/lib/udev; true"
+    )
     assert "PAGESHARE-BENCH-NEVER-FOUND" in (REPO / "bench/e2e/guest-init.sh").read_text()
 
 
@@ -690,15 +816,21 @@ def test_server_cpu_across_a_restart_and_a_lost_server() -> None:
     a sample of -1 (the sampler lost the killed server) makes the server's
     CPU unknown, not negative."""
     first = {"server_cpu_ms": 100}
-    hs = [{"server_cpu_ms": 50}, first, {"server_cpu_ms": 300}, {"server_cpu_ms": 20},
-          {"server_cpu_ms": 70}]
+    hs = [
+        {"server_cpu_ms": 50},
+        first,
+        {"server_cpu_ms": 300},
+        {"server_cpu_ms": 20},
+        {"server_cpu_ms": 70},
+    ]
     assert e2e.cpu_since(hs, first) == 200 + 20 + 50
     assert e2e.cpu_since([*hs, {"server_cpu_ms": -1}], first) is None
     assert e2e.cpu_since([{"server_cpu_ms": -1}, first, {"server_cpu_ms": 150}], first) == 50
 
 
 RUNS = sorted(p.parent for p in (REPO / "bench/results").glob("e2e-*/summary.json")) + sorted(
-    p.parent for p in (REPO / "bench/results").glob("feedback-*/round*/summary.json"))
+    p.parent for p in (REPO / "bench/results").glob("feedback-*/round*/summary.json")
+)
 
 
 def test_a_run_is_recorded() -> None:
@@ -708,8 +840,9 @@ def test_a_run_is_recorded() -> None:
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_recorded_run_parses_and_agrees_with_its_summary(run: Path) -> None:
     """Each committed run's raw serial log gives its committed summary."""
-    lines = gzip.decompress((run / "serial.log.gz").read_bytes()).decode(
-        errors="replace").splitlines()
+    lines = (
+        gzip.decompress((run / "serial.log.gz").read_bytes()).decode(errors="replace").splitlines()
+    )
     saved = json.loads((run / "summary.json").read_text())
     st = e2e.Settings(**saved["settings"])
     again = e2e.summarize(e2e.parse(lines), st, saved["listed_blocks"])
@@ -729,12 +862,25 @@ def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
 
     nb = nbformat.read(REPO / "notebooks/e2e_vs_ksm.ipynb", as_version=4)  # type: ignore[no-untyped-call]
     sockets = Path(tempfile.mkdtemp(prefix="e2e-kernel-"))
-    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(
-        kernel_dirs=[]), transport="ipc", ip=str(sockets / "kernel"))
-    client = NotebookClient(nb, km=km, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(REPO / "notebooks")}})
-    env = dict(os.environ, PAGESHARE_E2E_RESULTS=str(run), PAGESHARE_FIGURES=str(tmp_path),
-               MPLBACKEND="Agg")
+    km = AsyncKernelManager(
+        kernel_name="python3",
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[]),
+        transport="ipc",
+        ip=str(sockets / "kernel"),
+    )
+    client = NotebookClient(
+        nb,
+        km=km,
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(REPO / "notebooks")}},
+    )
+    env = dict(
+        os.environ,
+        PAGESHARE_E2E_RESULTS=str(run),
+        PAGESHARE_FIGURES=str(tmp_path),
+        MPLBACKEND="Agg",
+    )
     try:
         client.execute(cleanup_kc=True, env=env)
     finally:
@@ -752,8 +898,10 @@ def test_share_lag_is_the_distance_between_held_and_shared() -> None:
     def s(t: int, listed: int, shared: int, full: int) -> dict[str, int]:
         return {"t_ms": t, "listed": listed, "listed_shared": shared, "full": full}
 
-    series = {1: [s(1000, 100, 0, 1), s(2000, 100, 60, 0), s(3000, 100, 95, 0)],
-              2: [s(1000, 0, 0, 1), s(2000, 0, 0, 0), s(3000, 0, 0, 0)]}
+    series = {
+        1: [s(1000, 100, 0, 1), s(2000, 100, 60, 0), s(3000, 100, 95, 0)],
+        2: [s(1000, 0, 0, 1), s(2000, 0, 0, 0), s(3000, 0, 0, 0)],
+    }
     assert e2e.share_lag(series, [1, 2], 1500) == (1.0, 2.0)
     # never shared: no lag to report
     never = {1: [s(1000, 100, 0, 1), s(2000, 100, 0, 0)]}

@@ -39,8 +39,20 @@ def redis_sock(tmp_path: Path) -> Iterator[Path]:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (scripts/install-deps.sh)")
     sock = tmp_path / f"redis-{len(list(tmp_path.iterdir()))}.sock"
-    p = subprocess.Popen(["redis-server", "--unixsocket", str(sock), "--port", "0", "--save",
-                          "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            "redis-server",
+            "--unixsocket",
+            str(sock),
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):
             if sock.exists():
@@ -62,10 +74,16 @@ def driver_dump(sock: Path, work: Path, cfg: str) -> list[str]:
     bindir = work / "bin"
     bindir.mkdir()
     (bindir / "redis-cli").symlink_to(shutil.which("redis-cli") or "redis-cli")
-    script = (f"P={work}\nW={work}\nRSOCK={sock}\ncfg={cfg}\nFEEDBACK=1\n"
-              + rcli.group(0) + "\n" + dump.group(0) + "\nfeedback_dump\n")
-    return subprocess.run(["sh", "-c", script], capture_output=True, text=True,
-                          check=True).stdout.splitlines()
+    script = (
+        f"P={work}\nW={work}\nRSOCK={sock}\ncfg={cfg}\nFEEDBACK=1\n"
+        + rcli.group(0)
+        + "\n"
+        + dump.group(0)
+        + "\nfeedback_dump\n"
+    )
+    return subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
 
 
 def test_feedback_reaches_refine_byte_for_byte(tmp_path: Path, redis_sock: Path) -> None:
@@ -76,13 +94,27 @@ def test_feedback_reaches_refine_byte_for_byte(tmp_path: Path, redis_sock: Path)
     summary = feedback.encode("e2e-bench", IMAGE_KEY, 1000, 2000, 3, records)
     key = f"pageshare:feedback:{IMAGE_KEY}:e2e-bench"
     args = [a for f, v in summary.items() if f != "blocks" for a in (f, v.decode())]
-    subprocess.run(["redis-cli", "-s", str(redis_sock), "HSET", key, *args], check=True,
-                   capture_output=True)
-    subprocess.run(["redis-cli", "-s", str(redis_sock), "-x", "HSET", key, "blocks"],
-                   input=summary["blocks"], check=True, capture_output=True)
-    subprocess.run(["redis-cli", "-s", str(redis_sock), "SADD",
-                    f"pageshare:feedback:{IMAGE_KEY}:hosts", "e2e-bench"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["redis-cli", "-s", str(redis_sock), "HSET", key, *args], check=True, capture_output=True
+    )
+    subprocess.run(
+        ["redis-cli", "-s", str(redis_sock), "-x", "HSET", key, "blocks"],
+        input=summary["blocks"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            "redis-cli",
+            "-s",
+            str(redis_sock),
+            "SADD",
+            f"pageshare:feedback:{IMAGE_KEY}:hosts",
+            "e2e-bench",
+        ],
+        check=True,
+        capture_output=True,
+    )
     work = tmp_path / "work"
     work.mkdir()
     lines = driver_dump(redis_sock, work, "pageshare")
@@ -92,7 +124,8 @@ def test_feedback_reaches_refine_byte_for_byte(tmp_path: Path, redis_sock: Path)
     got = fb["pageshare"][key]
     assert got["blocks"] == summary["blocks"]
     assert {f: v for f, v in got.items() if f != "blocks"} == {
-        f: v.decode() for f, v in summary.items() if f != "blocks"}
+        f: v.decode() for f, v in summary.items() if f != "blocks"
+    }
 
     run = tmp_path / "round1"
     run.mkdir()
@@ -101,8 +134,20 @@ def test_feedback_reaches_refine_byte_for_byte(tmp_path: Path, redis_sock: Path)
 
     # into a second, empty Redis, as feedback_round does before refining
     sock2 = tmp_path / "redis2.sock"
-    p = subprocess.Popen(["redis-server", "--unixsocket", str(sock2), "--port", "0", "--save",
-                          "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            "redis-server",
+            "--unixsocket",
+            str(sock2),
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):
             if sock2.exists():

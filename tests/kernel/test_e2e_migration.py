@@ -40,19 +40,33 @@ def g(method: str, side: str, t: int, listed: int, shared: int, on_server: int) 
 
 
 def mq(downtime: int, transferred: int, brp: int = 0, total: int = 4000) -> str:
-    return json.dumps({"return": {"status": "completed", "setup-time": 5,
-                                  "downtime": downtime, "total-time": total,
-                                  "ram": {"transferred": transferred, "normal": 100,
-                                          "duplicate": 7, "block-ref-pages": brp,
-                                          "multifd-bytes": 0}}})
+    return json.dumps(
+        {
+            "return": {
+                "status": "completed",
+                "setup-time": 5,
+                "downtime": downtime,
+                "total-time": total,
+                "ram": {
+                    "transferred": transferred,
+                    "normal": 100,
+                    "duplicate": 7,
+                    "block-ref-pages": brp,
+                    "multifd-bytes": 0,
+                },
+            }
+        }
+    )
 
 
 def m_line(method: str, refs: tuple[int, ...] = (0, 0, -1, -1, -1, -1)) -> str:
     s, rf, mg, cp, rd, fl = refs
-    return (f"E2E-M {method} status=completed t_migrate_ms={T_DONE - 4000} "
-            f"t_done_ms={T_DONE} t_running_ms={T_DONE + 50} src_cpu_ms=1500 dst_cpu_ms=900 "
-            f"bandwidth=125000000 refs_sent={s} refs_refused={rf} refs_merged={mg} "
-            f"refs_copied={cp} refs_read={rd} refs_failed={fl}")
+    return (
+        f"E2E-M {method} status=completed t_migrate_ms={T_DONE - 4000} "
+        f"t_done_ms={T_DONE} t_running_ms={T_DONE + 50} src_cpu_ms=1500 dst_cpu_ms=900 "
+        f"bandwidth=125000000 refs_sent={s} refs_refused={rf} refs_merged={mg} "
+        f"refs_copied={cp} refs_read={rd} refs_failed={fl}"
+    )
 
 
 def stream(refs_downtime: int = 30, brp: int = 9_700, merged: int = 9_700) -> list[str]:
@@ -102,7 +116,7 @@ def test_rows_from_a_known_stream() -> None:
     assert r["dst_shared_frac"] == 0.97 and r["dst_on_server_frac"] == 0.97
     assert r["ksm_target_frac"] is None and r["t_ksm_shared_s"] is None
     p = rows["precopy"]
-    assert p["refs_merged"] is None      # -1: no filter counter
+    assert p["refs_merged"] is None  # -1: no filter counter
     assert p["ksm_target_frac"] == 0.97
     assert p["t_ksm_shared_s"] == 120.0 and p["t_ksm_server_s"] == 150.0
     assert p["followed_s"] == 150.0 and p["t_shared_90_s"] == 120.0
@@ -132,8 +146,9 @@ def test_markdown_and_targets_met() -> None:
 
 
 def test_targets_not_met() -> None:
-    rows = mig.summarize(mig.parse(stream(refs_downtime=50, brp=9_000, merged=8_000)),
-                         e2e.GUEST_FIELDS)
+    rows = mig.summarize(
+        mig.parse(stream(refs_downtime=50, brp=9_000, merged=8_000)), e2e.GUEST_FIELDS
+    )
     t = "\n".join(mig.targets(rows))
     assert "90.0% (9000 of 10000; target 95 %): NOT met" in t
     assert "merged by the destination's filter 88.9%" in t and "(target 100 %): NOT met" in t
@@ -157,17 +172,17 @@ def test_write_results(tmp_path: Path) -> None:
     with open(tmp_path / "migration_samples.csv") as f:
         samples = list(csv.DictReader(f))
     assert len(samples) == 11 and samples[0]["side"] == "src"
-    assert json.dumps(summary)           # summary.json can hold it
+    assert json.dumps(summary)  # summary.json can hold it
     # a run without the phase: nothing written, nothing added
     summary = {}
-    assert mig.write_results(tmp_path / "none", ["E2E-EV x 1 end"], e2e.GUEST_FIELDS,
-                             summary) == ""
+    assert mig.write_results(tmp_path / "none", ["E2E-EV x 1 end"], e2e.GUEST_FIELDS, summary) == ""
     assert summary == {}
 
 
 def test_short_sampler_lines_and_bad_json() -> None:
-    parsed = mig.parse(["E2E-MQ precopy {not json", "E2E-M precopy status=completed",
-                        "E2E-MS precopy dst 5 0 1"])
+    parsed = mig.parse(
+        ["E2E-MQ precopy {not json", "E2E-M precopy status=completed", "E2E-MS precopy dst 5 0 1"]
+    )
     assert "error" in parsed["mq"]["precopy"]
     s = mig.samples(parsed["ms"], e2e.GUEST_FIELDS)
     assert s[0]["t_ms"] == 5 and s[0]["listed"] == -1
@@ -188,24 +203,28 @@ def driver_function(name: str) -> str:
     """One of driver.sh's shell functions, as written there."""
     text = (REPO / "bench/e2e/driver.sh").read_text()
     start = text.index(f"\n{name}() {{") + 1
-    return text[start:text.index("\n}\n", start) + 3]
+    return text[start : text.index("\n}\n", start) + 3]
 
 
 def test_driver_reads_what_python_reads(tmp_path: Path) -> None:
     reply = mq(31, 12345, 678)
     samples = tmp_path / "s"
-    samples.write_text("E2E-H x\n" + g("x", "dst", 1, 10_000, 9_700, 9_000)
-                       .replace("E2E-MS x dst", "E2E-G mig") + "\n")
-    script = "".join(driver_function(f) for f in
-                     ("mig_field", "mig_str", "mig_samples", "mig_share")) + f"""
+    samples.write_text(
+        "E2E-H x\n"
+        + g("x", "dst", 1, 10_000, 9_700, 9_000).replace("E2E-MS x dst", "E2E-G mig")
+        + "\n"
+    )
+    script = (
+        "".join(driver_function(f) for f in ("mig_field", "mig_str", "mig_samples", "mig_share"))
+        + f"""
 r='{reply}'
 echo "$(mig_field "$r" downtime) $(mig_field "$r" block-ref-pages) $(mig_str "$r" status)"
 mig_share {samples}
 """
+    )
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["31", "678", "completed", "970"]
     # Python reads the same sample the same way
-    parsed = mig.parse([samples.read_text().splitlines()[1].replace("E2E-G mig",
-                                                                   "E2E-MS x dst")])
+    parsed = mig.parse([samples.read_text().splitlines()[1].replace("E2E-G mig", "E2E-MS x dst")])
     s = mig.samples(parsed["ms"], e2e.GUEST_FIELDS)[0]
     assert s["listed_shared"] * 1000 // s["listed"] == 970

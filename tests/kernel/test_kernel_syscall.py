@@ -23,8 +23,12 @@ pytestmark = pytest.mark.vm
 
 
 def test_kernel_series_in_a_vm() -> None:
-    p = subprocess.run([str(REPO / "kernel-syscall" / "run-tests.sh"), "--config", "debug"],
-                       capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(
+        [str(REPO / "kernel-syscall" / "run-tests.sh"), "--config", "debug"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     out = p.stdout
     results = re.findall(r"^(ok|not ok) \d+ (\S+)(.*)$", out, re.M)
     report = out[-4000:] + p.stderr[-2000:]
@@ -39,8 +43,13 @@ def test_kernel_series_in_a_vm() -> None:
     names = {name for _, name, _ in results}
     # The suite's programs (kernel-syscall/ktest.py guest_tests()): losing
     # one from the initramfs must fail here, not shrink the suite silently.
-    for expected in ("merge_page_tests", "merge_page_stress", "ksm_functional_tests",
-                     "ksm_tests", "pageshare_filter_merge"):
+    for expected in (
+        "merge_page_tests",
+        "merge_page_stress",
+        "ksm_functional_tests",
+        "ksm_tests",
+        "pageshare_filter_merge",
+    ):
         assert expected in names, f"{expected} did not run: {sorted(names)}\n{report}"
     summary = re.search(r"^ktest: (\d+)/\1 tests passed, 0 kernel reports", out, re.M)
     assert summary, report

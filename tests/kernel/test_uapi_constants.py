@@ -13,8 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def header() -> dict[str, int]:
     text = (REPO / "kernel-syscall/include/uapi/linux/ksm.h").read_text()
-    return {m.group(1): int(m.group(2), 0) for m in
-            re.finditer(r"^#define\s+(\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", text, re.M)}
+    return {
+        m.group(1): int(m.group(2), 0)
+        for m in re.finditer(r"^#define\s+(\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", text, re.M)
+    }
 
 
 def test_the_header_defines_what_the_copies_use() -> None:
@@ -27,8 +29,10 @@ def test_the_header_defines_what_the_copies_use() -> None:
 def test_the_page_server_copies_the_header() -> None:
     h = header()
     rs = (REPO / "page-server/src/sys.rs").read_text()
-    consts = {m.group(1): int(m.group(2), 0) for m in
-              re.finditer(r"pub const (\w+): [\w:]+ = (0x[0-9a-fA-F]+|\d+);", rs)}
+    consts = {
+        m.group(1): int(m.group(2), 0)
+        for m in re.finditer(r"pub const (\w+): [\w:]+ = (0x[0-9a-fA-F]+|\d+);", rs)
+    }
     assert consts["MADV_ALLOWMERGED"] == h["MADV_ALLOWMERGED"]
     assert consts["MADV_DISALLOWMERGED"] == h["MADV_DISALLOWMERGED"]
     assert consts["NR_MERGE_PAGE"] == h["__NR_merge_page"]
@@ -38,7 +42,9 @@ def test_the_page_server_copies_the_header() -> None:
 def test_the_qemu_filter_copies_the_header() -> None:
     h = header()
     patch = "\n".join(p.read_text() for p in sorted((REPO / "qemu-patches").glob("0*.patch")))
-    defs = {m.group(1): int(m.group(2), 0) for m in
-            re.finditer(r"^\+#define\s+(PS_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", patch, re.M)}
+    defs = {
+        m.group(1): int(m.group(2), 0)
+        for m in re.finditer(r"^\+#define\s+(PS_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", patch, re.M)
+    }
     assert defs["PS_NR_MERGE_PAGES"] == h["__NR_merge_pages"]
     assert defs["PS_MERGE_PAGE_NOWAIT"] == h["MERGE_PAGE_NOWAIT"]

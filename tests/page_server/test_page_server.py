@@ -49,15 +49,16 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str
     raw = d / "img.raw"
     rnd = random.Random(4)
     data = bytearray(rnd.randbytes(16 << 20))
-    data[4 << 20:6 << 20] = bytes(2 << 20)  # a hole
+    data[4 << 20 : 6 << 20] = bytes(2 << 20)  # a hole
     raw.write_bytes(bytes(data))
     qcow = d / "img.qcow2"
     subprocess.run(["qemu-img", "convert", "-c", "-O", "qcow2", str(raw), str(qcow)], check=True)
     return raw, qcow, hashlib.sha256(data).hexdigest()
 
 
-def synthetic_list(raw: Path, sha: str, path: Path, every: int = 3,
-                   limit: int = 10_000) -> sectorlist.SectorList:
+def synthetic_list(
+    raw: Path, sha: str, path: Path, every: int = 3, limit: int = 10_000
+) -> sectorlist.SectorList:
     blocks = nonzero_blocks(raw, limit, stride=every)
     ident = sectorlist.ImageIdentity(raw.stat().st_size, sha, "img.qcow2")
     return make_list(ident, blocks, path)
@@ -101,13 +102,18 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
 
 
 def test_serves_exactly_the_listed_bytes_of_a_golden_image(
-        small: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    small: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     image, raw, sha = small
     blocks = nonzero_blocks(raw, 6000, stride=5)
-    sl = make_list(sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name), blocks,
-                   tmp_path / "small.pcsl")
-    s = start(server_factory, tmp_path / "srv",
-              [ImageSpec("small", image, tmp_path / "small.pcsl")])
+    sl = make_list(
+        sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name),
+        blocks,
+        tmp_path / "small.pcsl",
+    )
+    s = start(
+        server_factory, tmp_path / "srv", [ImageSpec("small", image, tmp_path / "small.pcsl")]
+    )
     c, msg = first_table(s.sock("small"))
     with c:
         check_published(msg, sl)
@@ -128,20 +134,28 @@ def test_serves_exactly_the_listed_bytes_of_a_golden_image(
         c.stats(msg.generation, 100, 60, 0, 3, 40)
         wait_for(lambda: s.image("small")["client_stats"]["lookups"] == 100, 5, "stats")
         assert s.image("small")["client_stats"]["migration_refs_copied"] == 0
+
         def metrics(want: str) -> str | None:
             t = s.metrics()
             return t if want in t else None
-        text = wait_for(lambda: metrics('pageshare_client_lookups_total{image="small"} 100'),
-                        5, "metrics")
+
+        text = wait_for(
+            lambda: metrics('pageshare_client_lookups_total{image="small"} 100'), 5, "metrics"
+        )
         assert f'pageshare_image_blocks{{image="small"}} {len(blocks)}' in text
         # ... and from one with them (96 bytes); the latest STATS counts.
         c.stats(msg.generation, 110, 60, 0, 3, 50, migration_refs=[5, 1, 0, 700, 12, 0])
         wait_for(lambda: s.image("small")["client_stats"]["lookups"] == 110, 5, "stats")
         got = s.image("small")["client_stats"]
-        assert [got[f"migration_refs_{k}"] for k in
-                ("sent", "refused", "merged", "copied", "read", "failed")] == [5, 1, 0, 700, 12, 0]
-        text = wait_for(lambda: metrics(
-            'pageshare_client_migration_refs_copied_total{image="small"} 700'), 5, "metrics")
+        assert [
+            got[f"migration_refs_{k}"]
+            for k in ("sent", "refused", "merged", "copied", "read", "failed")
+        ] == [5, 1, 0, 700, 12, 0]
+        text = wait_for(
+            lambda: metrics('pageshare_client_migration_refs_copied_total{image="small"} 700'),
+            5,
+            "metrics",
+        )
         assert 'pageshare_client_migration_refs_read_total{image="small"} 12' in text
         # A STATS of another length is a protocol error.
         bad, _ = first_table(s.sock("small"))
@@ -159,13 +173,18 @@ def test_serves_exactly_the_listed_bytes_of_a_golden_image(
 # --------------------------------------------------------------------------- reload
 
 
-def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_path: Path,
-                                       server_factory: list[Server]) -> None:
+def test_hot_reload_switch_and_release(
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, qcow, sha = synthetic
     lst = tmp_path / "l.pcsl"
     sl1 = synthetic_list(raw, sha, lst, every=2)
-    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
-              extra="[limits]\nclient_switch_timeout_secs = 3")
+    s = start(
+        server_factory,
+        tmp_path / "srv",
+        [ImageSpec("img", qcow, lst)],
+        extra="[limits]\nclient_switch_timeout_secs = 3",
+    )
     a, m1 = first_table(s.sock("img"))
     b, _ = first_table(s.sock("img"))
     check_published(m1, sl1)
@@ -225,7 +244,8 @@ def test_hot_reload_switch_and_release(synthetic: tuple[Path, Path, str], tmp_pa
 
 
 def test_missing_image_is_named_and_the_others_served(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     """An [[image]] whose path does not exist (a typo, a volume not
     mounted yet) is an error of that image alone: the server starts, serves
     its other images, says which path and why, tells that image's clients
@@ -235,8 +255,11 @@ def test_missing_image_is_named_and_the_others_served(
     lst, other = tmp_path / "l.pcsl", tmp_path / "o.pcsl"
     synthetic_list(raw, sha, lst)
     synthetic_list(raw, sha, other)
-    s = start(server_factory, tmp_path / "srv", [ImageSpec("missing", missing, lst),
-                                                 ImageSpec("good", qcow, other)])
+    s = start(
+        server_factory,
+        tmp_path / "srv",
+        [ImageSpec("missing", missing, lst), ImageSpec("good", qcow, other)],
+    )
     s.wait_generation("good", 1, 60)
     wait_for(lambda: s.image("missing")["state"] == "error", 60, "the missing image's error")
     st = s.image("missing")
@@ -248,7 +271,8 @@ def test_missing_image_is_named_and_the_others_served(
 
 
 def test_image_on_fuse_is_refused_and_the_others_served(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     """An image on a FUSE file system (bindfs here; NFS, SMB, Ceph and the
     like are refused the same way) can change without this host's kernel
     moving its ctime, so no stamp of it proves anything: the server refuses
@@ -260,14 +284,21 @@ def test_image_on_fuse_is_refused_and_the_others_served(
     shutil.copy(qcow, below / "img.qcow2")
     subprocess.run(["bindfs", "--no-allow-other", str(below), str(mnt)], check=True)
     try:
-        assert subprocess.run(["stat", "-f", "-c", "%t", str(mnt)], capture_output=True,
-                              text=True).stdout.strip() == "65735546"  # FUSE_SUPER_MAGIC
+        assert (
+            subprocess.run(
+                ["stat", "-f", "-c", "%t", str(mnt)], capture_output=True, text=True
+            ).stdout.strip()
+            == "65735546"
+        )  # FUSE_SUPER_MAGIC
         on_fuse = tmp_path / "fuse.pcsl"
         local = tmp_path / "local.pcsl"
         synthetic_list(raw, sha, on_fuse)
         synthetic_list(raw, sha, local)
-        s = start(server_factory, tmp_path / "srv", [ImageSpec("fuse", mnt / "img.qcow2", on_fuse),
-                                                     ImageSpec("local", qcow, local)])
+        s = start(
+            server_factory,
+            tmp_path / "srv",
+            [ImageSpec("fuse", mnt / "img.qcow2", on_fuse), ImageSpec("local", qcow, local)],
+        )
         s.wait_generation("local", 1, 60)
         wait_for(lambda: s.image("fuse")["state"] == "error", 60, "the FUSE image's refusal")
         err = s.image("fuse")["last_error"]
@@ -283,7 +314,8 @@ def test_image_on_fuse_is_refused_and_the_others_served(
 
 
 def test_bad_lists_are_refused_and_the_old_generation_kept(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, qcow, sha = synthetic
     lst = tmp_path / "l.pcsl"
     good = lst.with_suffix(".good")
@@ -310,8 +342,10 @@ def test_bad_lists_are_refused_and_the_old_generation_kept(
         "truncated": text[: len(text) // 2],
         "crlf": text.replace("\n", "\r\n"),
         "other image": text.replace(sha, "ab" * 32),
-        "other size": text.replace(f"image-virtual-size: {raw.stat().st_size}",
-                                   f"image-virtual-size: {raw.stat().st_size + 4096}"),
+        "other size": text.replace(
+            f"image-virtual-size: {raw.stat().st_size}",
+            f"image-virtual-size: {raw.stat().st_size + 4096}",
+        ),
         "empty": "",
         "binary": "\x00\udcff" * 100,
     }
@@ -322,8 +356,9 @@ def test_bad_lists_are_refused_and_the_old_generation_kept(
     forged = sectorlist.dumps(sectorlist.SectorList(image=sl.image, blocks=blocks))
     bad_cases["forged hash of a loaded block"] = forged
     unlisted = next(x for x in nonzero_blocks(raw, 100) if x not in sl.blocks)
-    forged_new = sectorlist.dumps(sectorlist.SectorList(
-        image=sl.image, blocks={**sl.blocks, unlisted: wrong}))
+    forged_new = sectorlist.dumps(
+        sectorlist.SectorList(image=sl.image, blocks={**sl.blocks, unlisted: wrong})
+    )
     bad_cases["forged hash of a new block"] = forged_new
     for n, (name, content) in enumerate(bad_cases.items()):
         tmp = lst.with_suffix(".tmp")
@@ -344,8 +379,9 @@ def test_bad_lists_are_refused_and_the_old_generation_kept(
     c.close()
 
 
-def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_path: Path,
-                                         server_factory: list[Server]) -> None:
+def test_changed_base_image_is_withdrawn(
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, _, sha = synthetic
     img = tmp_path / "base.raw"
     shutil.copyfile(raw, img)
@@ -368,15 +404,23 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
     assert not m.proves(img), "a client's fstat() check catches the write"
     nt = c.recv()
     assert isinstance(nt, psc.NoTableMsg) and nt.reason == "image-changed", nt
-    wait_for(lambda: not s.image("img")["loading"] and s.image("img")["state"] != "withdrawn",
-             60, "reload after the change")
+    wait_for(
+        lambda: not s.image("img")["loading"] and s.image("img")["state"] != "withdrawn",
+        60,
+        "reload after the change",
+    )
     st = s.image("img")
     assert st["generation"] is None and st["state"] == "refused", st
     assert "is for another image" in st["last_error"]
     # The image disappears: still running, still nothing published.
     img.unlink()
-    wait_for(lambda: "unreadable" in s.image("img")["message"] or
-             "cannot" in s.image("img")["last_error"], 30, "unreadable image reported")
+    wait_for(
+        lambda: (
+            "unreadable" in s.image("img")["message"] or "cannot" in s.image("img")["last_error"]
+        ),
+        30,
+        "unreadable image reported",
+    )
     assert s.alive() and s.image("img")["generation"] is None
     # The right image comes back: served again, as a new generation.
     shutil.copyfile(raw, img)
@@ -390,7 +434,8 @@ def test_changed_base_image_is_withdrawn(synthetic: tuple[Path, Path, str], tmp_
 
 
 def test_image_written_through_a_hard_link_is_withdrawn_at_once(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     """The server watches the image's inode, not only its directory: a write
     through a hard link in a directory it does not watch withdraws the table
     within a second, and the re-load publishes the file's new stamp."""
@@ -453,7 +498,8 @@ def test_image_written_through_a_hard_link_is_withdrawn_at_once(
 
 
 def test_metadata_change_reverified_without_reading_the_blocks_again(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     """A chmod, a new hard link and a touch -d of the base (its bytes
     unchanged) each withdraw the table at once; the server verifies the file
     again (its whole content hash) and publishes the next generation with
@@ -528,12 +574,17 @@ def test_metadata_change_reverified_without_reading_the_blocks_again(
 
 
 def test_hostile_clients_do_not_hurt_the_server(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, qcow, sha = synthetic
     lst = tmp_path / "l.pcsl"
     sl = synthetic_list(raw, sha, lst, every=7)
-    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
-              extra="[limits]\nmax_clients = 40")
+    s = start(
+        server_factory,
+        tmp_path / "srv",
+        [ImageSpec("img", qcow, lst)],
+        extra="[limits]\nmax_clients = 40",
+    )
     good, m = first_table(s.sock("img"))
     path = str(s.sock("img"))
 
@@ -550,10 +601,12 @@ def test_hostile_clients_do_not_hurt_the_server(
         try:
             kind = rnd.choice([0, 1, 16, 17, 32, 99, 2**32 - 1])
             payload = rnd.randbytes(rnd.randrange(0, 64))
-            frames = [struct.pack("<II", kind, len(payload)) + payload,
-                      rnd.randbytes(rnd.randrange(1, 200)),
-                      struct.pack("<II", 17, 1 << 30),
-                      struct.pack("<II", 16, 8) + struct.pack("<Q", 12345)]
+            frames = [
+                struct.pack("<II", kind, len(payload)) + payload,
+                rnd.randbytes(rnd.randrange(1, 200)),
+                struct.pack("<II", 17, 1 << 30),
+                struct.pack("<II", 16, 8) + struct.pack("<Q", 12345),
+            ]
             data = rnd.choice(frames)
             if i % 25 == 0:
                 socket.send_fds(x, [data or b"x"], [os.open("/dev/null", os.O_RDONLY)])
@@ -574,11 +627,13 @@ def test_hostile_clients_do_not_hurt_the_server(
     assert s.alive()
     for x in idle:
         x.close()
+
     def idle_gone() -> bool:
         try:
             return bool(s.status()["clients"] == 1)
         except AssertionError:  # BYE: the control connection hit max_clients too
             return False
+
     wait_for(idle_gone, 10, "idle clients gone")
     # A client that floods STATS without reading replies is fine; garbage ends it.
     bad = psc.PageshareClient(s.sock("img"))
@@ -601,8 +656,9 @@ def test_hostile_clients_do_not_hurt_the_server(
 # --------------------------------------------------------------------------- ops
 
 
-def test_sd_notify_ready_and_watchdog(synthetic: tuple[Path, Path, str], tmp_path: Path,
-                                      server_factory: list[Server]) -> None:
+def test_sd_notify_ready_and_watchdog(
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, qcow, sha = synthetic
     lst = tmp_path / "l.pcsl"
     synthetic_list(raw, sha, lst, every=50)
@@ -610,12 +666,17 @@ def test_sd_notify_ready_and_watchdog(synthetic: tuple[Path, Path, str], tmp_pat
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(str(ns))
     rx.settimeout(10)
-    s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)],
-              env={"NOTIFY_SOCKET": str(ns), "WATCHDOG_USEC": "400000"})
+    s = start(
+        server_factory,
+        tmp_path / "srv",
+        [ImageSpec("img", qcow, lst)],
+        env={"NOTIFY_SOCKET": str(ns), "WATCHDOG_USEC": "400000"},
+    )
     got: list[str] = []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not (
-            any("READY=1" in g for g in got) and sum("WATCHDOG=1" in g for g in got) >= 3):
+        any("READY=1" in g for g in got) and sum("WATCHDOG=1" in g for g in got) >= 3
+    ):
         got.append(rx.recv(4096).decode())
     assert any("READY=1" in g for g in got), got
     assert sum("WATCHDOG=1" in g for g in got) >= 3, got
@@ -632,7 +693,8 @@ def test_sd_notify_ready_and_watchdog(synthetic: tuple[Path, Path, str], tmp_pat
 
 
 def test_status_command_and_degraded_mode_match_the_kernel(
-        synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]) -> None:
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     raw, qcow, sha = synthetic
     lst = tmp_path / "l.pcsl"
     synthetic_list(raw, sha, lst, every=50)
@@ -641,15 +703,25 @@ def test_status_command_and_degraded_mode_match_the_kernel(
     # What the kernel says about MADV_ALLOWMERGED (26), probed independently.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     p = libc.mmap(None, 4096, 1, 0x22, -1, 0)
     supported = libc.madvise(p, 4096, 26) == 0
     st = s.status()
     assert st["degraded"] is (not supported)
-    out = subprocess.run([str(server_binary()), "status", "--config", str(s.config)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(server_binary()), "status", "--config", str(s.config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "image img: serving" in out
     assert ("DEGRADED" in out) is (not supported)
     if not supported:
@@ -657,8 +729,11 @@ def test_status_command_and_degraded_mode_match_the_kernel(
         c, m = first_table(s.sock("img"))
         assert m.degraded
         c.close()
-    r = subprocess.run([str(server_binary()), "reload", "img", "--config", str(s.config)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [str(server_binary()), "reload", "img", "--config", str(s.config)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and '"ok":true' in r.stdout
     s.wait_generation("img", 2, 60)
 
@@ -668,8 +743,14 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
         pytest.fail("systemd-analyze is not installed (apt: systemd)")
     unit = (PAGE_SERVER / "pageshare-server.service").read_text()
     assert "Type=notify" in unit and "WatchdogSec=" in unit
-    for opt in ("ProtectSystem=strict", "PrivateTmp=yes", "NoNewPrivileges=yes",
-                "ProtectHome=yes", "RuntimeDirectory=pageshare", "CacheDirectory="):
+    for opt in (
+        "ProtectSystem=strict",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "ProtectHome=yes",
+        "RuntimeDirectory=pageshare",
+        "CacheDirectory=",
+    ):
         assert opt in unit
     # The package installs the binary here (packaging/debs.py), and nothing
     # else does; tests/deploy/test_server_package_guest.py verifies the installed unit.
@@ -689,12 +770,16 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     p = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True, text=True)
     assert p.returncode != 0 or p.stderr.strip(), "a broken unit passed verification"
     # And the example config is valid.
-    subprocess.run([str(server_binary()), "check-config",
-                    str(PAGE_SERVER / "server.example.toml")], check=True, capture_output=True)
+    subprocess.run(
+        [str(server_binary()), "check-config", str(PAGE_SERVER / "server.example.toml")],
+        check=True,
+        capture_output=True,
+    )
 
 
-def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
-                        server_factory: list[Server]) -> None:
+def test_c_table_reader(
+    synthetic: tuple[Path, Path, str], tmp_path: Path, server_factory: list[Server]
+) -> None:
     """client/pageshare_table.h builds with -Wall -Werror and reads the live
     server's table exactly like the Python client."""
     raw, qcow, sha = synthetic
@@ -703,10 +788,26 @@ def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
     s = start(server_factory, tmp_path / "srv", [ImageSpec("img", qcow, lst)])
     s.wait_generation("img", 1, 60)
     exe = tmp_path / "bench_lookup"
-    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
-                    str(PAGE_SERVER / "client" / "bench_lookup.c")], check=True)
-    out = subprocess.run([str(exe), str(s.sock("img")), "100000", str(qcow)],
-                         capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-o",
+            str(exe),
+            str(PAGE_SERVER / "client" / "bench_lookup.c"),
+        ],
+        check=True,
+    )
+    out = subprocess.run(
+        [str(exe), str(s.sock("img")), "100000", str(qcow)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["entries"] == len(sl.blocks) and r["generation"] == 1
@@ -714,8 +815,9 @@ def test_c_table_reader(synthetic: tuple[Path, Path, str], tmp_path: Path,
     st = qcow.stat()
     assert (r["image_format"], r["file_ino"], r["file_ctime_ns"]) == (2, st.st_ino, st.st_ctime_ns)
     # pst_msg_check_file() refuses another file.
-    out = subprocess.run([str(exe), str(s.sock("img")), "1000", str(raw)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(exe), str(s.sock("img")), "1000", str(raw)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and "not the file the server verified" in out.stderr
 
 
@@ -725,15 +827,33 @@ def test_c_table_reader_refuses_malformed_tables(tmp_path: Path) -> None:
     claims fewer entries than its buckets hold (every bucket taken) made
     pst_lookup() spin forever; check_table's alarm() kills that."""
     seeds = tmp_path / "seeds"
-    subprocess.run([sys.executable, str(PAGE_SERVER.parent / "qemu-patches" / "fuzz" /
-                                        "make_seeds.py"), str(seeds)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(PAGE_SERVER.parent / "qemu-patches" / "fuzz" / "make_seeds.py"),
+            str(seeds),
+        ],
+        check=True,
+    )
     exe = tmp_path / "check_table"
-    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
-                    str(PAGE_SERVER / "client" / "check_table.c")], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-o",
+            str(exe),
+            str(PAGE_SERVER / "client" / "check_table.c"),
+        ],
+        check=True,
+    )
     paths = sorted(seeds.glob("seed-*.bin"))
-    out = subprocess.run([str(exe), *map(str, paths)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([str(exe), *map(str, paths)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
     verdicts = dict(line.split(": ", 1) for line in out.stdout.splitlines())
-    assert {Path(k).stem.removeprefix("seed-"): v for k, v in verdicts.items()} == \
-        SEED_VERDICTS, out.stdout
+    assert {Path(k).stem.removeprefix("seed-"): v for k, v in verdicts.items()} == SEED_VERDICTS, (
+        out.stdout
+    )

@@ -17,8 +17,14 @@ def run_cargo(*args: str) -> subprocess.CompletedProcess[str]:
         pytest.fail("cargo is not installed: run scripts/install-deps.sh")
     env = dict(os.environ, CARGO_TARGET_DIR=str(TARGET))
     env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
-    return subprocess.run(["nice", "-n", "10", c, *args], cwd=PAGE_SERVER, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    return subprocess.run(
+        ["nice", "-n", "10", c, *args],
+        cwd=PAGE_SERVER,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def test_cargo_test() -> None:

@@ -76,8 +76,12 @@ Records = dict[int, tuple[int, int, int]]
 
 def guest(plan: list[dict[str, Any]]) -> None:
     """Run one guest process to its end."""
-    p = subprocess.run([sys.executable, "-c", GUEST, str(PAGE_SERVER / "client"),
-                        json.dumps(plan)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", GUEST, str(PAGE_SERVER / "client"), json.dumps(plan)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -105,16 +109,21 @@ def published(rc: redis.Redis, key: str, host: str) -> dict[str, bytes]:
 
 def wait_published(s: Server, name: str, after: float, timeout: float = 20) -> dict[str, Any]:
     """The image's feedback status once a publish newer than `after` is done."""
+
     def done() -> dict[str, Any] | None:
         fb = feedback(s, name)
         return fb if fb["publish"]["last_publish"] > after else None
+
     result: dict[str, Any] = wait_for(done, timeout, f"a feedback publish of {name}")
     return result
 
 
 def wait_counted(s: Server, name: str, accepted: int) -> None:
-    wait_for(lambda: feedback(s, name)["counters"]["accepted_blocks"] >= accepted, 20,
-             f"{accepted} reported blocks counted")
+    wait_for(
+        lambda: feedback(s, name)["counters"]["accepted_blocks"] >= accepted,
+        20,
+        f"{accepted} reported blocks counted",
+    )
     assert feedback(s, name)["counters"]["accepted_blocks"] == accepted
 
 
@@ -132,17 +141,28 @@ def image(tmp_path: Path) -> Iterator[tuple[Path, sectorlist.SectorList, str]]:
     yield raw, sl, f"{ident.virtual_size}-{ident.content_sha256}"
 
 
-def server(tmp_path: Path, raw: Path, url: str, host: str = "hostA",
-           feedback_cfg: str = "interval_secs = 1") -> Server:
-    s = Server(tmp_path / host, [ImageSpec("x", raw, tmp_path / "x.pcsl", fmt="raw")], url,
-               host, extra=f"[feedback]\n{feedback_cfg}")
+def server(
+    tmp_path: Path,
+    raw: Path,
+    url: str,
+    host: str = "hostA",
+    feedback_cfg: str = "interval_secs = 1",
+) -> Server:
+    s = Server(
+        tmp_path / host,
+        [ImageSpec("x", raw, tmp_path / "x.pcsl", fmt="raw")],
+        url,
+        host,
+        extra=f"[feedback]\n{feedback_cfg}",
+    )
     s.start()
     s.wait_generation("x", 1, 60)
     return s
 
 
 def test_feedback_reaches_redis_and_survives_restarts_and_outages(
-        tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]) -> None:
+    tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]
+) -> None:
     raw, sl, key = image
     listed = sorted(s // 8 for s in sl.blocks)
     unlisted = sorted(set(range(2048)) - set(listed))
@@ -155,20 +175,41 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
             sock = str(s.sock("x"))
             # Guest 1: two connections (one QEMU, two disks on the same
             # base: one guest), deltas of u2 in two messages.
-            guest([{"sock": sock, "msgs": [["reads", 1, [[u1, 3], [u2, 1]]],
-                                           ["listed", 1, [l1, l2]]]},
-                   {"sock": sock, "msgs": [["reads", 1, [[u1, 1], [u2, 2]]]]}])
+            guest(
+                [
+                    {
+                        "sock": sock,
+                        "msgs": [["reads", 1, [[u1, 3], [u2, 1]]], ["listed", 1, [l1, l2]]],
+                    },
+                    {"sock": sock, "msgs": [["reads", 1, [[u1, 1], [u2, 2]]]]},
+                ]
+            )
             # Guest 2: counted without a table, then with one.
-            guest([{"sock": sock, "msgs": [["reads", NO_GEN, [[u1, 2], [u3, 5]]],
-                                           ["listed", 1, [l1]]]}])
+            guest(
+                [
+                    {
+                        "sock": sock,
+                        "msgs": [["reads", NO_GEN, [[u1, 2], [u3, 5]]], ["listed", 1, [l1]]],
+                    }
+                ]
+            )
             wait_counted(s, "x", 9)
             fb = wait_published(s, "x", time.time())
-            want: Records = {u1: (2, 6, 0), u2: (1, 3, 0), u3: (1, 5, 0),
-                             l1: (2, 2, 1), l2: (1, 1, 1)}
+            want: Records = {
+                u1: (2, 6, 0),
+                u2: (1, 3, 0),
+                u3: (1, 5, 0),
+                l1: (2, 2, 1),
+                l2: (1, 1, 1),
+            }
             h = published(rc, key, "hostA")
             assert decode(h["blocks"]) == want
             assert (h["host"], h["image"], h["version"], h["guests"]) == (
-                b"hostA", key.encode(), b"1", b"2")
+                b"hostA",
+                key.encode(),
+                b"1",
+                b"2",
+            )
             since = int(h["since"])
             assert since <= int(h["updated"]) <= time.time() + 1
             assert rc.smembers(f"pageshare:feedback:{key}:hosts") == {b"hostA"}
@@ -177,56 +218,71 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
             assert {b: (g, r, f) for b, g, r, f in hs.records()} == want
             assert (hs.guests, hs.since) == (2, since)
             assert (fb["blocks"], fb["guests"], fb["read_back"]) == (
-                5, 2, "nothing published before")
+                5,
+                2,
+                "nothing published before",
+            )
 
             # Bad input from this process: counted, ignored, still connected.
             with psc.PageshareClient(sock) as c:
                 m = c.recv()
                 assert isinstance(m, psc.TableMsg)
                 c.switched(1)
-                c.reads(1, [(2048, 1), (2**64 - 1, 7)])   # outside the image
-                c.listed_read(1, [not_listed])             # not listed in generation 1
-                c.listed_read(NO_GEN, [l1])                # listed, but no table
-                c.reads(99, [(u1, 1)])                     # a generation never published
+                c.reads(1, [(2048, 1), (2**64 - 1, 7)])  # outside the image
+                c.listed_read(1, [not_listed])  # not listed in generation 1
+                c.listed_read(NO_GEN, [l1])  # listed, but no table
+                c.reads(99, [(u1, 1)])  # a generation never published
                 head = struct.pack("<QII", 1, 255, 0)
-                c.send_raw(psc.MSG_READS, head + bytes(16 * 255)[:4080])   # 255 entries
+                c.send_raw(psc.MSG_READS, head + bytes(16 * 255)[:4080])  # 255 entries
                 c.send_raw(psc.MSG_READS, struct.pack("<QII", 1, 2, 0) + bytes(24))  # short
-                c.send_raw(psc.MSG_LISTED_READ, b"\x01" * 7)                 # no header
+                c.send_raw(psc.MSG_LISTED_READ, b"\x01" * 7)  # no header
                 # Many valid (empty) reports are not "unknown messages".
                 for _ in range(150):
                     c.reads(1, [])
                 c.stats(1, 1, 1, 0, 0, 0)
+
                 def counters() -> dict[str, int] | None:
                     k: dict[str, int] = feedback(s, "x")["counters"]
                     return k if k["reads_messages"] >= 157 else None
+
                 k = wait_for(counters, 20, "the bad reports")
                 assert (k["rejected_messages"], k["rejected_blocks"]) == (5, 3), k
+
                 def still_connected() -> bool:
                     me = [x for x in s.image("x")["client_list"] if x["pid"] == os.getpid()]
                     return bool(me) and me[0]["stats"]["lookups"] == 1
+
                 wait_for(still_connected, 10, "the client's STATS on the same connection")
             fb = wait_published(s, "x", time.time())
             assert decode(published(rc, key, "hostA")["blocks"]) == want
             assert fb["guests"] == 2, "a report with nothing accepted adds no guest"
             assert "reported 2 block(s) outside the image (2048 blocks)" in s.log_text()
-            metrics = urllib.request.urlopen(
-                f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=5).read().decode()
+            metrics = (
+                urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
             assert 'pageshare_feedback_rejected_messages_total{image="x"} 5' in metrics
             assert 'pageshare_feedback_blocks{image="x"} 5' in metrics
-            st = subprocess.run([str(server_binary()), "status", "--socket", str(s.control)],
-                                capture_output=True, text=True, timeout=30)
+            st = subprocess.run(
+                [str(server_binary()), "status", "--socket", str(s.control)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert "feedback: 5 blocks from 2 guests" in st.stdout, st.stdout
 
             # Killed outright and restarted: the accumulation continues from
             # Redis (guest ids are not published: a guest seen before and
             # after counts twice, which guest 3 is not).
             s.stop(signal.SIGKILL)
-            s.control.unlink()    # left behind by the killed server
+            s.control.unlink()  # left behind by the killed server
             s.start()
             s.wait_generation("x", 1, 60)
             wait_for(lambda: feedback(s, "x")["continued"], 20, "the read-back")
             assert feedback(s, "x")["read_back"] == (
-                f"continued from 5 blocks, 2 guests since {since}")
+                f"continued from 5 blocks, 2 guests since {since}"
+            )
             guest([{"sock": sock, "msgs": [["reads", 1, [[u1, 1]]]]}])
             wait_counted(s, "x", 1)
             wait_published(s, "x", time.time())
@@ -239,8 +295,11 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
             # logged once, and the next publish after it has everything.
             rd.stop(signal.SIGKILL)
             failures = feedback(s, "x")["publish"]["failures"]
-            wait_for(lambda: feedback(s, "x")["publish"]["failures"] >= failures + 3, 20,
-                     "publishes to fail")
+            wait_for(
+                lambda: feedback(s, "x")["publish"]["failures"] >= failures + 3,
+                20,
+                "publishes to fail",
+            )
             for _ in range(3):
                 with psc.PageshareClient(sock, timeout=2) as c:
                     m = c.recv()
@@ -258,7 +317,7 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
             rd.start()
             fb = wait_published(s, "x", time.time(), 30)
             assert "feedback published again" in s.log_text()
-            want[u2] = (2, 6, 0)    # this process, the fourth guest
+            want[u2] = (2, 6, 0)  # this process, the fourth guest
             assert decode(published(rc, key, "hostA")["blocks"]) == want
             assert fb["guests"] == 4 and fb["publish"]["last_error"] == ""
 
@@ -273,7 +332,8 @@ def test_feedback_reaches_redis_and_survives_restarts_and_outages(
 
 
 def test_garbage_in_redis_and_a_flood_of_distinct_blocks(
-        tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]) -> None:
+    tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]
+) -> None:
     """Another host's hash under our name, or garbage, is not continued
     from (said, then replaced); a flood of distinct blocks from one guest
     stays within feedback.max_blocks and evicts its own kind, not the
@@ -284,8 +344,18 @@ def test_garbage_in_redis_and_a_flood_of_distinct_blocks(
     with redis_server(tmp_path) as rd:
         rc = redis.Redis.from_url(rd.url)
         hkey = f"pageshare:feedback:{key}:hostB"
-        rc.hset(hkey, mapping={"host": "hostB", "image": key, "since": "1", "updated": "2",
-                               "guests": "1", "version": "1", "blocks": b"\x00" * 19})
+        rc.hset(
+            hkey,
+            mapping={
+                "host": "hostB",
+                "image": key,
+                "since": "1",
+                "updated": "2",
+                "guests": "1",
+                "version": "1",
+                "blocks": b"\x00" * 19,
+            },
+        )
         s = server(tmp_path, raw, rd.url, "hostB", "interval_secs = 1\nmax_blocks = 300")
         try:
             wait_for(lambda: feedback(s, "x")["continued"], 20, "the read-back")
@@ -310,7 +380,8 @@ def test_garbage_in_redis_and_a_flood_of_distinct_blocks(
 
 
 def test_redis_down_at_start_overwrites_nothing(
-        tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]) -> None:
+    tmp_path: Path, image: tuple[Path, sectorlist.SectorList, str]
+) -> None:
     """A server that starts while Redis is down counts, publishes nothing
     until it could read its earlier summary back, then continues from it:
     the first publish holds the earlier counts and the new ones."""
@@ -320,10 +391,19 @@ def test_redis_down_at_start_overwrites_nothing(
     with redis_server(tmp_path) as rd:
         rc = redis.Redis.from_url(rd.url)
         earlier = RECORD.pack(a, 4, 40, 0) + RECORD.pack(b, 1, 1, 0)
-        rc.hset(f"pageshare:feedback:{key}:hostC", mapping={
-            "host": "hostC", "image": key, "since": "1000", "updated": "2000", "guests": "5",
-            "version": "1", "blocks": earlier})
-        rd.stop()    # appendonly: the hash is there when it comes back
+        rc.hset(
+            f"pageshare:feedback:{key}:hostC",
+            mapping={
+                "host": "hostC",
+                "image": key,
+                "since": "1000",
+                "updated": "2000",
+                "guests": "5",
+                "version": "1",
+                "blocks": earlier,
+            },
+        )
+        rd.stop()  # appendonly: the hash is there when it comes back
         s = server(tmp_path, raw, rd.url, "hostC")
         try:
             guest([{"sock": str(s.sock("x")), "msgs": [["reads", 1, [[a, 2]]]]}])

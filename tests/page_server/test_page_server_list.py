@@ -17,9 +17,13 @@ from pageshare import sectorlist
 def rust_verdicts(files: list[Path]) -> dict[str, tuple[bool, int | None]]:
     out: dict[str, tuple[bool, int | None]] = {}
     for i in range(0, len(files), 500):
-        batch = files[i:i + 500]
-        p = subprocess.run([str(server_binary()), "check-list", "--json", *map(str, batch)],
-                           capture_output=True, text=True, timeout=120)
+        batch = files[i : i + 500]
+        p = subprocess.run(
+            [str(server_binary()), "check-list", "--json", *map(str, batch)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode in (0, 1), p.stderr
         for r in json.loads(p.stdout):
             out[r["file"]] = (r["ok"], r.get("line"))
@@ -38,13 +42,21 @@ def valid_texts() -> list[str]:
     rnd = random.Random(1)
     texts = []
     for n in (0, 1, 3, 17, 200):
-        blocks = {8 * k: hashlib.sha256(bytes([k % 256]) * 7).hexdigest()
-                  for k in sorted(rnd.sample(range(1, 50_000), n))}
+        blocks = {
+            8 * k: hashlib.sha256(bytes([k % 256]) * 7).hexdigest()
+            for k in sorted(rnd.sample(range(1, 50_000), n))
+        }
         sl = sectorlist.SectorList(
-            image=sectorlist.ImageIdentity(1 << 30, hashlib.sha256(b"%d" % n).hexdigest(),
-                                           f"img {n}.qcow2"),
-            blocks=blocks, generator="test 1.0", created="2026-01-01T00:00:00Z",
-            criteria="x: y z", runs="1", extra={"x-note": "tab\there", "x-2": ""})
+            image=sectorlist.ImageIdentity(
+                1 << 30, hashlib.sha256(b"%d" % n).hexdigest(), f"img {n}.qcow2"
+            ),
+            blocks=blocks,
+            generator="test 1.0",
+            created="2026-01-01T00:00:00Z",
+            criteria="x: y z",
+            runs="1",
+            extra={"x-note": "tab\there", "x-2": ""},
+        )
         texts.append(sectorlist.dumps(sl))
     readme = (REPO / "lists" / "README.md").read_text()
     m = re.search(r"```pcsl\n(.*?)```", readme, re.S)
@@ -56,16 +68,26 @@ def valid_texts() -> list[str]:
 def hand_broken(text: str) -> list[str]:
     lines = text.split("\n")
     sep = lines.index("---")
-    body = lines[sep + 1:-1]
+    body = lines[sep + 1 : -1]
     cases = [
-        "", "\ufeff" + text, text.replace("# pcsl v1", "# pcsl v2", 1),
-        text.replace("# pcsl v1", "# PCSL v1", 1), text[:-1], text + "\n", text + "junk\n",
-        text.replace("\n", "\r\n"), text.replace("block-size: 4096", "block-size: 8192"),
+        "",
+        "\ufeff" + text,
+        text.replace("# pcsl v1", "# pcsl v2", 1),
+        text.replace("# pcsl v1", "# PCSL v1", 1),
+        text[:-1],
+        text + "\n",
+        text + "junk\n",
+        text.replace("\n", "\r\n"),
+        text.replace("block-size: 4096", "block-size: 8192"),
         text.replace("sector-size: 512", "sector-size: 0512"),
-        text.replace("hash: sha256", "hash: md5"), text.replace("---\n", "--- \n"),
-        text.replace("image-name:", "image-name:x"), text.replace("image-name:", "Image-name:"),
-        text.replace("generator:", "generator: a\x85b"), text.replace("generator:", "x-: 1"),
-        text.replace("generator:", "unknown-key: 1"), text.replace("\n---\n", "\n\n---\n"),
+        text.replace("hash: sha256", "hash: md5"),
+        text.replace("---\n", "--- \n"),
+        text.replace("image-name:", "image-name:x"),
+        text.replace("image-name:", "Image-name:"),
+        text.replace("generator:", "generator: a\x85b"),
+        text.replace("generator:", "x-: 1"),
+        text.replace("generator:", "unknown-key: 1"),
+        text.replace("\n---\n", "\n\n---\n"),
         text.replace("generator:", "# comment\ngenerator:"),
         text.replace("runs:", "runs: 1\nruns:"),
         text.replace("image-virtual-size: ", "image-virtual-size: 99999999999999999999"),
@@ -74,21 +96,41 @@ def hand_broken(text: str) -> list[str]:
         text.split("---\n")[0],
     ]
     if len(body) >= 2:
-        swapped = [*lines[:sep + 1], body[1], body[0], *body[2:], ""]
+        swapped = [*lines[: sep + 1], body[1], body[0], *body[2:], ""]
         cases.append("\n".join(swapped))
-        dup = [*lines[:sep + 1], body[0], body[0], *body[2:], ""]
+        dup = [*lines[: sep + 1], body[0], body[0], *body[2:], ""]
         cases.append("\n".join(dup))
         s, h = body[0].split(" ")
-        for bad in (f"{int(s) + 1} {h}", f"0{s} {h}", f"{s}  {h}", f"{s} {h.upper()}",
-                    f"{s} {h[:-1]}", f"{s}\t{h}", f"{int(s) + 8 * 10**12} {h}"):
-            cases.append("\n".join([*lines[:sep + 1], bad, *body[1:], ""]))
+        for bad in (
+            f"{int(s) + 1} {h}",
+            f"0{s} {h}",
+            f"{s}  {h}",
+            f"{s} {h.upper()}",
+            f"{s} {h[:-1]}",
+            f"{s}\t{h}",
+            f"{int(s) + 8 * 10**12} {h}",
+        ):
+            cases.append("\n".join([*lines[: sep + 1], bad, *body[1:], ""]))
     return cases
 
 
 def mutate(rnd: random.Random, data: bytes) -> bytes:
     v = bytearray(data)
-    pieces = [b"\n", b"\r", b" ", b"---\n", b"0", b"8", b"count: ", b":", b"\xff",
-              b"\xe2\x80\xa8", b"x-", b"#", b"\xc2\x85"]
+    pieces = [
+        b"\n",
+        b"\r",
+        b" ",
+        b"---\n",
+        b"0",
+        b"8",
+        b"count: ",
+        b":",
+        b"\xff",
+        b"\xe2\x80\xa8",
+        b"x-",
+        b"#",
+        b"\xc2\x85",
+    ]
     for _ in range(rnd.randrange(1, 4)):
         at = rnd.randrange(len(v) + 1)
         op = rnd.randrange(5)
@@ -99,7 +141,7 @@ def mutate(rnd: random.Random, data: bytes) -> bytes:
         elif op == 2:
             v[at:at] = rnd.choice(pieces)
         elif op == 3:
-            del v[at:at + rnd.randrange(80)]
+            del v[at : at + rnd.randrange(80)]
         elif v:
             i = rnd.randrange(len(v))
             v[i] = rnd.randrange(32, 127)
@@ -141,11 +183,13 @@ def test_rust_parser_reports_the_reason(tmp_path: Path) -> None:
     text = valid_texts()[2]
     p = tmp_path / "x.pcsl"
     p.write_text(text.replace("count: 3", "count: 4"))
-    out = subprocess.run([str(server_binary()), "check-list", str(p)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [str(server_binary()), "check-list", str(p)], capture_output=True, text=True
+    )
     assert out.returncode == 1
     assert "truncated file?" in out.stdout
     p.write_text(text)
-    out = subprocess.run([str(server_binary()), "check-list", str(p)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [str(server_binary()), "check-list", str(p)], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "OK" in out.stdout and "3 blocks" in out.stdout

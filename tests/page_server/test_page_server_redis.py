@@ -44,14 +44,22 @@ def image(d: Path, seed: int) -> tuple[Path, Path, sectorlist.ImageIdentity]:
     raw.write_bytes(data)
     qcow = d / f"img{seed}.qcow2"
     subprocess.run(["qemu-img", "convert", "-c", "-O", "qcow2", str(raw), str(qcow)], check=True)
-    return raw, qcow, sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(),
-                                               qcow.name)
+    return (
+        raw,
+        qcow,
+        sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), qcow.name),
+    )
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PAGESHARE_REDIS=url, PYTHONPATH=str(REPO / "analyzer"))
-    return subprocess.run([sys.executable, "-m", "pageshare.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pageshare.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -82,8 +90,12 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
     with redis_server(tmp_path) as rd:
         a = Server(tmp_path / "a", [ImageSpec("x", qcow_x, list_redis="auto")], rd.url, "hostA")
         b = Server(tmp_path / "b", [ImageSpec("x", qcow_x, list_redis="auto")], rd.url, "hostB")
-        c = Server(tmp_path / "c", [ImageSpec("y", qcow_y, list_redis="auto"),
-                                    ImageSpec("x", qcow_x, list_redis="auto")], rd.url, "hostC")
+        c = Server(
+            tmp_path / "c",
+            [ImageSpec("y", qcow_y, list_redis="auto"), ImageSpec("x", qcow_x, list_redis="auto")],
+            rd.url,
+            "hostC",
+        )
         for s in (a, b, c):
             fleet_servers.append(s)
             s.start()
@@ -108,12 +120,22 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
             assert out.returncode == 0, out.stderr
             data: list[dict[str, object]] = json.loads(out.stdout)
             return data
+
         def served() -> dict[str, set[str]] | None:
-            d = {str(i["image_key"]): {str(h["host"]) for h in i["hosts"]  # type: ignore[attr-defined]
-                                       if h["current"]} for i in ls()}
-            want = {distribute.image_key(id_x): {"hostA", "hostB", "hostC"},
-                    distribute.image_key(id_y): {"hostC"}}
+            d = {
+                str(i["image_key"]): {
+                    str(h["host"])
+                    for h in i["hosts"]  # type: ignore[attr-defined]
+                    if h["current"]
+                }
+                for i in ls()
+            }
+            want = {
+                distribute.image_key(id_x): {"hostA", "hostB", "hostC"},
+                distribute.image_key(id_y): {"hostC"},
+            }
             return d if d == want else None
+
         wait_for(served, 20, "ls to show every host")
         meta = next(i for i in ls() if i["image_key"] == distribute.image_key(id_x))["meta"]
         assert meta["generator"] == "analyze v1" and meta["count"] == "400"  # type: ignore[index]
@@ -158,13 +180,17 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
         rc = redis.Redis.from_url(rd.url)
         key_x = f"pageshare:list:{distribute.image_key(id_x)}"
         before = {s.host: s.image("x")["loads_failed"] for s in (a, b, c)}
-        for junk in (b"\xff\xfe garbage", sectorlist.dumps(y1).encode(),
-                     (lists / "x1.pcsl").read_bytes()[:-40]):
+        for junk in (
+            b"\xff\xfe garbage",
+            sectorlist.dumps(y1).encode(),
+            (lists / "x1.pcsl").read_bytes()[:-40],
+        ):
             rc.set(key_x, junk)
             rc.publish("pageshare:events", distribute.image_key(id_x))
             for s in (a, b, c):
-                wait_for(lambda s=s: s.image("x")["loads_failed"] > before[s.host], 30,
-                         "garbage refused")
+                wait_for(
+                    lambda s=s: s.image("x")["loads_failed"] > before[s.host], 30, "garbage refused"
+                )
                 before[s.host] = s.image("x")["loads_failed"]
                 st = s.image("x")
                 assert st["generation"] == 2 and st["state"] == "serving", st
@@ -179,12 +205,14 @@ def test_fleet_through_redis(tmp_path: Path, fleet_servers: list[Server]) -> Non
         check_published(table_of(a, "x", 2), x2)
         rc.hset("pageshare:host:bogus", mapping={"status": "{not json", "updated": "x"})
         rc.sadd("pageshare:hosts", "bogus")
+
         def fleet_now() -> dict[str, dict[str, object]] | None:
             fl = cli(rd.url, "fleet", "--json")
             assert fl.returncode == 0, fl.stderr
             hosts = {h["host"]: h for h in json.loads(fl.stdout)}
             # Servers push every stats_interval_secs (1 s here).
             return hosts if hosts["hostA"]["images"][0]["generation"] == 2 else None
+
         hosts = wait_for(fleet_now, 10, "fleet view of generation 2")
         assert hosts["bogus"]["error"].startswith("unreadable status")
 
@@ -209,9 +237,13 @@ def test_redis_down_at_the_first_start(tmp_path: Path, fleet_servers: list[Serve
     lists.mkdir()
     x1 = make_list(id_x, nonzero_blocks(raw_x, 200, stride=3), lists / "x1.pcsl")
     y1 = make_list(id_y, nonzero_blocks(raw_y, 200, stride=3), lists / "y1.pcsl")
-    rd = Redis(free_port(), tmp_path / "redis")        # not started yet
-    s = Server(tmp_path / "a", [ImageSpec("x", qcow_x, list_redis="auto"),
-                                ImageSpec("y", qcow_y, lists / "y1.pcsl")], rd.url, "hostA")
+    rd = Redis(free_port(), tmp_path / "redis")  # not started yet
+    s = Server(
+        tmp_path / "a",
+        [ImageSpec("x", qcow_x, list_redis="auto"), ImageSpec("y", qcow_y, lists / "y1.pcsl")],
+        rd.url,
+        "hostA",
+    )
     fleet_servers.append(s)
     try:
         s.start()

@@ -27,8 +27,8 @@ STRUCT_CHAR = {"u32": "I", "u64": "Q", "i64": "q", "f64": "d"}
 @dataclass(frozen=True)
 class Field:
     offset: int
-    type: str          # "u32", "u8[32]", ...
-    text: str          # the document's description
+    type: str  # "u32", "u8[32]", ...
+    text: str  # the document's description
 
     @property
     def fmt(self) -> str:
@@ -42,8 +42,8 @@ class Field:
 
 @dataclass(frozen=True)
 class Protocol:
-    image_messages: dict[str, int]     # image socket: TABLE, ..., STATS
-    control_messages: dict[str, int]   # control socket: STATUS_REQ, ...
+    image_messages: dict[str, int]  # image socket: TABLE, ..., STATS
+    control_messages: dict[str, int]  # control socket: STATUS_REQ, ...
     max_client_payload: int
     max_status_reply: int
     table_msg: list[Field]
@@ -92,12 +92,14 @@ def section(text: str, heading: str) -> str:
     assert m, f"PROTOCOL.md has no heading {heading!r}"
     level = len(m.group(1))
     end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, m.end())
-    return text[m.end():end.start() if end else len(text)]
+    return text[m.end() : end.start() if end else len(text)]
 
 
 def fields(text: str) -> list[Field]:
-    rows = [Field(int(m.group(1)), m.group(2), m.group(3)) for m in
-            re.finditer(r"^\| (\d+) \| ([ui]\d+(?:\[\d+\])?|f64) \| (.*) \|$", text, re.M)]
+    rows = [
+        Field(int(m.group(1)), m.group(2), m.group(3))
+        for m in re.finditer(r"^\| (\d+) \| ([ui]\d+(?:\[\d+\])?|f64) \| (.*) \|$", text, re.M)
+    ]
     assert rows, "no field table"
     return rows
 
@@ -112,8 +114,10 @@ def protocol() -> Protocol:
     doc = (PS / "PROTOCOL.md").read_text()
     types = r"^#+ `(\w+)` \(type (\d+)\)"
     image = {m.group(1): int(m.group(2)) for m in re.finditer(types, doc, re.M)}
-    control = {m.group(1): int(m.group(2)) for m in
-               re.finditer(r"`(\w+)` \((\d+)\b", section(doc, "Control socket"))}
+    control = {
+        m.group(1): int(m.group(2))
+        for m in re.finditer(r"`(\w+)` \((\d+)\b", section(doc, "Control socket"))
+    }
     table = section(doc, "`TABLE`")
     msg = fields(table)
     fmt_row = next(f for f in msg if "image format" in f.text)
@@ -125,22 +129,32 @@ def protocol() -> Protocol:
         image_messages=image,
         control_messages=control,
         max_client_payload=int(one(r"client -> server: at most (\d+)", doc, "the request limit")),
-        max_status_reply=int(one(r"up to (\d+) MiB", section(doc, "Control socket"),
-                                 "the status reply limit")) << 20,
+        max_status_reply=int(
+            one(r"up to (\d+) MiB", section(doc, "Control socket"), "the status reply limit")
+        )
+        << 20,
         table_msg=msg,
         table_msg_size=int(one(r"Payload, (\d+) bytes", table, "the TABLE size")),
         table_msg_version=int(one(r"TABLE message version = (\d+)", table, "the version")),
         table_msg_v1_size=int(one(r"version 1, (\d+) bytes", table, "version 1's size")),
         flag_degraded=1 << int(one(r"flags: bit (\d+) = DEGRADED", table, "DEGRADED")),
-        formats={m.group(2): int(m.group(1)) for m in
-                 re.finditer(r"(\d+) = (raw|qcow2)\b", fmt_row.text)},
+        formats={
+            m.group(2): int(m.group(1)) for m in re.finditer(r"(\d+) = (raw|qcow2)\b", fmt_row.text)
+        },
         proof_file=1 << int(one(r"proof flags: bit (\d+) = FILE", table, "FILE")),
         no_table_version=int(one(r"`u32 version = (\d+);", no_table, "NO_TABLE's version")),
-        no_table_reasons={int(n) for n in
-                          re.findall(r"(\d+) [a-z \n]+[,.]",
-                                     one(r"Reasons: ([^.]*\.)", no_table, "the reasons"))},
-        no_generation=int(one(r"`(0x[0-9a-f]+)`: \"I use no table\"",
-                              section(doc, "`SWITCHED`"), "no generation"), 16),
+        no_table_reasons={
+            int(n)
+            for n in re.findall(
+                r"(\d+) [a-z \n]+[,.]", one(r"Reasons: ([^.]*\.)", no_table, "the reasons")
+            )
+        },
+        no_generation=int(
+            one(
+                r"`(0x[0-9a-f]+)`: \"I use no table\"", section(doc, "`SWITCHED`"), "no generation"
+            ),
+            16,
+        ),
         header=header,
         header_size=int(one(r"(\d+)-byte header", memfd, "the header size")),
         magic=one(r"magic `(\w+)`", by_offset[0], "the magic").encode(),
@@ -162,10 +176,21 @@ def layout_sizes(fields: list[Field]) -> list[tuple[int, int]]:
 
 def test_the_document_is_consistent() -> None:
     p = protocol()
-    assert p.image_messages == {"TABLE": 1, "NO_TABLE": 2, "BYE": 3, "SWITCHED": 16, "STATS": 17,
-                                "READS": 18, "LISTED_READ": 19}
-    assert p.control_messages == {"STATUS_REQ": 32, "STATUS_REPLY": 33,
-                                  "RELOAD_REQ": 34, "RELOAD_REPLY": 35}
+    assert p.image_messages == {
+        "TABLE": 1,
+        "NO_TABLE": 2,
+        "BYE": 3,
+        "SWITCHED": 16,
+        "STATS": 17,
+        "READS": 18,
+        "LISTED_READ": 19,
+    }
+    assert p.control_messages == {
+        "STATUS_REQ": 32,
+        "STATUS_REPLY": 33,
+        "RELOAD_REQ": 34,
+        "RELOAD_REPLY": 35,
+    }
     for rows, size in [(p.table_msg, p.table_msg_size), (p.header, p.header_size)]:
         end = 0
         for f in rows:
@@ -186,6 +211,7 @@ def test_the_document_is_consistent() -> None:
 
 # --- Rust -------------------------------------------------------------------
 
+
 def rust_value(s: str) -> int | bytes:
     s = s.strip()
     if m := re.fullmatch(r'b"(.*)"', s):
@@ -198,8 +224,10 @@ def rust_value(s: str) -> int | bytes:
 
 
 def rust_consts(path: Path) -> dict[str, int | bytes]:
-    return {m.group(1): rust_value(m.group(2)) for m in
-            re.finditer(r"^pub const (\w+): [^=]+ = ([^;]+);", path.read_text(), re.M)}
+    return {
+        m.group(1): rust_value(m.group(2))
+        for m in re.finditer(r"^pub const (\w+): [^=]+ = ([^;]+);", path.read_text(), re.M)
+    }
 
 
 def rust_fn(text: str, name: str) -> str:
@@ -224,8 +252,10 @@ def test_the_page_server_copies_the_document() -> None:
     assert proto["NO_GENERATION"] == p.no_generation
     assert {v for k, v in proto.items() if k.startswith("NT_")} == p.no_table_reasons
     # table_payload() writes the fields in order, each commented with its offset
-    writes = re.findall(r"extend_from_slice\(.*\); // (\d+)",
-                        rust_fn((PS / "src/proto.rs").read_text(), "table_payload"))
+    writes = re.findall(
+        r"extend_from_slice\(.*\); // (\d+)",
+        rust_fn((PS / "src/proto.rs").read_text(), "table_payload"),
+    )
     assert [int(o) for o in writes] == [f.offset for f in p.table_msg]
     no_table = rust_fn((PS / "src/server/clients.rs").read_text(), "send_no_table")
     assert re.findall(r"&(\d+)u32\.to_le_bytes\(\)", no_table) == [str(p.no_table_version)]
@@ -243,6 +273,7 @@ def test_the_page_server_copies_the_document() -> None:
 
 # --- Python -----------------------------------------------------------------
 
+
 def py_value(node: ast.expr) -> object:
     """A constant expression's value (numbers, strings, bytes, dicts,
     shifts and sums, struct.Struct("...")); ValueError for anything else."""
@@ -256,8 +287,12 @@ def py_value(node: ast.expr) -> object:
             ops = {ast.LShift: a << b, ast.Sub: a - b, ast.Add: a + b, ast.Mult: a * b}
             if type(node.op) in ops:
                 return ops[type(node.op)]
-    if (isinstance(node, ast.Call) and ast.unparse(node.func) == "struct.Struct"
-            and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)):
+    if (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "struct.Struct"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+    ):
         return struct.Struct(str(node.args[0].value))
     raise ValueError(ast.unparse(node))
 
@@ -265,8 +300,11 @@ def py_value(node: ast.expr) -> object:
 def py_consts(text: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for node in ast.parse(text).body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             with contextlib.suppress(ValueError):
                 out[node.targets[0].id] = py_value(node.value)
     return out
@@ -282,8 +320,12 @@ def check_packs(text: str, p: Protocol, where: str) -> None:
     values wherever it writes a constant."""
     found = set()
     for node in ast.walk(ast.parse(text)):
-        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "struct.pack"
-                and node.args and isinstance(node.args[0], ast.Constant)):
+        if not (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "struct.pack"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             continue
         fmt = no_spaces(str(node.args[0].value))
         for name, rows in [("header", p.header), ("TABLE", p.table_msg)]:
@@ -297,8 +339,9 @@ def check_packs(text: str, p: Protocol, where: str) -> None:
                 if not isinstance(arg, ast.Constant):
                     continue
                 if f.offset in fixed:
-                    assert arg.value == fixed[f.offset], \
+                    assert arg.value == fixed[f.offset], (
                         f"{where}: {name} at {f.offset}: {arg.value!r}"
+                    )
                 if "image format" in f.text:
                     assert arg.value in p.formats.values(), f"{where}: format {arg.value!r}"
     assert found == {"header", "TABLE"}, f"{where} packs no {{'header', 'TABLE'}} - {found}"
@@ -326,14 +369,19 @@ def test_the_python_client_copies_the_document() -> None:
     assert (header.size, payload.size) == (p.header_size, p.table_msg_size)
     # Table.from_fd() checks the header against literals
     checks = dict(re.findall(r"\b(version|hsize|bsize|boff) != (\d+)", text))
-    assert checks == {"version": str(p.table_version), "hsize": str(p.header_size),
-                      "bsize": str(p.block_size), "boff": str(p.buckets_offset)}
+    assert checks == {
+        "version": str(p.table_version),
+        "hsize": str(p.header_size),
+        "bsize": str(p.block_size),
+        "boff": str(p.buckets_offset),
+    }
     assert 1 << int(one(r"not (\d+) <= bits", text, "")) == p.min_buckets
     bucket_at = re.findall(r"\b(\d+) \+ 16 \* \w+", text)
     assert bucket_at and set(bucket_at) == {str(p.buckets_offset)}
 
 
 # --- C ----------------------------------------------------------------------
+
 
 def c_value(s: str) -> int | bytes:
     s = s.strip()
@@ -346,7 +394,7 @@ def c_value(s: str) -> int | bytes:
 
 def c_defines(text: str, prefix: str) -> dict[str, int | bytes]:
     """Defines of a number or a string (others are left out)."""
-    value = r"(\"[^\"\n]*\"|[^ \t\n/]+)"     # a string, or up to a comment
+    value = r"(\"[^\"\n]*\"|[^ \t\n/]+)"  # a string, or up to a comment
     out: dict[str, int | bytes] = {}
     for m in re.finditer(r"^#define " + prefix + r"(\w+)[ \t]+" + value, text, re.M):
         with contextlib.suppress(ValueError):
@@ -390,13 +438,14 @@ def test_the_c_table_reader_copies_the_document() -> None:
 
 # --- QEMU (qemu-patches) ----------------------------------------------------
 
+
 def added_files(patch: Path) -> dict[str, str]:
     """The lines a patch adds, by file (all of a file the patch creates)."""
     out: dict[str, list[str]] = {}
     lines: list[str] = []
     for line in patch.read_text().splitlines():
         if line.startswith("+++ b/"):
-            lines = out.setdefault(line[len("+++ b/"):], [])
+            lines = out.setdefault(line[len("+++ b/") :], [])
         elif line.startswith("diff --git"):
             lines = []
         elif line.startswith("+"):
@@ -415,8 +464,11 @@ def test_the_qemu_filter_copies_the_document() -> None:
     assert {"block/pageshare.c", "block/pageshare-table.c", "block/pageshare-table.h"} <= set(files)
     src = "".join(files.values())
     d = c_defines(src, "PS_")
-    msgs = {k.removeprefix("MSG_"): v for k, v in d.items()
-            if k.startswith("MSG_") and k not in ("MSG_MAX_PAYLOAD", "MSG_MAX_SEND")}
+    msgs = {
+        k.removeprefix("MSG_"): v
+        for k, v in d.items()
+        if k.startswith("MSG_") and k not in ("MSG_MAX_PAYLOAD", "MSG_MAX_SEND")
+    }
     assert msgs == p.image_messages
     # what the filter sends is at most what the document says a server takes
     protocol_md = (REPO / "page-server/PROTOCOL.md").read_text()
@@ -451,15 +503,29 @@ def test_the_qemu_filter_copies_the_document() -> None:
 # What the filter calls the fields it reads, and how the document's
 # description of each begins.
 QEMU_NAMES = {
-    "flags": ("flags",), "generation": ("generation",), "entries": ("entry count",),
-    "memfd_size": ("table memfd size",), "image_size": ("image virtual size",),
-    "sha256": ("image content sha256",), "pid": ("server pid",), "format": ("image format",),
-    "proof": ("proof flags",), "dev": ("`st_dev`",), "ino": ("`st_ino`",),
-    "file_size": ("`st_size`",), "mtime_ns": ("mtime",), "ctime_ns": ("ctime",),
-    "nbuckets": ("bucket count",), "bits": ("bucket bits",), "arena": ("arena base",),
-    "arena_len": ("arena length",), "PS_TABLE_MAGIC": ("magic",), "1": ("version",),
+    "flags": ("flags",),
+    "generation": ("generation",),
+    "entries": ("entry count",),
+    "memfd_size": ("table memfd size",),
+    "image_size": ("image virtual size",),
+    "sha256": ("image content sha256",),
+    "pid": ("server pid",),
+    "format": ("image format",),
+    "proof": ("proof flags",),
+    "dev": ("`st_dev`",),
+    "ino": ("`st_ino`",),
+    "file_size": ("`st_size`",),
+    "mtime_ns": ("mtime",),
+    "ctime_ns": ("ctime",),
+    "nbuckets": ("bucket count",),
+    "bits": ("bucket bits",),
+    "arena": ("arena base",),
+    "arena_len": ("arena length",),
+    "PS_TABLE_MAGIC": ("magic",),
+    "1": ("version",),
     "PS_TABLE_MSG_VERSION": ("TABLE message version",),
-    "PS_TABLE_HEADER_SIZE": ("header size", "buckets offset"), "PS_BLOCK_SIZE": ("block size",),
+    "PS_TABLE_HEADER_SIZE": ("header size", "buckets offset"),
+    "PS_BLOCK_SIZE": ("block size",),
 }
 
 
@@ -469,14 +535,22 @@ def qemu_reads(text: str, buf: str) -> list[tuple[str, int, int]]:
     constant."""
     width = {"l": 4, "q": 8}
     at = buf + r"(?: \+ (\d+))?"
-    out = [(m.group(1), int(m.group(3) or 0), width[m.group(2)]) for m in re.finditer(
-        r"(?:info->)?(\w+) = (?:\(\w+\))?ld([lq])_le_p\(" + at + r"\)", text)]
-    out += [(m.group(3), int(m.group(2) or 0), width[m.group(1)]) for m in re.finditer(
-        r"ld([lq])_le_p\(" + at + r"\) != (?:info->)?(\w+)", text)]
-    out += [(m.group(2), int(m.group(1) or 0), int(m.group(3))) for m in re.finditer(
-        r"mem(?:cpy|cmp)\(" + at + r", (?:info->)?(\w+), (\d+)\)", text)]
-    out += [(m.group(1), int(m.group(2) or 0), int(m.group(3))) for m in re.finditer(
-        r"mem(?:cpy|cmp)\((?:info->)?(\w+), " + at + r", (\d+)\)", text)]
+    out = [
+        (m.group(1), int(m.group(3) or 0), width[m.group(2)])
+        for m in re.finditer(r"(?:info->)?(\w+) = (?:\(\w+\))?ld([lq])_le_p\(" + at + r"\)", text)
+    ]
+    out += [
+        (m.group(3), int(m.group(2) or 0), width[m.group(1)])
+        for m in re.finditer(r"ld([lq])_le_p\(" + at + r"\) != (?:info->)?(\w+)", text)
+    ]
+    out += [
+        (m.group(2), int(m.group(1) or 0), int(m.group(3)))
+        for m in re.finditer(r"mem(?:cpy|cmp)\(" + at + r", (?:info->)?(\w+), (\d+)\)", text)
+    ]
+    out += [
+        (m.group(1), int(m.group(2) or 0), int(m.group(3)))
+        for m in re.finditer(r"mem(?:cpy|cmp)\((?:info->)?(\w+), " + at + r", (\d+)\)", text)
+    ]
     return out
 
 

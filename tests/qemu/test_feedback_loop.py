@@ -135,42 +135,78 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
         rd = cleanup.enter_context(redis_server(tmp_path))
         store = distribute.Store(rd.url)
         distribute.publish(store, gen1)
-        server = Server(tmp_path / "server", [ImageSpec("small", image, list_redis="auto")],
-                        redis_url=rd.url, host=HOST, extra="[feedback]\ninterval_secs = 2")
+        server = Server(
+            tmp_path / "server",
+            [ImageSpec("small", image, list_redis="auto")],
+            redis_url=rd.url,
+            host=HOST,
+            extra="[feedback]\ninterval_secs = 2",
+        )
         cleanup.callback(server.stop, signal.SIGKILL)
         server.start()
         assert server.wait_generation("small", 1)["generation"] == 1
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F",
-                        "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
         signal_disk = tmp_path / "go.raw"
         signal_disk.write_bytes(bytes(1 << 20))
 
         markers = Markers.new()
-        command = "; ".join([
-            wait_for("GO1"), "echo 3 > /proc/sys/vm/drop_caches",
-            BURST_READ.format(files=" ".join(files)),
-            "echo first-begin", *(f"sha256sum {f}" for f in files), "echo first-end",
-            wait_for("GO2"), "echo 3 > /proc/sys/vm/drop_caches",
-            "echo second-begin", *(f"sha256sum {f}" for f in files), "echo second-end",
-        ])
+        command = "; ".join(
+            [
+                wait_for("GO1"),
+                "echo 3 > /proc/sys/vm/drop_caches",
+                BURST_READ.format(files=" ".join(files)),
+                "echo first-begin",
+                *(f"sha256sum {f}" for f in files),
+                "echo first-end",
+                wait_for("GO2"),
+                "echo 3 > /proc/sys/vm/drop_caches",
+                "echo second-begin",
+                *(f"sha256sum {f}" for f in files),
+                "echo second-end",
+            ]
+        )
         wl = tmp_path / "workload.sh"
         wl.write_text(script(Workload(command), markers))
         accel, _ = choose_accel("auto", insp.kernel)
         serial = tmp_path / "serial.log"
         qmp_path = tmp_path / "qmp.sock"
         trace = ReadTrace(tmp_path / "trace.log")
-        cmd = guest_cmd(q, insp, accel, serial=serial, qmp=qmp_path, workload=wl, disks=[
-            *blockdev_args(image, ovl, server.sock("small"), mode="copy"),
-            "-device", "virtio-blk-pci,drive=ovl",
-            "-blockdev", json.dumps({"driver": "file", "node-name": "go",
-                                 "filename": str(signal_disk)}),
-            "-device", "virtio-blk-pci,drive=go",
-            "-trace", "bdrv_co_preadv_part", "-trace", "pageshare_connect",
-            "-D", str(trace.path)])
+        cmd = guest_cmd(
+            q,
+            insp,
+            accel,
+            serial=serial,
+            qmp=qmp_path,
+            workload=wl,
+            disks=[
+                *blockdev_args(image, ovl, server.sock("small"), mode="copy"),
+                "-device",
+                "virtio-blk-pci,drive=ovl",
+                "-blockdev",
+                json.dumps({"driver": "file", "node-name": "go", "filename": str(signal_disk)}),
+                "-device",
+                "virtio-blk-pci,drive=go",
+                "-trace",
+                "bdrv_co_preadv_part",
+                "-trace",
+                "pageshare_connect",
+                "-D",
+                str(trace.path),
+            ],
+        )
         qlog = tmp_path / "qemu.log"
         with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         cleanup.callback(stop_vm, proc)
         qmp = QMP(qmp_path, timeout=30)
 
@@ -194,8 +230,7 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
         # The filter copied the listed blocks the guest read.
         listed1 = sum(n for b, n in read1.items() if b in seed)
         assert listed1 > 100, listed1
-        assert 0.95 * listed1 <= st1["merged"] - st0["merged"] <= listed1 + 16, (
-            listed1, st0, st1)
+        assert 0.95 * listed1 <= st1["merged"] - st0["merged"] <= listed1 + 16, (listed1, st0, st1)
 
         # 2. The server's summary in Redis shows those reads: every block
         # the filter node read whole, the files' and any other, unlisted
@@ -211,8 +246,7 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
             if not mine:
                 return None
             recs = {b: (g, r, f) for b, g, r, f in mine[0].records()}
-            if any(b not in recs or recs[b][0] < 1 or recs[b][2] & 1
-                   for b in unlisted_read):
+            if any(b not in recs or recs[b][0] < 1 or recs[b][2] & 1 for b in unlisted_read):
                 return None
             if any(b not in recs or not recs[b][2] & 1 for b in listed_read):
                 return None
@@ -222,8 +256,9 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
             recs = wait_until(summary, 90, "the guest's reads in the summary in Redis", 1)
         except AssertionError:
             fleet = feedback.read_fleet(store, key)
-            got = {b for s in fleet.summaries for b, g, _r, f in s.records()
-                   if g >= 1 and not f & 1}
+            got = {
+                b for s in fleet.summaries for b, g, _r, f in s.records() if g >= 1 and not f & 1
+            }
             missing = sorted(unlisted_read - got)
             pytest.fail(
                 f"after 90 s the summary of {HOST} in Redis lacks {len(missing)} of the "
@@ -231,9 +266,12 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
                 f"{len(new - got)} of the {len(new)} of {files}; e.g. {missing[:10]}), or "
                 f"the listed ones; summaries not read: {fleet.failures}; "
                 f"filter: {ps_stats(qmp)}; "
-                f"server: {server.image('small').get('feedback')}")
-        print(f"summary: {len(recs)} blocks; unlisted blocks read: {len(unlisted_read)}, "
-              f"of the files: {len(new)}")
+                f"server: {server.image('small').get('feedback')}"
+            )
+        print(
+            f"summary: {len(recs)} blocks; unlisted blocks read: {len(unlisted_read)}, "
+            f"of the files: {len(new)}"
+        )
         # No table had to replace an entry: the counts are exact.
         fb = server.image("small")["feedback"]
         assert fb["counters"]["truncated_reports"] == 0, fb
@@ -242,10 +280,18 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
         # The defaults' privacy thresholds (4 guests on 2 hosts) are
         # tested in tests/analyzer/test_refine.py.
         read_before = set(trace.blocks(0, trace.mark()))
-        result = refine(RefineOptions(
-            image=image, store=store, min_guests=1, min_hosts=1,
-            lists_dir=tmp_path / "lists", db=tmp_path / "results.sqlite",
-            workdir_parent=tmp_path), Progress("pageshare list refine"))
+        result = refine(
+            RefineOptions(
+                image=image,
+                store=store,
+                min_guests=1,
+                min_hosts=1,
+                lists_dir=tmp_path / "lists",
+                db=tmp_path / "results.sqlite",
+                workdir_parent=tmp_path,
+            ),
+            Progress("pageshare list refine"),
+        )
         print(f"refine: {result.to_json()}")
         assert (result.parent["generation"], result.generation) == (1, 2), result
         gen2 = Path(result.list_path)
@@ -287,9 +333,11 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
         new2 = sum(n for b, n in read2.items() if b in added)
         listed_reads2 = sum(n for b, n in read2.items() if b in listed2)
         merged2 = st3["merged"] - st2["merged"]
-        print(f"filter: first reads {st1['merged'] - st0['merged']} copied of {listed1} "
-              f"listed; again {merged2} copied of {listed_reads2} listed, {new2} of them "
-              f"newly listed; {st3}")
+        print(
+            f"filter: first reads {st1['merged'] - st0['merged']} copied of {listed1} "
+            f"listed; again {merged2} copied of {listed_reads2} listed, {new2} of them "
+            f"newly listed; {st3}"
+        )
         # The guest read the newly listed blocks again ...
         assert new2 >= 0.9 * len(new), (new2, len(new))
         # ... and the filter copied them into its RAM: its count went up

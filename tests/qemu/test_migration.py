@@ -120,8 +120,13 @@ def node_stats(qmp: QMP, node: str) -> dict[str, int]:
     raise AssertionError(f"no stats for node {node}")
 
 
-def refs_checks(src_info: dict[str, Any], src_ps: dict[str, int], dst_ps: dict[str, int],
-                *, dst_has_server: bool = True) -> None:
+def refs_checks(
+    src_info: dict[str, Any],
+    src_ps: dict[str, int],
+    dst_ps: dict[str, int],
+    *,
+    dst_has_server: bool = True,
+) -> None:
     """What a migration with block-refs must show on both sides: every
     reference the source sent was filled on the destination, copied from
     its page server (copy mode: none merged) or read from its base."""
@@ -150,8 +155,11 @@ def server_heard_fills(server: Server, dst: Vm, dst_ps: dict[str, int]) -> None:
     deadline = time.monotonic() + 20
     while True:
         img = server.image("small")
-        heard = [{k: c["stats"][f"migration_refs_{k}"] for k in FILLS}
-                 for c in img["client_list"] if c["pid"] == dst.proc.pid]
+        heard = [
+            {k: c["stats"][f"migration_refs_{k}"] for k in FILLS}
+            for c in img["client_list"]
+            if c["pid"] == dst.proc.pid
+        ]
         if heard == [want]:
             break
         assert time.monotonic() < deadline, f"the server heard {heard}, not {want}: {img}"
@@ -168,8 +176,9 @@ def metric_counters(text: str, fills: Sequence[str]) -> dict[str, int]:
     Prometheus text."""
     got = {}
     for k in fills:
-        m = re.search(rf'^pageshare_client_migration_refs_{k}_total{{image="small"}} (\S+)$',
-                      text, re.M)
+        m = re.search(
+            rf'^pageshare_client_migration_refs_{k}_total{{image="small"}} (\S+)$', text, re.M
+        )
         assert m, f"no migration_refs_{k} in the metrics:\n{text}"
         got[k] = int(float(m.group(1)))
     return got
@@ -182,8 +191,10 @@ def record_bytes(test: str, refs: bool, info: dict[str, Any]) -> None:
     (the guest's own activity, its writer), while about 120 MB of its RAM
     are pages the filter filled (WARM, the files)."""
     TRANSFERRED[(test, refs)] = info["ram"]["transferred"]
-    print(f"{test} refs={refs}: transferred {info['ram']['transferred']}, "
-          f"total time {info.get('total-time')} ms, downtime {info.get('downtime')} ms")
+    print(
+        f"{test} refs={refs}: transferred {info['ram']['transferred']}, "
+        f"total time {info.get('total-time')} ms, downtime {info.get('downtime')} ms"
+    )
     if (test, True) in TRANSFERRED and (test, False) in TRANSFERRED:
         with_refs, without = TRANSFERRED[(test, True)], TRANSFERRED[(test, False)]
         print(f"{test}: transferred with refs {with_refs}, without {without}")
@@ -205,8 +216,9 @@ WITH: dict[str, tuple[list[str], dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("variant", list(WITH))
-def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[[str], Rig],
-                                      variant: str) -> None:
+def test_migrate_with_filter_attached(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], variant: str
+) -> None:
     """The filter in both graphs from the start; the guest dirties pages
     while it migrates and goes on on the destination, whose filter serves
     its reads of the files after the migration.  With block-refs alone and
@@ -228,8 +240,10 @@ def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[
     caps, params = WITH[variant]
     for vm in (src, dst):
         if caps:
-            vm.qmp.command("migrate-set-capabilities",
-                           capabilities=[{"capability": c, "state": True} for c in caps])
+            vm.qmp.command(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": c, "state": True} for c in caps],
+            )
         if params:
             vm.qmp.command("migrate-set-parameters", **params)
     first = max(heartbeats(src.text()), default=0)
@@ -239,14 +253,16 @@ def test_migrate_with_filter_attached(tmp_path: Path, base: Base, rig: Callable[
     took = time.monotonic() - t0
     migrated(src, dst, info)
     src_ps, dst_ps = ps_stats(src.qmp), ps_stats(dst.qmp)
-    print(f"migration: {took:.1f} s, {json.dumps(info)}\nsource filter: {src_ps}\n"
-          f"destination filter after switchover: {dst_ps}")
+    print(
+        f"migration: {took:.1f} s, {json.dumps(info)}\nsource filter: {src_ps}\n"
+        f"destination filter after switchover: {dst_ps}"
+    )
     last_src = max(heartbeats(src.text()), default=0)
     assert last_src > first, "the guest's writer did not run during the migration"
 
     text = finish(r, dst, "after")
     beats = heartbeats(text)
-    assert beats and max(beats) >= last_src, (beats, last_src)   # the same guest, going on
+    assert beats and max(beats) >= last_src, (beats, last_src)  # the same guest, going on
     dst_ps = ps_stats(dst.qmp)
     print(f"destination filter at the end: {dst_ps}")
     # the guest's reads after the migration: listed blocks copied on the destination
@@ -271,23 +287,32 @@ def test_refs_refused_with_features_that_place_pages() -> None:
     cmds: list[dict[str, Any]] = [{"execute": "qmp_capabilities"}]
     for other in ("postcopy-ram", "background-snapshot", "mapped-ram"):
         for pair in ((REFS, other), (other, REFS)):
-            cmds.append({"execute": "migrate-set-capabilities", "arguments": {
-                "capabilities": [{"capability": c, "state": True} for c in pair]}})
+            cmds.append(
+                {
+                    "execute": "migrate-set-capabilities",
+                    "arguments": {"capabilities": [{"capability": c, "state": True} for c in pair]},
+                }
+            )
     cmds.append({"execute": "quit"})
-    p = subprocess.run([q.qemu_system, "-M", "none", "-nodefaults", "-display", "none",
-                        "-qmp", "stdio"], input="".join(json.dumps(c) + "\n" for c in cmds),
-                       capture_output=True, text=True, timeout=60)
-    errors = [json.loads(ln)["error"]["desc"] for ln in p.stdout.splitlines()
-              if '"error"' in ln]
+    p = subprocess.run(
+        [q.qemu_system, "-M", "none", "-nodefaults", "-display", "none", "-qmp", "stdio"],
+        input="".join(json.dumps(c) + "\n" for c in cmds),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    errors = [json.loads(ln)["error"]["desc"] for ln in p.stdout.splitlines() if '"error"' in ln]
     assert len(errors) == 6, p.stdout
-    for other, err in zip(("postcopy-ram", "background-snapshot", "mapped-ram"),
-                          errors[::2], strict=True):
+    for other, err in zip(
+        ("postcopy-ram", "background-snapshot", "mapped-ram"), errors[::2], strict=True
+    ):
         assert REFS in err and other in err, err
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
-def test_migrate_after_pageshare_attach(tmp_path: Path, base: Base, rig: Callable[[str], Rig],
-                                        refs: bool) -> None:
+def test_migrate_after_pageshare_attach(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], refs: bool
+) -> None:
     """The source starts without the filter and gets it from `pageshare
     attach` (blockdev-add + blockdev-reopen over QMP); the guest reads its
     files through it, then migrates to a destination with the filter in its
@@ -298,15 +323,29 @@ def test_migrate_after_pageshare_attach(tmp_path: Path, base: Base, rig: Callabl
     server = r.server("a", base.image, base.lst)
     ovl = r.overlay()
     op_qmp = tmp_path / "src-operator.qmp"
-    src = r.vm("src", plain_graph(base.image, ovl),
-               "-qmp", f"unix:{op_qmp},server=on,wait=off")
+    src = r.vm("src", plain_graph(base.image, ovl), "-qmp", f"unix:{op_qmp},server=on,wait=off")
     text = src.serial_until("before-end")
     assert hashes(text, "before") == base.listed.want
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "analyzer"))
-    p = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "pageshare.cli", "attach",
-                        str(op_qmp), "--control", str(server.control), "--mode", "copy",
-                        "--json"], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(
+        [
+            str(REPO / ".venv/bin/python"),
+            "-m",
+            "pageshare.cli",
+            "attach",
+            str(op_qmp),
+            "--control",
+            str(server.control),
+            "--mode",
+            "copy",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     (d,) = [x for x in json.loads(p.stdout)["drives"] if x["drive"] == "disk0"]
     assert d["result"] == "attached" and d["overlay"] == "ovl", d
@@ -317,8 +356,12 @@ def test_migrate_after_pageshare_attach(tmp_path: Path, base: Base, rig: Callabl
     src_before = node_stats(src.qmp, node)
     assert src_before["merged"] > 0, src_before
 
-    dst = r.vm("dst", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"),
-               "-incoming", "defer")
+    dst = r.vm(
+        "dst",
+        blockdev_args(base.image, ovl, server.sock("small"), mode="copy"),
+        "-incoming",
+        "defer",
+    )
     start_migration(src, dst, f"unix:{tmp_path / 'mig.sock'}", refs=refs)
     info = wait_migration(src)
     migrated(src, dst, info)
@@ -350,8 +393,9 @@ def test_refs_on_the_source_only(tmp_path: Path, base: Base, rig: Callable[[str]
     assert REFS in err, err
 
 
-def test_destination_with_another_base(tmp_path: Path, base: Base,
-                                       rig: Callable[[str], Rig]) -> None:
+def test_destination_with_another_base(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig]
+) -> None:
     """The destination's base is another image of the same size (one
     unlisted block differs), served by a page server of its own: the
     destination refuses the references before switchover, naming both
@@ -368,11 +412,15 @@ def test_destination_with_another_base(tmp_path: Path, base: Base,
     other_sha = content_sha256(other_raw)
     assert other_sha != base.sha
     other = tmp_path / "other.qcow2"
-    subprocess.run([base.q.qemu_img, "convert", "-O", "qcow2", str(other_raw), str(other)],
-                   check=True)
+    subprocess.run(
+        [base.q.qemu_img, "convert", "-O", "qcow2", str(other_raw), str(other)], check=True
+    )
     other_lst = tmp_path / "other.pcsl"
-    make_list(sectorlist.ImageIdentity(other_raw.stat().st_size, other_sha, other.name),
-              base.listed.blocks, other_lst)
+    make_list(
+        sectorlist.ImageIdentity(other_raw.stat().st_size, other_sha, other.name),
+        base.listed.blocks,
+        other_lst,
+    )
     other_raw.unlink()
 
     r = rig(workload(base.listed.files))
@@ -381,8 +429,9 @@ def test_destination_with_another_base(tmp_path: Path, base: Base,
     ovl = r.overlay()
     src = r.vm("src", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     src.serial_until("writer-start")
-    dst = r.vm("dst", blockdev_args(other, ovl, server_b.sock("small"), mode="copy"),
-               "-incoming", "defer")
+    dst = r.vm(
+        "dst", blockdev_args(other, ovl, server_b.sock("small"), mode="copy"), "-incoming", "defer"
+    )
     start_migration(src, dst, f"unix:{tmp_path / 'mig.sock'}", refs=True)
     err = failed_before_switchover(r, src, dst, wait_migration(src))
     assert base.sha in err and other_sha in err, err
@@ -406,8 +455,9 @@ def unlisted_nonzero_block(raw: Path, listed: ListedFiles) -> int:
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
-def test_destination_without_page_server(tmp_path: Path, base: Base,
-                                         rig: Callable[[str], Rig], refs: bool) -> None:
+def test_destination_without_page_server(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], refs: bool
+) -> None:
     """The destination's filter names a socket nobody listens on (and the
     base's content sha256): the migration completes, the references are
     read from the destination's base, the guest's files are right."""
@@ -419,16 +469,19 @@ def test_destination_without_page_server(tmp_path: Path, base: Base,
     src = r.vm("src", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     src.serial_until("writer-start")
     nowhere = tmp_path / "nowhere.sock"
-    dst = r.vm("dst", blockdev_args(base.image, ovl, nowhere, mode="copy",
-                                    **{"image-sha256": base.sha}), "-incoming", "defer")
+    dst = r.vm(
+        "dst",
+        blockdev_args(base.image, ovl, nowhere, mode="copy", **{"image-sha256": base.sha}),
+        "-incoming",
+        "defer",
+    )
     start_migration(src, dst, f"unix:{tmp_path / 'mig.sock'}", refs=refs)
     info = wait_migration(src)
     migrated(src, dst, info)
     src_ps = ps_stats(src.qmp)
     finish(r, dst, "after")
     dst_ps = ps_stats(dst.qmp)
-    print(f"migration: {json.dumps(info)}\nsource filter: {src_ps}\n"
-          f"destination filter: {dst_ps}")
+    print(f"migration: {json.dumps(info)}\nsource filter: {src_ps}\ndestination filter: {dst_ps}")
     assert dst_ps["connected"] == 0 and dst_ps["merged"] == 0, dst_ps
     if refs:
         assert dst_ps["migration-refs-read"] > 0, dst_ps
@@ -436,9 +489,9 @@ def test_destination_without_page_server(tmp_path: Path, base: Base,
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
-def test_source_page_server_killed_mid_migration(tmp_path: Path, base: Base,
-                                                 rig: Callable[[str], Rig],
-                                                 refs: bool) -> None:
+def test_source_page_server_killed_mid_migration(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], refs: bool
+) -> None:
     """Each side has a page server of its own (two hosts); the source's is
     killed (SIGKILL) while the migration runs, slowed down so that it is
     still running then: the migration completes (what the source can no
@@ -451,16 +504,21 @@ def test_source_page_server_killed_mid_migration(tmp_path: Path, base: Base,
     ovl = r.overlay()
     src = r.vm("src", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     src.serial_until("writer-start")
-    dst = r.vm("dst", blockdev_args(base.image, ovl, server_b.sock("small"), mode="copy"),
-               "-incoming", "defer")
+    dst = r.vm(
+        "dst",
+        blockdev_args(base.image, ovl, server_b.sock("small"), mode="copy"),
+        "-incoming",
+        "defer",
+    )
     killed: list[dict[str, Any]] = []
 
     def kill_server(info: dict[str, Any]) -> None:
         # with refs: once some pages went as references, so that the
         # migration has both kinds; without: after 16 MiB
         ram = info.get("ram", {})
-        due = ram.get("block-ref-pages", 0) >= 2000 if refs else \
-            ram.get("transferred", 0) > 16 << 20
+        due = (
+            ram.get("block-ref-pages", 0) >= 2000 if refs else ram.get("transferred", 0) > 16 << 20
+        )
         if not killed and info.get("status") == "active" and due:
             server.stop(signal.SIGKILL)
             killed.append(info)
@@ -484,9 +542,9 @@ def test_source_page_server_killed_mid_migration(tmp_path: Path, base: Base,
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
-def test_destination_page_server_killed_mid_migration(tmp_path: Path, base: Base,
-                                                      rig: Callable[[str], Rig],
-                                                      refs: bool) -> None:
+def test_destination_page_server_killed_mid_migration(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], refs: bool
+) -> None:
     """Each side has a page server of its own (two hosts); the destination's
     is killed (SIGKILL) while the migration runs, slowed down so that it is
     still running then: with refs once the destination filled 1000
@@ -504,8 +562,12 @@ def test_destination_page_server_killed_mid_migration(tmp_path: Path, base: Base
     ovl = r.overlay()
     src = r.vm("src", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     src.serial_until("writer-start")
-    dst = r.vm("dst", blockdev_args(base.image, ovl, server_b.sock("small"), mode="copy"),
-               "-incoming", "defer")
+    dst = r.vm(
+        "dst",
+        blockdev_args(base.image, ovl, server_b.sock("small"), mode="copy"),
+        "-incoming",
+        "defer",
+    )
     killed: list[dict[str, Any]] = []
 
     def kill_server(info: dict[str, Any]) -> None:
@@ -537,8 +599,9 @@ def test_destination_page_server_killed_mid_migration(tmp_path: Path, base: Base
 
 
 @pytest.mark.parametrize("refs", [False, True], ids=["plain", "refs"])
-def test_migrate_to_file_and_load(tmp_path: Path, base: Base, rig: Callable[[str], Rig],
-                                  refs: bool) -> None:
+def test_migrate_to_file_and_load(
+    tmp_path: Path, base: Base, rig: Callable[[str], Rig], refs: bool
+) -> None:
     """`migrate` to a file: the source ends paused; a new QEMU with the same
     graph loads the file (`-incoming file:PATH`; with refs `-incoming defer`
     and migrate-incoming, since the capability must be set before the
@@ -559,8 +622,10 @@ def test_migrate_to_file_and_load(tmp_path: Path, base: Base, rig: Callable[[str
     assert info["status"] == "completed", f"{info}\n{src.log_text()[-3000:]}"
     assert src.status() == "postmigrate"
     src_ps = ps_stats(src.qmp)
-    print(f"migration to {state} ({state.stat().st_size} bytes): {json.dumps(info)}\n"
-          f"source filter: {src_ps}")
+    print(
+        f"migration to {state} ({state.stat().st_size} bytes): {json.dumps(info)}\n"
+        f"source filter: {src_ps}"
+    )
     src.qmp.command("quit")
     assert src.exit_code() == 0
 
@@ -592,13 +657,17 @@ def ref_records(data: bytes, nblocks: int) -> list[int]:
     three back to back, each a CONTINUE header with the BLOCK_REF flag,
     image 0 and a block of the image (a run of page data that looks like
     that is practically impossible)."""
+
     def looks(o: int) -> bool:
-        return (o + REF_RECORD <= len(data)
-                and int.from_bytes(data[o:o + 8], "big") & 0xfff == 0x120
-                and int.from_bytes(data[o + 8:o + 12], "big") == 0
-                and int.from_bytes(data[o + 12:o + 20], "big") < nblocks)
+        return (
+            o + REF_RECORD <= len(data)
+            and int.from_bytes(data[o : o + 8], "big") & 0xFFF == 0x120
+            and int.from_bytes(data[o + 8 : o + 12], "big") == 0
+            and int.from_bytes(data[o + 12 : o + 20], "big") < nblocks
+        )
+
     found = []
-    o = data.find(b"\x01\x20\x00\x00\x00\x00")   # low header bytes + index 0
+    o = data.find(b"\x01\x20\x00\x00\x00\x00")  # low header bytes + index 0
     while o >= 0:
         start = o - 6
         if start >= 0 and all(looks(start + k * REF_RECORD) for k in range(3)):
@@ -617,13 +686,13 @@ def bad_streams(r: Rig, graph: Sequence[str], state: Path, nblocks: int) -> None
     assert len(refs) > 100, f"found {len(refs)} reference records in {state}"
     o = refs[len(refs) // 2]
     beyond = bytearray(data)
-    beyond[o + 12:o + 20] = (nblocks + 5).to_bytes(8, "big")
+    beyond[o + 12 : o + 20] = (nblocks + 5).to_bytes(8, "big")
     other = bytearray(data)
-    other[o + 8:o + 12] = (7).to_bytes(4, "big")
+    other[o + 8 : o + 12] = (7).to_bytes(4, "big")
     cases = {
         "beyond-the-image": (bytes(beyond), f"refers to block {nblocks + 5} of disk image"),
         "unnamed-image": (bytes(other), "refers to disk image 7; the stream named 1"),
-        "cut-short": (data[:o + 14], "load of migration failed"),
+        "cut-short": (data[: o + 14], "load of migration failed"),
     }
     for name, (stream, want) in cases.items():
         path = state.with_name(f"{name}.mig")

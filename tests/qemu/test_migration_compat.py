@@ -72,8 +72,7 @@ def compat_workload(files: list[str]) -> str:
     writer), then FILES hashed from the page cache ("cached", no
     drop_caches: 1 GiB of guest RAM holds them and WARM_MIB) and from disk
     ("after")."""
-    cached = "; ".join(["echo cached-begin", *(f"sha256sum {f}" for f in files),
-                        "echo cached-end"])
+    cached = "; ".join(["echo cached-begin", *(f"sha256sum {f}" for f in files), "echo cached-end"])
     return "; ".join([phase(files, "before"), WARM, WRITER, cached, phase(files, "after")])
 
 
@@ -86,24 +85,30 @@ def stock() -> QemuBuild:
     configuration without the series."""
     patched, st = qemu_build(), qemu_build(stock=True)
     pi, si = patched.info, st.info
-    assert si.get("stock") is True and si["series"] == [], \
+    assert si.get("stock") is True and si["series"] == [], (
         f"{st.dir} is not a build without the series: {si}"
+    )
     for k in ("version", "configure"):
         assert si[k] == pi[k], f"stock and patched builds differ in {k}: {si[k]} vs {pi[k]}"
     # Each build has a work tree of its own; the stock commit is the
     # patched commit with the series taken off.
     series = pi["series"]
     assert isinstance(series, list) and series, f"{patched.dir} has no series: {pi}"
-    base = subprocess.run(["git", "-C", f"{pi['work']}/src", "rev-parse",
-                           f"{pi['commit']}~{len(series)}"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    assert si["commit"] == base, \
+    base = subprocess.run(
+        ["git", "-C", f"{pi['work']}/src", "rev-parse", f"{pi['commit']}~{len(series)}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert si["commit"] == base, (
         f"the stock build is at {si['commit']}, not the patched build's base {base}"
+    )
     assert REFS in migration_capabilities(patched), f"{patched.dir} has no {REFS!r}"
     assert REFS not in migration_capabilities(st), f"the stock build {st.dir} knows {REFS!r}"
     for q in (patched, st):
-        p = subprocess.run([q.qemu_system, "-machine", "help"], capture_output=True, text=True,
-                           timeout=60)
+        p = subprocess.run(
+            [q.qemu_system, "-machine", "help"], capture_output=True, text=True, timeout=60
+        )
         assert MACHINE in p.stdout.split(), f"{q.qemu_system} has no machine {MACHINE}"
     return st
 
@@ -118,8 +123,7 @@ def rig(tmp_path: Path, base: Base, host_guard: None) -> Iterator[Callable[[], R
     made: list[Rig] = []
 
     def make() -> Rig:
-        made.append(make_rig(tmp_path, base, compat_workload(base.listed.files),
-                             machine=MACHINE))
+        made.append(make_rig(tmp_path, base, compat_workload(base.listed.files), machine=MACHINE))
         return made[-1]
 
     try:
@@ -150,8 +154,9 @@ def migrate_live(src: Vm, dst: Vm, uri: str) -> tuple[dict[str, Any], int]:
     migrated(src, dst, info)
     last = max(heartbeats(src.text()), default=0)
     print(f"{src.name} -> {dst.name}: {took:.1f} s, {json.dumps(info)}")
-    assert last > first, \
+    assert last > first, (
         f"the guest's writer did not run during the migration (heartbeat {first} -> {last})"
+    )
     assert info["ram"]["dirty-sync-count"] >= 2, info
     return info, last
 
@@ -162,10 +167,12 @@ def went_on(r: Rig, dst: Vm, last_src: int) -> None:
     page cache that migrated and from disk."""
     text = finish(r, dst, "after")
     beats = heartbeats(text)
-    assert beats and max(beats) > last_src, \
+    assert beats and max(beats) > last_src, (
         f"{dst.name}: the writer did not go on from heartbeat {last_src}: {beats}"
-    assert hashes(text, "cached") == r.base.listed.want, \
+    )
+    assert hashes(text, "cached") == r.base.listed.want, (
         f"{dst.name}: the files' pages in the migrated page cache are wrong"
+    )
 
 
 def no_refs(info: dict[str, Any], *stats: dict[str, int]) -> None:
@@ -179,8 +186,9 @@ def no_refs(info: dict[str, Any], *stats: dict[str, int]) -> None:
 # --------------------------------------------------------------------------- the tests
 
 
-def test_stock_to_pageshare(tmp_path: Path, base: Base, stock: QemuBuild,
-                            rig: Callable[[], Rig]) -> None:
+def test_stock_to_pageshare(
+    tmp_path: Path, base: Base, stock: QemuBuild, rig: Callable[[], Rig]
+) -> None:
     """Stock QEMU (overlay over the base) -> pageshare QEMU with the filter
     under the overlay and a page server: the guest goes on with the right
     bytes, and the destination's filter serves its reads afterwards."""
@@ -189,27 +197,32 @@ def test_stock_to_pageshare(tmp_path: Path, base: Base, stock: QemuBuild,
     ovl = r.overlay()
     src = r.vm("src-stock", plain_graph(base.image, ovl), q=stock)
     booted(r, src)
-    dst = r.vm("dst-pageshare", blockdev_args(base.image, ovl, server.sock("small"),
-                                              mode="copy"), "-incoming", "defer")
+    dst = r.vm(
+        "dst-pageshare",
+        blockdev_args(base.image, ovl, server.sock("small"), mode="copy"),
+        "-incoming",
+        "defer",
+    )
     info, last = migrate_live(src, dst, f"unix:{tmp_path / 'mig.sock'}")
     went_on(r, dst, last)
     dst_ps = ps_stats(dst.qmp)
     print(f"destination filter: {dst_ps}")
-    assert dst_ps["connected"] == 1 and dst_ps["merged"] > 0, \
+    assert dst_ps["connected"] == 1 and dst_ps["merged"] > 0, (
         f"the destination's filter did not serve the guest's reads after the migration: {dst_ps}"
+    )
     no_refs(info, dst_ps)
 
 
-def test_pageshare_to_stock(tmp_path: Path, base: Base, stock: QemuBuild,
-                            rig: Callable[[], Rig]) -> None:
+def test_pageshare_to_stock(
+    tmp_path: Path, base: Base, stock: QemuBuild, rig: Callable[[], Rig]
+) -> None:
     """Pageshare QEMU (the filter filled guest RAM before the migration) ->
     stock QEMU (overlay over the base): the guest goes on with the right
     bytes."""
     r = rig()
     server = r.server("a", base.image, base.lst)
     ovl = r.overlay()
-    src = r.vm("src-pageshare", blockdev_args(base.image, ovl, server.sock("small"),
-                                              mode="copy"))
+    src = r.vm("src-pageshare", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     booted(r, src)
     src_ps = ps_stats(src.qmp)
     assert src_ps["merged"] > 0, f"the source's filter filled no guest RAM: {src_ps}"
@@ -221,8 +234,9 @@ def test_pageshare_to_stock(tmp_path: Path, base: Base, stock: QemuBuild,
     went_on(r, dst, last)
 
 
-def test_refs_to_stock_fails_cleanly(tmp_path: Path, base: Base, stock: QemuBuild,
-                                     rig: Callable[[], Rig]) -> None:
+def test_refs_to_stock_fails_cleanly(
+    tmp_path: Path, base: Base, stock: QemuBuild, rig: Callable[[], Rig]
+) -> None:
     """block-refs on the pageshare source: the stock destination, which has
     no such capability, refuses the stream and exits; the source's guest
     runs on untouched, and then migrates to a new stock destination with
@@ -230,8 +244,7 @@ def test_refs_to_stock_fails_cleanly(tmp_path: Path, base: Base, stock: QemuBuil
     r = rig()
     server = r.server("a", base.image, base.lst)
     ovl = r.overlay()
-    src = r.vm("src-pageshare", blockdev_args(base.image, ovl, server.sock("small"),
-                                              mode="copy"))
+    src = r.vm("src-pageshare", blockdev_args(base.image, ovl, server.sock("small"), mode="copy"))
     booted(r, src)
     dst = r.vm("dst-stock", plain_graph(base.image, ovl), "-incoming", "defer", q=stock)
     with pytest.raises(QMPError) as refused:
@@ -244,18 +257,21 @@ def test_refs_to_stock_fails_cleanly(tmp_path: Path, base: Base, stock: QemuBuil
     rc = dst.exit_code()
     err = dst.log_text()
     print(f"source: {json.dumps(info)}\nstock destination (rc {rc}):\n{err[-2000:]}")
-    assert info["status"] == "failed", \
+    assert info["status"] == "failed", (
         f"a migration with {REFS} to a stock QEMU did not fail: {info}\n{err[-2000:]}"
+    )
     assert rc != 0, f"the stock destination exited with 0:\n{err}"
     # QEMU 10.0's savevm.c, loading the source's configuration section
-    assert f"Received unknown capability {REFS}" in err, \
+    assert f"Received unknown capability {REFS}" in err, (
         f"the stock destination did not say it does not know {REFS}:\n{err}"
+    )
     src.wait_status("running")
     beats = max(heartbeats(src.text()), default=0)
     deadline = time.monotonic() + 60
     while max(heartbeats(src.text()), default=0) <= beats:
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"the source's guest does not run on after the failed migration:\n{src.text()[-2000:]}"
+        )
         time.sleep(1)
     # (references the source sent before it saw the destination go are
     # counted, and were never loaded)
@@ -263,12 +279,12 @@ def test_refs_to_stock_fails_cleanly(tmp_path: Path, base: Base, stock: QemuBuil
     print(f"source filter after the failed migration: {failed_ps}")
 
     # the same source, block-refs off again, to a new stock QEMU
-    src.qmp.command("migrate-set-capabilities",
-                    capabilities=[{"capability": REFS, "state": False}])
+    src.qmp.command("migrate-set-capabilities", capabilities=[{"capability": REFS, "state": False}])
     dst2 = r.vm("dst2-stock", plain_graph(base.image, ovl), "-incoming", "defer", q=stock)
     info2, last = migrate_live(src, dst2, f"unix:{tmp_path / 'mig2.sock'}")
     src_ps = ps_stats(src.qmp)
     assert info2["ram"].get("block-ref-pages", 0) == 0, info2
-    assert src_ps["migration-refs-sent"] == failed_ps["migration-refs-sent"], \
+    assert src_ps["migration-refs-sent"] == failed_ps["migration-refs-sent"], (
         f"block references with {REFS} off: {failed_ps} -> {src_ps}"
+    )
     went_on(r, dst2, last)

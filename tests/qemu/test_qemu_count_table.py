@@ -20,8 +20,12 @@ from qemu_helpers import REPO, qemu_build
 
 def test_the_filter_count_tables_keep_their_bounds() -> None:
     qemu_build()
-    p = subprocess.run([sys.executable, str(REPO / "qemu-patches" / "count_test.py")],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "qemu-patches" / "count_test.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "invariants hold" in p.stdout, p.stdout
     threads = [line for line in p.stdout.splitlines() if "threads counting at once" in line]

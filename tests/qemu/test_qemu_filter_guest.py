@@ -79,29 +79,51 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
         server.wait_generation("small", 1)
         sock = server.sock("small")
         ovl = tmp_path / "ovl.qcow2"
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F",
-                        "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
 
         markers = Markers.new()
         copy = "/root/bash.copy"
-        command = "; ".join([
-            "echo 3 > /proc/sys/vm/drop_caches",
-            *(f"sha256sum {f}" for f in files),
-            f"cp /usr/bin/bash {copy}", "sync", "echo 3 > /proc/sys/vm/drop_caches",
-            f"sha256sum {copy}",
-        ])
+        command = "; ".join(
+            [
+                "echo 3 > /proc/sys/vm/drop_caches",
+                *(f"sha256sum {f}" for f in files),
+                f"cp /usr/bin/bash {copy}",
+                "sync",
+                "echo 3 > /proc/sys/vm/drop_caches",
+                f"sha256sum {copy}",
+            ]
+        )
         wl = tmp_path / "workload.sh"
         wl.write_text(script(Workload(command), markers))
         accel, _ = choose_accel("auto", insp.kernel)
         serial = tmp_path / "serial.log"
         qmp_path = tmp_path / "qmp.sock"
-        cmd = guest_cmd(q, insp, accel, serial=serial, qmp=qmp_path, workload=wl, disks=[
-            *blockdev_args(image, ovl, sock, mode=mode, **{"reconnect-delay": 1}),
-            "-device", "virtio-blk-pci,drive=ovl"])
+        cmd = guest_cmd(
+            q,
+            insp,
+            accel,
+            serial=serial,
+            qmp=qmp_path,
+            workload=wl,
+            disks=[
+                *blockdev_args(image, ovl, sock, mode=mode, **{"reconnect-delay": 1}),
+                "-device",
+                "virtio-blk-pci,drive=ovl",
+            ],
+        )
         qlog = tmp_path / "qemu.log"
         with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                    preexec_fn=_child_setup, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         qmp = QMP(qmp_path, timeout=30)
 
         # Kill the server while the guest boots, and bring it back.
@@ -125,8 +147,9 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
         qmp.command("quit")
         proc.wait(30)
 
-        got = dict((m.group(2), m.group(1)) for m in
-                   re.finditer(r"^([0-9a-f]{64})  (\S+)\s*$", text, re.M))
+        got = dict(
+            (m.group(2), m.group(1)) for m in re.finditer(r"^([0-9a-f]{64})  (\S+)\s*$", text, re.M)
+        )
         for f in files:
             assert got.get(f) == want[f], f"{f}: guest {got.get(f)} != image {want[f]}"
         assert got.get(copy) == want["/usr/bin/bash"], "copy written by the guest is wrong"

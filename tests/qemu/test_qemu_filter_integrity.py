@@ -50,9 +50,15 @@ from qemu_helpers import (
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 STOCK_QEMU_IO = "/usr/bin/qemu-io"
-SCALE = 3           # operations per batch = SCALE x the numbers below
-TRACE = ["pageshare_close", "pageshare_table", "pageshare_connect", "pageshare_disconnect",
-         "pageshare_no_table", "pageshare_table_refused"]
+SCALE = 3  # operations per batch = SCALE x the numbers below
+TRACE = [
+    "pageshare_close",
+    "pageshare_table",
+    "pageshare_connect",
+    "pageshare_disconnect",
+    "pageshare_no_table",
+    "pageshare_table_refused",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,38 +72,40 @@ class Workload:
     """Random reads and writes, with every read checked against the model
     and (per batch) against the stock qemu-io."""
 
-    def __init__(self, rnd: random.Random, qio: QemuIo, model: DiskModel, ovl: Path,
-                 listed: list[int]) -> None:
+    def __init__(
+        self, rnd: random.Random, qio: QemuIo, model: DiskModel, ovl: Path, listed: list[int]
+    ) -> None:
         self.rnd, self.qio, self.model, self.ovl = rnd, qio, model, ovl
-        self.listed = listed                  # listed 4 KiB block numbers
+        self.listed = listed  # listed 4 KiB block numbers
         self.reads = 0
         self.bytes = 0
         self.writes = 0
-        self.write_log: list[tuple[int, int]] = []   # (offset, length) in order
-        self.compared = 0                             # reads equal to stock's
+        self.write_log: list[tuple[int, int]] = []  # (offset, length) in order
+        self.compared = 0  # reads equal to stock's
 
     def _read_cmd(self) -> tuple[str, int, int]:
         r = self.rnd
         kind = r.random()
         blk = r.choice(self.listed)
-        if kind < 0.45:                       # aligned, whole listed blocks
+        if kind < 0.45:  # aligned, whole listed blocks
             off, n = blk * 4096, r.randint(1, 24) * 4096
             return f"read -v {off} {n}", off, n
-        if kind < 0.65:                       # misaligned start and length
+        if kind < 0.65:  # misaligned start and length
             off = blk * 4096 + r.randrange(0, 4096, 512)
             n = r.randrange(512, 48 * 1024, 512)
             return f"read -v {off} {n}", off, n
-        if kind < 0.72:                       # byte granular
+        if kind < 0.72:  # byte granular
             off = blk * 4096 + r.randrange(0, 4096)
             n = r.randrange(1, 20000)
             return f"read -v {off} {n}", off, n
-        if kind < 0.88:                       # several iov elements, some split pages
+        if kind < 0.88:  # several iov elements, some split pages
             off = blk * 4096 - r.choice([0, 0, 512, 2048])
             off = max(off, 0)
-            parts = [r.choice([512, 1024, 2048, 3584, 4096, 8192, 12288]) for _ in
-                     range(r.randint(2, 6))]
+            parts = [
+                r.choice([512, 1024, 2048, 3584, 4096, 8192, 12288]) for _ in range(r.randint(2, 6))
+            ]
             return f"readv -v {off} {' '.join(map(str, parts))}", off, sum(parts)
-        off = r.randrange(0, self.model.size - 65536, 512)   # anywhere
+        off = r.randrange(0, self.model.size - 65536, 512)  # anywhere
         n = r.randrange(512, 65536, 512)
         return f"read -v {off} {n}", off, n
 
@@ -128,8 +136,9 @@ class Workload:
             want = self.model.read(off, n)
             if got != want:
                 bad = next(i for i in range(n) if got[i] != want[i])
-                raise AssertionError(f"{cmd}: wrong data at offset {off + bad} "
-                                     f"(block {(off + bad) // 4096})")
+                raise AssertionError(
+                    f"{cmd}: wrong data at offset {off + bad} (block {(off + bad) // 4096})"
+                )
             done.append((off, n, got, len(self.write_log)))
             self.reads += 1
             self.bytes += n
@@ -170,7 +179,8 @@ def restart(server: Server) -> None:
 
 @pytest.mark.parametrize("overlay_kind", ["plain", "subclusters"])
 def test_reads_through_the_filter_equal_the_disk_chain(
-        small: tuple[Path, Path, str], tmp_path: Path, overlay_kind: str) -> None:
+    small: tuple[Path, Path, str], tmp_path: Path, overlay_kind: str
+) -> None:
     image, raw, sha = small
     q = qemu_build()
     ident = sectorlist.ImageIdentity(raw.stat().st_size, sha, image.name)
@@ -190,11 +200,29 @@ def test_reads_through_the_filter_equal_the_disk_chain(
 
         ovl = tmp_path / "ovl.qcow2"
         opts = ["-o", "extended_l2=on,cluster_size=64k"] if overlay_kind == "subclusters" else []
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, "-b", str(image),
-                        "-F", "qcow2", str(ovl)], check=True)
+        subprocess.run(
+            [
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                *opts,
+                "-b",
+                str(image),
+                "-F",
+                "qcow2",
+                str(ovl),
+            ],
+            check=True,
+        )
 
-        filter_opts: dict[str, object] = {"mode": "copy", "x-any-buffer": True,
-                                          "reconnect-delay": 1, "image-sha256": sha}
+        filter_opts: dict[str, object] = {
+            "mode": "copy",
+            "x-any-buffer": True,
+            "reconnect-delay": 1,
+            "image-sha256": sha,
+        }
         spec = image_opts(ovl, image, server=sock, opts=filter_opts)
         argv = [q.qemu_io, *(a for t in TRACE for a in ("-T", t)), "--image-opts", spec]
         qio = QemuIo(argv, stderr_path=tmp_path / "qemu-io.stderr")
@@ -211,6 +239,7 @@ def test_reads_through_the_filter_equal_the_disk_chain(
             restart(server)
             qio.idle(2.5)
             wl.check_with_stock(wl.batch(40 * SCALE))
+
             # 4. SIGKILL in the middle of a batch of reads.
             def kill() -> None:
                 if server.proc:
@@ -244,19 +273,31 @@ def test_reads_through_the_filter_equal_the_disk_chain(
         # The filter really worked in between the outages.
         assert c["merged"] > 500, (c, log[-3000:])
         assert c["hits"] >= c["merged"]
-        assert c["no_table"] > 0, c            # reads while the server was gone
-        assert c["connects"] >= 4, c           # start + three reconnects
+        assert c["no_table"] > 0, c  # reads while the server was gone
+        assert c["connects"] >= 4, c  # start + three reconnects
         assert c["failed"] < c["merged"] // 10, c
         assert "generation 2" in log, log[-3000:]
         assert wl.compared > wl.reads // 2, (wl.compared, wl.reads)
-        print(f"{wl.reads} reads ({wl.bytes >> 20} MiB, {wl.compared} compared byte for byte "
-              f"with the stock qemu-io), {wl.writes} writes; filter: {c}")
+        print(
+            f"{wl.reads} reads ({wl.bytes >> 20} MiB, {wl.compared} compared byte for byte "
+            f"with the stock qemu-io), {wl.writes} writes; filter: {c}"
+        )
 
         # 7. The whole disk through the filter equals the overlay read by the stock tools.
         wait_for(server.alive, 5, "server")
-        p = subprocess.run([q.qemu_img, "compare", "-U", "--image-opts", spec,
-                            f"driver=qcow2,file.driver=file,file.filename={ovl}"],
-                           capture_output=True, text=True, timeout=1200)
+        p = subprocess.run(
+            [
+                q.qemu_img,
+                "compare",
+                "-U",
+                "--image-opts",
+                spec,
+                f"driver=qcow2,file.driver=file,file.filename={ovl}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         assert "Images are identical" in p.stdout
     finally:
@@ -264,7 +305,8 @@ def test_reads_through_the_filter_equal_the_disk_chain(
 
 
 def test_the_server_hears_each_connections_own_counters(
-        small: tuple[Path, Path, str], tmp_path: Path) -> None:
+    small: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     """PROTOCOL.md's STATS: a client's counters for this connection.  After a
     reconnect the new server must not be told of the reads made before it,
     through the old connection or with none: those were the old server's,
@@ -283,15 +325,20 @@ def test_the_server_hears_each_connections_own_counters(
     try:
         server.wait_generation("small", 1)
         ovl = tmp_path / "ovl.qcow2"
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image),
-                        "-F", "qcow2", str(ovl)], check=True)
-        spec = image_opts(ovl, image, server=server.sock("small"),
-                          opts={"mode": "copy", "x-any-buffer": True,
-                                "reconnect-delay": 1, "image-sha256": sha})
-        qio = QemuIo([q.qemu_io, "--image-opts", spec],
-                     stderr_path=tmp_path / "qemu-io.stderr")
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
+            check=True,
+        )
+        spec = image_opts(
+            ovl,
+            image,
+            server=server.sock("small"),
+            opts={"mode": "copy", "x-any-buffer": True, "reconnect-delay": 1, "image-sha256": sha},
+        )
+        qio = QemuIo([q.qemu_io, "--image-opts", spec], stderr_path=tmp_path / "qemu-io.stderr")
         qio.start()
         try:
+
             def read_blocks(blocks: list[int]) -> None:
                 for b in blocks:
                     out = qio.cmd(f"read {b * 4096} 4096")

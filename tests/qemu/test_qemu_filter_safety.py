@@ -38,9 +38,9 @@ from qemu_helpers import QemuBuild, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
-BLOCKS = 8192                         # 32 MiB images
-LISTED = list(range(0, 1024, 2))      # 512 listed blocks
-NEW = 0xFE                            # bytes written in place (no pattern uses it)
+BLOCKS = 8192  # 32 MiB images
+LISTED = list(range(0, 1024, 2))  # 512 listed blocks
+NEW = 0xFE  # bytes written in place (no pattern uses it)
 
 
 def pattern(kind: str, block: int) -> int:
@@ -58,8 +58,11 @@ def make_image(path: Path, kind: str) -> Path:
 def make_list_for(raw: Path, dest: Path, blocks: list[int]) -> None:
     data = raw.read_bytes()
     ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), raw.name)
-    make_list(ident, {b * 8: hashlib.sha256(data[b * 4096:(b + 1) * 4096]).hexdigest()
-                      for b in blocks}, dest)
+    make_list(
+        ident,
+        {b * 8: hashlib.sha256(data[b * 4096 : (b + 1) * 4096]).hexdigest() for b in blocks},
+        dest,
+    )
 
 
 @dataclass
@@ -87,31 +90,57 @@ class Vm:
         self.stdout_path = tmp / f"{name}.stdout"
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
-                ["stdbuf", "-oL", q.qemu_system, "-M", "none", "-nodefaults",
-                 "-display", "none", "-qmp", f"unix:{self.qmp_path},server=on,wait=off"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+                [
+                    "stdbuf",
+                    "-oL",
+                    q.qemu_system,
+                    "-M",
+                    "none",
+                    "-nodefaults",
+                    "-display",
+                    "none",
+                    "-qmp",
+                    f"unix:{self.qmp_path},server=on,wait=off",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+            )
         self.qmp = QMP(self.qmp_path, timeout=30)
         self.out_pos = 0
 
-    def add_chain(self, base: Path, sock: Path, fmt: str = "raw",
-                  protocol: str = "file") -> None:
+    def add_chain(self, base: Path, sock: Path, fmt: str = "raw", protocol: str = "file") -> None:
         """overlay (qcow2, empty) <- pageshare (copy mode) <- base, as
         qemu-patches/README.md shows, with node names ovl, ps, base.
         ``protocol`` is the base's protocol driver (``host_device`` for a
         block device)."""
         ovl = self.tmp / f"{self.name}-ovl.qcow2"
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", fmt,
-                        str(ovl)], check=True)
-        self.blockdev_add({"driver": protocol, "node-name": "base-file", "filename": str(base),
-                           "read-only": True})
-        self.blockdev_add({"driver": fmt, "node-name": "base", "file": "base-file",
-                           "read-only": True})
-        self.blockdev_add({"driver": "pageshare", "node-name": "ps", "file": "base",
-                           "server": str(sock), "mode": "copy", "x-any-buffer": True,
-                           "reconnect-delay": 1, "read-only": True})
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", fmt, str(ovl)],
+            check=True,
+        )
+        self.blockdev_add(
+            {"driver": protocol, "node-name": "base-file", "filename": str(base), "read-only": True}
+        )
+        self.blockdev_add(
+            {"driver": fmt, "node-name": "base", "file": "base-file", "read-only": True}
+        )
+        self.blockdev_add(
+            {
+                "driver": "pageshare",
+                "node-name": "ps",
+                "file": "base",
+                "server": str(sock),
+                "mode": "copy",
+                "x-any-buffer": True,
+                "reconnect-delay": 1,
+                "read-only": True,
+            }
+        )
         self.blockdev_add({"driver": "file", "node-name": "ovl-file", "filename": str(ovl)})
-        self.blockdev_add({"driver": "qcow2", "node-name": "ovl", "file": "ovl-file",
-                           "backing": "ps"})
+        self.blockdev_add(
+            {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"}
+        )
 
     def blockdev_add(self, args: dict[str, Any]) -> None:
         self.qmp.command("blockdev-add", None, **args)
@@ -171,14 +200,15 @@ def servers() -> Iterator[list[Server]]:
         yield made
     finally:
         for s in made:
-            if s.proc:      # a test may have left it stopped
+            if s.proc:  # a test may have left it stopped
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(s.proc.pid, signal.SIGCONT)
             s.stop(signal.SIGKILL)
 
 
-def start_server(servers: list[Server], d: Path, name: str, path: Path, lst: Path,
-                 extra: str = "") -> Server:
+def start_server(
+    servers: list[Server], d: Path, name: str, path: Path, lst: Path, extra: str = ""
+) -> Server:
     s = Server(d, [ImageSpec(name, path, list_file=lst, fmt="raw")], extra=extra)
     servers.append(s)
     s.start()
@@ -186,8 +216,15 @@ def start_server(servers: list[Server], d: Path, name: str, path: Path, lst: Pat
     return s
 
 
-def new_vm(vms: list[Vm], tmp: Path, name: str, base: Path, sock: Path, fmt: str = "raw",
-           protocol: str = "file") -> Vm:
+def new_vm(
+    vms: list[Vm],
+    tmp: Path,
+    name: str,
+    base: Path,
+    sock: Path,
+    fmt: str = "raw",
+    protocol: str = "file",
+) -> Vm:
     vm = Vm(qemu_build(), tmp, name)
     vms.append(vm)
     vm.add_chain(base, sock, fmt, protocol)
@@ -198,8 +235,9 @@ def expect(kind: str) -> dict[int, int]:
     return {b: pattern(kind, b) for b in LISTED}
 
 
-def test_control_the_same_file_is_served(images: Images, tmp_path: Path, vms: list[Vm],
-                                         servers: list[Server]) -> None:
+def test_control_the_same_file_is_served(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     lst = tmp_path / "a.pcsl"
     make_list_for(images.a, lst, LISTED)
     srv = start_server(servers, tmp_path / "srv", "img", images.a, lst)
@@ -210,8 +248,9 @@ def test_control_the_same_file_is_served(images: Images, tmp_path: Path, vms: li
     assert st["fallback-unproven"] == 0 and not st["base-changed"], st
 
 
-def test_wrong_socket_same_size(images: Images, tmp_path: Path, vms: list[Vm],
-                                servers: list[Server]) -> None:
+def test_wrong_socket_same_size(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """A VM over B pointed at the server of A (same virtual size, no
     image-sha256, as the README's first example): B's bytes, nothing merged."""
     lst = tmp_path / "a.pcsl"
@@ -224,12 +263,13 @@ def test_wrong_socket_same_size(images: Images, tmp_path: Path, vms: list[Vm],
     assert st["merged"] == 0 and st["fallback-unproven"] >= len(LISTED), st
     err = vm.stderr()
     assert "not using its table" in err and "another file" in err, err
-    assert err.count("not using its table") == 1, err      # one warning, not one per read
-    assert "Point 'server' at the socket" in err, err       # and what to do about it
+    assert err.count("not using its table") == 1, err  # one warning, not one per read
+    assert "Point 'server' at the socket" in err, err  # and what to do about it
 
 
-def test_images_swapped_on_restart(images: Images, tmp_path: Path, vms: list[Vm],
-                                   servers: list[Server]) -> None:
+def test_images_swapped_on_restart(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """Two servers restart with their images swapped: each VM's socket now
     serves the other image."""
     la, lb = tmp_path / "a.pcsl", tmp_path / "b.pcsl"
@@ -253,8 +293,11 @@ def test_images_swapped_on_restart(images: Images, tmp_path: Path, vms: list[Vm]
         s.start()
         s.wait_generation("img", 1)
     for vm in (vma, vmb):
-        wait_for(lambda vm=vm: vm.stats()["connected"] and vm.stats().get("generation"), 30,
-                 f"{vm.name} reconnected")
+        wait_for(
+            lambda vm=vm: vm.stats()["connected"] and vm.stats().get("generation"),
+            30,
+            f"{vm.name} reconnected",
+        )
     for _ in range(2):
         assert vma.wrong_blocks(expect("A")) == []
         assert vmb.wrong_blocks(expect("B")) == []
@@ -262,8 +305,9 @@ def test_images_swapped_on_restart(images: Images, tmp_path: Path, vms: list[Vm]
     assert vma.stats()["fallback-unproven"] >= len(LISTED)
 
 
-def test_base_replaced_by_rename_while_in_use(images: Images, tmp_path: Path, vms: list[Vm],
-                                              servers: list[Server]) -> None:
+def test_base_replaced_by_rename_while_in_use(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """The base is replaced by rename and a list for the new file is
     published while a VM still has the old file open."""
     path = tmp_path / "golden.raw"
@@ -281,7 +325,7 @@ def test_base_replaced_by_rename_while_in_use(images: Images, tmp_path: Path, vm
     make_list_for(path, lst, LISTED)
     srv.wait_generation("img", 2)
     wait_for(lambda: old.stats().get("generation") == 2, 30, "the VM got generation 2")
-    assert old.wrong_blocks(expect("A")) == []            # its file is still A
+    assert old.wrong_blocks(expect("A")) == []  # its file is still A
     st = old.stats()
     assert st["merged"] == len(LISTED) and st["fallback-unproven"] >= len(LISTED), st
     # A VM started now opens the new file, which the server verified: served.
@@ -315,7 +359,7 @@ class HoldingProxy:
             while (got := psc.recv_frame(src)) is not None:
                 kind, payload, fds = got
                 if held:
-                    self.release.wait()     # a message read before hold is held too
+                    self.release.wait()  # a message read before hold is held too
                 socket.send_fds(dst, [psc.frame(kind, payload)], fds)
                 for fd in fds:
                     os.close(fd)
@@ -331,10 +375,12 @@ class HoldingProxy:
                 upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 upstream.connect(str(self.server))
                 self.socks += [client, upstream]
-                threading.Thread(target=self._pump, args=(client, upstream, False),
-                                 daemon=True).start()
-                threading.Thread(target=self._pump, args=(upstream, client, True),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._pump, args=(client, upstream, False), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pump, args=(upstream, client, True), daemon=True
+                ).start()
 
     def close(self) -> None:
         self.release.set()
@@ -344,9 +390,9 @@ class HoldingProxy:
             s.close()
 
 
-def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Path,
-                                                   vms: list[Vm],
-                                                   servers: list[Server]) -> None:
+def test_stalled_client_never_reads_released_pages(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """A client that misses client_switch_timeout_secs while the server
     reloads a smaller list: the server says BYE and releases the old
     blocks, but the client has not heard it and still reads with the old
@@ -354,8 +400,14 @@ def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Pat
     from disk), never read as zeros or as anything else."""
     lst = tmp_path / "a.pcsl"
     make_list_for(images.a, lst, LISTED)
-    srv = start_server(servers, tmp_path / "srv", "img", images.a, lst,
-                       extra="[limits]\nclient_switch_timeout_secs = 1")
+    srv = start_server(
+        servers,
+        tmp_path / "srv",
+        "img",
+        images.a,
+        lst,
+        extra="[limits]\nclient_switch_timeout_secs = 1",
+    )
     proxy = HoldingProxy(tmp_path / "proxy.sock", srv.sock("img"))
     try:
         vm = new_vm(vms, tmp_path, "vm", images.a, proxy.path)
@@ -364,11 +416,14 @@ def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Pat
 
         kept = LISTED[::4]
         released = [b for b in LISTED if b not in kept]
-        proxy.release.clear()              # the filter hears nothing from now on
+        proxy.release.clear()  # the filter hears nothing from now on
         make_list_for(images.a, lst, kept)
         srv.wait_generation("img", 2)
-        wait_for(lambda: "did not acknowledge" in srv.log_text(), 30,
-                 "the server gives up on the silent client and releases generation 1")
+        wait_for(
+            lambda: "did not acknowledge" in srv.log_text(),
+            30,
+            "the server gives up on the silent client and releases generation 1",
+        )
         time.sleep(1.0)
         st = vm.stats()
         assert st["connected"] and st["generation"] == 1, st
@@ -381,14 +436,18 @@ def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Pat
         assert after["fallback-merge-failed"] - st["fallback-merge-failed"] == len(released), after
         assert after["last-merge-errno"] != 0, after
 
-        proxy.release.set()                # the filter hears TABLE 2 and BYE, reconnects
+        proxy.release.set()  # the filter hears TABLE 2 and BYE, reconnects
 
         def reconnected() -> bool:
             # a new connection: TABLE 2 arrives on the old one too, just
             # before its BYE, and reads in between go to disk
             now = vm.stats()
-            return bool(now["connected"] and now.get("generation") == 2
-                        and now["connects"] > after["connects"])
+            return bool(
+                now["connected"]
+                and now.get("generation") == 2
+                and now["connects"] > after["connects"]
+            )
+
         wait_for(reconnected, 30, "the filter reconnects and gets generation 2")
         assert vm.wrong_blocks(expect("A")) == []
         assert vm.stats()["merged"] == after["merged"] + len(kept)
@@ -396,8 +455,9 @@ def test_stalled_client_never_reads_released_pages(images: Images, tmp_path: Pat
         proxy.close()
 
 
-def test_base_overwritten_in_place(images: Images, tmp_path: Path, vms: list[Vm],
-                                   servers: list[Server]) -> None:
+def test_base_overwritten_in_place(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """The base is written in place under a running VM.  The server is
     stopped (SIGSTOP) so that it cannot withdraw the table: the filter alone
     must notice the change before it serves a changed block."""
@@ -428,8 +488,9 @@ def test_base_overwritten_in_place(images: Images, tmp_path: Path, vms: list[Vm]
     assert "changed while this VM uses it" in vm.stderr()
 
 
-def test_base_rewritten_through_a_hard_link(images: Images, tmp_path: Path, vms: list[Vm],
-                                            servers: list[Server]) -> None:
+def test_base_rewritten_through_a_hard_link(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """The same file rewritten through a hard link in another directory:
     the server notices (its watch is on the inode) and the VM reads the new
     bytes."""
@@ -455,7 +516,8 @@ def test_base_rewritten_through_a_hard_link(images: Images, tmp_path: Path, vms:
 
 
 def test_metadata_changes_share_again_and_a_write_does_not(
-        images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]) -> None:
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """A chmod, a chown (libvirt's DAC driver at a domain's start), a new
     hard link and a touch -d that puts the mtime back, each with the base's
     bytes unchanged: the filter sees the new ctime after a merge and reads
@@ -512,13 +574,14 @@ def test_metadata_changes_share_again_and_a_write_does_not(
         def merging(before: int = before, probe: int = probe) -> bool:
             assert vm.read_ok(probe, want[probe])
             return bool(vm.stats()["merged"] > before)
+
         wait_for(merging, 30, f"{what}: the VM merges again")
         resumed[what] = time.monotonic() - t0
         st = vm.stats()
         assert not st["base-changed"] and st["generation"] == gen, (what, st)
         assert vm.wrong_blocks(want) == [], what
         assert "only the file's metadata changed" in srv.log_text(), what
-    assert path.stat().st_mtime_ns == stamp.st_mtime_ns      # touch -d put it back
+    assert path.stat().st_mtime_ns == stamp.st_mtime_ns  # touch -d put it back
     print("merging again after", {k: round(v, 1) for k, v in resumed.items()}, "s")
     assert max(resumed.values()) < 15, resumed
     err = vm.stderr()
@@ -535,6 +598,7 @@ def test_metadata_changes_share_again_and_a_write_does_not(
         finally:
             os.close(fd)
         want[LISTED[0]] = NEW
+
     while_stopped(write)
     wait_for(lambda: srv.image("img")["state"] == "refused", 30, "the list is refused")
     before = vm.stats()["merged"]
@@ -545,34 +609,57 @@ def test_metadata_changes_share_again_and_a_write_does_not(
     img = srv.image("img")
     assert img["clients_proof"]["base-changed"] == 1, img
     # the metrics text is rendered from the status every 0.5 s
-    wait_for(lambda: 'pageshare_image_clients_by_proof{image="img",proof="base-changed"} 1'
-             in srv.metrics(), 5, "the metrics count it")
+    wait_for(
+        lambda: (
+            'pageshare_image_clients_by_proof{image="img",proof="base-changed"} 1' in srv.metrics()
+        ),
+        5,
+        "the metrics count it",
+    )
     findings = list(hostcheck.check_server(srv.control))
     said = [f for f in findings if "do not share its pages" in f.what]
     assert len(said) == 1 and "base-changed" in said[0].what, findings
     assert str(vm.proc.pid) in said[0].what and "restart those VMs" in said[0].fix, said
 
 
-def test_overlay_opened_without_backing_is_refused(images: Images, tmp_path: Path,
-                                                   vms: list[Vm],
-                                                   servers: list[Server]) -> None:
+def test_overlay_opened_without_backing_is_refused(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """A qcow2 overlay opened with "backing": null directly under the
     filter is not the base: refused at open."""
     lst = tmp_path / "a.pcsl"
     make_list_for(images.a, lst, LISTED)
     srv = start_server(servers, tmp_path / "srv", "img", images.a, lst)
     ovl = tmp_path / "mid.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(images.a), "-F", "raw",
-                    str(ovl)], check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(images.a), "-F", "raw", str(ovl)],
+        check=True,
+    )
     vm = Vm(qemu_build(), tmp_path, "vm")
     vms.append(vm)
-    vm.blockdev_add({"driver": "file", "node-name": "mid-file", "filename": str(ovl),
-                     "read-only": True})
-    vm.blockdev_add({"driver": "qcow2", "node-name": "mid", "file": "mid-file", "backing": None,
-                     "read-only": True})
+    vm.blockdev_add(
+        {"driver": "file", "node-name": "mid-file", "filename": str(ovl), "read-only": True}
+    )
+    vm.blockdev_add(
+        {
+            "driver": "qcow2",
+            "node-name": "mid",
+            "file": "mid-file",
+            "backing": None,
+            "read-only": True,
+        }
+    )
     with pytest.raises(QMPError, match="opened without it"):
-        vm.blockdev_add({"driver": "pageshare", "node-name": "ps", "file": "mid",
-                         "server": str(srv.sock("img")), "mode": "copy", "read-only": True})
+        vm.blockdev_add(
+            {
+                "driver": "pageshare",
+                "node-name": "ps",
+                "file": "mid",
+                "server": str(srv.sock("img")),
+                "mode": "copy",
+                "read-only": True,
+            }
+        )
 
 
 def assert_read_from_disk(vm: Vm, want: dict[int, int], why: str) -> None:
@@ -591,16 +678,21 @@ def assert_read_from_disk(vm: Vm, want: dict[int, int], why: str) -> None:
 
 @pytest.fixture
 def loop_device(images: Images) -> Iterator[Path]:
-    dev = subprocess.run(["losetup", "--find", "--show", "--read-only", str(images.a)],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    dev = subprocess.run(
+        ["losetup", "--find", "--show", "--read-only", str(images.a)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     try:
         yield Path(dev)
     finally:
         subprocess.run(["losetup", "--detach", dev], check=False)
 
 
-def test_block_device_base_reads_from_disk(images: Images, tmp_path: Path, vms: list[Vm],
-                                           servers: list[Server], loop_device: Path) -> None:
+def test_block_device_base_reads_from_disk(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server], loop_device: Path
+) -> None:
     """The base is a block device (host_device over a loop device of the
     very file the server verified).  A write to a block device moves no
     stamp the filter could see, so it is never proven: read from disk."""
@@ -611,17 +703,31 @@ def test_block_device_base_reads_from_disk(images: Images, tmp_path: Path, vms: 
     assert_read_from_disk(vm, expect("A"), "not a local file")
 
 
-def test_qcow2_with_external_data_file_reads_from_disk(images: Images, tmp_path: Path,
-                                                       vms: list[Vm],
-                                                       servers: list[Server]) -> None:
+def test_qcow2_with_external_data_file_reads_from_disk(
+    images: Images, tmp_path: Path, vms: list[Vm], servers: list[Server]
+) -> None:
     """A qcow2 base whose data sits in an external raw file: the server
     verifies it (qemu-storage-daemon reads both files), but the data file can
     change without the qcow2 file's stamp moving, so the filter has no proof
     for it and reads from disk."""
     data = tmp_path / "a-data.raw"
     base = tmp_path / "a-ext.qcow2"
-    subprocess.run(["qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", "-o",
-                    f"data_file={data},data_file_raw=on", str(images.a), str(base)], check=True)
+    subprocess.run(
+        [
+            "qemu-img",
+            "convert",
+            "-q",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            f"data_file={data},data_file_raw=on",
+            str(images.a),
+            str(base),
+        ],
+        check=True,
+    )
     lst = tmp_path / "a.pcsl"
     make_list_for(images.a, lst, LISTED)
     srv = Server(tmp_path / "srv", [ImageSpec("img", base, list_file=lst, fmt="qcow2")])

@@ -12,8 +12,12 @@ from qemu_helpers import REPO, qemu_build
 
 def test_iotests_pass() -> None:
     qemu_build()  # build (cached) first, so that a build failure reads as one
-    p = subprocess.run([sys.executable, str(REPO / "qemu-patches" / "run-iotests.py")],
-                       capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "qemu-patches" / "run-iotests.py")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     assert "pageshare" in out and "Passed all" in out, out[-3000:]
