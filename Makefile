@@ -23,13 +23,20 @@ demo: deps
 	$(PY) -m pageshare.golden --variant demo
 	.venv/bin/analyze-image $$($(PY) -m pageshare.golden --variant demo)
 
+PY_DIRS := analyzer tests bench kernel-syscall qemu-patches page-server packaging
+
+# checkpatch on both series needs their sources: the kernel's and QEMU's
+# (fetched and cached as the tests fetch them, which the tests need anyway).
 lint: deps
-	.venv/bin/ruff check analyzer tests bench kernel-syscall qemu-patches page-server packaging
+	.venv/bin/ruff check $(PY_DIRS)
+	.venv/bin/ruff format --check $(PY_DIRS)
 	.venv/bin/mypy
 	cd page-server && $(CARGO) fmt --check && $(CARGO) fmt --check --manifest-path fuzz/Cargo.toml
 	cd page-server && $(CARGO) clippy --release --locked --all-targets -- -D warnings
 	shellcheck $(SHELL_SCRIPTS)
 	$(MAKE) -s -C crash-ext clean all
+	$(PY) kernel-syscall/ktest.py check-series --no-build
+	$(PY) qemu-patches/series.py checkpatch
 
 unit: deps
 	$(PY) -m pytest -q -m "not vm"
