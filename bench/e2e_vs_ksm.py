@@ -1357,7 +1357,8 @@ def main() -> int:
     ap.add_argument(
         "--frontier",
         action="store_true",
-        help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} (about 90 min of VM time)",
+        help=f"run the CPU/memory frontier instead: {','.join(FRONTIER)} (10-30 min "
+        "of VM time each here, under TCG: docs/benchmarks.md, 'Run time')",
     )
     ap.add_argument(
         "--feedback",
