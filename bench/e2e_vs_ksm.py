@@ -857,12 +857,28 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
             "page_reporting_order": (freed[0][4] if freed and freed[0][4] != "-" else None),
         }
         c.update(at_reads_end(series, stamps[cfg]))
+        c["thp_events"] = thp_events(events[cfg])
         c["merge_batches"] = merge_batches(rows["fallback"], cfg, t_begin, t_end)
         c.update(census(hs, series, gids, at))
         c.update(cpu_beyond(hs))
         out["configs"][cfg] = c
     sharing_costs(out["configs"])
     return out
+
+
+def thp_events(ev: dict[str, tuple[int, str]]) -> dict[str, int] | None:
+    """The host's huge page events in the configuration, from its sampled
+    start to its end (driver.sh's thp-begin and thp-end: /proc/vmstat's
+    thp_split_pmd, thp_split_page, thp_collapse_alloc, thp_fault_alloc);
+    None for a run without them."""
+    if "thp-begin" not in ev or "thp-end" not in ev:
+        return None
+
+    def parse(text: str) -> dict[str, int]:
+        return {k: int(v) for k, _, v in (f.partition("=") for f in text.split()) if v.isdigit()}
+
+    begin, end = parse(ev["thp-begin"][1]), parse(ev["thp-end"][1])
+    return {k.removeprefix("thp_"): end[k] - begin[k] for k in sorted(end) if k in begin}
 
 
 def merge_batches(
@@ -1114,6 +1130,9 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             ".1f",
         ),
         ("huge pages collapsed by khugepaged in the pageshare host", "thp_collapses", "d"),
+        ("host's huge page PMDs split (thp_split_pmd)", ("thp_events", "split_pmd"), "d"),
+        ("host's huge pages split (thp_split_page)", ("thp_events", "split_page"), "d"),
+        ("host's huge pages made by faults (thp_fault_alloc)", ("thp_events", "fault_alloc"), "d"),
         (
             "guests' RAM in huge pages at the end of the workload, MiB",
             "anon_huge_mib_work_done",
@@ -1155,7 +1174,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             if "error" in d:
                 vals.append(d["error"])
                 continue
-            v = d[key[0]][key[1]] if isinstance(key, tuple) else d.get(key)
+            v = (d.get(key[0]) or {}).get(key[1]) if isinstance(key, tuple) else d.get(key)
             vals.append(fmt(v, spec))
         out.append(f"| {label} | " + " | ".join(vals) + " |")
     return "\n".join(out + frontier(summary["configs"])) + "\n"

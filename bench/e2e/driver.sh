@@ -435,12 +435,21 @@ inject_faults() {
     ev fault ksmd-on
 }
 
+# The host's huge page events so far (/proc/vmstat): a merge into a huge
+# page of guest RAM splits its PMD first, and khugepaged's collapses copy
+# pages (KSM's among them) into new huge pages.
+thp_counters() {
+    grep -E '^thp_(fault_alloc|collapse_alloc|split_page|split_pmd) ' /proc/vmstat |
+        tr ' ' = | tr '\n' ' '
+}
+
 run_config() { # name filter ksm(off/default/advisor) balloon
     cfg=$1 c_filter=$2 c_ksm=$3 c_balloon=$4
     ev begin "filter=$c_filter ksm=$c_ksm balloon=$c_balloon guests=$GUESTS guest_mib=$GUEST_MIB"
     ksm_defaults
     case $cfg in *-pts[0-9]*) echo "${cfg##*-pts}" > $K/pages_to_scan ;; esac
     ev ksm-knobs "pages_to_scan=$(cat $K/pages_to_scan) sleep_millisecs=$(cat $K/sleep_millisecs)"
+    ev thp-begin "$(thp_counters)"
     if [ "$c_ksm" = off ]; then
         echo 0 > $K/run
     else
@@ -496,6 +505,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     done
     [ "$c_filter" = 1 ] && ev server-log "$(tr '\n' '|' < $W/server.log | cut -c1-600)"
     sleep "$OBSERVE"
+    ev thp-end "$(thp_counters)"
     ev end
     [ "$c_filter" = 1 ] && feedback_dump
     for i in $(seq 1 "$GUESTS"); do dump_guest_log "$i"; done

@@ -770,6 +770,55 @@ def test_summary_huge_pages() -> None:
     assert c["anon_huge_mib_end"] is None
 
 
+def test_summary_host_huge_page_events(tmp_path: Path) -> None:
+    """driver.sh's thp-begin and thp-end events: its thp_counters on a
+    /proc/vmstat as the kernel writes it, and the summary's differences
+    between them; a run without the events reports none."""
+    driver = (REPO / "bench/e2e/driver.sh").read_text()
+    func = driver[driver.index("thp_counters() {") : driver.index("run_config() {")]
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text(
+        "nr_free_pages 100\nthp_fault_alloc 7\nthp_fault_fallback 1\n"
+        "thp_collapse_alloc 2\nthp_split_page 3\nthp_split_page_failed 9\n"
+        "thp_split_pmd 11\n"
+    )
+    out = subprocess.run(
+        ["sh", "-c", func.replace("/proc/vmstat", str(vmstat)) + "thp_counters"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.split() == [
+        "thp_fault_alloc=7",
+        "thp_collapse_alloc=2",
+        "thp_split_page=3",
+        "thp_split_pmd=11",
+    ]
+    lines = [
+        "E2E-EV pageshare 0 begin filter=1",
+        f"E2E-EV pageshare 10 thp-begin {out.strip()}",
+        _g("pageshare", 100, 1, 10, 10),
+        _h("pageshare", 100, 0, 0, 0, 0, 0),
+        "E2E-EV pageshare 200 work-done",
+        "E2E-EV pageshare 300 thp-end thp_fault_alloc=9 thp_collapse_alloc=2 "
+        "thp_split_page=3 thp_split_pmd=40 ",
+        "E2E-EV pageshare 310 end",
+    ]
+    st = e2e.Settings(1, 384, 6144, 10, 1000, ["pageshare"], "", "", 100)
+    s = e2e.summarize(e2e.parse(lines), st, 10)
+    assert s["configs"]["pageshare"]["thp_events"] == {
+        "collapse_alloc": 0,
+        "fault_alloc": 2,
+        "split_page": 0,
+        "split_pmd": 29,
+    }
+    assert "| host's huge page PMDs split (thp_split_pmd) | 29 |" in e2e.markdown(s, "c", "f")
+    old = [x for x in lines if " thp-" not in x]
+    s = e2e.summarize(e2e.parse(old), st, 10)
+    assert s["configs"]["pageshare"]["thp_events"] is None
+    assert "| host's huge page PMDs split (thp_split_pmd) | - |" in e2e.markdown(s, "c", "f")
+
+
 def test_symbolize(tmp_path: Path) -> None:
     m = tmp_path / "System.map"
     m.write_text(
