@@ -24,7 +24,9 @@ Packages (``--list``):
   profiles: ``/etc/apparmor.d/abstractions/pageshare-qemu`` (libvirt's
   QEMU: pageshare-qemu and the page server's sockets) and
   ``/etc/apparmor.d/abstractions/pageshare-libvirtd`` (libvirtd: executing
-  pageshare-qemu).  Architecture all, Depends python3 only.
+  pageshare-qemu); and the operator's guide, ``docs/install.md``, beside
+  the README in ``/usr/share/doc/pageshare-host``.  Architecture all,
+  Depends python3 only.
 - ``pageshare``: the analyzer, for the machine that analyzes images:
   ``analyze-image`` (a link to pageshare-host's ``/usr/bin/pageshare``,
   on which it depends, same version), the analyzer's modules (every module
@@ -300,9 +302,14 @@ PACKAGES: dict[str, Package] = {
             "analyzer/pageshare-libvirtd.apparmor": "pageshare-libvirtd.apparmor",
             "packaging/pageshare-host/bin/pageshare": "bin/pageshare",
             "README.md": "README.md",
+            "docs/install.md": "install.md",
             "packaging/pageshare-host/debian": "debian",
         },
-        must_contain=(*HOST_FILES, "usr/share/doc/pageshare-host/copyright"),
+        must_contain=(
+            *HOST_FILES,
+            "usr/share/doc/pageshare-host/install.md",
+            "usr/share/doc/pageshare-host/copyright",
+        ),
         conffiles=(
             "/etc/libvirt/hooks/qemu.d/pageshare",
             "/etc/pageshare/libvirt.toml",

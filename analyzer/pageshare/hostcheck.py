@@ -93,9 +93,11 @@ def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
         "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
         "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
         "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
-        'and reboot into it (README, "Installing the patched kernel"); '
-        "on 6.13+ the syscall numbers belong to other calls, so a stock kernel is never "
-        "used",
+        "and reboot into it; if this host ran it before, see which kernel GRUB boots by "
+        "default (a newer Debian kernel sorts first) and pin the pageshare kernel in "
+        '/etc/default/grub (docs/install.md, "The patched kernel", also in '
+        "/usr/share/doc/pageshare-host/); on 6.13+ the syscall numbers belong to other "
+        "calls, so a stock kernel is never used",
         details={"release": rel, "missing": str(counter)},
     )
 
@@ -795,9 +797,9 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
 # --------------------------------------------------------------------------- AppArmor
 
 
-# The operator's line for each of libvirt's profiles (README, "Installing the
-# host tools on a hypervisor"); `if exists`, so that a profile still
-# compiles once pageshare-host is purged.
+# The operator's line for each of libvirt's profiles (docs/install.md,
+# "libvirt"); `if exists`, so that a profile still compiles once
+# pageshare-host is purged.
 QEMU_INCLUDE = "include if exists <abstractions/pageshare-qemu>"
 LIBVIRTD_INCLUDE = "include if exists <abstractions/pageshare-libvirtd>"
 # The profiles that may confine the daemon running QEMU: Debian's libvirtd;

@@ -306,10 +306,10 @@ user (Debian's default, libvirt-qemu) does once the server runs as that
 user and group with no capability, which the shipped drop-in does: copy
 /usr/share/doc/pageshare-server/examples/unprivileged-qemu.conf into
 /etc/systemd/system/pageshare-server.service.d/, `systemctl daemon-reload`
-and restart pageshare-server (README, "Installing the page server on a
-host").  Otherwise QEMU logs "may not read the page server's memory" once
-and reads every block from disk: right bytes, nothing shared; `pageshare
-host check` names such guests and why.
+and restart pageshare-server (docs/install.md, "The page server").
+Otherwise QEMU logs "may not read the page server's memory" once and reads
+every block from disk: right bytes, nothing shared; `pageshare host check`
+names such guests and why.
 
 examples:
   systemctl status pageshare-libvirt-watch    # the packaged unit (libvirtd, python3-libvirt)

@@ -194,7 +194,7 @@ EMULATOR = "/usr/lib/pageshare-qemu/bin/qemu-system-x86_64"
 
 def apparmor_tree(tmp: Path, *, qemu: bool, libvirtd: bool, copy_mode: bool = False) -> Path:
     """A copy of this host's /etc/apparmor.d with pageshare-host's parts
-    installed, and included where host check says (and the README), as
+    installed, and included where host check says (and docs/install.md), as
     asked."""
     assert (ETC_APPARMOR / "usr.sbin.libvirtd").exists(), (
         "libvirt's AppArmor profiles are missing (scripts/install-deps.sh installs libvirt)"
@@ -243,7 +243,7 @@ def test_the_apparmor_parts_compile_in_libvirts_profiles(copy_mode: bool, tmp_pa
     """libvirt's per-domain profile (TEMPLATE.qemu, as virt-aa-helper fills
     it) with pageshare-qemu included from libvirt's local abstraction, and
     libvirtd's profile with pageshare-libvirtd included from its local
-    file, as the README says; also with the copy-mode lines uncommented."""
+    file, as docs/install.md says; also with the copy-mode lines uncommented."""
     root = apparmor_tree(tmp_path, qemu=True, libvirtd=True, copy_mode=copy_mode)
     template = apparmor_parser(root, root / "libvirt" / "TEMPLATE.qemu", "-p")
     assert "/run/pageshare/*.sock rw," in template and "ptrace (read) peer=unconfined," in template
@@ -462,7 +462,7 @@ def test_apparmor_includes_follows_what_apparmor_parser_reads(tmp_path: Path) ->
 
 
 def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) -> None:
-    """With this host's real profiles: the lines the README gives are ok,
+    """With this host's real profiles: the lines docs/install.md gives are ok,
     and a profile that no longer compiles once included is an error."""
     from pageshare.hostcheck import check_apparmor
 
@@ -481,16 +481,21 @@ def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) ->
     assert "conflicting x modifiers" in daemon.what, daemon
 
 
-def test_the_readme_and_the_parts_give_host_checks_lines() -> None:
-    """One line per profile, the same wherever it is written."""
+def test_install_md_and_the_parts_give_host_checks_lines() -> None:
+    """One line per profile, the same wherever it is written: host check,
+    the operator's guide (docs/install.md; the README and ARCHITECTURE.md
+    point there) and each part's own header."""
     from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
 
-    readme = (REPO / "README.md").read_text()
+    guide = (REPO / "docs" / "install.md").read_text()
     for line, local, part in (
         (QEMU_INCLUDE, "/etc/apparmor.d/local/abstractions/libvirt-qemu", "pageshare-qemu"),
         (LIBVIRTD_INCLUDE, "/etc/apparmor.d/local/usr.sbin.libvirtd", "pageshare-libvirtd"),
     ):
-        assert f"echo '{line}' >> {local}" in readme, line
+        assert f"echo '{line}' >> {local}" in guide, line
         header = (REPO / "analyzer" / f"{part}.apparmor").read_text()
         assert f"#   echo '{line}' \\\n#       >> {local}\n" in header, part
-    assert "apparmor_parser -r /etc/apparmor.d/usr.sbin.libvirtd" in readme
+    assert "apparmor_parser -r /etc/apparmor.d/usr.sbin.libvirtd" in guide
+    # Debian 13: the domains' line in a file of its own, as host check gives it
+    dropins = "/etc/apparmor.d/abstractions/libvirt-qemu.d"
+    assert f"mkdir -p {dropins} && echo '{QEMU_INCLUDE}' > {dropins}/pageshare-qemu" in guide

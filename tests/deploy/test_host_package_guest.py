@@ -23,7 +23,7 @@ guest has no network.  Checked, on Debian 12 (small) and 13 (trixie):
   Debian's libvirt runs QEMU by default (user libvirt-qemu, and the
   server with its unprivileged-qemu.conf drop-in): the AppArmor
   abstraction parses included from libvirt's local abstraction, the way
-  the README says to include it (``apparmor_parser -Q -K`` on libvirt's
+  docs/install.md says to include it (``apparmor_parser -Q -K`` on libvirt's
   TEMPLATE.qemu); the watcher, started by systemd, runs with only
   CAP_DAC_READ_SEARCH and CAP_DAC_OVERRIDE, no new privileges, a seccomp
   filter and no network, and attaches the filter to a domain that ``virsh
