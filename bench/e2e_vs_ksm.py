@@ -75,6 +75,8 @@ import e2e_migration  # noqa: E402
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 # ksm-ptsN, pageshare-ptsN: "ksm" or "pageshare" with ksmd's pages_to_scan N
 SCAN_RATE = re.compile(r"(ksm|pageshare)-pts(\d+)")
+# NAME-rN: configuration NAME run again, a repeat of its own in the results
+REPEAT = re.compile(r"(.+)-r(\d+)")
 # --frontier: KSM alone at several scan rates and the advisor, pageshare with
 # ksmd at the default and much lower, and "none" (the baseline the
 # kworkers' and the machine's CPU are taken against)
@@ -373,6 +375,18 @@ class Settings:
     mixed: bool = False  # guests not in lockstep (MIXED)
     pressure_mib: int = 0  # host memory pressure: filler MiB (driver.sh pressure_on)
     feedback: bool = False  # Redis in the host VM, the read feedback dumped (feedback.json)
+    corunner_mib: int = 0  # --corunner: the last guest hashes this many MiB, reads nothing
+
+
+def base_config(name: str) -> str:
+    """A configuration's name without its repeat suffix (NAME-rN)."""
+    m = REPEAT.fullmatch(name)
+    return m.group(1) if m else name
+
+
+def known_config(name: str) -> bool:
+    base = base_config(name)
+    return base in CONFIGS or SCAN_RATE.fullmatch(base) is not None
 
 
 def host_preflight(ksm: Path, need_host_ksm: bool) -> None:
@@ -506,7 +520,7 @@ def build_payload(
         )
         with open(pd / "e2e.env", "a") as env:
             env.write(
-                migrate_env(st) + mixed_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n"
+                migrate_env(st) + guest_args_env(st) + f"PRESSURE_MIB={st.pressure_mib}\n"
                 f"FEEDBACK={int(st.feedback)}\n"
             )
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
@@ -514,15 +528,20 @@ def build_payload(
         cpio_gz(top, out)
 
 
-def mixed_env(st: Settings) -> str:
+def guest_args_env(st: Settings) -> str:
     """driver.sh's GUEST_ARGS_i: each guest's kernel arguments for
-    guest-init.sh with --mixed (its directories, its delay)."""
-    if not st.mixed:
-        return ""
+    guest-init.sh: with --mixed its directories and its delay, with
+    --corunner the last guest's MiB to hash (it reads nothing then)."""
     out = []
     for i in range(1, st.guests + 1):
-        dirs, delay = MIXED[(i - 1) % len(MIXED)]
-        out.append(f"GUEST_ARGS_{i}='e2e_grep={dirs.replace(' ', ',')} e2e_delay={delay}'\n")
+        args = []
+        if st.mixed:
+            dirs, delay = MIXED[(i - 1) % len(MIXED)]
+            args += [f"e2e_grep={dirs.replace(' ', ',')}", f"e2e_delay={delay}"]
+        if st.corunner_mib and i == st.guests:
+            args.append(f"e2e_cpu={st.corunner_mib}")
+        if args:
+            out.append(f"GUEST_ARGS_{i}='{' '.join(args)}'\n")
     return "".join(out)
 
 
@@ -661,6 +680,8 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         guest[r[0]][d["guest"]].append(d)
     marks: dict[str, dict[int, dict[str, list[str]]]] = defaultdict(dict)
     for cfg, idx, text in rows["guest"]:
+        if st.corunner_mib and int(idx) == st.guests:
+            continue  # the co-runner reads nothing: no checksum
         marks[cfg][int(idx)] = guest_marks(text)
     sums = {m.get("SUM", ["?"])[0] for c in marks.values() for m in c.values()}
     # each guest read the same bytes in every configuration, and in
@@ -858,11 +879,88 @@ def summarize(rows: dict[str, list[list[str]]], st: Settings, nlisted: int) -> d
         }
         c.update(at_reads_end(series, stamps[cfg]))
         c["thp_events"] = thp_events(events[cfg])
+        c["corunner_mib_s"] = corunner_pace(stamps[cfg].get(st.guests, {}), st.corunner_mib)
         c["merge_batches"] = merge_batches(rows["fallback"], cfg, t_begin, t_end)
         c.update(census(hs, series, gids, at))
         c.update(cpu_beyond(hs))
         out["configs"][cfg] = c
     sharing_costs(out["configs"])
+    return out
+
+
+def corunner_pace(stamps: dict[str, int], mib: int) -> float | None:
+    """The co-runner's pace, MiB hashed per second of host time (the
+    driver's stamps of its CPUBEGIN and CPUEND lines); None without one."""
+    t0, t1 = stamps.get("CPUBEGIN"), stamps.get("CPUEND")
+    if not mib or t0 is None or t1 is None or t1 <= t0:
+        return None
+    return mib / ((t1 - t0) / 1000)
+
+
+def corunner(configs: dict[str, dict[str, Any]]) -> list[str]:
+    """Co-runners as markdown lines: the CPU-bound guest's pace and the
+    readers' grep time beside pageshare against beside none, pair by pair
+    (none, pageshare; none-r2, pageshare-r2 ...: each pair ran back to
+    back), the ratios' spread, and issue 20's target (within 5 % of no
+    filter) read from the worst pair.  Empty without a pair."""
+    pairs = []
+    for name, c in configs.items():
+        m = REPEAT.fullmatch(name)
+        suffix = f"-r{m.group(2)}" if m else ""
+        base = base_config(name)
+        other = configs.get("none" + suffix)
+        if (
+            base == "pageshare"
+            and other is not None
+            and c.get("corunner_mib_s")
+            and other.get("corunner_mib_s")
+        ):
+            pairs.append((suffix or "-r1", other, c))
+    if not pairs:
+        return []
+    out = [
+        "",
+        "Co-runners: the CPU-bound guest and the readers beside the filter, against none",
+        "",
+        "| pair | co-runner MiB/s, none | pageshare | ratio | readers' grep s, none "
+        "| pageshare | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    ratios, grep_ratios = [], []
+    for suffix, n, p in pairs:
+        r = p["corunner_mib_s"] / n["corunner_mib_s"]
+        ratios.append(r)
+        g = (
+            p["grep_s_mean"] / n["grep_s_mean"]
+            if p.get("grep_s_mean") and n.get("grep_s_mean")
+            else None
+        )
+        if g is not None:
+            grep_ratios.append(g)
+        out.append(
+            f"| {suffix.removeprefix('-r')} | {n['corunner_mib_s']:.2f} | "
+            f"{p['corunner_mib_s']:.2f} | "
+            f"{r:.3f} | {fmt(n.get('grep_s_mean'))} | {fmt(p.get('grep_s_mean'))} | "
+            f"{fmt(g, '.3f')} |"
+        )
+    out.append("")
+    out.append(
+        f"- co-runner pace beside the filter / beside none: {min(ratios):.3f} to "
+        f"{max(ratios):.3f} over {len(ratios)} pair(s)"
+        + (
+            f"; readers' grep time {min(grep_ratios):.3f} to {max(grep_ratios):.3f}"
+            if grep_ratios
+            else ""
+        )
+    )
+    out.append(
+        "- co-runners within 5 % of no filter: "
+        + (
+            "met in every pair"
+            if min(ratios) >= 0.95
+            else f"MISSED (the worst pair {min(ratios):.3f})"
+        )
+    )
     return out
 
 
@@ -1119,6 +1217,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             "merge_batches",
             "batches",
         ),
+        ("co-runner's pace (the last guest hashing), MiB/s", "corunner_mib_s", ".2f"),
         ("guest booted and root mounted, s after start (mean)", "boot_s_mean", ".0f"),
         ("binaries in chroot (mean), s", "bins_s_mean", ".1f"),
         ("grep -r over /usr programs and libraries (mean), s", "grep_s_mean", ".1f"),
@@ -1177,7 +1276,7 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             v = (d.get(key[0]) or {}).get(key[1]) if isinstance(key, tuple) else d.get(key)
             vals.append(fmt(v, spec))
         out.append(f"| {label} | " + " | ".join(vals) + " |")
-    return "\n".join(out + frontier(summary["configs"])) + "\n"
+    return "\n".join(out + frontier(summary["configs"]) + corunner(summary["configs"])) + "\n"
 
 
 def frontier(configs: dict[str, dict[str, Any]]) -> list[str]:
@@ -1371,7 +1470,7 @@ def main() -> int:
         default=",".join(CONFIGS),
         help=f"comma-separated, in order (default {','.join(CONFIGS)}); also "
         "ksm-ptsN and pageshare-ptsN: ksmd's pages_to_scan N instead of "
-        "100",
+        "100; NAME-rN: NAME once more, under a name of its own",
     )
     ap.add_argument(
         "--frontier",
@@ -1403,6 +1502,16 @@ def main() -> int:
         help="guests not in lockstep: each reads its own directories, part "
         "of them shared with each other guest, after its own delay "
         "(MIXED in the script); the list should cover them all",
+    )
+    ap.add_argument(
+        "--corunner",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="the last guest is a CPU-bound co-runner: it hashes MIB MiB of "
+        "zeros and reads nothing; its pace beside the filter is compared with "
+        "its pace beside none, pair by pair (alternate them: --configs "
+        "none,pageshare,none-r2,pageshare-r2,...)",
     )
     ap.add_argument("--sum-dirs", default=SUM_DIRS)
     ap.add_argument("--work-timeout", type=int, default=2400)
@@ -1449,12 +1558,15 @@ def main() -> int:
     if args.reparse:
         return reparse(args.reparse)
     configs = FRONTIER if args.frontier else [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS and not SCAN_RATE.fullmatch(c)]
+    bad = [c for c in configs if not known_config(c)]
     if bad:
         ap.error(
             f"unknown configuration(s) {', '.join(bad)}; known: {', '.join(CONFIGS)}, "
-            "and ksm-ptsN or pageshare-ptsN (pages_to_scan N)"
+            "ksm-ptsN or pageshare-ptsN (pages_to_scan N), and any of them again as "
+            "NAME-rN"
         )
+    if args.corunner and args.guests < 2:
+        ap.error("--corunner needs --guests 2 or more: the last guest is the co-runner")
     if len(set(configs)) != len(configs):
         ap.error("a configuration is named twice in --configs")
     if args.migrate and "pageshare" not in configs:
@@ -1485,6 +1597,7 @@ def main() -> int:
         args.mixed,
         args.pressure,
         args.feedback,
+        args.corunner,
     )
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
     t_start = time.monotonic()

@@ -322,7 +322,7 @@ stamp_marks() {
     seen=" "
     while :; do
         for i in $(seq 1 "$GUESTS"); do
-            for m in BOOTED BINS GREP FREED WORK-DONE; do
+            for m in BOOTED BINS GREP FREED CPUBEGIN CPUEND WORK-DONE; do
                 case "$seen" in *" $i:$m "*) continue ;; esac
                 if grep -q "GUEST-$m" $W/g$i.log 2>/dev/null; then
                     seen="$seen$i:$m "
@@ -447,7 +447,8 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     cfg=$1 c_filter=$2 c_ksm=$3 c_balloon=$4
     ev begin "filter=$c_filter ksm=$c_ksm balloon=$c_balloon guests=$GUESTS guest_mib=$GUEST_MIB"
     ksm_defaults
-    case $cfg in *-pts[0-9]*) echo "${cfg##*-pts}" > $K/pages_to_scan ;; esac
+    c_base=${cfg%-r[0-9]*}  # NAME-rN: NAME run again
+    case $c_base in *-pts[0-9]*) echo "${c_base##*-pts}" > $K/pages_to_scan ;; esac
     ev ksm-knobs "pages_to_scan=$(cat $K/pages_to_scan) sleep_millisecs=$(cat $K/sleep_millisecs)"
     ev thp-begin "$(thp_counters)"
     if [ "$c_ksm" = off ]; then
@@ -489,7 +490,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     stamp_marks &
     marks_pid=$!
     rc=0
-    [ "$cfg" = pageshare-faults ] && { inject_faults || rc=$?; }
+    [ "$c_base" = pageshare-faults ] && { inject_faults || rc=$?; }
     [ "$rc" = 0 ] && { wait_guests "$WORK_TIMEOUT" || rc=$?; }
     if [ "$rc" != 0 ]; then
         stop_all
@@ -500,7 +501,7 @@ run_config() { # name filter ksm(off/default/advisor) balloon
     for i in $(seq 1 "$GUESTS"); do
         # the guest's own marks: booted, binaries, grep start/end, sum, the
         # memory it freed (MiB, MemFree before/after, page_reporting_order)
-        echo "E2E-GUEST $cfg $i $(grep -E '^GUEST-(BOOTED|BINS|GREP|SUM|FREED|WORK-DONE)' $W/g$i.log |
+        echo "E2E-GUEST $cfg $i $(grep -E '^GUEST-(BOOTED|BINS|GREP|SUM|FREED|CPUBEGIN|CPUEND|WORK-DONE)' $W/g$i.log |
             tr -d '\r' | tr '\n' ' ')"
     done
     [ "$c_filter" = 1 ] && ev server-log "$(tr '\n' '|' < $W/server.log | cut -c1-600)"
@@ -763,14 +764,16 @@ mkdir -p $W
 redis_start
 ev ksm-saved "$saved_ksm"
 ev khugepaged-max-ptes-shared "0 (was ${saved_khp:-not settable})"
+# NAME-rN (N a number) runs configuration NAME again, under a name of its
+# own in the results: runs that alternate (--corunner).
 for c in $CONFIGS; do
-    case $c in
-    none) run_once_more none 0 off 0 ;;
-    ksm) run_once_more ksm 0 default 0 ;;
-    ksm-advisor) run_once_more ksm-advisor 0 advisor 0 ;;
-    pageshare) run_once_more pageshare 1 default 0 ;;
-    pageshare-faults) run_once_more pageshare-faults 1 default 0 ;;
-    ksm-fpr) run_once_more ksm-fpr 0 default 1 ;;
+    case ${c%-r[0-9]*} in
+    none) run_once_more "$c" 0 off 0 ;;
+    ksm) run_once_more "$c" 0 default 0 ;;
+    ksm-advisor) run_once_more "$c" 0 advisor 0 ;;
+    pageshare) run_once_more "$c" 1 default 0 ;;
+    pageshare-faults) run_once_more "$c" 1 default 0 ;;
+    ksm-fpr) run_once_more "$c" 0 default 1 ;;
     ksm-pts[0-9]*) run_once_more "$c" 0 default 0 ;;
     pageshare-pts[0-9]*) run_once_more "$c" 1 default 0 ;;
     *) fail "unknown configuration $c" ;;

@@ -9,7 +9,10 @@
 # until the driver stops it.  With --mixed, the kernel command line gives
 # each guest its own directories to read and checksum (e2e_grep=, comma-
 # separated) and a delay before it starts (e2e_delay=, s), so that guests
-# are not in lockstep; the delay counts in the guest's boot time.
+# are not in lockstep; the delay counts in the guest's boot time.  With
+# --corunner, one guest reads nothing after its boot: it hashes e2e_cpu=
+# MiB of zeros (CPU-bound, no disk), the co-runner whose pace the
+# benchmark compares with and without the filter beside it.
 # (shellcheck: busybox sh is an ash, which it checks as dash; $c, $grep_dirs
 # and $sum_dirs are lists of words, a command line and directories, split
 # on purpose.)
@@ -24,16 +27,25 @@ if ! mount -t ext4 -o ro /dev/vda /mnt; then
 fi
 mount -t proc proc /mnt/proc 2>/dev/null
 mount -t devtmpfs dev /mnt/dev 2>/dev/null
-grep_dirs="__GREP_DIRS__" sum_dirs="__SUM_DIRS__" delay=0
+grep_dirs="__GREP_DIRS__" sum_dirs="__SUM_DIRS__" delay=0 cpu=
 read -r cmdline < /proc/cmdline
 for a in $cmdline; do
     case $a in
     e2e_grep=*) grep_dirs=$(echo "${a#e2e_grep=}" | tr , ' '); sum_dirs=$grep_dirs ;;
     e2e_delay=*) delay=${a#e2e_delay=} ;;
+    e2e_cpu=*) cpu=${a#e2e_cpu=} ;;
     esac
 done
 sleep "$delay"
 echo "GUEST-BOOTED $(up)"
+if [ -n "$cpu" ]; then
+    # the driver stamps both lines as they appear: the pace is host time
+    echo "GUEST-CPUBEGIN $(up)"
+    dd if=/dev/zero bs=1M count="$cpu" 2>/dev/null | sha256sum > /dev/null
+    echo "GUEST-CPUEND $(up)"
+    echo "GUEST-WORK-DONE $(up)"
+    while :; do sleep 3600; done
+fi
 t0=$(up)
 # the image's own binaries, which load its shared libraries
 for c in "/bin/bash -c true" "/usr/bin/systemctl --version" \

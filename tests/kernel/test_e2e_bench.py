@@ -701,6 +701,33 @@ def test_benchmark_names_scan_rates() -> None:
     assert "pageshare-pts[0-9]*) run_once_more" in driver
 
 
+def test_benchmark_names_repeats() -> None:
+    """NAME-rN runs NAME again: the script accepts it for every known NAME,
+    and the driver's pattern strips exactly the suffix (scan rates and the
+    -faults and -fpr names kept)."""
+    for name in ("none-r2", "pageshare-r12", "pageshare-pts0-r3", "ksm-fpr-r2"):
+        assert e2e.known_config(name), name
+    assert e2e.base_config("pageshare-pts10-r2") == "pageshare-pts10"
+    assert not e2e.known_config("nothing-r2") and not e2e.known_config("none-rx")
+    driver = (REPO / "bench/e2e/driver.sh").read_text()
+    assert "case ${c%-r[0-9]*} in" in driver and "c_base=${cfg%-r[0-9]*}" in driver
+    names = ["none-r2", "pageshare-pts10-r2", "ksm-fpr", "pageshare-faults", "ksm-pts5000"]
+    out = subprocess.run(
+        ["sh", "-c", 'for c in "$@"; do echo "${c%-r[0-9]*}"; done', "sh", *names],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [e2e.base_config(n) for n in names]
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench/e2e_vs_ksm.py"), "--guests", "1", "--corunner", "64"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2 and "--corunner needs --guests 2 or more" in p.stderr
+
+
 def test_mixed_guests_get_their_own_reads(tmp_path: Path) -> None:
     """--mixed: what the driver puts on guest i's kernel command line (from
     e2e.env, as driver.sh's start_guest evaluates it) makes guest-init.sh
@@ -717,7 +744,7 @@ def test_mixed_guests_get_their_own_reads(tmp_path: Path) -> None:
     assert 'eval "gargs=\\${GUEST_ARGS_$i:-}"' in driver
     for i in (1, 2, 3):
         script = (
-            e2e.mixed_env(st)
+            e2e.guest_args_env(st)
             + f"i={i}\n"
             + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
             + f'echo "console=ttyS0 panic=-1 $gargs" > {tmp_path / "cmdline"}\n'
@@ -730,7 +757,85 @@ def test_mixed_guests_get_their_own_reads(tmp_path: Path) -> None:
         dirs, delay = e2e.MIXED[i - 1]
         assert out == f"{dirs}|{dirs}|{delay}"
     # without --mixed: no arguments, every guest the default dirs at once
-    assert e2e.mixed_env(dataclasses.replace(st, mixed=False)) == ""
+    assert e2e.guest_args_env(dataclasses.replace(st, mixed=False)) == ""
+
+
+def test_corunner_guest_hashes_and_reads_nothing(tmp_path: Path) -> None:
+    """--corunner MIB: the last guest's kernel command line makes
+    guest-init.sh hash MIB MiB and print the lines the driver stamps, then
+    GUEST-WORK-DONE, before anything that reads the disk."""
+    st = e2e.Settings(2, 384, 6144, 10, 1000, ["none"], "/mnt/usr", "/mnt/usr", 100, corunner_mib=3)
+    env = e2e.guest_args_env(st)
+    assert env == "GUEST_ARGS_2='e2e_cpu=3'\n"
+    init = (REPO / "bench/e2e/guest-init.sh").read_text()
+    part = init[init.index('grep_dirs="__GREP_DIRS__"') : init.index("# the image's own binaries")]
+    part = part.replace("/proc/cmdline", str(tmp_path / "cmdline")).replace(
+        "while :; do sleep 3600; done", "exit 0"
+    )
+    script = (
+        env
+        + "i=2\n"
+        + 'eval "gargs=\\${GUEST_ARGS_$i:-}"\n'
+        + f'echo "console=ttyS0 $gargs" > {tmp_path / "cmdline"}\n'
+        + "up() { echo 1.0; }\n"
+        + part
+        + "echo NOT-REACHED\n"
+    )
+    out = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\n")
+    assert [x.split()[0] for x in out if x] == [
+        "GUEST-BOOTED",
+        "GUEST-CPUBEGIN",
+        "GUEST-CPUEND",
+        "GUEST-WORK-DONE",
+    ]
+    driver = (REPO / "bench/e2e/driver.sh").read_text()
+    assert "for m in BOOTED BINS GREP FREED CPUBEGIN CPUEND WORK-DONE; do" in driver
+
+
+def test_summary_corunner_pairs() -> None:
+    """The co-runner's pace from the driver's stamps of its lines (host
+    time), pair by pair against none; the co-runner has no checksum and
+    does not make the guests' bytes differ; a pair below 95 % is a miss."""
+
+    def cfg(name: str, t0: int, cpu_ms: int, grep_ms: int) -> list[str]:
+        return [
+            f"E2E-EV {name} {t0} begin filter=0",
+            _g(name, t0 + 100, 1, 10, 10),
+            _g(name, t0 + 100, 2, 0, 0),
+            _h(name, t0 + 100, 0, 0, 0, 0, 0),
+            f"E2E-EV {name} {t0 + 200} mark 1 BINS",
+            f"E2E-EV {name} {t0 + 200 + grep_ms} mark 1 GREP",
+            f"E2E-EV {name} {t0 + 300} mark 2 CPUBEGIN",
+            f"E2E-EV {name} {t0 + 300 + cpu_ms} mark 2 CPUEND",
+            f"E2E-EV {name} {t0 + 90_000} work-done",
+            f"E2E-GUEST {name} 1 GUEST-SUM abc",
+            f"E2E-GUEST {name} 2 GUEST-CPUBEGIN 1 GUEST-CPUEND 9",
+        ]
+
+    lines = [
+        *cfg("none", 0, 10_000, 50_000),  # 64 MiB in 10 s
+        *cfg("pageshare", 100_000, 10_240, 40_000),
+        *cfg("none-r2", 200_000, 10_000, 50_000),
+        *cfg("pageshare-r2", 300_000, 12_800, 40_000),
+    ]
+    names = ["none", "pageshare", "none-r2", "pageshare-r2"]
+    st = e2e.Settings(2, 384, 6144, 10, 1000, names, "", "", 100, corunner_mib=64)
+    s = e2e.summarize(e2e.parse(lines), st, 10)
+    assert s["bytes_identical"] and s["checksums"] == ["abc"]
+    assert s["configs"]["none"]["corunner_mib_s"] == pytest.approx(6.4)
+    assert s["configs"]["pageshare-r2"]["corunner_mib_s"] == pytest.approx(5.0)
+    md = e2e.markdown(s, "c", "f")
+    assert "| 1 | 6.40 | 6.25 | 0.977 | 50.0 | 40.0 | 0.800 |" in md
+    assert "| 2 | 6.40 | 5.00 | 0.781 |" in md
+    assert "co-runner pace beside the filter / beside none: 0.781 to 0.977 over 2 pair(s)" in md
+    assert "co-runners within 5 % of no filter: MISSED (the worst pair 0.781)" in md
+    # without --corunner: no pace, no table
+    st0 = dataclasses.replace(st, corunner_mib=0)
+    s0 = e2e.summarize(e2e.parse(lines), st0, 10)
+    assert s0["configs"]["none"]["corunner_mib_s"] is None
+    assert "Co-runners" not in e2e.markdown(s0, "c", "f")
 
 
 def test_bytes_identical_per_guest_when_mixed() -> None:
