@@ -122,7 +122,7 @@ def check_ksm(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
         "error",
         f"KSM is not in merge mode ({run} = {value}, not 1)",
         why="merge_pages fails with EOPNOTSUPP unless ksmd runs in merge mode: the filter "
-        "falls back to copying and guests share no pages",
+        "reads listed blocks from disk (QEMU warns once) and guests share no pages",
         fix=f"echo 1 > {run}; the pageshare-server package sets it at every boot "
         f"({TMPFILES}, which `systemd-tmpfiles --create {TMPFILES.name}` applies now); "
         "pages_to_scan may stay 0 if only merge_pages should merge",
@@ -467,8 +467,8 @@ def check_server(control: Path) -> Iterator[Finding]:
             f"the server runs degraded: {st.get('degraded_reason') or 'no reason given'}",
             why="a degraded server publishes tables flagged DEGRADED: QEMU copies its pages "
             "instead of merging them, so guests do not share them",
-            fix="fix the reason above (usually the kernel series or KSM run = 1) and restart "
-            "the server",
+            fix="boot the pageshare kernel (the reason above: the server degrades only where "
+            "the kernel lacks the series) and restart the server",
             details={"degraded_reason": st.get("degraded_reason")},
         )
     images = st.get("images") or []
