@@ -333,7 +333,11 @@ def _check_magic(first: str) -> None:
 
 
 def loads(text: str) -> SectorList:
-    """Parse and fully validate pcsl v1 text; raises ListFormatError naming the line."""
+    """Parse and fully validate pcsl v1 text; raises ListFormatError naming the line.
+
+    In steps: the lines (magic, final newline), the header's lines
+    (_read_header), their values (_check_header), the body's lines
+    (_read_body) and last the body's digest."""
     if not isinstance(text, str):
         raise TypeError(f"loads() needs str, got {type(text).__name__}")
     if text == "":
@@ -344,17 +348,45 @@ def loads(text: str) -> SectorList:
         raise ListFormatError(len(lines), "last line has no terminating newline: truncated file?")
     lines.pop()
 
-    # ---- header
+    values, extra, sep_index = _read_header(lines)
+    header = _check_header(values, sep_index + 1)
+    blocks = _read_body(lines, sep_index, header)
+    body_start = sum(len(line) + 1 for line in lines[: sep_index + 1])
+    actual = hashlib.sha256(text[body_start:].encode()).hexdigest()
+    if f"{HASH_NAME}:{actual}" != header.digest:
+        raise ListFormatError(
+            header.digest_line, "list body does not match list-digest: file corrupted or edited"
+        )
+
+    def text_of(key: str) -> str:
+        return values[key][1] if key in values else ""
+
+    return SectorList(
+        image=ImageIdentity(
+            virtual_size=header.virtual_size,
+            content_sha256=header.content,
+            name=text_of("image-name"),
+        ),
+        blocks=blocks,
+        generator=text_of("generator"),
+        created=text_of("created"),
+        criteria=text_of("criteria"),
+        runs=text_of("runs"),
+        extra=extra,
+    )
+
+
+def _read_header(lines: list[str]) -> tuple[dict[str, tuple[int, str]], dict[str, str], int]:
+    """The header's lines, up to '---': its known keys' (line number,
+    value), its extension keys' values, and the index of the '---' line."""
     values: dict[str, tuple[int, str]] = {}  # key -> (line number, value)
     extra: dict[str, str] = {}
     first_seen: dict[str, int] = {}
-    sep_index = -1
     for index in range(1, len(lines)):
         line_no = index + 1
         line = lines[index]
         if line == SEPARATOR:
-            sep_index = index
-            break
+            return values, extra, index
         if line.endswith("\r"):
             raise ListFormatError(
                 line_no, "line ends with CR: CRLF line endings are not allowed, use LF"
@@ -393,17 +425,28 @@ def loads(text: str) -> SectorList:
                 f"unknown header key '{key}' (extensions must start with 'x-'; "
                 "is this list from a newer pageshare?)",
             )
-    if sep_index < 0:
-        raise ListFormatError(
-            len(lines), "file ends before the '---' line that ends the header: truncated file?"
-        )
-    sep_line_no = sep_index + 1
+    raise ListFormatError(
+        len(lines), "file ends before the '---' line that ends the header: truncated file?"
+    )
+
+
+@dataclass(frozen=True)
+class _Header:
+    """The header's values the body is checked against."""
+
+    virtual_size: int
+    content: str
+    count: int
+    count_line: int
+    digest: str
+    digest_line: int
+
+
+def _check_header(values: dict[str, tuple[int, str]], sep_line_no: int) -> _Header:
+    """The required keys there, each value as pcsl v1 allows it."""
     for key in REQUIRED_KEYS:
         if key not in values:
             raise ListFormatError(sep_line_no, f"header lacks required key '{key}'")
-
-    def text_of(key: str) -> str:
-        return values[key][1] if key in values else ""
 
     def uint_of(key: str) -> int:
         line_no, value = values[key]
@@ -430,7 +473,6 @@ def loads(text: str) -> SectorList:
             f"unsupported hash {_show(hash_name)} (pcsl v{FORMAT_VERSION} supports only "
             f"{HASH_NAME})",
         )
-    count_line = values["count"][0]
     count = uint_of("count")
     digest_line, digest = values["list-digest"]
     if not (digest.startswith(f"{HASH_NAME}:") and _HEX64.fullmatch(digest[len(HASH_NAME) + 1 :])):
@@ -438,10 +480,16 @@ def loads(text: str) -> SectorList:
             digest_line,
             f"list-digest must be 'sha256:' and 64 lowercase hex digits, got {_show(digest)}",
         )
+    return _Header(virtual_size, content, count, values["count"][0], digest, digest_line)
 
-    # ---- body: structure first (precise line numbers), the digest last.
+
+def _read_body(lines: list[str], sep_index: int, header: _Header) -> dict[int, str]:
+    """The body's block lines after the '---' at sep_index: as many as
+    'count' says, each a 4 KiB-aligned sector inside the image, ascending,
+    with its hash.  Structure only: the digest is checked after."""
     body = lines[sep_index + 1 :]
-    first_body_line = sep_line_no + 1
+    first_body_line = sep_index + 2
+    count, count_line = header.count, header.count_line
     if len(body) < count:
         raise ListFormatError(
             len(lines),
@@ -475,33 +523,15 @@ def loads(text: str) -> SectorList:
                 f"sector {sector} is not 4 KiB aligned (must be a multiple of {SECTORS_PER_BLOCK})",
             )
         end = sector * SECTOR_SIZE + BLOCK_SIZE
-        if end > virtual_size:
+        if end > header.virtual_size:
             raise ListFormatError(
                 line_no,
                 f"block at sector {sector} (bytes {sector * SECTOR_SIZE}..{end - 1}) extends "
-                f"past the image end (image-virtual-size {virtual_size})",
+                f"past the image end (image-virtual-size {header.virtual_size})",
             )
         blocks[sector] = m[2]
         previous = sector
-
-    body_start = sum(len(line) + 1 for line in lines[: sep_index + 1])
-    actual = hashlib.sha256(text[body_start:].encode()).hexdigest()
-    if f"{HASH_NAME}:{actual}" != digest:
-        raise ListFormatError(
-            digest_line, "list body does not match list-digest: file corrupted or edited"
-        )
-
-    return SectorList(
-        image=ImageIdentity(
-            virtual_size=virtual_size, content_sha256=content, name=text_of("image-name")
-        ),
-        blocks=blocks,
-        generator=text_of("generator"),
-        created=text_of("created"),
-        criteria=text_of("criteria"),
-        runs=text_of("runs"),
-        extra=extra,
-    )
+    return blocks
 
 
 def read(path: Path) -> SectorList:
