@@ -191,6 +191,10 @@ pub fn parse_bytes(data: &[u8]) -> Result<SectorList, ListError> {
 }
 
 /// Parse and fully validate pcsl v1 text.
+///
+/// In steps, as `loads()` in Python: the lines (magic, final newline),
+/// the header's lines (`read_header`), their values (`check_header`), the
+/// body's lines (`read_body`) and last the body's digest.
 pub fn parse(text: &str) -> Result<SectorList, ListError> {
     if text.is_empty() {
         return err(1, format!("empty file: expected {MAGIC:?}"));
@@ -202,16 +206,54 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
     }
     lines.pop();
 
-    // ---- header
-    let mut values: Vec<(&str, usize, &str)> = Vec::new(); // key, line, value
+    let header = read_header(&lines)?;
+    let checked = check_header(&header)?;
+    let blocks = read_body(&lines, header.sep_index, &checked)?;
+    let body_start: usize = lines[..=header.sep_index].iter().map(|l| l.len() + 1).sum();
+    let actual: [u8; 32] = Sha256::digest(&text.as_bytes()[body_start..]).into();
+    if actual != checked.digest {
+        return err(
+            checked.digest_line,
+            "list body does not match list-digest: file corrupted or edited",
+        );
+    }
+    let text_of = |k: &str| header.get(k).map(|(_, v)| v.to_string()).unwrap_or_default();
+    Ok(SectorList {
+        virtual_size: checked.virtual_size,
+        content_sha256: checked.content,
+        image_name: text_of("image-name"),
+        digest: checked.digest,
+        blocks,
+        generator: text_of("generator"),
+        created: text_of("created"),
+        criteria: text_of("criteria"),
+        runs: text_of("runs"),
+        extra: header.extra,
+    })
+}
+
+/// The header's lines, up to '---'.
+struct Header<'a> {
+    values: Vec<(&'a str, usize, &'a str)>, // key, line, value
+    extra: Vec<(String, String)>,
+    sep_index: usize,
+}
+
+impl<'a> Header<'a> {
+    /// A known key's (line, value).
+    fn get(&self, k: &str) -> Option<(usize, &'a str)> {
+        self.values.iter().find(|(key, _, _)| *key == k).map(|&(_, l, v)| (l, v))
+    }
+}
+
+fn read_header<'a>(lines: &[&'a str]) -> Result<Header<'a>, ListError> {
+    let mut values: Vec<(&str, usize, &str)> = Vec::new();
     let mut first_seen: Vec<(&str, usize)> = Vec::new();
     let mut extra: Vec<(String, String)> = Vec::new();
-    let mut sep_index: Option<usize> = None;
-    for (index, line) in lines.iter().enumerate().skip(1) {
+    for (index, &line) in lines.iter().enumerate().skip(1) {
         let line_no = index + 1;
-        if *line == SEPARATOR {
-            sep_index = Some(index);
-            break;
+        if line == SEPARATOR {
+            return Ok(Header { values, extra, sep_index: index });
         }
         if line.ends_with('\r') {
             return err(line_no, "line ends with CR: CRLF line endings are not allowed, use LF");
@@ -221,7 +263,7 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         }
         let (key, rest) = match line.find(':') {
             Some(i) => (&line[..i], Some(&line[i + 1..])),
-            None => (*line, None),
+            None => (line, None),
         };
         let rest = match rest {
             Some(r) if is_key(key) => r,
@@ -259,27 +301,34 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
             );
         }
     }
-    let Some(sep_index) = sep_index else {
-        return err(
-            lines.len(),
-            "file ends before the '---' line that ends the header: truncated file?",
-        );
-    };
-    let sep_line_no = sep_index + 1;
-    let get = |k: &str| values.iter().find(|(key, _, _)| *key == k).map(|&(_, l, v)| (l, v));
+    err(lines.len(), "file ends before the '---' line that ends the header: truncated file?")
+}
+
+/// The header's values the body is checked against.
+struct Checked {
+    virtual_size: u64,
+    content: [u8; 32],
+    count: u64,
+    count_line: usize,
+    digest: [u8; 32],
+    digest_line: usize,
+}
+
+/// The required keys there, each value as pcsl v1 allows it.
+fn check_header(header: &Header<'_>) -> Result<Checked, ListError> {
     for key in REQUIRED_KEYS {
-        if get(key).is_none() {
-            return err(sep_line_no, format!("header lacks required key '{key}'"));
+        if header.get(key).is_none() {
+            return err(header.sep_index + 1, format!("header lacks required key '{key}'"));
         }
     }
-    let text_of = |k: &str| get(k).map(|(_, v)| v.to_string()).unwrap_or_default();
+    let get = |k: &str| header.get(k).expect("required");
     let uint_of = |k: &str| {
-        let (l, v) = get(k).expect("required");
+        let (l, v) = get(k);
         parse_uint(l, k, v)
     };
 
     let virtual_size = uint_of("image-virtual-size")?;
-    let (content_line, content) = get("image-content-sha256").expect("required");
+    let (content_line, content) = get("image-content-sha256");
     if !is_hex64(content) {
         return err(
             content_line,
@@ -288,20 +337,20 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
     }
     for (key, supported) in [("block-size", BLOCK_SIZE), ("sector-size", SECTOR_SIZE)] {
         if uint_of(key)? != supported {
-            let (l, v) = get(key).expect("required");
+            let (l, v) = get(key);
             return err(l, format!("unsupported {key} {v} (pcsl v1 supports only {supported})"));
         }
     }
-    let (hash_line, hash_name) = get("hash").expect("required");
+    let (hash_line, hash_name) = get("hash");
     if hash_name != "sha256" {
         return err(
             hash_line,
             format!("unsupported hash {} (pcsl v1 supports only sha256)", show(hash_name)),
         );
     }
-    let count_line = get("count").expect("required").0;
+    let count_line = get("count").0;
     let count = uint_of("count")?;
-    let (digest_line, digest) = get("list-digest").expect("required");
+    let (digest_line, digest) = get("list-digest");
     let digest_hex = match digest.strip_prefix("sha256:") {
         Some(h) if is_hex64(h) => h,
         _ => {
@@ -314,10 +363,27 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
             )
         }
     };
+    Ok(Checked {
+        virtual_size,
+        content: crate::sys::unhex32(content).expect("checked"),
+        count,
+        count_line,
+        digest: crate::sys::unhex32(digest_hex).expect("checked"),
+        digest_line,
+    })
+}
 
-    // ---- body: structure first (precise line numbers), the digest last.
+/// The body's block lines after the '---' at `sep_index`: as many as
+/// 'count' says, each a 4 KiB-aligned sector inside the image, ascending,
+/// with its hash.  Structure only: the digest is checked after.
+fn read_body(
+    lines: &[&str],
+    sep_index: usize,
+    h: &Checked,
+) -> Result<Vec<(u64, [u8; 32])>, ListError> {
     let body = &lines[sep_index + 1..];
-    let first_body_line = sep_line_no + 1;
+    let first_body_line = sep_index + 2;
+    let (count, count_line, virtual_size) = (h.count, h.count_line, h.virtual_size);
     if (body.len() as u64) < count {
         return err(
             lines.len(),
@@ -380,25 +446,7 @@ pub fn parse(text: &str) -> Result<SectorList, ListError> {
         blocks.push((sector, hash));
         previous = s;
     }
-
-    let body_start: usize = lines[..=sep_index].iter().map(|l| l.len() + 1).sum();
-    let actual: [u8; 32] = Sha256::digest(&text.as_bytes()[body_start..]).into();
-    let expected = crate::sys::unhex32(digest_hex).expect("checked");
-    if actual != expected {
-        return err(digest_line, "list body does not match list-digest: file corrupted or edited");
-    }
-    Ok(SectorList {
-        virtual_size,
-        content_sha256: crate::sys::unhex32(content).expect("checked"),
-        image_name: text_of("image-name"),
-        digest: expected,
-        blocks,
-        generator: text_of("generator"),
-        created: text_of("created"),
-        criteria: text_of("criteria"),
-        runs: text_of("runs"),
-        extra,
-    })
+    Ok(blocks)
 }
 
 /// The text of a valid list (for tests): `blocks` are (sector, sha256 of
