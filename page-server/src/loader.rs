@@ -123,6 +123,40 @@ fn fail<T>(kind: FailKind, msg: impl Into<String>) -> Result<T, LoadError> {
     Err(kind.with(msg))
 }
 
+/// A list's bytes, shared with the job that carried them (None: not read).
+type ListText = Option<Arc<Vec<u8>>>;
+
+/// Step 4's slots: all the list's blocks held, those to read and verify.
+struct Reserved {
+    arena: Arc<Arena>,
+    held: Vec<u64>,
+    to_load: Vec<(u64, [u8; 32])>,
+}
+
+/// Step 3: the list must name exactly this image.
+fn check_names_image(
+    list: &SectorList,
+    identity: &Identity,
+    origin: &str,
+    img: &ImageConfig,
+) -> Result<(), LoadError> {
+    if list.virtual_size != identity.virtual_size || list.content_sha256 != identity.content_sha256
+    {
+        return fail(
+            FailKind::Refused,
+            format!(
+                "list refused: {origin} is for another image (list: size {} content {}; image {}: size {} content {})",
+                list.virtual_size,
+                crate::sys::hex(&list.content_sha256),
+                img.path.display(),
+                identity.virtual_size,
+                crate::sys::hex(&identity.content_sha256)
+            ),
+        );
+    }
+    Ok(())
+}
+
 impl Loader {
     pub fn run(&self, job: Job) -> Loaded {
         let mut out = Loaded {
@@ -178,41 +212,12 @@ impl Loader {
         let t0 = Instant::now();
         let img = &job.cfg;
         // 1. The list, parsed and validated before the image is touched.
-        let (text, origin): (Option<Arc<Vec<u8>>>, String) = match &job.source {
-            ListSource::File(p) => (Some(Arc::new(self.read_list(p)?)), p.display().to_string()),
-            ListSource::Redis(k, t) => {
-                if t.len() as u64 > self.cfg.limits.max_list_bytes {
-                    return fail(
-                        FailKind::Limit,
-                        format!(
-                            "list in redis key {k} is {} bytes, over limits.max_list_bytes",
-                            t.len()
-                        ),
-                    );
-                }
-                (Some(t.clone()), format!("redis key {k}"))
-            }
-            ListSource::Cached => (None, String::new()),
-        };
+        let (text, origin) = self.list_text(&job.source)?;
         let mut cached_text: Option<Arc<Vec<u8>>> = None;
         let mut list = match &text {
-            Some(t) => Some(
-                sectorlist::parse_bytes(t)
-                    .map_err(|e| FailKind::Refused.with(format!("list refused: {origin}: {e}")))?,
-            ),
+            Some(t) => Some(self.parse_list(t, &origin)?),
             None => None,
         };
-        if let Some(l) = &list {
-            if l.blocks.len() as u64 > self.cfg.limits.max_blocks_per_image {
-                return fail(
-                    FailKind::Limit,
-                    format!(
-                        "list {origin} has {} blocks, over limits.max_blocks_per_image",
-                        l.blocks.len()
-                    ),
-                );
-            }
-        }
 
         // 2. The image, opened once: its stamp (not racy), its format, and
         // its identity (cached by path, format and stamp, else hashed).
@@ -263,17 +268,9 @@ impl Loader {
         *stamp_out = Some(image.stamp);
 
         if list.is_none() {
-            // Redis image, Redis not heard from yet: the last good list, if any.
-            let p = cached_list_path(&self.cfg, &identity);
-            let t = match std::fs::read(&p) {
-                Ok(t) => t,
-                Err(_) => return fail(FailKind::NoList, "no list yet (waiting for Redis)"),
-            };
-            let l = sectorlist::parse_bytes(&t).map_err(|e| {
-                FailKind::Refused.with(format!("cached list {} refused: {e}", p.display()))
-            })?;
+            let (l, t) = self.cached_list(&identity)?;
             list = Some(l);
-            cached_text = Some(Arc::new(t));
+            cached_text = Some(t);
         }
         let list = list.expect("set above");
         let text_sha: [u8; 32] = match (&text, &cached_text) {
@@ -283,60 +280,11 @@ impl Loader {
         let origin = if origin.is_empty() { "cached list".to_string() } else { origin };
 
         // 3. The list must name exactly this image.
-        if list.virtual_size != identity.virtual_size
-            || list.content_sha256 != identity.content_sha256
-        {
-            return fail(
-                FailKind::Refused,
-                format!(
-                    "list refused: {origin} is for another image (list: size {} content {}; image {}: size {} content {})",
-                    list.virtual_size,
-                    crate::sys::hex(&list.content_sha256),
-                    img.path.display(),
-                    identity.virtual_size,
-                    crate::sys::hex(&identity.content_sha256)
-                ),
-            );
-        }
+        check_names_image(&list, &identity, &origin, img)?;
 
         // 4. Reserve slots; reuse blocks already loaded and verified.
-        let arena = match &job.arena {
-            Some(a) if a.identity == identity => a.clone(),
-            _ => Arc::new(
-                Arena::new(identity, self.global_loaded.clone())
-                    .map_err(|e| FailKind::Limit.with(e.to_string()))?,
-            ),
-        };
-        let mut held: Vec<u64> = Vec::with_capacity(list.blocks.len());
-        let mut to_load: Vec<(u64, [u8; 32])> = Vec::new();
+        let Reserved { arena, held, to_load } = self.reserve(job, identity, &list, &origin)?;
         let release = |held: &Vec<u64>| arena.release(held);
-        for (sector, hash) in &list.blocks {
-            let block = sector / SECTORS_PER_BLOCK;
-            match arena.acquire(block, hash) {
-                Ok(Acquire::Reused) => held.push(block),
-                Ok(Acquire::MustLoad) => {
-                    held.push(block);
-                    to_load.push((block, *hash));
-                }
-                Err(e) => {
-                    release(&held);
-                    return fail(FailKind::Refused, format!("list refused: {origin}: {e}"));
-                }
-            }
-        }
-        let limit_blocks = self.cfg.limits.max_total_bytes / BLOCK_SIZE;
-        let loaded_now = self.global_loaded.load(Ordering::Relaxed);
-        if loaded_now + to_load.len() as u64 > limit_blocks {
-            release(&held);
-            return fail(
-                FailKind::Limit,
-                format!(
-                    "loading {} more blocks would exceed limits.max_total_bytes ({} blocks loaded)",
-                    to_load.len(),
-                    loaded_now
-                ),
-            );
-        }
 
         // 5. Read, verify and copy the new blocks, in runs of up to 1 MiB.
         let t_read = Instant::now();
@@ -383,6 +331,106 @@ impl Loader {
             ok.reused_blocks = ok.blocks.len() as u64 - ok.read_blocks;
             ok
         })
+    }
+
+    /// Step 1: the list's bytes and where they come from (empty for a
+    /// Redis image before Redis answered: the cached list is read later).
+    fn list_text(&self, source: &ListSource) -> Result<(ListText, String), LoadError> {
+        Ok(match source {
+            ListSource::File(p) => (Some(Arc::new(self.read_list(p)?)), p.display().to_string()),
+            ListSource::Redis(k, t) => {
+                if t.len() as u64 > self.cfg.limits.max_list_bytes {
+                    return fail(
+                        FailKind::Limit,
+                        format!(
+                            "list in redis key {k} is {} bytes, over limits.max_list_bytes",
+                            t.len()
+                        ),
+                    );
+                }
+                (Some(t.clone()), format!("redis key {k}"))
+            }
+            ListSource::Cached => (None, String::new()),
+        })
+    }
+
+    /// Step 1: the list parsed and within limits.max_blocks_per_image.
+    fn parse_list(&self, text: &[u8], origin: &str) -> Result<SectorList, LoadError> {
+        let l = sectorlist::parse_bytes(text)
+            .map_err(|e| FailKind::Refused.with(format!("list refused: {origin}: {e}")))?;
+        if l.blocks.len() as u64 > self.cfg.limits.max_blocks_per_image {
+            return fail(
+                FailKind::Limit,
+                format!(
+                    "list {origin} has {} blocks, over limits.max_blocks_per_image",
+                    l.blocks.len()
+                ),
+            );
+        }
+        Ok(l)
+    }
+
+    /// A Redis image, Redis not heard from yet: the last good list of this
+    /// identity cached on disk, if any (it passed the limits when loaded).
+    fn cached_list(&self, identity: &Identity) -> Result<(SectorList, Arc<Vec<u8>>), LoadError> {
+        let p = cached_list_path(&self.cfg, identity);
+        let t = match std::fs::read(&p) {
+            Ok(t) => t,
+            Err(_) => return fail(FailKind::NoList, "no list yet (waiting for Redis)"),
+        };
+        let l = sectorlist::parse_bytes(&t).map_err(|e| {
+            FailKind::Refused.with(format!("cached list {} refused: {e}", p.display()))
+        })?;
+        Ok((l, Arc::new(t)))
+    }
+
+    /// Step 4: a slot for each listed block in the arena (the job's, if it
+    /// holds this identity), blocks already loaded and verified reused,
+    /// within limits.max_total_bytes.  On an error nothing stays held.
+    fn reserve(
+        &self,
+        job: &Job,
+        identity: Identity,
+        list: &SectorList,
+        origin: &str,
+    ) -> Result<Reserved, LoadError> {
+        let arena = match &job.arena {
+            Some(a) if a.identity == identity => a.clone(),
+            _ => Arc::new(
+                Arena::new(identity, self.global_loaded.clone())
+                    .map_err(|e| FailKind::Limit.with(e.to_string()))?,
+            ),
+        };
+        let mut held: Vec<u64> = Vec::with_capacity(list.blocks.len());
+        let mut to_load: Vec<(u64, [u8; 32])> = Vec::new();
+        for (sector, hash) in &list.blocks {
+            let block = sector / SECTORS_PER_BLOCK;
+            match arena.acquire(block, hash) {
+                Ok(Acquire::Reused) => held.push(block),
+                Ok(Acquire::MustLoad) => {
+                    held.push(block);
+                    to_load.push((block, *hash));
+                }
+                Err(e) => {
+                    arena.release(&held);
+                    return fail(FailKind::Refused, format!("list refused: {origin}: {e}"));
+                }
+            }
+        }
+        let limit_blocks = self.cfg.limits.max_total_bytes / BLOCK_SIZE;
+        let loaded_now = self.global_loaded.load(Ordering::Relaxed);
+        if loaded_now + to_load.len() as u64 > limit_blocks {
+            arena.release(&held);
+            return fail(
+                FailKind::Limit,
+                format!(
+                    "loading {} more blocks would exceed limits.max_total_bytes ({} blocks loaded)",
+                    to_load.len(),
+                    loaded_now
+                ),
+            );
+        }
+        Ok(Reserved { arena, held, to_load })
     }
 
     fn read_blocks(
