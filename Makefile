@@ -12,6 +12,7 @@ CARGO := PATH="$$PATH:$(HOME)/.cargo/bin" CARGO_TARGET_DIR="$(PAGESHARE_CACHE)/c
 SHELL_SCRIPTS := $(shell git ls-files '*.sh') .ci/run analyzer/pageshare-libvirt-hook \
 	packaging/pageshare-host/debian/pageshare-host.postinst \
 	packaging/pageshare-host/debian/pageshare-host.postrm \
+	packaging/pageshare-host/grub.d/pageshare-kernel.cfg \
 	packaging/pageshare-server/debian/pageshare-server.postrm
 
 .PHONY: deps demo test lint unit kernel-test packages kernel-package kernel-package-test clean

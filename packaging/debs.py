@@ -24,7 +24,12 @@ Packages (``--list``):
   profiles: ``/etc/apparmor.d/abstractions/pageshare-qemu`` (libvirt's
   QEMU: pageshare-qemu and the page server's sockets) and
   ``/etc/apparmor.d/abstractions/pageshare-libvirtd`` (libvirtd: executing
-  pageshare-qemu); and the operator's guide, ``docs/install.md``, beside
+  pageshare-qemu); the grub-mkconfig snippet
+  ``/etc/default/grub.d/pageshare-kernel.cfg``, which makes the newest
+  pageshare kernel GRUB's default entry at every update-grub (the postinst
+  runs update-grub where one is installed; ``make kernel-package``'s
+  linux-image packages cannot ship it: two releases installed side by side
+  would both own the file); and the operator's guide, ``docs/install.md``, beside
   the README in ``/usr/share/doc/pageshare-host``.  Architecture all,
   Depends python3 only.
 - ``pageshare``: the analyzer, for the machine that analyzes images:
@@ -286,6 +291,7 @@ HOST_FILES = (
     "etc/pageshare/libvirt.toml",
     "etc/apparmor.d/abstractions/pageshare-qemu",
     "etc/apparmor.d/abstractions/pageshare-libvirtd",
+    "etc/default/grub.d/pageshare-kernel.cfg",
     "usr/share/man/man1/pageshare.1.gz",
 )
 _HOST_MODULES_RE = "|".join(HOST_MODULES)
@@ -301,6 +307,7 @@ PACKAGES: dict[str, Package] = {
             "analyzer/pageshare-qemu.apparmor": "pageshare-qemu.apparmor",
             "analyzer/pageshare-libvirtd.apparmor": "pageshare-libvirtd.apparmor",
             "packaging/pageshare-host/bin/pageshare": "bin/pageshare",
+            "packaging/pageshare-host/grub.d/pageshare-kernel.cfg": "pageshare-kernel.cfg",
             "README.md": "README.md",
             "docs/install.md": "install.md",
             "packaging/pageshare-host/debian": "debian",
@@ -315,6 +322,7 @@ PACKAGES: dict[str, Package] = {
             "/etc/pageshare/libvirt.toml",
             "/etc/apparmor.d/abstractions/pageshare-qemu",
             "/etc/apparmor.d/abstractions/pageshare-libvirtd",
+            "/etc/default/grub.d/pageshare-kernel.cfg",
         ),
         needs_cargo=False,
         prepare=_host_prepare,

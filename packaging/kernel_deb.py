@@ -23,7 +23,10 @@ What is built:
 - the packaging: the kernel's own ``make bindeb-pkg``:
   ``linux-image-<release>`` (kernel, modules, System.map, config, and
   maintainer scripts that run /etc/kernel/postinst.d: initramfs-tools makes
-  the initrd, update-grub adds the boot entry) and
+  the initrd, update-grub adds the boot entry, which pageshare-host's
+  /etc/default/grub.d/pageshare-kernel.cfg makes the default: this package
+  cannot ship that file, since two releases installed side by side would
+  both own it) and
   ``linux-headers-<release>``, version ``<Debian's>+pageshare<N>``
   (``PACKAGE_REVISION``: bump it when the series changes in a way the key
   does not show).

@@ -270,6 +270,7 @@ HOST_MODULES = (
     "cli",
     "errors",
     "hostcheck",
+    "grubboot",
     "attach",
     "qmp",
     "libvirt_config",

@@ -5,7 +5,8 @@ matters, what to do).  The exit status is the worst severity: 0 all ok,
 1 warnings, 2 errors.  With --json every finding, including a check that
 itself failed, is reported as JSON on stdout.
 
-Checks: the merge_pages kernel series (its sysfs counters), KSM in merge
+Checks: the merge_pages kernel series (its sysfs counters) and whether
+GRUB's default entry boots a kernel with it (grub.cfg, grubenv), KSM in merge
 mode, khugepaged leaving shared pages alone (max_ptes_shared = 0), QEMU
 binaries with the pageshare block driver, a running pageshare-server with
 its images published (over its control socket), the server's Redis,
@@ -39,6 +40,8 @@ from typing import Any
 from urllib.parse import urlparse
 from xml.etree import ElementTree
 
+from . import grubboot
+
 KSM_DIR = Path("/sys/kernel/mm/ksm")
 KHUGEPAGED_DIR = Path("/sys/kernel/mm/transparent_hugepage/khugepaged")
 # Where the pageshare-server package keeps the two settings above at boot
@@ -66,40 +69,179 @@ class Finding:
 # --------------------------------------------------------------------------- kernel and KSM
 
 
-def check_kernel(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:
-    rel = platform.release()
+def _read_grub(grub_cfg: Path, grubenv: Path) -> tuple[grubboot.GrubDefault | None, str]:
+    """grub.cfg's default entry, or None and why not."""
+    try:
+        text = grub_cfg.read_text(errors="replace")
+    except FileNotFoundError:
+        return None, f"no {grub_cfg} (GRUB is not this host's boot loader?)"
+    except OSError as e:
+        return None, f"{grub_cfg} is not readable ({e.strerror})"
+    try:
+        env = grubenv.read_text(errors="replace")
+    except OSError:
+        env = ""
+    return grubboot.grub_default(text, env), ""
+
+
+def _grub_default_text(g: grubboot.GrubDefault) -> str:
+    """What GRUB's default boots and why, in a few words."""
+    boots = g.release or "no Linux kernel"
+    how = g.source + (", which matches no entry, so GRUB takes the first" if g.fallback else "")
+    text = f"{boots} (entry '{g.titles}'; {how})"
+    if g.next_entry:
+        text += f"; a grub-reboot choice boots once first (next_entry={g.next_entry})"
+    return text
+
+
+def _grub_fix(
+    g: grubboot.GrubDefault,
+    installed: list[str],
+    boot: Path,
+    grub_cfg: Path,
+    snippet: Path,
+) -> str:
+    """How to make GRUB boot the newest pageshare kernel by default, for this host."""
+    guide = '(docs/install.md, "Keeping it the default boot entry")'
+    if not installed:
+        return (
+            f"{boot} holds no pageshare kernel (was its package removed?): `apt install` "
+            "the linux-image-*-pageshare-cloud-amd64 .deb again; its postinst runs "
+            f"update-grub {guide}"
+        )
+    newest = installed[-1]
+    ident = grubboot.entry_for(g.menu, newest)
+    if not ident:
+        return (
+            f"run `update-grub`: {grub_cfg} has no entry for {newest} yet; then "
+            f"`pageshare host check` again {guide}"
+        )
+    if g.source.startswith("saved_entry"):
+        return (
+            "GRUB_DEFAULT=saved here, which pageshare-host's "
+            f"{snippet.name} leaves alone: `grub-set-default '{ident}'`, then reboot {guide}"
+        )
+    if snippet.exists():
+        stale = ""
+        with contextlib.suppress(OSError):
+            if snippet.stat().st_mtime > grub_cfg.stat().st_mtime:
+                stale = f" ({grub_cfg} is older than {snippet})"
+        return (
+            f"run `update-grub`{stale}: pageshare-host's {snippet} makes the newest "
+            "pageshare kernel the default when GRUB_DEFAULT is 0 or unset and "
+            "PAGESHARE_GRUB_DEFAULT is not false (update-grub prints what it did); if "
+            "you set GRUB_DEFAULT yourself, make it "
+            f'"{ident}" in /etc/default/grub and run `update-grub`; then reboot {guide}'
+        )
+    return (
+        f"pageshare-host's {snippet}, which makes the newest pageshare kernel the "
+        "default at every update-grub, is missing: `apt install --reinstall -o "
+        "Dpkg::Options::=--force-confmiss pageshare-host`, then `update-grub`; or set "
+        f'GRUB_DEFAULT="{ident}" in /etc/default/grub and run `update-grub`; then '
+        f"reboot {guide}"
+    )
+
+
+def check_kernel(
+    ksm_dir: Path = KSM_DIR,
+    boot: Path = grubboot.BOOT,
+    grub_cfg: Path = grubboot.GRUB_CFG,
+    grubenv: Path = grubboot.GRUBENV,
+    snippet: Path = grubboot.SNIPPET,
+    release: str | None = None,
+) -> Iterator[Finding]:
+    """The running kernel's series, and which kernel GRUB boots next by default
+    (grub.cfg's default entry, resolved as GRUB does: pageshare.grubboot)."""
+    rel = release or platform.release()
     counter = ksm_dir / "merge_page_merged"
+    installed = grubboot.pageshare_kernels(boot)
+    grub, no_grub = _read_grub(grub_cfg, grubenv)
+    grub_details: dict[str, Any] = {"pageshare_kernels": installed}
+    if grub is None:
+        grub_details["grub"] = no_grub
+    else:
+        grub_details.update(
+            grub_default=grub.spec,
+            grub_default_source=grub.source,
+            grub_default_release=grub.release,
+            grub_default_fallback=grub.fallback,
+        )
     if counter.exists():
         counters = {
             n: (ksm_dir / n).read_text().strip()
             for n in ("merge_page_merged", "merge_page_sources", "merge_page_failed")
             if (ksm_dir / n).exists()
         }
+        what = f"kernel {rel} has the merge_pages series"
+        if grub is not None and grubboot.is_pageshare(grub.release):
+            what += "; GRUB's default entry boots " + (
+                "it" if grub.release == rel else f"the pageshare kernel {grub.release}"
+            )
+        yield Finding("kernel", "ok", what, details={"release": rel, **counters, **grub_details})
+        if grub is not None and not grubboot.is_pageshare(grub.release):
+            yield Finding(
+                "kernel",
+                "warning",
+                f"GRUB's default entry boots {grub.release or 'no Linux kernel'}, not a "
+                "pageshare kernel: after a reboot this host runs without the merge_pages "
+                "series",
+                why=f"GRUB's default: {_grub_default_text(grub)}. update-grub lists kernels "
+                "newest first and Debian's GRUB_DEFAULT=0 boots the first, so a Debian "
+                "kernel of a later 6.12 patch level becomes the default when it is "
+                "installed; after the reboot the filter reads every block from disk and "
+                "guests share nothing",
+                fix=_grub_fix(grub, installed, boot, grub_cfg, snippet),
+                details={"release": rel, **grub_details},
+            )
+        return
+    what = f"kernel {rel} lacks the merge_pages series ({counter} does not exist)"
+    why = (
+        "without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
+        "RAM: it finds no merge_pages(2) (ENOSYS) and reads every block from disk, as "
+        "without the filter (fallback-unsupported), and guests share nothing at read time"
+    )
+    details = {"release": rel, "missing": str(counter), **grub_details}
+    if not installed:
         yield Finding(
             "kernel",
-            "ok",
-            f"kernel {rel} has the merge_pages series",
-            details={"release": rel, **counters},
+            "error",
+            what,
+            why=why,
+            fix="install and boot the series' kernel package: `make kernel-package` in a "
+            "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
+            "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
+            "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
+            'and reboot into it (docs/install.md, "The patched kernel", also in '
+            "/usr/share/doc/pageshare-host/); on 6.13+ the syscall numbers belong to other "
+            "calls, so a stock kernel is never used",
+            details=details,
         )
         return
-    yield Finding(
-        "kernel",
-        "error",
-        f"kernel {rel} lacks the merge_pages series ({counter} does not exist)",
-        why="without merge_pages(2) the QEMU filter cannot map the server's pages into guest "
-        "RAM: it finds no merge_pages(2) (ENOSYS) and reads every block from disk, as "
-        "without the filter (fallback-unsupported), and guests share nothing at read time",
-        fix="install and boot the series' kernel package: `make kernel-package` in a "
-        "pageshare checkout builds linux-image-6.12.*-pageshare-cloud-amd64 from the "
-        "patches in kernel-syscall/ (about an hour on 2 cores) and prints the paths of "
-        "two .debs; `apt install` the first (linux-image-*; the second is its headers) "
-        "and reboot into it; if this host ran it before, see which kernel GRUB boots by "
-        "default (a newer Debian kernel sorts first) and pin the pageshare kernel in "
-        '/etc/default/grub (docs/install.md, "The patched kernel", also in '
-        "/usr/share/doc/pageshare-host/); on 6.13+ the syscall numbers belong to other "
-        "calls, so a stock kernel is never used",
-        details={"release": rel, "missing": str(counter)},
-    )
+    newest = installed[-1]
+    if grub is None:
+        what += f"; the pageshare kernel {newest} is installed in {boot} but not running"
+        fix = (
+            f"reboot into {newest}: {no_grub}, so choose it in your boot loader's menu "
+            'and make it the default there (docs/install.md, "Keeping it the default '
+            'boot entry")'
+        )
+    elif grubboot.is_pageshare(grub.release):
+        what += (
+            f"; the pageshare kernel {newest} is installed and GRUB's default entry boots "
+            f"{'it' if grub.release == newest else grub.release}"
+        )
+        fix = (
+            "reboot: this boot was not GRUB's default (another kernel chosen in GRUB's "
+            "menu or by grub-reboot, or grub.cfg was written after it booted, as update-grub "
+            "does when the kernel or pageshare-host is installed)"
+        )
+    else:
+        what += (
+            f"; the pageshare kernel {newest} is installed but GRUB's default entry boots "
+            f"{_grub_default_text(grub)}"
+        )
+        fix = _grub_fix(grub, installed, boot, grub_cfg, snippet)
+    yield Finding("kernel", "error", what, why=why, fix=fix, details=details)
 
 
 def check_ksm(ksm_dir: Path = KSM_DIR) -> Iterator[Finding]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from grub_tree import ROOT_UUID, GrubTree, grub_common
 from page_server_helpers import (
     ImageSpec,
     Server,
@@ -26,7 +27,7 @@ from page_server_helpers import (
     redis_server,
     wait_for,
 )
-from pageshare import hostcheck, sectorlist
+from pageshare import grubboot, hostcheck, sectorlist
 from pageshare.ksm import host_lock
 from qemu_helpers import qemu_build
 
@@ -90,13 +91,20 @@ def test_kernel_series_is_reported() -> None:
     rc_j, data = host_check_json(*args)
     assert rc == rc_j
     same_findings(text, data)
-    [k] = findings(data, "kernel")
+    k, *grub = findings(data, "kernel")
     if Path("/sys/kernel/mm/ksm/merge_page_merged").exists():
-        assert (rc, k["severity"]) == (0, "ok")
+        # a second finding only if GRUB's default entry boots another kernel
+        assert k["severity"] == "ok" and [g["severity"] for g in grub] in ([], ["warning"])
+        assert rc == (1 if grub else 0)
         return
-    # This host's kernel (6.18) lacks the series: an error that says what to install.
+    assert not grub
     assert rc == 2 and k["severity"] == "error"
     assert "merge_page_merged" in k["what"] and os.uname().release in k["what"]
+    if grubboot.pageshare_kernels():
+        # installed, not running: the finding says so and what GRUB boots by default
+        assert "is installed" in k["what"], k
+        return
+    # This host's kernel (6.18) lacks the series: an error that says what to install.
     assert "kernel-syscall/" in k["fix"]
     assert "`make kernel-package`" in k["fix"] and "make kernel-test" not in k["fix"]
     assert "[FAIL] kernel:" in text and "kernel-syscall/" in text
@@ -129,12 +137,138 @@ def test_kernel_fix_names_the_package_target(tmp_path: Path) -> None:
     recipes = makefile_recipes(REPO / "Makefile")
     builds_deb = [t for t, r in recipes.items() if "packaging/kernel_deb.py" in r]
     assert builds_deb, recipes
-    [k] = hostcheck.check_kernel(tmp_path)  # no merge_page_merged there
+    # no merge_page_merged there, no pageshare kernel in /boot
+    [k] = hostcheck.check_kernel(tmp_path, boot=tmp_path / "boot")
     named = re.findall(r"`make ([\w.-]+)`", k.fix)
     assert named and all(t in recipes for t in named), (named, sorted(recipes))
     assert set(named) & set(builds_deb), (named, builds_deb)
     tests = [t for t, r in recipes.items() if "run-tests.sh" in r or "pytest" in r]
     assert not set(named) & set(tests), (named, tests)
+
+
+# The kernel finding on a host where the pageshare kernel is installed beside
+# a later Debian kernel: /boot and grub.cfg as Debian 13's update-grub writes
+# them (tests/grub_tree.py; the snippet itself: test_grub_default.py).
+PAGESHARE = "6.12.38-pageshare-cloud-amd64"
+DEBIAN_NEWER = "6.12.43+deb13-cloud-amd64"
+
+
+def pinned(release: str) -> str:
+    return f"gnulinux-advanced-{ROOT_UUID}>gnulinux-{release}-advanced-{ROOT_UUID}"
+
+
+@pytest.fixture
+def grub_host() -> Iterator[GrubTree]:
+    tree = GrubTree(grub_common("trixie"))
+    tree.kernels(DEBIAN_NEWER)
+    yield tree
+    tree.remove()
+
+
+def kernel_findings(tree: GrubTree, release: str, series: bool) -> list[hostcheck.Finding]:
+    ksm = tree.fs / "ksm"
+    ksm.mkdir(exist_ok=True)
+    if series:
+        (ksm / "merge_page_merged").write_text("0\n")
+    found = list(
+        hostcheck.check_kernel(
+            ksm,
+            boot=tree.boot,
+            grub_cfg=tree.boot / "grub/grub.cfg",
+            grubenv=tree.boot / "grub/grubenv",
+            snippet=tree.grub_d / "pageshare-kernel.cfg",
+            release=release,
+        )
+    )
+    for f in found:
+        assert f.check == "kernel" and f.what
+        assert f.severity == "ok" or (f.why and f.fix), f
+    return found
+
+
+def test_kernel_installed_but_not_the_default(grub_host: GrubTree) -> None:
+    """Booted on Debian's newer kernel, the pageshare kernel installed: the
+    finding says what GRUB's default boots and, step by step, what to do."""
+    tree = grub_host
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert "make kernel-package" in k.fix  # none installed yet: build and install it
+    tree.kernels(PAGESHARE)
+    # no grub.cfg yet
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert f"the pageshare kernel {PAGESHARE} is installed in {tree.boot} but not running" in k.what
+    assert k.fix.startswith(f"reboot into {PAGESHARE}: no {tree.boot}/grub/grub.cfg")
+    # grub.cfg from before the kernel was installed
+    (tree.boot / f"vmlinuz-{PAGESHARE}").rename(tree.fs / "aside")
+    tree.mkconfig()
+    (tree.fs / "aside").rename(tree.boot / f"vmlinuz-{PAGESHARE}")
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert k.fix.startswith("run `update-grub`: ") and f"no entry for {PAGESHARE}" in k.fix
+    # update-grub without pageshare-host's snippet: Debian's newer kernel is the default
+    tree.mkconfig()
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert k.severity == "error" and f"kernel {DEBIAN_NEWER} lacks the merge_pages series" in k.what
+    assert (
+        f"the pageshare kernel {PAGESHARE} is installed but GRUB's default entry boots "
+        f"{DEBIAN_NEWER} (entry 'Debian GNU/Linux'; set default=\"0\" in grub.cfg)"
+    ) in k.what, k.what
+    assert "--force-confmiss pageshare-host" in k.fix
+    assert f'GRUB_DEFAULT="{pinned(PAGESHARE)}" in /etc/default/grub' in k.fix
+    assert k.details["grub_default_release"] == DEBIAN_NEWER
+    assert k.details["pageshare_kernels"] == [PAGESHARE]
+    # the snippet installed after that update-grub: run it
+    snippet = tree.install_snippet()
+    os.utime(snippet, (time.time() + 5, time.time() + 5))
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert k.fix.startswith(f"run `update-grub` ({tree.boot}/grub/grub.cfg is older than ")
+    assert f'make it "{pinned(PAGESHARE)}"' in k.fix
+    # after update-grub: the default boots it, this boot was another kernel
+    tree.mkconfig()
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert "is installed and GRUB's default entry boots it" in k.what
+    assert k.fix.startswith("reboot: this boot was not GRUB's default")
+
+
+def test_kernel_running_and_the_next_boot(grub_host: GrubTree) -> None:
+    tree = grub_host
+    tree.kernels(PAGESHARE)
+    tree.install_snippet()
+    tree.mkconfig()
+    [k] = kernel_findings(tree, PAGESHARE, series=True)
+    assert k.severity == "ok"
+    assert k.what == f"kernel {PAGESHARE} has the merge_pages series; GRUB's default entry boots it"
+    assert k.details["grub_default"] == pinned(PAGESHARE)
+    # opted out: the next reboot would leave the series, a warning says so now
+    tree.default.write_text(tree.default.read_text() + "PAGESHARE_GRUB_DEFAULT=false\n")
+    tree.mkconfig()
+    ok, warn = kernel_findings(tree, PAGESHARE, series=True)
+    assert ok.severity == "ok" and "GRUB" not in ok.what
+    assert warn.severity == "warning"
+    assert warn.what.startswith(
+        f"GRUB's default entry boots {DEBIAN_NEWER}, not a pageshare kernel: after a reboot"
+    )
+    assert "GRUB_DEFAULT=0 boots the first" in warn.why
+    assert f'make it "{pinned(PAGESHARE)}"' in warn.fix
+    assert hostcheck.worst([ok, warn]) == 1
+
+
+def test_kernel_saved_default_names_grub_set_default(grub_host: GrubTree) -> None:
+    tree = grub_host
+    tree.kernels(PAGESHARE)
+    tree.install_snippet()
+    tree.default.write_text(tree.default.read_text() + "GRUB_DEFAULT=saved\n")
+    tree.mkconfig()
+    (tree.boot / "grub/grubenv").write_text(
+        f"# GRUB Environment Block\nsaved_entry={pinned(DEBIAN_NEWER)}\n" + "#" * 900
+    )
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert f'saved_entry="{pinned(DEBIAN_NEWER)}" in grubenv (GRUB_DEFAULT=saved)' in k.what
+    assert f"`grub-set-default '{pinned(PAGESHARE)}'`, then reboot" in k.fix
+    # after grub-set-default
+    (tree.boot / "grub/grubenv").write_text(
+        f"# GRUB Environment Block\nsaved_entry={pinned(PAGESHARE)}\n" + "#" * 900
+    )
+    [k] = kernel_findings(tree, DEBIAN_NEWER, series=False)
+    assert "GRUB's default entry boots it" in k.what
 
 
 def test_ksm_run_state() -> None:

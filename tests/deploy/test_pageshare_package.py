@@ -30,6 +30,8 @@ from results_samples import make_results_db
 
 pytestmark = pytest.mark.vm  # long: builds roots from the Debian archive
 
+REPO = Path(__file__).resolve().parents[2]
+
 SUITES = {"bookworm": "3.11", "trixie": "3.13"}
 
 
@@ -68,14 +70,19 @@ def test_the_packages_hold_what_they_should() -> None:
         "/etc/pageshare/libvirt.toml",
         "/etc/apparmor.d/abstractions/pageshare-qemu",
         "/etc/apparmor.d/abstractions/pageshare-libvirtd",
+        "/etc/default/grub.d/pageshare-kernel.cfg",
     } <= set(conffiles), conffiles
+    grub = debs.deb_member(host, "etc/default/grub.d/pageshare-kernel.cfg")
+    assert grub == (REPO / "packaging/pageshare-host/grub.d/pageshare-kernel.cfg").read_text()
     hook = debs.deb_member(host, "etc/libvirt/hooks/qemu.d/pageshare")
     assert "PAGESHARE=/usr/bin/pageshare" in hook and "libvirt-hook" in hook
     listing = subprocess.run(
         ["dpkg-deb", "-c", str(host)], capture_output=True, text=True, check=True
     ).stdout
     assert re.search(r"^-rwxr-xr-x .* \./etc/libvirt/hooks/qemu\.d/pageshare$", listing, re.M)
-    assert "try-reload-or-restart" in debs.deb_control_file(host, "postinst")
+    postinst = debs.deb_control_file(host, "postinst")
+    assert "try-reload-or-restart" in postinst and "update-grub" in postinst
+    assert "update-grub" in debs.deb_control_file(host, "postrm")
     modules = sorted(
         p.rsplit("/", 1)[1] for p in hpaths if p.startswith("usr/lib/pageshare/python/pageshare/")
     )
