@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PageshareError, print_error
-from .hostcheck import DEFAULT_CONTROL, _qmp_socket, server_status
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
-from .qmp import QMP, Monitor, QMPError
+from .qmp import QMP, Monitor, QMPError, qmp_socket_of
+from .server_control import DEFAULT_CONTROL, UNREACHABLE, server_status, unreachable_reason
 
 # Options of an overlay that QEMU reports, kept when blockdev-reopen is used
 # (it resets every option it is not given to its default).
@@ -370,14 +370,8 @@ class Served:
 def served_images(control: Path) -> list[Served]:
     try:
         st = server_status(control)
-    except (OSError, EOFError, ValueError) as e:
-        why = (
-            "no control socket there"
-            if isinstance(e, FileNotFoundError)
-            else "nothing listens on it"
-            if isinstance(e, ConnectionRefusedError)
-            else f"{type(e).__name__}: {e}"
-        )
+    except UNREACHABLE as e:
+        why = unreachable_reason(e)
         raise AttachError(
             "server-down",
             f"no pageshare-server answers on {control} ({why}); nothing changed",
@@ -1014,7 +1008,7 @@ def resolve_qmp(arg: str) -> Path:
             raise AttachError(
                 "qmp-unreachable", f"no process {arg}", "give a QEMU's pid or its QMP socket"
             ) from None
-        path = _qmp_socket(argv)
+        path = qmp_socket_of(argv)
         if path is None:
             raise AttachError(
                 "qmp-unreachable",

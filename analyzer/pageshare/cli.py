@@ -273,6 +273,7 @@ HOST_MODULES = (
     "grubboot",
     "attach",
     "qmp",
+    "server_control",
     "libvirt_config",
     "libvirt_hook",
     "libvirt_qmp",

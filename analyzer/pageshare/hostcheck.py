@@ -27,7 +27,6 @@ import re
 import shlex
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -41,18 +40,21 @@ from urllib.parse import urlparse
 from xml.etree import ElementTree
 
 from . import grubboot
+from .qmp import QMP, QMPError, qmp_socket_of
+from .server_control import (
+    DEFAULT_CONTROL,
+    UNREACHABLE,
+    server_status,
+    unreachable_reason,
+)
 
 KSM_DIR = Path("/sys/kernel/mm/ksm")
 KHUGEPAGED_DIR = Path("/sys/kernel/mm/transparent_hugepage/khugepaged")
 # Where the pageshare-server package keeps the two settings above at boot
 # (packaging/pageshare-server/debian/pageshare-server.tmpfiles).
 TMPFILES = Path("/usr/lib/tmpfiles.d/pageshare-server.conf")
-DEFAULT_CONTROL = Path("/run/pageshare/control.sock")
 APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
 APPARMOR_D = Path("/etc/apparmor.d")
-# page-server/PROTOCOL.md, control socket: STATUS_REQ (32) -> STATUS_REPLY (33, JSON).
-MSG_STATUS_REQ = 32
-MSG_STATUS_REPLY = 33
 SEVERITIES = {"ok": 0, "warning": 1, "error": 2}
 
 
@@ -474,37 +476,6 @@ def check_qemu(extra: list[str], use_path: bool = True) -> Iterator[Finding]:
 # --------------------------------------------------------------------------- server and Redis
 
 
-def control_request(
-    path: Path, kind: int, payload: bytes = b"", timeout: float = 10.0
-) -> tuple[int, bytes]:
-    """One request on pageshare-server's control socket (PROTOCOL.md framing:
-    u32 kind, u32 length, payload; little-endian)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(os.fspath(path))
-        s.sendall(struct.pack("<II", kind, len(payload)) + payload)
-
-        def read(n: int) -> bytes:
-            buf = b""
-            while len(buf) < n:
-                chunk = s.recv(n - len(buf))
-                if not chunk:
-                    raise EOFError("the server closed the connection mid-reply")
-                buf += chunk
-            return buf
-
-        k, n = struct.unpack("<II", read(8))
-        return k, read(n)
-
-
-def server_status(control: Path, timeout: float = 10.0) -> dict[str, Any]:
-    k, body = control_request(control, MSG_STATUS_REQ, timeout=timeout)
-    if k != MSG_STATUS_REPLY:
-        raise ValueError(f"unexpected reply kind {k} to STATUS_REQ")
-    data: dict[str, Any] = json.loads(body)
-    return data
-
-
 def redis_ping(url: str, timeout: float = 3.0) -> str:
     """Raises OSError if Redis at url cannot be reached; returns its reply."""
     u = urlparse(url)
@@ -572,14 +543,8 @@ def _not_sharing(img: dict[str, Any]) -> Iterator[Finding]:
 def check_server(control: Path) -> Iterator[Finding]:
     try:
         st = server_status(control)
-    except (OSError, EOFError, ValueError) as e:
-        reason = (
-            "no control socket there"
-            if isinstance(e, FileNotFoundError)
-            else "nothing listens on it"
-            if isinstance(e, ConnectionRefusedError)
-            else f"{type(e).__name__}: {e}"
-        )
+    except UNREACHABLE as e:
+        reason = unreachable_reason(e)
         yield Finding(
             "server",
             "error",
@@ -731,29 +696,6 @@ def check_server(control: Path) -> Iterator[Finding]:
 # --------------------------------------------------------------------------- guests
 
 
-def _qmp_socket(args: list[str]) -> Path | None:
-    """A QMP unix socket named on a QEMU command line (-qmp unix:PATH,server or
-    -chardev socket,id=X,path=PATH,server + -mon chardev=X,mode=control)."""
-    chardevs: dict[str, str] = {}
-    mons: list[str] = []
-    for i, a in enumerate(args[:-1]):
-        v = args[i + 1]
-        if a in ("-qmp", "--qmp") and v.startswith("unix:"):
-            return Path(v[5:].split(",")[0])
-        if a in ("-chardev", "--chardev") and v.startswith("socket,"):
-            opts = dict(o.split("=", 1) for o in v.split(",")[1:] if "=" in o)
-            if "id" in opts and "path" in opts:
-                chardevs[opts["id"]] = opts["path"]
-        if a in ("-mon", "--mon"):
-            opts = dict(o.split("=", 1) for o in v.split(",") if "=" in o)
-            if opts.get("mode") == "control" and "chardev" in opts:
-                mons.append(opts["chardev"])
-    for m in mons:
-        if m in chardevs:
-            return Path(chardevs[m])
-    return None
-
-
 def _guest_name(args: list[str]) -> str:
     for i, a in enumerate(args[:-1]):
         if a in ("-name", "--name"):
@@ -764,29 +706,13 @@ def _guest_name(args: list[str]) -> str:
 
 
 def _qmp_block_drivers(path: Path, timeout: float = 3.0) -> list[str]:
-    """Drivers of QEMU's named block nodes over QMP (raises OSError/ValueError)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        f = s.makefile("rw", encoding="utf-8")
-        json.loads(f.readline())  # greeting
-        drivers: list[str] = []
-        for cmd in ("qmp_capabilities", "query-named-block-nodes"):
-            f.write(json.dumps({"execute": cmd}) + "\n")
-            f.flush()
-            while True:
-                line = f.readline()
-                if not line:
-                    raise OSError("QEMU closed the QMP connection")
-                msg = json.loads(line)
-                if "event" in msg:
-                    continue
-                if "error" in msg:
-                    raise ValueError(msg["error"].get("desc", "QMP error"))
-                if cmd == "query-named-block-nodes":
-                    drivers = [str(n.get("drv")) for n in msg["return"]]
-                break
-        return drivers
+    """Drivers of QEMU's named block nodes over QMP (raises OSError, ValueError
+    or QMPError)."""
+    qmp = QMP(path, timeout=timeout)
+    try:
+        return [str(n.get("drv")) for n in qmp.command("query-named-block-nodes")]
+    finally:
+        qmp.close()
 
 
 def qemu_processes() -> Iterator[tuple[int, str, list[str]]]:
@@ -890,13 +816,13 @@ def check_guests(server_pid: int | None = None) -> Iterator[Finding]:
                 },
             )
         cmdline_has = any(re.search(r'driver"?\s*[=:]\s*"?pageshare\b', a) for a in argv)
-        qmp = _qmp_socket(argv)
+        qmp = qmp_socket_of(argv)
         graph: list[str] | None = None
         qmp_error = ""
         if qmp is not None:
             try:
                 graph = _qmp_block_drivers(qmp)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, QMPError) as e:
                 qmp_error = f"{type(e).__name__}: {e}"
         has = ("pageshare" in graph) if graph is not None else cmdline_has
         d = {
@@ -1197,7 +1123,7 @@ def check_apparmor(
 def _server_pid(control: Path) -> int | None:
     try:
         pid = server_status(control).get("pid")
-    except (OSError, EOFError, ValueError):
+    except UNREACHABLE:
         return None
     return pid if isinstance(pid, int) else None
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PageshareError
-from .hostcheck import DEFAULT_CONTROL
+from .server_control import DEFAULT_CONTROL
 
 DEFAULT_CONFIG = Path("/etc/pageshare/libvirt.toml")
 MODES = ("merge", "copy")

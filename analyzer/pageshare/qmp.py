@@ -123,3 +123,26 @@ class QMP:
             self._file.close()
         finally:
             self._sock.close()
+
+
+def qmp_socket_of(args: list[str]) -> Path | None:
+    """A QMP unix socket named on a QEMU command line (-qmp unix:PATH,server or
+    -chardev socket,id=X,path=PATH,server + -mon chardev=X,mode=control)."""
+    chardevs: dict[str, str] = {}
+    mons: list[str] = []
+    for i, a in enumerate(args[:-1]):
+        v = args[i + 1]
+        if a in ("-qmp", "--qmp") and v.startswith("unix:"):
+            return Path(v[5:].split(",")[0])
+        if a in ("-chardev", "--chardev") and v.startswith("socket,"):
+            opts = dict(o.split("=", 1) for o in v.split(",")[1:] if "=" in o)
+            if "id" in opts and "path" in opts:
+                chardevs[opts["id"]] = opts["path"]
+        if a in ("-mon", "--mon"):
+            opts = dict(o.split("=", 1) for o in v.split(",") if "=" in o)
+            if opts.get("mode") == "control" and "chardev" in opts:
+                mons.append(opts["chardev"])
+    for m in mons:
+        if m in chardevs:
+            return Path(chardevs[m])
+    return None

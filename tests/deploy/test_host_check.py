@@ -27,7 +27,7 @@ from page_server_helpers import (
     redis_server,
     wait_for,
 )
-from pageshare import grubboot, hostcheck, sectorlist
+from pageshare import grubboot, hostcheck, sectorlist, server_control
 from pageshare.ksm import host_lock
 from qemu_helpers import qemu_build
 
@@ -579,7 +579,7 @@ def test_json_reports_bad_arguments_as_json() -> None:
 
 
 def test_control_framing_matches_the_reference_client() -> None:
-    assert (hostcheck.MSG_STATUS_REQ, hostcheck.MSG_STATUS_REPLY) == (
+    assert (server_control.MSG_STATUS_REQ, server_control.MSG_STATUS_REPLY) == (
         psc.MSG_STATUS_REQ,
         psc.MSG_STATUS_REPLY,
     )
