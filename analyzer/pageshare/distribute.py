@@ -296,7 +296,9 @@ def list_images(store: Store, now: float | None = None) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- CLI
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_redis_arguments(p: argparse.ArgumentParser) -> None:
+    """--redis and --prefix, as every command that talks to the lists' Redis
+    takes them (list publish, fetch, ls, refine)."""
     p.add_argument(
         "--redis",
         metavar="URL",
@@ -323,7 +325,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     pub.add_argument("file", metavar="LIST", type=Path)
     pub.add_argument("--publisher", help="who to record as publisher (default user@host)")
     pub.add_argument("--json", action="store_true")
-    _common(pub)
+    add_redis_arguments(pub)
     fe = sub.add_parser("fetch", help="download an image's current list (validated) to a file")
     fe.add_argument(
         "image",
@@ -336,13 +338,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         type=Path,
         help="file to write (default: the analyzer's file name in the current directory)",
     )
-    _common(fe)
+    add_redis_arguments(fe)
     ls = sub.add_parser("ls", help="the lists in Redis, their metadata, and which hosts serve them")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
-    _common(ls)
+    add_redis_arguments(ls)
     fl = sub.add_parser("fleet", help="every page server's reported state")
     fl.add_argument("--json", action="store_true")
-    _common(fl)
+    add_redis_arguments(fl)
     return parser
 
 

@@ -3,7 +3,6 @@ or refine it from what the fleet's guests read (refine.py)."""
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -163,7 +162,7 @@ def _duration(text: str) -> float:
 
 
 def _add_refine(sub: Any) -> None:
-    from .distribute import DEFAULT_PREFIX, DEFAULT_URL
+    from .distribute import add_redis_arguments
 
     r = sub.add_parser(
         "refine",
@@ -227,17 +226,7 @@ def _add_refine(sub: Any) -> None:
         action="store_true",
         help="publish the new list too (as 'pageshare list publish' does)",
     )
-    r.add_argument(
-        "--redis",
-        metavar="URL",
-        default=os.environ.get("PAGESHARE_REDIS", DEFAULT_URL),
-        help=f"Redis URL (default $PAGESHARE_REDIS or {DEFAULT_URL})",
-    )
-    r.add_argument(
-        "--prefix",
-        default=DEFAULT_PREFIX,
-        help=f"key prefix shared with the page servers (default {DEFAULT_PREFIX})",
-    )
+    add_redis_arguments(r)
     r.add_argument(
         "--json",
         action="store_true",
