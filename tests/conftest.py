@@ -34,6 +34,24 @@ pytest.register_assert_rewrite(
 _skipped: list[str] = []
 
 
+# Markers by cost (registered in pyproject.toml): a test that uses one of
+# these fixtures needs a golden image, a Debian root with the packages, the
+# page server or Debian's grub-common (downloaded) built or fetched, or
+# drives the host's KSM.  Modules whose tests all build QEMU, the page
+# server or packages say so with their own pytestmark.
+BUILD_FIXTURES = frozenset({"small_image", "demo_image", "pageshare_root", "servers", "grub_host"})
+KSM_FIXTURES = frozenset({"host_guard"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & BUILD_FIXTURES:
+            item.add_marker(pytest.mark.build)
+        if names & KSM_FIXTURES:
+            item.add_marker(pytest.mark.hostksm)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         _skipped.append(report.nodeid)

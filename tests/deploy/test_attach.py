@@ -31,6 +31,8 @@ from pageshare import libvirt_watch, sectorlist
 from pageshare.qmp import QMP
 from qemu_helpers import qemu_build
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,6 +31,8 @@ from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
 from qemu_helpers import qemu_build
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 REPO = Path(__file__).resolve().parents[2]

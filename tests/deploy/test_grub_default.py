@@ -18,6 +18,8 @@ import pytest
 from grub_tree import ROOT_UUID, SNIPPET, SUITES, GrubTree, RootDevice, grub_common
 from pageshare import grubboot
 
+pytestmark = pytest.mark.build
+
 PAGESHARE = "6.12.38-pageshare-cloud-amd64"
 DEBIAN_NEWER = "6.12.43+deb13-cloud-amd64"  # a later patch level: 10_linux lists it first
 DEBIAN_OLD = "6.1.0-56-amd64"

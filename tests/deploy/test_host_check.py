@@ -355,6 +355,7 @@ def start(s: Server, servers: list[Server]) -> None:
 
 @pytest.fixture
 def servers() -> Iterator[list[Server]]:
+    """The page servers a test started (built first: build, in conftest.py)."""
     started: list[Server] = []
     yield started
     for s in started:
@@ -441,6 +442,7 @@ def test_server_with_no_image_serving_is_an_error(
     ]
 
 
+@pytest.mark.build
 def test_redis_reachable_and_down(
     image: tuple[Path, str], tmp_path: Path, servers: list[Server]
 ) -> None:
@@ -474,6 +476,7 @@ def test_redis_reachable_and_down(
 # --------------------------------------------------------------------------- QEMU
 
 
+@pytest.mark.build
 def test_patched_qemu_has_the_driver_and_debian_lacks_it() -> None:
     build = qemu_build()
     args = ["--no-path", "--qemu", str(build.dir / "bin"), "--qemu", DEBIAN_QEMU, *only("qemu")]
@@ -533,6 +536,7 @@ def stop_qemu(p: subprocess.Popen[bytes]) -> None:
     p.wait(10)
 
 
+@pytest.mark.build
 @pytest.mark.usefixtures("host_guard")
 def test_guest_without_the_filter_is_reported(tmp_path: Path) -> None:
     build = qemu_build()

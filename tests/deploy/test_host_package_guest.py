@@ -59,6 +59,8 @@ from package_guest import (
 from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden, sectorlist
 
+pytestmark = pytest.mark.build
+
 VARIANTS = {"small": "bookworm", "trixie": "trixie"}
 APT = (
     "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "

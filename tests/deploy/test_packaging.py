@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from package_root import load_debs
 
+pytestmark = pytest.mark.build
+
 REPO = Path(__file__).resolve().parents[2]
 debs = load_debs()
 

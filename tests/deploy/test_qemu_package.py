@@ -20,6 +20,8 @@ import pytest
 from package_root import load_debs
 from pageshare import hostcheck
 
+pytestmark = pytest.mark.build
+
 REPO = Path(__file__).resolve().parents[2]
 debs = load_debs()
 LIB = "usr/lib/pageshare-qemu"

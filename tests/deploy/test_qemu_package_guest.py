@@ -66,6 +66,8 @@ from package_guest import (
 from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden, sectorlist
 
+pytestmark = pytest.mark.build
+
 # Golden image variant -> (Debian suite, whether the Debian 12 steps run).
 VARIANTS = {"small": ("bookworm", True), "trixie": ("trixie", False)}
 LIB = "/usr/lib/pageshare-qemu"

@@ -59,6 +59,8 @@ from package_guest import (
 from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden, sectorlist
 
+pytestmark = pytest.mark.build
+
 # Golden image variant -> (Debian suite, whether the slow steps run there).
 # Debian 12 runs everything; Debian 13 the install, start, reload, crash
 # restart, journal and purge (the watchdog's 30 s and the upgrade once is

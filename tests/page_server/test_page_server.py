@@ -38,6 +38,8 @@ from page_server_helpers import (
 from pageshare import golden, sectorlist
 from qemu_helpers import SEED_VERDICTS
 
+pytestmark = pytest.mark.build
+
 # Root is required (the client reads /proc/PID/mem); fail loudly rather than skip.
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"
 

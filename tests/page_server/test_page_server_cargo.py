@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from page_server_helpers import PAGE_SERVER, TARGET, cargo
 
+pytestmark = pytest.mark.build
+
 
 def run_cargo(*args: str) -> subprocess.CompletedProcess[str]:
     c = cargo()

@@ -43,6 +43,8 @@ from page_server_helpers import (
 from pageshare import feedback as refine_feedback
 from pageshare import sectorlist
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"
 
 NO_GEN = psc.NO_GENERATION

@@ -10,8 +10,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from page_server_helpers import REPO, server_binary
 from pageshare import sectorlist
+
+pytestmark = pytest.mark.build
 
 
 def rust_verdicts(files: list[Path]) -> dict[str, tuple[bool, int | None]]:

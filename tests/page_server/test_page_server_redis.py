@@ -33,6 +33,8 @@ from page_server_helpers import (
 )
 from pageshare import distribute, sectorlist
 
+pytestmark = pytest.mark.build
+
 # Root is required (the client reads /proc/PID/mem); fail loudly rather than skip.
 assert os.geteuid() == 0, "the page-server tests read /proc/PID/mem: run them as root"
 

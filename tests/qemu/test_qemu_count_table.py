@@ -15,7 +15,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from qemu_helpers import REPO, qemu_build
+
+pytestmark = pytest.mark.build
 
 
 def test_the_filter_count_tables_keep_their_bounds() -> None:

@@ -41,6 +41,8 @@ from pageshare.vm import _child_setup, choose_accel
 from pageshare.workload import Markers, Workload, script
 from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 

@@ -47,6 +47,8 @@ from qemu_helpers import (
     trace_counters,
 )
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 STOCK_QEMU_IO = "/usr/bin/qemu-io"

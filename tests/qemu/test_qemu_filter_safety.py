@@ -36,6 +36,8 @@ from pageshare import sectorlist
 from pageshare.qmp import QMP, QMPError
 from qemu_helpers import QemuBuild, qemu_build
 
+pytestmark = pytest.mark.build
+
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"
 
 BLOCKS = 8192  # 32 MiB images

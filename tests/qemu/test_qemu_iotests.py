@@ -7,7 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from qemu_helpers import REPO, qemu_build
+
+pytestmark = pytest.mark.build
 
 
 def test_iotests_pass() -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from qemu_helpers import BUILD_PY, REPO, SEED_VERDICTS, qemu_build
 
+pytestmark = pytest.mark.build
+
 FUZZ = REPO / "qemu-patches" / "fuzz"
 FUZZ_SECONDS = 60
 
