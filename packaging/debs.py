@@ -440,12 +440,7 @@ def log(msg: str) -> None:
     print(f"[debs] {msg}", file=sys.stderr, flush=True)
 
 
-def cargo() -> str | None:
-    found = shutil.which("cargo")
-    if found:
-        return found
-    home = Path.home() / ".cargo" / "bin" / "cargo"
-    return str(home) if home.exists() else None
+cargo = cache.cargo
 
 
 def _out(cmd: list[str]) -> str:
@@ -648,6 +643,8 @@ def build(pkg: Package, source: Path, *, force: bool = False, check: bool = Fals
                 c = cargo()
                 assert c is not None
                 env["PATH"] = f"{Path(c).parent}:{env.get('PATH', '')}"
+                # Its own target directory: dpkg-buildpackage builds from a
+                # copy of the source with Debian's build flags.
                 env["CARGO_TARGET_DIR"] = str(CACHE / "cargo-target")
             build_log = work / "build.log"
             log(f"{pkg.name} {version}: dpkg-buildpackage in {tree} (log: {build_log})")

@@ -20,6 +20,7 @@ PAGE_SERVER = REPO / "page-server"
 sys.path.insert(0, str(PAGE_SERVER / "client"))
 
 import pageshare_client as psc  # noqa: E402
+from pageshare.cache import cargo  # noqa: E402
 from server_process import (  # noqa: E402
     CACHE,
     TARGET,
@@ -27,7 +28,6 @@ from server_process import (  # noqa: E402
     ImageSpec,
     Redis,
     Server,
-    cargo,
     content_sha256,
     free_port,
     make_list,

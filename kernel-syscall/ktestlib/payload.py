@@ -129,15 +129,13 @@ def build_patched_qemu() -> Path:
 
 def build_page_server() -> Path:
     """cargo build --release of page-server/, into the tests' target directory."""
-    cargo = shutil.which("cargo") or next(
-        (str(c) for c in [Path.home() / ".cargo/bin/cargo"] if c.exists()), None
-    )
+    cargo = cache.cargo()
     if cargo is None:
         raise KtestError(
             f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
             "test needs pageshare-server"
         )
-    target = cache.cache_root() / "cargo-target"
+    target = cache.cargo_target_dir()
     env = {
         **os.environ,
         "CARGO_TARGET_DIR": str(target),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import pageshare_client as psc  # noqa: E402
 from pageshare import sectorlist  # noqa: E402
-from pageshare.cache import cache_root  # noqa: E402
+from pageshare.cache import cache_root, cargo, cargo_target_dir  # noqa: E402
 
 
 class HarnessError(Exception):
@@ -39,13 +38,7 @@ class HarnessError(Exception):
 
 
 CACHE = cache_root()
-TARGET = CACHE / "cargo-target"
-
-
-def cargo() -> str | None:
-    return shutil.which("cargo") or next(
-        (str(p) for p in [Path.home() / ".cargo" / "bin" / "cargo"] if p.exists()), None
-    )
+TARGET = cargo_target_dir()
 
 
 _built: dict[str, Path] = {}
