@@ -1029,10 +1029,17 @@ def census(
     the end; what sharing saved at the end net of everything the server
     preloads (the guests' present pages less the distinct physical pages,
     the server's among them); the server's pages no guest maps.  None for
-    a sampler without the census."""
+    a sampler without the census.  Also, from the guests' full samples
+    alone, the listed pages they held that were not shared, integrated
+    over time (MiB*s): the one class read-time sharing is for."""
+    listed_ms = 0.0
+    for ss in series.values():
+        full = [(s["t_ms"], s["listed"] - s["listed_shared"]) for s in ss if s["full"]]
+        listed_ms += sum((t1 - t0) * (a + b) / 2 for (t0, a), (t1, b) in itertools.pairwise(full))
+    listed = {"listed_unshared_mib_s": listed_ms / 1000 * PAGE / MIB if series else None}
     cs = [h for h in hs if h["mem_pages"] >= 0 and h["distinct_pages"] >= 0]
     if not cs:
-        return {
+        return listed | {
             "dup_mib_s": None,
             "dup_mib_end": None,
             "net_saved_mib_end": None,
@@ -1042,7 +1049,7 @@ def census(
     pages_ms = sum((t1 - t0) * (d0 + d1) / 2 for (t0, d0), (t1, d1) in itertools.pairwise(dup))
     last = cs[-1]
     present = sum(at(last["t_ms"], g)["present"] for g in gids)
-    return {
+    return listed | {
         "dup_mib_s": pages_ms / 1000 * PAGE / MIB,
         "dup_mib_end": dup[-1][1] * PAGE / MIB,
         "net_saved_mib_end": (present - last["mem_pages"]) * PAGE / MIB,
@@ -1098,6 +1105,13 @@ def sharing_costs(configs: dict[str, dict[str, Any]]) -> None:
         saved = c.get("net_saved_mib_end")
         if saved is not None and base.get("net_saved_mib_end") is not None:
             saved -= base["net_saved_mib_end"]
+        # the server's start-up hash is paid once per image per host, not
+        # per guest or per configuration: the figure without it as well
+        c["sharing_cpu_after_startup_s"] = (
+            None
+            if c["sharing_cpu_s"] is None
+            else c["sharing_cpu_s"] - (c["server_startup_cpu_s"] or 0.0)
+        )
         c["sharing_saved_mib_end"] = saved
         c["sharing_cpu_s_per_gib_saved"] = (
             c["sharing_cpu_s"] / (saved / 1024)
@@ -1241,6 +1255,11 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ("sampler pass (mean), ms", "sample_ms_mean", ".0f"),
         ("duplicates not yet shared, integrated over the run, MiB*s", "dup_mib_s", ".0f"),
         ("duplicates not yet shared at the end, MiB", "dup_mib_end", ".1f"),
+        (
+            "listed pages held by guests not yet shared, integrated, MiB*s",
+            "listed_unshared_mib_s",
+            ".0f",
+        ),
         ("saved at the end net of the server's pages, MiB", "net_saved_mib_end", ".1f"),
         ("the same beyond none's (its zero-page mappings), MiB", "sharing_saved_mib_end", ".1f"),
         ("server's pages no guest maps at the end, MiB", "server_unused_mib_end", ".1f"),
@@ -1252,6 +1271,11 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
         ),
         ("sharing CPU: ksmd + merge_pages + server + those kworkers, s", "sharing_cpu_s", ".1f"),
         ("sharing CPU s per GiB saved (beyond none)", "sharing_cpu_s_per_gib_saved", ".1f"),
+        (
+            "sharing CPU without the server's start-up hash, s",
+            "sharing_cpu_after_startup_s",
+            ".1f",
+        ),
         ("machine's busy CPU less the sampler's, s", "machine_cpu_s", ".0f"),
         ("the same beyond none's (noisy), s", "machine_cpu_beyond_none_s", ".0f"),
     ]
@@ -1304,46 +1328,64 @@ def frontier(configs: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "Frontier: sharing CPU (all costs) against memory not yet shared",
         "",
-        "| configuration | sharing CPU, s | duplicates not yet shared, MiB*s "
+        "| configuration | sharing CPU, s | the same without the start-up hash, s "
+        "| duplicates not yet shared, MiB*s | listed pages not yet shared, MiB*s "
         "| saved at the end beyond none, MiB | CPU s per GiB saved |",
-        "|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in ksm + ps:
         c = configs[n]
         out.append(
-            f"| {n} | {c['sharing_cpu_s']:.1f} | {c['dup_mib_s']:.0f} | "
+            f"| {n} | {c['sharing_cpu_s']:.1f} | {fmt(c.get('sharing_cpu_after_startup_s'))} "
+            f"| {c['dup_mib_s']:.0f} | {fmt(c.get('listed_unshared_mib_s'), '.0f')} | "
             f"{c['sharing_saved_mib_end']:.1f} | "
             f"{fmt(c['sharing_cpu_s_per_gib_saved'])} |"
         )
     out.append("")
+    for cpu, how in (
+        ("sharing_cpu_s", "all costs"),
+        ("sharing_cpu_after_startup_s", "without the server's start-up hash"),
+    ):
+        if any(configs[n].get(cpu) is None for n in ksm + ps):
+            continue
+        out += frontier_targets(configs, ksm, ps, cpu, how)
+    return out
+
+
+def frontier_targets(
+    configs: dict[str, dict[str, Any]], ksm: list[str], ps: list[str], cpu: str, how: str
+) -> list[str]:
+    """Issue 20's two frontier targets, met or MISSED, with sharing CPU
+    read from key ``cpu`` (described by ``how``)."""
+    out = []
     if "ksm" in ksm:
         k = configs["ksm"]
-        best = None
-        for n in ps:
-            c = configs[n]
-            if (
-                c["sharing_saved_mib_end"] >= 0.95 * k["sharing_saved_mib_end"]
-                and c["sharing_cpu_s"] * 5 <= k["sharing_cpu_s"]
-                and c["dup_mib_s"] * 10 <= k["dup_mib_s"]
-            ):
-                best = n
-                break
+        best = next(
+            (
+                n
+                for n in ps
+                if configs[n]["sharing_saved_mib_end"] >= 0.95 * k["sharing_saved_mib_end"]
+                and configs[n][cpu] * 5 <= k[cpu]
+                and configs[n]["dup_mib_s"] * 10 <= k["dup_mib_s"]
+            ),
+            None,
+        )
         out.append(
-            "- a pageshare configuration with KSM-default's savings (within 5 %), "
-            "5x less sharing CPU and 10x fewer MiB*s: "
+            f"- ({how}) a pageshare configuration with KSM-default's savings "
+            "(within 5 %), 5x less sharing CPU and 10x fewer MiB*s: "
             + (f"met by {best}" if best else "MISSED (no configuration meets all three)")
         )
     beaten = [
         n
         for n in ksm
         if not any(
-            configs[p]["sharing_cpu_s"] <= configs[n]["sharing_cpu_s"]
+            configs[p][cpu] <= configs[n][cpu]
             and configs[p]["dup_mib_s"] <= configs[n]["dup_mib_s"]
             for p in ps
         )
     ]
     out.append(
-        "- pageshare dominating every KSM-only point on CPU and MiB*s: "
+        f"- ({how}) pageshare dominating every KSM-only point on CPU and MiB*s: "
         + ("met" if not beaten else f"MISSED at {', '.join(beaten)}")
     )
     return out
