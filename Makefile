@@ -24,7 +24,7 @@ demo: deps
 	$(PY) -m pageshare.golden --variant demo
 	.venv/bin/analyze-image $$($(PY) -m pageshare.golden --variant demo)
 
-PY_DIRS := analyzer tests bench kernel-syscall qemu-patches page-server packaging
+PY_DIRS := analyzer tools tests bench kernel-syscall qemu-patches page-server packaging
 
 # checkpatch on both series needs their sources: the kernel's and QEMU's
 # (fetched and cached as the tests fetch them, which the tests need anyway).

@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "analyzer"))
+from pageshare import golden
 
-from pageshare import golden  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

@@ -45,7 +45,6 @@ import csv
 import dataclasses
 import gzip
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -61,16 +60,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+# e2e_migration is this script's neighbour (bench/, on sys.path as the
+# script's directory; the tests put bench/ there through pytest's pythonpath).
+import e2e_migration
+from pageshare import cache, golden, sectorlist
+from pageshare_tools import ktestlib as ktest
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "analyzer"))
-
-from pageshare import cache, golden, sectorlist  # noqa: E402
-
-sys.path.insert(0, str(REPO / "bench"))
-import e2e_migration  # noqa: E402
 
 CONFIGS = ["none", "ksm", "ksm-advisor", "pageshare", "ksm-fpr", "pageshare-faults"]
 # ksm-ptsN, pageshare-ptsN: "ksm" or "pageshare" with ksmd's pages_to_scan N
@@ -206,17 +204,6 @@ class BenchError(Exception):
 
 def log(msg: str) -> None:
     print(f"[e2e_vs_ksm] {msg}", file=sys.stderr, flush=True)
-
-
-def load_ktest() -> ModuleType:
-    """kernel-syscall/ktest.py, a standalone script, as a module."""
-    spec = importlib.util.spec_from_file_location("ktest", REPO / "kernel-syscall/ktest.py")
-    if spec is None or spec.loader is None:
-        raise BenchError("cannot load kernel-syscall/ktest.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ktest"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def page_hash(block: bytes) -> int:
@@ -463,7 +450,6 @@ def cpio_gz(top: Path, out: Path) -> None:
 
 
 def build_payload(
-    kt: ModuleType,
     image: Path,
     pcsl: Path,
     hashes: bytes,
@@ -474,17 +460,17 @@ def build_payload(
 ) -> None:
     """/pageshare in the host VM: binaries with their libraries, firmware,
     the golden image and its list, the guest kernel and initramfs."""
-    qemu = kt.build_patched_qemu()
-    server = kt.build_page_server()
+    qemu = ktest.build_patched_qemu()
+    server = ktest.build_page_server()
     sampler = out.parent / "e2e_sampler"
-    kt.run(kt.sampler_argv(sampler))
-    bins = [qemu / "bin" / b for b in kt.QEMU_BINARIES] + [server]
+    ktest.run(ktest.sampler_argv(sampler))
+    bins = [qemu / "bin" / b for b in ktest.QEMU_BINARIES] + [server]
     if st.feedback:
-        for b in ("redis-server", "redis-cli"):
-            found = shutil.which(b)
+        for name in ("redis-server", "redis-cli"):
+            found = shutil.which(name)
             if not found:
                 raise BenchError(
-                    f"--feedback runs {b} in the pageshare host: install "
+                    f"--feedback runs {name} in the pageshare host: install "
                     "Debian's redis-server (scripts/install-deps.sh does)"
                 )
             bins.append(Path(found))
@@ -494,12 +480,12 @@ def build_payload(
         for d in ("bin", "share/qemu", "guest"):
             (pd / d).mkdir(parents=True)
         for b in bins:
-            kt.run(["strip", "-o", str(pd / "bin" / b.name), str(b)])
+            ktest.run(["strip", "-o", str(pd / "bin" / b.name), str(b)])
         shutil.copy2(sampler, pd / "bin/e2e_sampler")
-        for fw in kt.QEMU_FIRMWARE:
+        for fw in ktest.QEMU_FIRMWARE:
             shutil.copy2((qemu / "share/qemu" / fw).resolve(), pd / "share/qemu" / fw)
         for b in bins:
-            for lib in kt.shared_libs(b):
+            for lib in ktest.shared_libs(b):
                 dst = top / str(lib).lstrip("/")
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(lib.resolve(), dst)
@@ -1650,9 +1636,8 @@ def main() -> int:
         and args.image is not None
         and cached_list(args.image, cache.cache_root(), workload) is None,
     )
-    kt = load_ktest()
     try:
-        root = kt.cache_root()
+        root = ktest.cache_root()
         image = args.image or golden.build_image("small").path
         host_preflight(
             KSM, args.list is None and cached_list(image, cache.cache_root(), workload) is None
@@ -1660,21 +1645,21 @@ def main() -> int:
         pcsl = args.list or ensure_list(image, cache.cache_root(), workload)
         hashes, nlisted = listed_hashes(image, pcsl)
         log(f"{nlisted} listed blocks in {pcsl}")
-        patches = kt.series_files()
-        src = kt.ensure_source(root)
+        patches = ktest.series_files()
+        src = ktest.ensure_source(root)
         with src.locked():
-            kdir = kt.ensure_kernel(src, patches, "plain")
-            gk = kt.ensure_kernel(src, patches, kt.BENCH_GUEST_CONFIG) / "bzImage"
-        busybox = kt.ensure_busybox(root)
+            kdir = ktest.ensure_kernel(src, patches, "plain")
+            gk = ktest.ensure_kernel(src, patches, ktest.BENCH_GUEST_CONFIG) / "bzImage"
+        busybox = ktest.ensure_busybox(root)
         out = args.out or REPO / "bench/results" / time.strftime("e2e-%Y%m%d-%H%M")
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="e2e-", dir="/var/tmp") as td:
             payload = Path(td) / "payload.cpio.gz"
-            build_payload(kt, image, pcsl, hashes, st, busybox, gk, payload)
+            build_payload(image, pcsl, hashes, st, busybox, gk, payload)
             initramfs = Path(td) / "initramfs.cpio.gz"
             # KSM in merge mode from boot on, as on a pageshare host (the
             # driver refuses a host with KSM off)
-            test = kt.GuestTest(
+            test = ktest.GuestTest(
                 "e2e",
                 ["/bin/sh", "/pageshare/driver.sh"],
                 (st.work_timeout + st.boot_timeout) * len(configs) + 600 + migrate_budget(st),
@@ -1682,13 +1667,13 @@ def main() -> int:
             )
             empty = Path(td) / "tests"
             empty.mkdir()
-            kt.build_initramfs(busybox, empty, [test], initramfs, payload)
+            ktest.build_initramfs(busybox, empty, [test], initramfs, payload)
             log(
                 f"prepared in {time.monotonic() - t_start:.0f} s; booting the pageshare "
                 f"host (-m {st.host_mib}M), serial log {out / 'serial.log'}"
             )
             t_boot = time.monotonic()
-            lines = kt.boot(
+            lines = ktest.boot(
                 kdir,
                 initramfs,
                 out / "serial.log",
@@ -1699,7 +1684,7 @@ def main() -> int:
                 ),
             )
         vm_s = time.monotonic() - t_boot
-    except kt.KtestError as e:
+    except ktest.KtestError as e:
         raise BenchError(str(e)) from e
     serial = out / "serial.log"
     (out / "serial.log.gz").write_bytes(gzip.compress(serial.read_bytes()))

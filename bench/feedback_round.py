@@ -38,12 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "analyzer"))
-sys.path.insert(0, str(REPO / "bench"))
+# e2e_vs_ksm is this script's neighbour in bench/ (the script's directory)
+import e2e_vs_ksm as e2e
+from pageshare import cache, golden
 
-import e2e_vs_ksm as e2e  # noqa: E402
-from pageshare import cache, golden  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # The list made from the guests' own workload, in the run without the
 # sampler's bias: the savings a refined list is measured against.

@@ -50,12 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "analyzer"))
-sys.path.insert(0, str(REPO / "tests"))
-
-from guest_phases import signal_guest, wait_for  # noqa: E402
-from page_server_helpers import (  # noqa: E402
+from pageshare import golden, sectorlist
+from pageshare.image_inspect import inspect_image
+from pageshare.qmp import QMP
+from pageshare.vm import _child_setup, choose_accel
+from pageshare.workload import Markers, Workload, script
+from pageshare_tools.server_process import (
     ImageSpec,
     Server,
     content_sha256,
@@ -63,11 +63,14 @@ from page_server_helpers import (  # noqa: E402
     nonzero_blocks,
     raw_copy,
 )
-from pageshare import golden, sectorlist  # noqa: E402
-from pageshare.image_inspect import inspect_image  # noqa: E402
-from pageshare.qmp import QMP  # noqa: E402
-from pageshare.vm import _child_setup, choose_accel  # noqa: E402
-from pageshare.workload import Markers, Workload, script  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# The QEMU tests' helpers (the patched build, the filter's -blockdev graph)
+# and the guest's phases are still in tests/, not in the tooling package
+# (tools/pageshare_tools): until they move there, tests/ goes on the path.
+sys.path.insert(0, str(REPO / "tests"))
+
+from guest_phases import signal_guest, wait_for  # noqa: E402
 from qemu_helpers import (  # noqa: E402
     QemuBuild,
     blockdev_args,

@@ -26,210 +26,27 @@ Steps, each cached under $PAGESHARE_CACHE/kernel (default
    kernel log for WARN/BUG/lockdep/KASAN/KFENCE reports (any one fails the
    run), exit with the tests' status.
 
-Only the Python standard library is used.
+Only the Python standard library and the project's own packages are used (run it
+with .venv/bin/python, where scripts/install-deps.sh installs them).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-# The code is in ktestlib/ next to this file (ktestlib/__init__.py says which
-# module holds what; a run starts at ktestlib/commands.py cmd_run()).  This
-# file is the command line and, for the code that imports ktest
-# (packaging/kernel_deb.py, bench/e2e_vs_ksm.py), every name it had when it
-# was one file.  Its directory goes on sys.path for ktestlib also when it is
-# loaded by its path (bench/e2e_vs_ksm.py) rather than run or imported.
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from ktestlib.boot import (  # noqa: E402
-    BAD_PATTERNS,
-    BAD_RE,
-    Result,
-    boot,
-    extract_between,
-    parse_results,
-)
-from ktestlib.commands import (  # noqa: E402
-    SCAN_SAMPLES_BAD,
-    SCAN_SAMPLES_GOOD,
-    check_series_locked,
+# The code is in the tooling package (tools/pageshare_tools/ktestlib/, whose
+# __init__.py says which module holds what; a run starts at commands.py
+# cmd_run()); this file is the command line.
+from pageshare_tools.ktestlib import (
+    KtestError,
     cmd_build,
     cmd_check_series,
     cmd_devtree,
     cmd_export,
     cmd_run,
     cmd_selfcheck,
-    maintainers_hint_only,
 )
-from ktestlib.common import (  # noqa: E402
-    CONFIGS,
-    GIT_ID,
-    GUEST,
-    LIBDIR,
-    PATCHES,
-    REPO,
-    UAPI,
-    KtestError,
-    cache_root,
-    jobs,
-    log,
-    nice_prefix,
-    run,
-    sha256_file,
-)
-from ktestlib.guest import (  # noqa: E402
-    INIT,
-    NO_SMART_SCAN,
-    GuestTest,
-    build_initramfs,
-    build_tests,
-    check_uapi_header,
-    ensure_busybox,
-    guest_tests,
-    sampler_argv,
-)
-from ktestlib.kernel import (  # noqa: E402
-    BENCH_GUEST_CONFIG,
-    BUILD_RECIPE,
-    GUEST_CONFIG,
-    build_kernel,
-    config_fragments,
-    configure,
-    ensure_kernel,
-    image_key,
-    make,
-    parse_fragment,
-    tree_id,
-)
-from ktestlib.payload import (  # noqa: E402
-    FILTER_TEST,
-    GUEST_INIT,
-    GUEST_READ_BLOCKS,
-    GUEST_WRITE_BLOCK,
-    PAYLOAD_DIR,
-    PAYLOAD_IMAGE_MIB,
-    PAYLOAD_RECIPE,
-    PAYLOAD_SEED,
-    QEMU_BINARIES,
-    QEMU_FIRMWARE,
-    SERVER_TOML,
-    STALL_SERVER_TOML,
-    build_filter_payload,
-    build_guest_initramfs,
-    build_page_server,
-    build_patched_qemu,
-    shared_libs,
-    write_pcsl,
-)
-from ktestlib.series import (  # noqa: E402
-    AUTHOR,
-    apply_series,
-    checkout_tree,
-    series_files,
-    series_hash,
-)
-from ktestlib.source import (  # noqa: E402
-    SRC_PACKAGE,
-    SRC_TARBALL,
-    PrivateApt,
-    Source,
-    apt_candidate,
-    ensure_source,
-    ensure_source_tarball,
-    host_package_version,
-    source_key,
-)
-
-__all__ = [
-    "AUTHOR",
-    "BAD_PATTERNS",
-    "BAD_RE",
-    "BENCH_GUEST_CONFIG",
-    "BUILD_RECIPE",
-    "CONFIGS",
-    "FILTER_TEST",
-    "GIT_ID",
-    "GUEST",
-    "GUEST_CONFIG",
-    "GUEST_INIT",
-    "GUEST_READ_BLOCKS",
-    "GUEST_WRITE_BLOCK",
-    "HERE",
-    "INIT",
-    "LIBDIR",
-    "NO_SMART_SCAN",
-    "PATCHES",
-    "PAYLOAD_DIR",
-    "PAYLOAD_IMAGE_MIB",
-    "PAYLOAD_RECIPE",
-    "PAYLOAD_SEED",
-    "QEMU_BINARIES",
-    "QEMU_FIRMWARE",
-    "REPO",
-    "SCAN_SAMPLES_BAD",
-    "SCAN_SAMPLES_GOOD",
-    "SERVER_TOML",
-    "SRC_PACKAGE",
-    "SRC_TARBALL",
-    "STALL_SERVER_TOML",
-    "UAPI",
-    "GuestTest",
-    "KtestError",
-    "PrivateApt",
-    "Result",
-    "Source",
-    "apply_series",
-    "apt_candidate",
-    "boot",
-    "build_filter_payload",
-    "build_guest_initramfs",
-    "build_initramfs",
-    "build_kernel",
-    "build_page_server",
-    "build_patched_qemu",
-    "build_tests",
-    "cache_root",
-    "check_series_locked",
-    "check_uapi_header",
-    "checkout_tree",
-    "cmd_build",
-    "cmd_check_series",
-    "cmd_devtree",
-    "cmd_export",
-    "cmd_run",
-    "cmd_selfcheck",
-    "config_fragments",
-    "configure",
-    "ensure_busybox",
-    "ensure_kernel",
-    "ensure_source",
-    "ensure_source_tarball",
-    "extract_between",
-    "guest_tests",
-    "host_package_version",
-    "image_key",
-    "jobs",
-    "log",
-    "main",
-    "maintainers_hint_only",
-    "make",
-    "nice_prefix",
-    "parse_fragment",
-    "parse_results",
-    "run",
-    "sampler_argv",
-    "series_files",
-    "series_hash",
-    "sha256_file",
-    "shared_libs",
-    "source_key",
-    "tree_id",
-    "write_pcsl",
-]
 
 
 def main() -> int:

@@ -118,13 +118,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
+
+from pageshare import cache
+from pageshare.cli import HOST_MODULES
+from pageshare_tools.cargo import cargo
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# The analyzer's standard-library-only cache root (PAGESHARE_CACHE).
-sys.path.insert(0, str(REPO / "analyzer"))
-from pageshare import cache  # noqa: E402
-from pageshare.cli import HOST_MODULES  # noqa: E402
 
 CACHE = cache.cache_root() / "packages"
 # Bump when the way packages are built changes in a way the inputs do not show.
@@ -440,9 +441,6 @@ def log(msg: str) -> None:
     print(f"[debs] {msg}", file=sys.stderr, flush=True)
 
 
-cargo = cache.cargo
-
-
 def _out(cmd: list[str]) -> str:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -472,7 +470,17 @@ def _files(root: Path, rel: str) -> Iterator[Path]:
         raise BuildError(f"{p}: missing (is --source a pageshare checkout?)")
 
 
-def inputs_key(pkg: Package, source: Path) -> tuple[str, dict[str, object]]:
+class Inputs(TypedDict):
+    """What a package's cache key is a hash of."""
+
+    builder_version: int
+    package: str
+    script: str
+    files: dict[str, str]
+    tools: dict[str, str]
+
+
+def inputs_key(pkg: Package, source: Path) -> tuple[str, Inputs]:
     files: dict[str, str] = {}
     for rel in pkg.sources:
         for f in _files(source, rel):
@@ -484,7 +492,7 @@ def inputs_key(pkg: Package, source: Path) -> tuple[str, dict[str, object]]:
         files[f"external:{dest}"] = (
             f"{hashlib.sha256(f.read_bytes()).hexdigest()}:{f.stat().st_mode & 0o111:o}"
         )
-    inputs: dict[str, object] = {
+    inputs: Inputs = {
         "builder_version": BUILDER_VERSION,
         "package": pkg.name,
         "script": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),

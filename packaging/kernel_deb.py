@@ -55,12 +55,11 @@ import sys
 import time
 from pathlib import Path
 
+from pageshare.cache import cache_root
+from pageshare_tools import ktestlib as ktest
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "kernel-syscall"))
-sys.path.insert(0, str(REPO / "analyzer"))
-import ktest  # noqa: E402
-from pageshare.cache import cache_root  # noqa: E402
 
 CONFIG_PACKAGE = "linux-config-6.12"
 CONFIG_NAME = "config.amd64_none_cloud-amd64.xz"

@@ -60,9 +60,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "page-server" / "client"))
-import build  # noqa: E402
+import build  # noqa: E402  (qemu-patches/build.py, this script's neighbour)
 
 SIZE = 64 << 20
 
@@ -125,7 +123,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from pageshare import sectorlist
-    from server_process import ImageSpec, Server, make_list
+    from pageshare_tools.server_process import ImageSpec, Server, make_list
 
     out = build.ensure_built()
     qemu_img = str(out / "bin" / "qemu-img")

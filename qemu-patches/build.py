@@ -56,11 +56,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The cache root and the Debian mirror and private apt configuration, shared
+# with the analyzer and ktest.py.
+from pageshare import cache, debian
+
 HERE = Path(__file__).resolve().parent
-# The analyzer's standard-library-only helpers: the cache root and the Debian
-# mirror and private apt configuration, shared with the analyzer and ktest.py.
-sys.path.insert(0, str(HERE.parent / "analyzer"))
-from pageshare import cache, debian  # noqa: E402
 
 CACHE = cache.cache_root() / "qemu"
 # The series was written and checked against this upstream release; Debian

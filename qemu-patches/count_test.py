@@ -23,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build
+import build  # qemu-patches/build.py, this script's neighbour
 
 HERE = Path(__file__).resolve().parent
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build
+import build  # qemu-patches/build.py, this script's neighbour
 
 DEFAULT_TESTS = ["pageshare", "024", "detect-zeroes-registered-buf", "backing-file-invalidation"]
 

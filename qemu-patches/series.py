@@ -18,8 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build
+import build  # qemu-patches/build.py, this script's neighbour
 
 HERE = build.HERE
 DEV = build.CACHE / "dev"

@@ -67,11 +67,15 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import guestfs' 2>/dev/nu
 	rm -rf .venv
 	/usr/bin/python3 -m venv --system-site-packages .venv
 fi
+# Both editable: the product (pyproject.toml, package pageshare in analyzer/)
+# and the build and test tooling the scripts and tests import (tools/, package
+# pageshare_tools; never shipped).
 stamp=.venv/.pageshare-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ tools/pyproject.toml -nt "$stamp" ] ||
+	! .venv/bin/python -c 'import pageshare_tools' 2>/dev/null; then
 	echo "install-deps: installing Python packages into .venv" >&2
 	.venv/bin/pip install -q --upgrade pip
-	.venv/bin/pip install -q -e '.[notebooks,dev]'
+	.venv/bin/pip install -q -e '.[notebooks,dev]' -e tools
 	touch "$stamp"
 fi
 # Rust (page-server) comes with the machine image (rustup); Debian 12's cargo

@@ -14,34 +14,19 @@ namespace of their own: nothing stays mounted when they end.
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
+import debs
 from pageshare import debian
 from pageshare.cache import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_debs() -> ModuleType:
-    """packaging/debs.py, the project's package builder (not a Python package)."""
-    if "pageshare_debs" in sys.modules:
-        return sys.modules["pageshare_debs"]
-    spec = importlib.util.spec_from_file_location("pageshare_debs", REPO / "packaging" / "debs.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pageshare_debs"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def built_deb(package: str) -> Path:
     """A .deb of this checkout (built, or from the cache)."""
-    debs = load_debs()
     path: Path = debs.deb_of(debs.build(debs.PACKAGES[package], REPO))
     return path
 

@@ -1,5 +1,5 @@
 """pytest glue for the page-server tests: the server process, Redis and list
-helpers live in page-server/client/server_process.py (shared with the
+helpers live in tools/pageshare_tools/server_process.py (shared with the
 benchmarks); here are what only tests need.  (No tests here.)"""
 
 from __future__ import annotations
@@ -8,20 +8,14 @@ import contextlib
 import hashlib
 import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pageshare import sectorlist
-
-REPO = Path(__file__).resolve().parents[1]
-PAGE_SERVER = REPO / "page-server"
-sys.path.insert(0, str(PAGE_SERVER / "client"))
-
-import pageshare_client as psc  # noqa: E402
-from pageshare.cache import cargo  # noqa: E402
-from server_process import (  # noqa: E402
+from pageshare_tools import pageshare_client as psc
+from pageshare_tools.cargo import cargo
+from pageshare_tools.server_process import (
     CACHE,
     TARGET,
     HarnessError,
@@ -36,7 +30,10 @@ from server_process import (  # noqa: E402
     rss_bytes,
     wait_for,
 )
-from server_process import server_binary as _server_binary  # noqa: E402
+from pageshare_tools.server_process import server_binary as _server_binary
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE_SERVER = REPO / "page-server"
 
 __all__ = [
     "CACHE",

@@ -9,7 +9,6 @@ everything that went into them.  A fresh clone on the same machine reuses them.
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +34,3 @@ def inputs_key(inputs: Any) -> str:
     """A short stable hash of JSON-serialisable inputs (sorted keys)."""
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def cargo_target_dir() -> Path:
-    """The cargo target directory make lint, the tests and the kernel tests'
-    payload build the page server into (the packages have their own, under
-    packages/: dpkg-buildpackage builds a copy with Debian's flags)."""
-    return cache_root() / "cargo-target"
-
-
-def cargo() -> str | None:
-    """cargo on PATH, else rustup's ~/.cargo/bin/cargo (Debian 12's cargo is
-    too old for the page server's lock file), else None."""
-    found = shutil.which("cargo")
-    if found:
-        return found
-    home = Path.home() / ".cargo" / "bin" / "cargo"
-    return str(home) if home.exists() else None

@@ -23,21 +23,18 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# packaging/ is on pytest's path (pythonpath in pyproject.toml)
+import kernel_deb
 import pytest
+from pageshare import debian, golden
+from pageshare_tools import ktestlib as ktest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO / "packaging"))
-sys.path.insert(0, str(REPO / "kernel-syscall"))
-sys.path.insert(0, str(REPO / "analyzer"))
-import kernel_deb  # noqa: E402
-import ktest  # noqa: E402
-from pageshare import debian, golden  # noqa: E402
 
 ROOT_UUID = "0c7e5d3a-9b14-4f62-8a2e-5d1c7b9f3e40"
 DONE = "PAGESHARE-KPKG-DONE"

@@ -26,14 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "page-server" / "client"))
-sys.path.insert(0, str(REPO / "analyzer"))
-
-import pageshare_client as psc  # noqa: E402
-import redis  # noqa: E402
-from pageshare import sectorlist  # noqa: E402
-from server_process import (  # noqa: E402
+import redis
+from pageshare import sectorlist
+from pageshare_tools import pageshare_client as psc
+from pageshare_tools.server_process import (
     ImageSpec,
     Redis,
     Server,
@@ -43,6 +39,8 @@ from server_process import (  # noqa: E402
     rss_bytes,
     wait_for,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sparse_image(path: Path, size: int) -> sectorlist.ImageIdentity:

@@ -19,12 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "page-server" / "client"))
-sys.path.insert(0, str(REPO / "analyzer"))
-
-from pageshare import golden, sectorlist  # noqa: E402
-from server_process import (  # noqa: E402
+from pageshare import golden, sectorlist
+from pageshare_tools.server_process import (
     CACHE,
     ImageSpec,
     Server,
@@ -35,6 +31,8 @@ from server_process import (  # noqa: E402
     rss_bytes,
     server_binary,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def anon_bytes(pid: int) -> int:

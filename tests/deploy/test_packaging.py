@@ -10,13 +10,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import debs
 import pytest
-from package_root import load_debs
+from pageshare.cli import HOST_MODULES
 
 pytestmark = pytest.mark.build
 
 REPO = Path(__file__).resolve().parents[2]
-debs = load_debs()
 
 
 def copy_inputs(dest: Path) -> Path:
@@ -150,7 +150,7 @@ def test_host_package_key_follows_only_the_host_tools(tmp_path: Path) -> None:
             shutil.copy2(s, d)
     key, inputs = debs.inputs_key(pkg, src)
     assert sorted(f for f in inputs["files"] if f.startswith("analyzer/pageshare/")) == sorted(
-        f"analyzer/pageshare/{m}.py" for m in debs.HOST_MODULES
+        f"analyzer/pageshare/{m}.py" for m in HOST_MODULES
     )
     (src / "analyzer/pageshare/analyze.py").write_text("# changed\n")
     assert debs.inputs_key(pkg, src)[0] == key

@@ -24,8 +24,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import debs
 import pytest
-from package_root import Root, built_deb, load_debs, pageshare_deb
+from package_root import Root, built_deb, pageshare_deb
+from pageshare.cli import HOST_MODULES
 from results_samples import make_results_db
 
 pytestmark = pytest.mark.vm  # long: builds roots from the Debian archive
@@ -36,7 +38,6 @@ SUITES = {"bookworm": "3.11", "trixie": "3.13"}
 
 
 def test_the_packages_hold_what_they_should() -> None:
-    debs = load_debs()
     deb = pageshare_deb()
     paths = debs.deb_paths(deb)
     for v in SUITES.values():
@@ -86,7 +87,7 @@ def test_the_packages_hold_what_they_should() -> None:
     modules = sorted(
         p.rsplit("/", 1)[1] for p in hpaths if p.startswith("usr/lib/pageshare/python/pageshare/")
     )
-    assert modules == sorted(f"{m}.py" for m in debs.HOST_MODULES), modules
+    assert modules == sorted(f"{m}.py" for m in HOST_MODULES), modules
     for d in (deb, host):
         assert (d.parent / "lintian.txt").exists()
 

@@ -16,14 +16,13 @@ import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 
+import debs
 import pytest
-from package_root import load_debs
 from pageshare import hostcheck
 
 pytestmark = pytest.mark.build
 
 REPO = Path(__file__).resolve().parents[2]
-debs = load_debs()
 LIB = "usr/lib/pageshare-qemu"
 BINARIES = ["qemu-system-x86_64", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon"]
 ROMS = [

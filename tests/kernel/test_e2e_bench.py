@@ -30,13 +30,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import e2e_vs_ksm as e2e
 import pytest
 from pageshare import cache, golden
+from pageshare_tools import ktestlib as ktest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import e2e_vs_ksm as e2e  # noqa: E402
 
 KSM = Path("/sys/kernel/mm/ksm")
 GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1  # its column in an E2E-G line
@@ -45,7 +44,7 @@ GUEST_FULL = e2e.GUEST_FIELDS.index("full") + 1  # its column in an E2E-G line
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sampler") / "e2e_sampler"
-    subprocess.run(e2e.load_ktest().sampler_argv(out), check=True)
+    subprocess.run(ktest.sampler_argv(out), check=True)
     return out
 
 
@@ -398,7 +397,7 @@ def test_benchmark_refuses_before_building(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(e2e, "KSM", tmp_path / "no-ksm")
     monkeypatch.setattr(golden, "build_image", no_build)
-    monkeypatch.setattr(e2e, "load_ktest", no_build)
+    monkeypatch.setattr(ktest, "cache_root", no_build)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "cache")
     monkeypatch.setattr(sys, "argv", ["e2e_vs_ksm.py", "--image", str(image)])

@@ -17,19 +17,16 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import e2e_vs_ksm as e2e
+import feedback_round
 import pytest
 from pageshare import distribute, feedback
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import e2e_vs_ksm as e2e  # noqa: E402
-import feedback_round  # noqa: E402
 
 IMAGE_KEY = "2147483648-" + "ab" * 32
 

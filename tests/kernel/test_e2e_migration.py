@@ -19,15 +19,13 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+import e2e_migration as mig
+import e2e_vs_ksm as e2e
 
-import e2e_migration as mig  # noqa: E402
-import e2e_vs_ksm as e2e  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 T_DONE = 100_000
 

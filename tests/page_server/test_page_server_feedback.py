@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import redis
 from page_server_helpers import (
-    PAGE_SERVER,
     ImageSpec,
     Server,
     check_published,
@@ -55,10 +54,9 @@ RECORD = struct.Struct("<QIII")
 # everything before the end of the stream).
 GUEST = r"""
 import json, sys
-sys.path.insert(0, sys.argv[1])
-import pageshare_client as psc
+from pageshare_tools import pageshare_client as psc
 conns = []
-for conn in json.loads(sys.argv[2]):
+for conn in json.loads(sys.argv[1]):
     c = psc.PageshareClient(conn["sock"])
     m = c.recv()
     assert isinstance(m, psc.TableMsg), m
@@ -79,7 +77,7 @@ Records = dict[int, tuple[int, int, int]]
 def guest(plan: list[dict[str, Any]]) -> None:
     """Run one guest process to its end."""
     p = subprocess.run(
-        [sys.executable, "-c", GUEST, str(PAGE_SERVER / "client"), json.dumps(plan)],
+        [sys.executable, "-c", GUEST, json.dumps(plan)],
         capture_output=True,
         text=True,
         timeout=60,

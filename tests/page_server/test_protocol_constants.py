@@ -349,7 +349,7 @@ def check_packs(text: str, p: Protocol, where: str) -> None:
 
 def test_the_python_client_copies_the_document() -> None:
     p = protocol()
-    text = (PS / "client/pageshare_client.py").read_text()
+    text = (REPO / "tools/pageshare_tools/pageshare_client.py").read_text()
     c = py_consts(text)
     msgs = {k.removeprefix("MSG_"): v for k, v in c.items() if k.startswith("MSG_")}
     assert msgs == p.messages

@@ -11,14 +11,15 @@ from pathlib import Path
 
 from pageshare import cache
 
-# kernel-syscall/, the directory of ktest.py
-HERE = Path(__file__).resolve().parents[1]
+# The repository (this file is tools/pageshare_tools/ktestlib/common.py) and
+# kernel-syscall/, the series and ktest.py
+REPO = Path(__file__).resolve().parents[3]
+HERE = REPO / "kernel-syscall"
 PATCHES = HERE / "patches"
 CONFIGS = HERE / "config"
 GUEST = HERE / "tests"
 LIBDIR = HERE / "lib"
 UAPI = HERE / "include"
-REPO = HERE.parent
 
 GIT_ID = [
     "-c",

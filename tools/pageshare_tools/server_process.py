@@ -4,8 +4,9 @@ Builds the daemon with cargo (target directory in the cache), writes its
 configuration, starts it (optionally as another user), waits for it and
 asks it for its status; runs a throwaway redis-server; makes sector lists
 from real images.  The tests (tests/page_server_helpers.py adds their
-pytest glue) and the benchmarks (page-server/bench, qemu-patches/bench.py)
-share it, as QEMU's iotests and benchmarks share python/qemu/machine.
+pytest glue) and the benchmarks (page-server/bench, qemu-patches/bench.py,
+bench/migration_bench.py) share it, as QEMU's iotests and benchmarks share
+python/qemu/machine.
 """
 
 from __future__ import annotations
@@ -16,21 +17,20 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-PAGE_SERVER = HERE.parent
-sys.path.insert(0, str(PAGE_SERVER.parent / "analyzer"))
-sys.path.insert(0, str(HERE))
+from pageshare import sectorlist
+from pageshare.cache import cache_root
 
-import pageshare_client as psc  # noqa: E402
-from pageshare import sectorlist  # noqa: E402
-from pageshare.cache import cache_root, cargo, cargo_target_dir  # noqa: E402
+from pageshare_tools import pageshare_client as psc
+from pageshare_tools.cargo import cargo, cargo_target_dir
+
+# the repository's page-server/ (this file is tools/pageshare_tools/server_process.py)
+PAGE_SERVER = Path(__file__).resolve().parents[2] / "page-server"
 
 
 class HarnessError(Exception):

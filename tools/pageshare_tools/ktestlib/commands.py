@@ -46,7 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             th.update(f.name.encode() + f.read_bytes())
     th.update((REPO / "page-server/client/pageshare_table.h").read_bytes())
     # and by the driver's own code (ktest.py and ktestlib/), as when it was one file
-    for f in [HERE / "ktest.py", *sorted((HERE / "ktestlib").glob("*.py"))]:
+    for f in [HERE / "ktest.py", *sorted(Path(__file__).parent.glob("*.py"))]:
         th.update(f.read_bytes())
     testdir = root / "tests" / th.hexdigest()[:16]
     if not (testdir / ".ready").exists():

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pageshare import cache
+from pageshare_tools.cargo import cargo as find_cargo
+from pageshare_tools.cargo import cargo_target_dir
 
 from .common import REPO, KtestError, log, nice_prefix, run
 
@@ -129,13 +130,13 @@ def build_patched_qemu() -> Path:
 
 def build_page_server() -> Path:
     """cargo build --release of page-server/, into the tests' target directory."""
-    cargo = cache.cargo()
+    cargo = find_cargo()
     if cargo is None:
         raise KtestError(
             f"cargo is not installed (scripts/install-deps.sh); the {FILTER_TEST} "
             "test needs pageshare-server"
         )
-    target = cache.cargo_target_dir()
+    target = cargo_target_dir()
     env = {
         **os.environ,
         "CARGO_TARGET_DIR": str(target),
