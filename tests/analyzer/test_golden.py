@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from pageshare import golden
 from pageshare.errors import UserError
+from pageshare.golden import cli as golden_cli
+from pageshare.golden import spec as golden_spec
 
 # --- fast unit tests --------------------------------------------------------
 
@@ -38,7 +40,8 @@ def test_key_changes_with_spec(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_key_changes_with_builder_version(monkeypatch: pytest.MonkeyPatch) -> None:
     before = golden.image_key("demo")
-    monkeypatch.setattr(golden, "BUILDER_VERSION", golden.BUILDER_VERSION + 1)
+    # Patched where image_key reads it: the package only re-exports the value.
+    monkeypatch.setattr(golden_spec, "BUILDER_VERSION", golden.BUILDER_VERSION + 1)
     assert golden.image_key("demo") != before
 
 
@@ -254,7 +257,7 @@ def test_main_reports_user_errors(
     def fail(variant: str, **_: Any) -> golden.GoldenImage:
         raise UserError("building a golden image needs root", "run as root")
 
-    monkeypatch.setattr(golden, "build_image", fail)
+    monkeypatch.setattr(golden_cli, "build_image", fail)  # where main looks it up
     assert golden.main(["--variant", "small"]) == 2
     err = capsys.readouterr().err
     assert "error: building a golden image needs root" in err

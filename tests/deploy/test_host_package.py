@@ -45,10 +45,12 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = "pageshare" + (f".{node.module}" if node.module else "")
-                # `from . import X`: module X, or a name of pageshare/__init__.py
+                # `from . import X`: module (or subpackage) X, or a name of
+                # pageshare/__init__.py
                 names = [
                     base
-                    if node.module or not (PKG / f"{a.name}.py").exists()
+                    if node.module
+                    or not ((PKG / f"{a.name}.py").exists() or (PKG / a.name).is_dir())
                     else f"{base}.{a.name}"
                     for a in node.names
                 ]
