@@ -109,23 +109,40 @@ def test_summary_stale_class() -> None:
 
 # A process holding pages of known content, for the sampler's census: its
 # argument names the pages (ROLE:...), it prints its pid and sleeps.
+# A process holding known pages.  The listed pages come from a file (argv 2,
+# made by listed_pages()) and are read straight into the mapping: a copy of
+# them in the holder's own heap, page-aligned by chance, would be one more
+# page with listed bytes in the process ("server") the sampler counts whole.
 HOLDER = r"""
-import mmap, os, random, sys, time
-role, seed = sys.argv[1], int(sys.argv[2])
-listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
+import mmap, os, sys, time
+role, listed_file = sys.argv[1], sys.argv[2]
 if role == "guest":
     m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pages = ([b"A" * 4096] * 1000 + [os.urandom(4096) for _ in range(100)]
-             + [bytes(4096)] * 100 + listed[:20])
+    pages = [b"A" * 4096] * 1000 + [os.urandom(4096) for _ in range(100)] + [bytes(4096)] * 100
+    n_listed = 20
 else:
     m = mmap.mmap(-1, 50 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pages = listed
-for i, p in enumerate(pages):
+    pages, n_listed = [], 50
+for i in range(len(pages) + n_listed):
     m[i * 4096:(i + 1) * 4096] = b"x" * 4096   # written, so private even if zero
+for i, p in enumerate(pages):
     m[i * 4096:(i + 1) * 4096] = p
+with open(listed_file, "rb", buffering=0) as f:
+    view = memoryview(m)[len(pages) * 4096:(len(pages) + n_listed) * 4096]
+    assert f.readinto(view) == n_listed * 4096
+    view.release()
 print(os.getpid(), flush=True)
 time.sleep(120)
 """
+
+
+def listed_pages(tmp_path: Path, seed: int) -> tuple[list[bytes], Path]:
+    """The 50 listed pages of the census test, and a file holding them for
+    HOLDER."""
+    listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
+    f = tmp_path / "listed.pages"
+    f.write_bytes(b"".join(listed))
+    return listed, f
 
 
 def test_sampler_census_counts_duplicates_and_the_servers_pages(
@@ -137,13 +154,14 @@ def test_sampler_census_counts_duplicates_and_the_servers_pages(
     listed pages; a "server" holding the 50.  Distinct physical pages
     1220 + 50, distinct contents 1 + 100 + 1 + 50, all 50 server pages
     backing no guest page; and the CPU columns are there."""
-    seed = 20261128
-    listed = [random.Random(seed + i).randbytes(4096) for i in range(50)]
+    listed, listed_file = listed_pages(tmp_path, 20261128)
     hashes = tmp_path / "listed.hashes"
     hashes.write_bytes(b"".join(struct.pack("<Q", e2e.page_hash(p)) for p in listed))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", HOLDER, role, str(seed)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", HOLDER, role, str(listed_file)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for role in ("guest", "server")
     ]
@@ -189,7 +207,9 @@ def test_sampler_reads_everything_after_a_mark(sampler: Path, tmp_path: Path) ->
     marks.mkdir()
     (tmp_path / "none.hashes").write_bytes(b"")
     guest = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "guest", "1"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, "guest", str(listed_pages(tmp_path, 1)[1])],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     sam = None
     try:
@@ -261,7 +281,9 @@ def test_sampler_reads_the_filters_merge_batches(sampler: Path, tmp_path: Path) 
     t.start()
     (tmp_path / "none.hashes").write_bytes(b"")
     guest = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "guest", "1"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, "guest", str(listed_pages(tmp_path, 1)[1])],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     sam = None
     try:
