@@ -65,7 +65,8 @@ from typing import Any
 # e2e_migration is this script's neighbour (bench/, on sys.path as the
 # script's directory; the tests put bench/ there through pytest's pythonpath).
 import e2e_migration
-from pageshare import cache, golden, sectorlist
+from pageshare import cache, golden
+from pageshare.lists import sectorlist
 from pageshare_tools import ktestlib as ktest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,11 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pageshare import golden, sectorlist
-from pageshare.image_inspect import inspect_image
-from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import Markers, Workload, script
+from pageshare import golden
+from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.workload import Markers, Workload, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import inspect_image
+from pageshare.lists import sectorlist
 from pageshare_tools.server_process import (
     ImageSpec,
     Server,

@@ -16,7 +16,7 @@
  *	pagescan [-i pfnfile] [-o outfile]
  *
  * Output: one tab-separated record per PFN, format documented in
- * crash-ext/README.md and parsed by pageshare/classify.py.  The first line is
+ * crash-ext/README.md and parsed by pageshare/analysis/classify.py.  The first line is
  * a "#pagescan v1" header naming the columns.
  *
  * Works with crash 8.0.x on Linux 6.1 and with newer crash on 6.12 (where

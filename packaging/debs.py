@@ -11,7 +11,8 @@ Packages (``--list``):
 
 - ``pageshare-host``: the host tools, for every hypervisor: ``/usr/bin/pageshare``
   (host check, attach/detach, libvirt-watch, libvirt-hook) with only their
-  modules (``cli.HOST_MODULES``, standard library only: the build runs each
+  modules (``HOST_MODULES``: the package's ``cli``, ``errors`` and the ``host``
+  subpackage, standard library only: the build runs each
   command's ``--help`` from that tree and refuses an import of drgn,
   libguestfs or redis) in ``/usr/lib/pageshare/python``, manual page made by
   help2man from ``--help``, and ``pageshare-libvirt-watch.service``,
@@ -121,13 +122,22 @@ from pathlib import Path
 from typing import TypedDict
 
 from pageshare import cache
-from pageshare.cli import HOST_MODULES
+from pageshare.cli import HOST_PACKAGE, HOST_TOP_MODULES
 from pageshare_tools.cargo import cargo
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 CACHE = cache.cache_root() / "packages"
+# What pageshare-host ships of the Python package (paths under pageshare/):
+# the top-level modules its command needs, and the host subpackage whole.
+HOST_MODULES = (
+    *(f"{m}.py" for m in HOST_TOP_MODULES),
+    *sorted(
+        f"{HOST_PACKAGE}/{f.name}"
+        for f in (REPO / "analyzer" / "pageshare" / HOST_PACKAGE).glob("*.py")
+    ),
+)
 # Bump when the way packages are built changes in a way the inputs do not show.
 BUILDER_VERSION = 1
 TOOLS = ["dpkg-dev", "debhelper", "lintian"]
@@ -184,8 +194,11 @@ def _host_prepare(tree: Path) -> None:
 
 
 def _pageshare_prepare(tree: Path) -> None:
-    # pageshare-host installs these modules; debian/rules leaves them out.
-    (tree / "debian" / "host-modules").write_text("".join(f"{m}.py\n" for m in HOST_MODULES))
+    # pageshare-host installs these modules and the host subpackage;
+    # debian/rules leaves them out.
+    (tree / "debian" / "host-modules").write_text(
+        "".join(f"{m}\n" for m in (*(f"{m}.py" for m in HOST_TOP_MODULES), HOST_PACKAGE))
+    )
     # The wheels of vendor/requirements.txt, hash-checked by pip, for each
     # Python version: the build itself runs offline.
     wheels = tree / "vendor" / "wheels"
@@ -286,7 +299,7 @@ def _qemu_prepare(tree: Path) -> None:
 MODULES = "usr/lib/pageshare/python/pageshare"
 HOST_FILES = (
     "usr/bin/pageshare",
-    *(f"{MODULES}/{m}.py" for m in HOST_MODULES),
+    *(f"{MODULES}/{m}" for m in HOST_MODULES),
     "lib/systemd/system/pageshare-libvirt-watch.service",
     "etc/libvirt/hooks/qemu.d/pageshare",
     "etc/pageshare/libvirt.toml",
@@ -295,13 +308,14 @@ HOST_FILES = (
     "etc/default/grub.d/pageshare-kernel.cfg",
     "usr/share/man/man1/pageshare.1.gz",
 )
-_HOST_MODULES_RE = "|".join(HOST_MODULES)
+_HOST_MODULES_RE = "|".join(re.escape(m) for m in (*HOST_MODULES, HOST_PACKAGE))
 
 PACKAGES: dict[str, Package] = {
     "pageshare-host": Package(
         name="pageshare-host",
         sources={
-            **{f"analyzer/pageshare/{m}.py": f"python/pageshare/{m}.py" for m in HOST_MODULES},
+            **{f"analyzer/pageshare/{m}.py": f"python/pageshare/{m}.py" for m in HOST_TOP_MODULES},
+            f"analyzer/pageshare/{HOST_PACKAGE}": f"python/pageshare/{HOST_PACKAGE}",
             "analyzer/pageshare-libvirt-watch.service": "pageshare-libvirt-watch.service",
             "analyzer/pageshare-libvirt-hook": "pageshare-libvirt-hook",
             "analyzer/libvirt.toml": "libvirt.toml",
@@ -331,7 +345,7 @@ PACKAGES: dict[str, Package] = {
         # nothing of the analyzer: only the host tools' modules, no vendored
         # PyPI packages, no crash extension, no analyze-image
         forbidden=(
-            rf"^{MODULES}/(?!({_HOST_MODULES_RE})\.py$).+",
+            rf"^{MODULES}/(?!({_HOST_MODULES_RE})$).+",
             r"^usr/lib/pageshare/python3\.",
             r"pagescan",
             r"analyze-image",
@@ -352,8 +366,8 @@ PACKAGES: dict[str, Package] = {
         },
         must_contain=(
             "usr/bin/analyze-image",
-            f"{MODULES}/analyze.py",
-            f"{MODULES}/listcli.py",
+            f"{MODULES}/analysis/analyze.py",
+            f"{MODULES}/lists/listcli.py",
             "usr/lib/pageshare/pagescan.so",
             "usr/lib/pageshare/pagescan.crash-version",
             *(f"usr/lib/pageshare/python{v}/drgn/__init__.py" for v in VENDOR_PYTHONS),

@@ -122,7 +122,7 @@ def main() -> int:
     )
     a = ap.parse_args()
 
-    from pageshare import sectorlist
+    from pageshare.lists import sectorlist
     from pageshare_tools.server_process import ImageSpec, Server, make_list
 
     out = build.ensure_built()

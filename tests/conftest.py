@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from package_root import Root, install_root, pageshare_debs
 from pageshare import golden
-from pageshare.ksm import KSM, RESTORE_ORDER, host_lock
+from pageshare.analysis.ksm import KSM, RESTORE_ORDER, host_lock
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """FakeImage: an image's file tree as a dict of files and symlinks, answering
-the few libguestfs calls pageshare.bootfiles makes (is_file, readlink, ls,
+the few libguestfs calls pageshare.image.bootfiles makes (is_file, readlink, ls,
 cat, ...), so that which kernel and initrd a boot loader picks is checked
 without an image or an appliance.  Used by test_boot_layouts.py and
 test_btrfsmap.py.  (test_lvm.py has a FakeImage of its own, over disk bytes.)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from page_server_helpers import content_sha256, make_list
-from pageshare import sectorlist
+from pageshare.lists import sectorlist
 
 CANDIDATES = [
     "/usr/bin/bash",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from pageshare.workload import FW_CFG_NAME
+from pageshare.analysis.workload import FW_CFG_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 DIRS = {

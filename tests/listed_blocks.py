@@ -12,7 +12,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from pageshare import diskimage, sectorlist
+from pageshare.image import diskimage
+from pageshare.lists import sectorlist
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-from pageshare import sectorlist
+from pageshare.lists import sectorlist
 
 PAGE = 4096
 

@@ -7,7 +7,7 @@ and test_md_raid.py (an LVM PV on an MD array).
 
 import struct
 
-from pageshare import lvm
+from pageshare.image import lvm
 
 PV_ID = "Vd3X2b-1kLq-Hj5f-0pQz-Nw8s-Tm4c-R7eyU1"
 OTHER_PV = "aaaaaa-bbbb-cccc-dddd-eeee-ffff-gggggg"

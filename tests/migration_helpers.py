@@ -3,7 +3,7 @@ processes on this host (shared storage: the same overlay file): the rig,
 base, guest workload and migration steps of test_migration.py and
 test_migration_compat.py.  (No tests here.)
 
-The guest (workload over fw_cfg, pageshare.workload) hashes a set of
+The guest (workload over fw_cfg, pageshare.analysis.workload) hashes a set of
 binaries and libraries after dropping its caches (phase "before"), reads
 the first WARM_MIB of its disk (listed: RAM the filter fills, when there is
 one), then runs a writer that keeps dirtying pages (/dev/shm) and prints
@@ -59,11 +59,12 @@ from page_server_helpers import (
     nonzero_blocks,
     raw_copy,
 )
-from pageshare import golden, sectorlist
-from pageshare.image_inspect import Inspection, inspect_image
-from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import Markers, Workload, script
+from pageshare import golden
+from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.workload import Markers, Workload, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import Inspection, inspect_image
+from pageshare.lists import sectorlist
 from qemu_helpers import QemuBuild, guest_cmd, serial_until
 
 REFS = "block-refs"  # the series' migration capability

@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 from page_server_helpers import raw_copy, wait_for
 from pageshare import golden
+from pageshare.analysis.vm import QEMU, _child_setup, choose_accel
+from pageshare.analysis.workload import FW_CFG_NAME, Markers, kernel_cmdline
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
-from pageshare.image_inspect import inspect_image
-from pageshare.vm import QEMU, _child_setup, choose_accel
-from pageshare.workload import FW_CFG_NAME, Markers, kernel_cmdline
+from pageshare.image.image_inspect import inspect_image
 
 REPO = Path(__file__).resolve().parents[1]
 DEBS = REPO / "packaging" / "debs.py"

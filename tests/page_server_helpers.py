@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pageshare import sectorlist
+from pageshare.lists import sectorlist
 from pageshare_tools import pageshare_client as psc
 from pageshare_tools.cargo import cargo
 from pageshare_tools.server_process import (

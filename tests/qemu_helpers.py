@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pageshare.image_inspect import Inspection
-from pageshare.qmp import QMP
-from pageshare.workload import FW_CFG_NAME, kernel_cmdline
+from pageshare.analysis.workload import FW_CFG_NAME, kernel_cmdline
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import Inspection
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_PY = REPO / "qemu-patches" / "build.py"
@@ -124,7 +124,7 @@ def guest_cmd(
     machine: str = "q35",
 ) -> list[str]:
     """qemu-system for a golden image booted with its own kernel, running
-    WORKLOAD (fw_cfg, pageshare.workload) and writing its console to
+    WORKLOAD (fw_cfg, pageshare.analysis.workload) and writing its console to
     SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
     virtio-blk reads land in buffers the filter accepts as guest RAM (no
     x-any-buffer).  DISKS: the -blockdev (and other) arguments of its disks;

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import redis
 from page_server_helpers import redis_server
-from pageshare import feedback, sectorlist
 from pageshare.cli import main
-from pageshare.diskimage import image_content_sha256, raw_file_reader
+from pageshare.image.diskimage import image_content_sha256, raw_file_reader
+from pageshare.lists import feedback, sectorlist
 
 PAGE = 4096
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pageshare import resultsdb
+from pageshare.analysis import resultsdb
 
 PAGE = 4096
 CATEGORIES = ["listed", "page-cache", "anon", "kernel", "zero"]

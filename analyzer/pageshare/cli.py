@@ -1,6 +1,6 @@
 """Command-line entry points: `analyze-image` and `pageshare`.
 
-The host tools' commands (HOST_MODULES) and the analyzer's ship in two
+The host tools' commands (HOST_PACKAGE) and the analyzer's ship in two
 Debian packages; `pageshare --help` lists what is installed.  Every
 analyzer module is imported only by the command that needs it.
 """
@@ -177,9 +177,9 @@ def _wants_json(argv: list[str]) -> bool:
 
 
 def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
-    from .analyze import Options, analyze, default_db, format_summary
+    from .analysis.analyze import Options, analyze, default_db, format_summary
+    from .analysis.workload import Workload
     from .progress import Progress
-    from .workload import Workload
 
     parser = analyze_parser(prog)
     if _wants_json(argv):
@@ -254,9 +254,10 @@ def analyze_image_main() -> int:
     return run_analyze(sys.argv[1:])
 
 
-# The host tools: what a hypervisor runs (the pageshare-host package, whose
-# tree holds only HOST_MODULES; packaging/debs.py names them).  Their
-# modules import nothing of the analyzer's (no drgn, libguestfs or redis).
+# The host tools: what a hypervisor runs, the pageshare-host package.  Its
+# tree holds the package's HOST_TOP_MODULES and the HOST_PACKAGE subpackage
+# whole (packaging/debs.py ships them); their modules import nothing of the
+# analyzer's (no drgn, libguestfs or redis).
 HOST_USAGE = """\
   host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
   attach QMP [--json]   put the pageshare filter into a running QEMU's disks (over QMP)
@@ -265,20 +266,8 @@ HOST_USAGE = """\
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
   libvirt-hook ...      libvirt's qemu hook: the filter on a migration's destination
 """
-HOST_MODULES = (
-    "__init__",
-    "cli",
-    "errors",
-    "hostcheck",
-    "grubboot",
-    "attach",
-    "qmp",
-    "server_control",
-    "libvirt_config",
-    "libvirt_hook",
-    "libvirt_qmp",
-    "libvirt_watch",
-)
+HOST_TOP_MODULES = ("__init__", "cli", "errors")
+HOST_PACKAGE = "host"
 
 # The analyzer's commands: the pageshare package, for the machine that
 # analyzes images (it depends on pageshare-host and adds these).
@@ -302,7 +291,12 @@ NO_ANALYZER = """\
 def analyzer_installed() -> bool:
     """Whether the analyzer's modules are here (the checkout, or the pageshare
     package beside pageshare-host)."""
-    return importlib.util.find_spec(f"{__package__ or 'pageshare'}.analyze") is not None
+    try:
+        return (
+            importlib.util.find_spec(f"{__package__ or 'pageshare'}.analysis.analyze") is not None
+        )
+    except ModuleNotFoundError:  # no analysis subpackage at all: pageshare-host alone
+        return False
 
 
 def usage() -> str:
@@ -336,14 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_analyze(rest, prog="pageshare analyze")
     if cmd == "list":
         if rest[:1] in (["publish"], ["fetch"], ["ls"]):
-            from . import distribute
+            from .lists import distribute
 
             return distribute.cli_main(rest)
-        from .listcli import cli_main
+        from .lists.listcli import cli_main
 
         return cli_main(rest)
     if cmd == "fleet":
-        from . import distribute
+        from .lists import distribute
 
         return distribute.cli_main(["fleet", *rest], prog="pageshare")
     if cmd == "image":
@@ -353,23 +347,23 @@ def main(argv: list[str] | None = None) -> int:
             rest = rest[1:]
         return golden.main(rest)
     if cmd == "host":
-        from . import hostcheck
+        from .host import hostcheck
 
         return hostcheck.cli_main(rest)
     if cmd in ("attach", "detach"):
-        from . import attach
+        from .host import attach
 
         return attach.main(cmd, rest)
     if cmd == "report":
-        from . import notebook
+        from .analysis import notebook
 
         return notebook.main(rest)
     if cmd == "libvirt-watch":
-        from . import libvirt_watch
+        from .host import libvirt_watch
 
         return libvirt_watch.main(rest)
     if cmd == "libvirt-hook":
-        from . import libvirt_hook
+        from .host import libvirt_hook
 
         return libvirt_hook.main(rest)
     print(f"pageshare: unknown command {cmd!r}\n{usage()}", file=sys.stderr, end="")

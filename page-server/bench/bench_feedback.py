@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from pageshare import sectorlist
+from pageshare.lists import sectorlist
 from pageshare_tools import pageshare_client as psc
 from pageshare_tools.server_process import (
     ImageSpec,

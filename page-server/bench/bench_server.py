@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pageshare import golden, sectorlist
+from pageshare import golden
+from pageshare.lists import sectorlist
 from pageshare_tools.server_process import (
     CACHE,
     ImageSpec,

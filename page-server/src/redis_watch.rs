@@ -1,6 +1,6 @@
 //! The Redis side: watch for new lists of the images we serve, push our
 //! status to the fleet view.  Runs on its own thread; Redis being down never
-//! blocks serving.  Keys (shared with analyzer/pageshare/distribute.py):
+//! blocks serving.  Keys (shared with analyzer/pageshare/lists/distribute.py):
 //!
 //! * `<prefix>:list:<size>-<sha256>`  the pcsl text of an image's current list
 //! * `<prefix>:meta:<size>-<sha256>`  hash: who published it, when, stats

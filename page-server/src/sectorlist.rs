@@ -1,7 +1,7 @@
 //! Reader for "pcsl v1" sector lists (format: lists/README.md).
 //!
 //! This is a line-for-line port of `loads()`/`read()` in
-//! analyzer/pageshare/sectorlist.py, the reference implementation: the same
+//! analyzer/pageshare/lists/sectorlist.py, the reference implementation: the same
 //! checks in the same order, so both accept and refuse the same files and
 //! name the same line.  tests/page_server/test_page_server_list.py checks that on
 //! generated and mutated lists; keep the two in sync.

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from pageshare.aggregate import (
+from pageshare.analysis.aggregate import (
     Kept,
     PageFact,
     RunResult,
@@ -20,9 +20,9 @@ from pageshare.aggregate import (
     top_files,
     unservable_pages,
 )
-from pageshare.analyze import Options
-from pageshare.ksm import Sample
-from pageshare.mapping import Placement
+from pageshare.analysis.analyze import Options
+from pageshare.analysis.ksm import Sample
+from pageshare.analysis.mapping import Placement
 
 ROOT = Placement.partition("11" * 16, 2048)
 BOOT = Placement.partition("22" * 16, 1050624, "/boot")

@@ -18,9 +18,9 @@ import pytest
 from analysis_failures import assert_clean_failure, json_error
 from conftest import REPO, run_analyze
 from image_trees import mkfs_image
-from pageshare.debugsyms import find_vmlinux
+from pageshare.analysis.debugsyms import find_vmlinux
 from pageshare.errors import UserError
-from pageshare.image_inspect import probe_format
+from pageshare.image.image_inspect import probe_format
 
 
 @pytest.mark.usefixtures("host_guard")
@@ -435,7 +435,8 @@ def test_json_error_when_not_the_operators_fault(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from pageshare import analyze, cli
+    from pageshare import cli
+    from pageshare.analysis import analyze
 
     def fail(*_: Any) -> None:
         raise raised

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 from fake_image_tree import FakeImage
-from pageshare import bootfiles, fslayout, resultsdb
-from pageshare.bootfiles import BootEntry, bls_entry, grub_default_entry
+from pageshare.analysis import resultsdb
 from pageshare.errors import UserError
+from pageshare.image import bootfiles, fslayout
+from pageshare.image.bootfiles import BootEntry, bls_entry, grub_default_entry
 
 # What update-grub writes on Debian 12 with a separate /boot (trimmed): paths
 # are relative to /boot's own file system.
@@ -375,7 +376,7 @@ def test_space_for_file_system_copies(tmp_path: Path, monkeypatch: pytest.Monkey
     # directory must hold the image's data once more.
     from collections import namedtuple
 
-    from pageshare import analyze
+    from pageshare.analysis import analyze
 
     image = tmp_path / "golden.qcow2"
     image.write_bytes(b"\0" * 4096)

@@ -20,13 +20,14 @@ from analysis_failures import assert_clean_failure
 from conftest import run_analyze
 from fake_image_tree import FakeImage
 from image_trees import DEBIAN_TREE
-from pageshare import analyze, bootfiles, btrfsmap, fslayout, workload
-from pageshare.btrfsmap import BtrfsUnsupported, Chunk, Subvolume
-from pageshare.classify import PageRecord
+from pageshare.analysis import analyze, workload
+from pageshare.analysis.classify import PageRecord
+from pageshare.analysis.mapping import Candidate, Geometry, Placement, map_page
 from pageshare.errors import UserError
-from pageshare.ext4map import Extent, fs_image
-from pageshare.image_inspect import inspect_image, probe_format
-from pageshare.mapping import Candidate, Geometry, Placement, map_page
+from pageshare.image import bootfiles, btrfsmap, fslayout
+from pageshare.image.btrfsmap import BtrfsUnsupported, Chunk, Subvolume
+from pageshare.image.ext4map import Extent, fs_image
+from pageshare.image.image_inspect import inspect_image, probe_format
 
 CHUNKS = """\
 chunk tree
@@ -806,7 +807,7 @@ def test_a_btrfs_srv_is_mapped_next_to_the_ext4_root(
 def test_a_raid_profile_found_in_the_chunk_tree_refuses_the_root_and_skips_the_rest(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from pageshare.image_inspect import ImageInfo, Inspection
+    from pageshare.image.image_inspect import ImageInfo, Inspection
     from pageshare.progress import Progress
 
     def fs(mp: str, uuid: str) -> fslayout.MappedFs:

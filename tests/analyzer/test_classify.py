@@ -1,7 +1,7 @@
 """pagescan output parsing."""
 
 import pytest
-from pageshare.classify import COLUMNS, ClassificationError, parse
+from pageshare.analysis.classify import COLUMNS, ClassificationError, parse
 
 HEADER = "#pagescan v1\t" + "\t".join(COLUMNS) + "\n"
 FILE_LINE = (

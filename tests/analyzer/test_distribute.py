@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 from page_server_helpers import free_port, redis_server
-from pageshare import distribute, sectorlist
 from pageshare.cli import main
+from pageshare.lists import distribute, sectorlist
 
 
 def a_list(path: Path, seed: int, n: int = 5, name: str = "golden.qcow2") -> sectorlist.SectorList:

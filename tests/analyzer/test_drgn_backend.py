@@ -26,15 +26,16 @@ import drgn
 import pytest
 from drgn.helpers.linux.mm import follow_phys
 from package_root import Root
-from pageshare import crash_backend, drgn_backend, golden
-from pageshare.analyze import choose_introspector
-from pageshare.classify import PageRecord
-from pageshare.debugsyms import check_vmlinux, find_vmlinux
-from pageshare.dump import ElfDump, parse_vmcoreinfo
-from pageshare.image_inspect import inspect_image, probe_format
-from pageshare.resultsdb import connect
-from pageshare.vm import BootSpec, Guest, choose_accel
-from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script
+from pageshare import golden
+from pageshare.analysis import crash_backend, drgn_backend
+from pageshare.analysis.analyze import choose_introspector
+from pageshare.analysis.classify import PageRecord
+from pageshare.analysis.debugsyms import check_vmlinux, find_vmlinux
+from pageshare.analysis.dump import ElfDump, parse_vmcoreinfo
+from pageshare.analysis.resultsdb import connect
+from pageshare.analysis.vm import BootSpec, Guest, choose_accel
+from pageshare.analysis.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script
+from pageshare.image.image_inspect import inspect_image, probe_format
 
 # --- choosing the backend (fast) ---------------------------------------------
 
@@ -332,7 +333,7 @@ PACKAGED_RUN = """\
 import dataclasses, json, sys
 from pathlib import Path
 sys.path[:0] = ["/usr/lib/pageshare/python", "/usr/lib/pageshare/python{py}"]
-from pageshare import {backend}, datafiles
+from pageshare.analysis import {backend}, datafiles
 assert datafiles.checkout() is None, "the package must not use a checkout"
 pfns = [int(x) for x in Path("{work}/pfns").read_text().split()]
 recs = {backend}.classify_pfns(Path("{vmlinux}"), Path("{dump}"), pfns, Path("{work}"))
@@ -393,7 +394,7 @@ def test_the_packaged_drgn_on_debian_13(
     assert got == want
     p = root.run(
         '/usr/bin/python3 -c \'import sys; sys.path[:0] = ["/usr/lib/pageshare/python"];'
-        " from pageshare import datafiles; datafiles.pagescan_extension()'"
+        " from pageshare.analysis import datafiles; datafiles.pagescan_extension()'"
     )
     assert p.returncode != 0
     assert "was built for crash 8.0.2" in p.stderr and "--introspector drgn" in p.stderr, p.stderr

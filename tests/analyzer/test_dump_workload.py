@@ -3,8 +3,8 @@
 import struct
 from pathlib import Path
 
-from pageshare.dump import ElfDump, parse_vmcoreinfo
-from pageshare.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.dump import ElfDump, parse_vmcoreinfo
+from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
 
 VMCI = (
     "OSRELEASE=6.1.0-56-cloud-amd64\nBUILD-ID=" + "ab" * 20 + "\nPAGESIZE=4096\n"

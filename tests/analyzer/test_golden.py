@@ -637,7 +637,7 @@ def test_efi_boots_with_uefi_firmware_and_grub_to_login(tmp_path: Path) -> None:
 
 @pytest.mark.vm
 def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
-    from pageshare import lvm
+    from pageshare.image import lvm
 
     image = _image("lvm")
     m, geo = image.manifest, golden.geometry("lvm")
@@ -666,7 +666,7 @@ def test_lvm_root_is_a_linear_lv_on_partition_1(tmp_path: Path) -> None:
 
 @pytest.mark.vm
 def test_xfs_root_partition(tmp_path: Path) -> None:
-    from pageshare.ext4map import fs_image
+    from pageshare.image.ext4map import fs_image
 
     image = _image("xfs")
     m, geo = image.manifest, golden.geometry("xfs")
@@ -698,8 +698,8 @@ def test_xfs_root_partition(tmp_path: Path) -> None:
 @pytest.mark.vm
 def test_btrfs_root_is_subvolume_rootfs_of_a_one_device_btrfs(tmp_path: Path) -> None:
     import guestfs  # Debian's python3-guestfs, as image_inspect uses it
-    from pageshare import btrfsmap
-    from pageshare.ext4map import fs_image
+    from pageshare.image import btrfsmap
+    from pageshare.image.ext4map import fs_image
 
     image = _image("btrfs")
     m, geo = image.manifest, golden.geometry("btrfs")

@@ -2,7 +2,7 @@
 
 from array import array
 
-from pageshare.hostmap import (
+from pageshare.analysis.hostmap import (
     KPF_KSM,
     KPF_ZERO_PAGE,
     HostView,

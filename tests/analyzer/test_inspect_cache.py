@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from conftest import run_analyze
 from image_trees import mkfs_image
-from pageshare import image_inspect
 from pageshare.errors import UserError
-from pageshare.image_inspect import inspect_image, probe_format
+from pageshare.image import image_inspect
+from pageshare.image.image_inspect import inspect_image, probe_format
 
 
 def entries(cache: Path) -> list[Path]:

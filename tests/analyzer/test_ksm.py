@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from pageshare.analysis.ksm import KSM, ksm_session
 from pageshare.errors import UserError
-from pageshare.ksm import KSM, ksm_session
 
 SETTINGS = {
     "run": "0",
@@ -132,7 +132,7 @@ def test_an_unreadable_counter_is_not_a_stable_zero(tmp_path: Path) -> None:
 
 
 def test_host_lock_serialises_ksm_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pageshare.ksm import host_lock
+    from pageshare.analysis.ksm import host_lock
 
     monkeypatch.setenv("PAGESHARE_KSM_LOCK", str(tmp_path / "ksm.lock"))
     order: list[str] = []
@@ -167,7 +167,7 @@ def test_settings_left_by_a_killed_analysis_are_restored(
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path\n"
-            "from pageshare.ksm import KSM, ksm_session\n"
+            "from pageshare.analysis.ksm import KSM, ksm_session\n"
             "with ksm_session(KSM(Path(sys.argv[1]))) as k:\n"
             "    k.tune(); print('tuned', flush=True); time.sleep(60)\n",
             str(root),

@@ -13,9 +13,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from pageshare import libvirt_hook as hook
-from pageshare.libvirt_config import ConfigError, HostConfig, load
-from pageshare.libvirt_qmp import METADATA_NS
+from pageshare.host import libvirt_hook as hook
+from pageshare.host.libvirt_config import ConfigError, HostConfig, load
+from pageshare.host.libvirt_qmp import METADATA_NS
 
 REPO = Path(__file__).resolve().parents[2]
 UUID = "0d1e7a3c-1111-2222-3333-444455556666"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from lvm_samples import MDA_SIZE, METADATA, OTHER_PV, PE_START, PV_ID, pv_device
-from pageshare import lvm
-from pageshare.ext4map import fs_image
+from pageshare.image import lvm
+from pageshare.image.ext4map import fs_image
 
 
 def reader(dev: bytes) -> lvm.Reader:
@@ -135,8 +135,8 @@ class FakeImage(FakeGuestfs):
 
 
 def test_survey_maps_a_linear_lv_and_refuses_the_others() -> None:
-    from pageshare import fslayout
     from pageshare.errors import UserError
+    from pageshare.image import fslayout
 
     disk = bytes(2048 * 512) + pv_device(METADATA) + bytes(1 << 20)
     g = FakeImage(disk, {1: 2048})

@@ -6,8 +6,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pageshare.classify import PageRecord
-from pageshare.ext4map import (
+from pageshare.analysis.classify import PageRecord
+from pageshare.analysis.mapping import FsKey, Geometry, Placement, page_sector, verify
+from pageshare.image.ext4map import (
     Extent,
     lookup,
     parse_block_maps,
@@ -15,7 +16,6 @@ from pageshare.ext4map import (
     read_extents,
     read_paths,
 )
-from pageshare.mapping import FsKey, Geometry, Placement, page_sector, verify
 
 UUID = "059a5ac684ce4b8f88bf106cefac840b"
 BOOT_UUID = "2d6c9b1e5f484a0793e2b8c1f4a6d750"

@@ -25,10 +25,11 @@ from analysis_failures import assert_clean_failure, json_error
 from conftest import run_analyze
 from image_trees import DEBIAN_TREE
 from lvm_samples import METADATA, pv_device
-from pageshare import ext4map, fslayout, mapping
+from pageshare.analysis import mapping
 from pageshare.cache import cache_dir, inputs_key
 from pageshare.errors import UserError
-from pageshare.image_inspect import inspect_image, probe_format
+from pageshare.image import ext4map, fslayout
+from pageshare.image.image_inspect import inspect_image, probe_format
 
 ROOT_UUID = "8f3b6c2a-51d7-4e09-b6a4-2c9e7d1f5a38"
 SRV_UUID = "c26e9a41-7b3d-4f85-9e12-5d0a8c6b3f74"

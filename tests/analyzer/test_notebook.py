@@ -1,4 +1,4 @@
-"""Tests for notebooks/analysis.ipynb run headless by pageshare.notebook.
+"""Tests for notebooks/analysis.ipynb run headless by pageshare.analysis.notebook.
 
 The tests build a small results database with resultsdb.connect() and
 synthetic rows whose numbers are known (results_samples.py), execute the
@@ -21,7 +21,7 @@ pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
 import nbformat
-from pageshare.notebook import run_notebook
+from pageshare.analysis.notebook import run_notebook
 from results_samples import (
     CATEGORIES,
     LISTED_FILES,
@@ -205,7 +205,7 @@ def test_failure_names_the_cell_and_error(results_db: Path, tmp_path: Path) -> N
 
 
 def test_committed_notebook_has_no_outputs() -> None:
-    from pageshare.notebook import NOTEBOOK
+    from pageshare.analysis.notebook import NOTEBOOK
 
     nb = _read_nb(NOTEBOOK)
     nbformat.validate(nb)

@@ -14,9 +14,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from pageshare import btrfsmap, fslayout, xfsmap
-from pageshare.ext4map import Extent, fs_image
-from pageshare.image_inspect import probe_format
+from pageshare.image import btrfsmap, fslayout, xfsmap
+from pageshare.image.ext4map import Extent, fs_image
+from pageshare.image.image_inspect import probe_format
 
 SIZE = 320 << 20
 FILES = {"big": 300_000, "sub/deep": 70_000}

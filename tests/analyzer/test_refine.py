@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import redis
 from page_server_helpers import free_port, redis_server
-from pageshare import distribute, feedback, fileblocks, refine, sectorlist
 from pageshare.cli import main
-from pageshare.diskimage import image_content_sha256, raw_file_reader
-from pageshare.ext4map import file_sectors
-from pageshare.fslayout import MappedFs
-from pageshare.image_inspect import ImageInfo, Inspection
+from pageshare.image.diskimage import image_content_sha256, raw_file_reader
+from pageshare.image.ext4map import file_sectors
+from pageshare.image.fslayout import MappedFs
+from pageshare.image.image_inspect import ImageInfo, Inspection
+from pageshare.lists import distribute, feedback, fileblocks, refine, sectorlist
 from pageshare.progress import Progress
 from refine_helpers import (
     PAGE,

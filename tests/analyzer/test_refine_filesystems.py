@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 from pageshare import golden
-from pageshare.fileblocks import NOT_REGULAR, NOT_WHOLE_PAGE, OUTSIDE_FS
+from pageshare.lists.fileblocks import NOT_REGULAR, NOT_WHOLE_PAGE, OUTSIDE_FS
 from refine_helpers import (
     PAGE,
     Image,

@@ -40,10 +40,11 @@ pytest.importorskip("matplotlib")
 
 import nbformat
 from page_server_helpers import redis_server
-from pageshare import notebook, sectorlist
+from pageshare.analysis import notebook
 from pageshare.cli import main
-from pageshare.ext4map import file_sectors
-from pageshare.feedback import FLAG_LISTED as L
+from pageshare.image.ext4map import file_sectors
+from pageshare.lists import sectorlist
+from pageshare.lists.feedback import FLAG_LISTED as L
 from refine_helpers import Image, check_against_image, parent_list, publish_summaries, raw_image
 
 PAGE = 4096

@@ -1,4 +1,4 @@
-"""Tests for the pcsl v1 sector list (pageshare.sectorlist), its command
+"""Tests for the pcsl v1 sector list (pageshare.lists.sectorlist), its command
 (listcli) and image reading (diskimage).
 
 The list decides which bytes page servers preload into guests, so most tests
@@ -21,10 +21,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from pageshare import diskimage as D
-from pageshare import listcli as L
-from pageshare import sectorlist as S
-from pageshare.sectorlist import (
+from pageshare.image import diskimage as D
+from pageshare.lists import listcli as L
+from pageshare.lists import sectorlist as S
+from pageshare.lists.sectorlist import (
     BLOCK_SIZE,
     SECTOR_SIZE,
     SECTORS_PER_BLOCK,

@@ -15,7 +15,7 @@ import pytest
 from analysis_failures import assert_clean_failure, json_error
 from conftest import run_analyze
 from image_trees import DEBIAN_TREE
-from pageshare.image_inspect import inspect_image, probe_format
+from pageshare.image.image_inspect import inspect_image, probe_format
 
 pytestmark = pytest.mark.vm
 

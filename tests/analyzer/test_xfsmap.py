@@ -10,10 +10,10 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-from pageshare import xfsmap
-from pageshare.classify import PageRecord
-from pageshare.ext4map import Extent, fs_image
-from pageshare.mapping import Geometry, Placement, page_sector
+from pageshare.analysis.classify import PageRecord
+from pageshare.analysis.mapping import Geometry, Placement, page_sector
+from pageshare.image import xfsmap
+from pageshare.image.ext4map import Extent, fs_image
 
 BMAP = """\
 ino 131

@@ -27,8 +27,9 @@ from typing import Any
 
 import pytest
 from page_server_helpers import ImageSpec, Server, make_list, wait_for
-from pageshare import libvirt_watch, sectorlist
-from pageshare.qmp import QMP
+from pageshare.host import libvirt_watch
+from pageshare.host.qmp import QMP
+from pageshare.lists import sectorlist
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.build

@@ -25,10 +25,10 @@ import pytest
 from guest_phases import file_blocks, hashes, list_files, phase, signal_guest, wait_for
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.image_inspect import inspect_image
-from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import inspect_image
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.build

@@ -4,7 +4,7 @@ grub-mkconfig (grub-common from the archive, relocated into a scratch tree
 with a fake /boot and a stub grub-probe: tests/grub_tree.py), so the id it
 sets is checked against the entries Debian's real 10_linux writes for the
 same kernels and root device, and the default is resolved as GRUB resolves
-it (pageshare.grubboot, a port of grub-core/normal/menu.c's rules, itself
+it (pageshare.host.grubboot, a port of grub-core/normal/menu.c's rules, itself
 checked here on hand-written menus).  No VM, no root file system touched.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from grub_tree import ROOT_UUID, SNIPPET, SUITES, GrubTree, RootDevice, grub_common
-from pageshare import grubboot
+from pageshare.host import grubboot
 
 pytestmark = pytest.mark.build
 

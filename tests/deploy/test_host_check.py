@@ -27,8 +27,9 @@ from page_server_helpers import (
     redis_server,
     wait_for,
 )
-from pageshare import grubboot, hostcheck, sectorlist, server_control
-from pageshare.ksm import host_lock
+from pageshare.analysis.ksm import host_lock
+from pageshare.host import grubboot, hostcheck, server_control
+from pageshare.lists import sectorlist
 from qemu_helpers import qemu_build
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
 """pageshare-host, the hypervisor's package, without building or booting
-anything: its modules (cli.HOST_MODULES) import nothing of the analyzer's,
+anything: its modules (debs.HOST_MODULES: cli, errors and the host
+subpackage) import nothing of the analyzer's,
 statically (every import statement, also inside functions) and when each of
 its commands runs from a tree that holds only them, as the package installs
 them; `pageshare --help` there lists only what it can run and the
@@ -23,8 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import debs
 import pytest
-from pageshare.cli import ANALYZER_COMMANDS, HOST_MODULES
+from debs import HOST_MODULES
+from pageshare.cli import ANALYZER_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "analyzer" / "pageshare"
@@ -33,9 +36,17 @@ PKG = REPO / "analyzer" / "pageshare"
 THIRD_PARTY = {"libvirt", "libvirt_qemu"}
 
 
+def module_name(rel: str) -> str:
+    """The dotted name of a file of PKG ("host/qmp.py": pageshare.host.qmp)."""
+    parts = ["pageshare", *rel.removesuffix(".py").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def imports(path: Path) -> list[tuple[str, int, bool]]:
-    """(module, line, at top level) for every import in a file; relative
-    imports as pageshare.X."""
+    """(module, line, at top level) for every import in a file of PKG; relative
+    imports resolved against the file's package (pageshare.X, pageshare.host.X),
+    and `from P import X` as P.X where X is a module or subpackage of P."""
+    package = module_name(str(path.relative_to(PKG).parent / "__init__.py")).split(".")
     tree = ast.parse(path.read_text())
     top = {id(n) for n in tree.body}
     out = []
@@ -44,30 +55,42 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
             out += [(a.name, node.lineno, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = "pageshare" + (f".{node.module}" if node.module else "")
-                # `from . import X`: module (or subpackage) X, or a name of
-                # pageshare/__init__.py
+                parts = package[: len(package) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names = [base]
+            if base.split(".")[0] == "pageshare":
+                where = PKG.joinpath(*base.split(".")[1:])
                 names = [
-                    base
-                    if node.module
-                    or not ((PKG / f"{a.name}.py").exists() or (PKG / a.name).is_dir())
-                    else f"{base}.{a.name}"
+                    f"{base}.{a.name}"
+                    if (where / f"{a.name}.py").exists() or (where / a.name).is_dir()
+                    else base
                     for a in node.names
                 ]
-            else:
-                names = [node.module or ""]
             out += [(n, node.lineno, id(node) in top) for n in names]
     return out
 
 
+def test_the_host_package_is_the_host_subpackage() -> None:
+    """pageshare-host ships cli, errors and the host subpackage whole: every
+    module of it, and no other."""
+    host = {f"host/{f.name}" for f in (PKG / "host").glob("*.py")}
+    assert "host/__init__.py" in host and "host/qmp.py" in host
+    assert set(HOST_MODULES) == {"__init__.py", "cli.py", "errors.py"} | host
+    assert debs.PACKAGES["pageshare-host"].sources["analyzer/pageshare/host"] == (
+        "python/pageshare/host"
+    )
+
+
 def test_host_modules_import_only_each_other() -> None:
-    allowed = {f"pageshare.{m}" for m in HOST_MODULES} | {"pageshare"}
+    allowed = {module_name(m) for m in HOST_MODULES}
     bad = []
     for m in HOST_MODULES:
-        for name, line, top in imports(PKG / f"{m}.py"):
+        for name, line, top in imports(PKG / m):
             root = name.split(".")[0]
             if root == "pageshare":
-                ok = name in allowed or (m == "cli" and not top)  # cli: analyzer commands
+                ok = name in allowed or (m == "cli.py" and not top)  # cli: analyzer commands
             else:
                 ok = (
                     root in sys.stdlib_module_names
@@ -75,16 +98,16 @@ def test_host_modules_import_only_each_other() -> None:
                     or (root in THIRD_PARTY and not top)
                 )
             if not ok:
-                bad.append(f"{m}.py:{line}: {name}")
+                bad.append(f"{m}:{line}: {name}")
     assert not bad, bad
 
 
 def host_tree(tmp: Path) -> Path:
     """The host tools' modules alone, as pageshare-host installs them."""
     pkg = tmp / "python" / "pageshare"
-    pkg.mkdir(parents=True)
     for m in HOST_MODULES:
-        shutil.copy2(PKG / f"{m}.py", pkg / f"{m}.py")
+        (pkg / m).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PKG / m, pkg / m)
     return pkg.parent
 
 
@@ -144,7 +167,7 @@ def test_host_commands_run_without_the_analyzer(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     loaded = json.loads(p.stdout)
     ours = {m for m in loaded if m.startswith("pageshare.")}
-    assert ours <= {f"pageshare.{m}" for m in HOST_MODULES}, ours
+    assert ours <= {module_name(m) for m in HOST_MODULES}, ours
     assert not [m for m in loaded if m.split(".")[0] in ("drgn", "guestfs", "redis")], loaded
 
 
@@ -201,7 +224,7 @@ def apparmor_tree(tmp: Path, *, qemu: bool, libvirtd: bool, copy_mode: bool = Fa
     assert (ETC_APPARMOR / "usr.sbin.libvirtd").exists(), (
         "libvirt's AppArmor profiles are missing (scripts/install-deps.sh installs libvirt)"
     )
-    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+    from pageshare.host.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
 
     root = tmp / "apparmor.d"
     shutil.copytree(ETC_APPARMOR, root, symlinks=True)
@@ -367,7 +390,7 @@ def apply(finding: Any) -> None:
 
 @pytest.mark.parametrize("debian", [12, 13])
 def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path: Path) -> None:
-    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE, check_apparmor
+    from pageshare.host.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE, check_apparmor
 
     enabled, d, emulator, domains = fake_apparmor(tmp_path, debian)
 
@@ -443,7 +466,7 @@ def test_host_check_says_which_apparmor_line_libvirt_lacks(debian: int, tmp_path
 
 
 def test_apparmor_includes_follows_what_apparmor_parser_reads(tmp_path: Path) -> None:
-    from pageshare.hostcheck import apparmor_includes
+    from pageshare.host.hostcheck import apparmor_includes
 
     d = tmp_path / "apparmor.d"
     (d / "a.d").mkdir(parents=True)
@@ -466,7 +489,7 @@ def test_apparmor_includes_follows_what_apparmor_parser_reads(tmp_path: Path) ->
 def test_host_check_compiles_libvirts_profiles_with_the_lines(tmp_path: Path) -> None:
     """With this host's real profiles: the lines docs/install.md gives are ok,
     and a profile that no longer compiles once included is an error."""
-    from pageshare.hostcheck import check_apparmor
+    from pageshare.host.hostcheck import check_apparmor
 
     root = apparmor_tree(tmp_path, qemu=True, libvirtd=True)
     enabled = tmp_path / "enabled"
@@ -487,7 +510,7 @@ def test_install_md_and_the_parts_give_host_checks_lines() -> None:
     """One line per profile, the same wherever it is written: host check,
     the operator's guide (docs/install.md; the README and ARCHITECTURE.md
     point there) and each part's own header."""
-    from pageshare.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
+    from pageshare.host.hostcheck import LIBVIRTD_INCLUDE, QEMU_INCLUDE
 
     guide = (REPO / "docs" / "install.md").read_text()
     for line, local, part in (

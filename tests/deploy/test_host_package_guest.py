@@ -57,7 +57,8 @@ from package_guest import (
     payload_disk,
 )
 from page_server_helpers import make_list, nonzero_blocks
-from pageshare import golden, sectorlist
+from pageshare import golden
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 

@@ -79,9 +79,9 @@ from libvirt_host import (
 )
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.image_inspect import inspect_image
-from pageshare.qmp import QMP
-from pageshare.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import inspect_image
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm

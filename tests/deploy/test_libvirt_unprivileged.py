@@ -44,8 +44,8 @@ from guest_phases import hashes, list_files, phase, signal_guest, wait_for
 from libvirt_host import QEMU_CONF_UNPRIVILEGED, PrivateLibvirtd, disk, domain_xml, filter_stats
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.image_inspect import inspect_image
-from pageshare.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.image.image_inspect import inspect_image
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm

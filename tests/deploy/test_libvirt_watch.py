@@ -34,8 +34,8 @@ from libvirt_host import (
 )
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.image_inspect import inspect_image
-from pageshare.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.image.image_inspect import inspect_image
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import debs
 import pytest
-from pageshare.cli import HOST_MODULES
 
 pytestmark = pytest.mark.build
 
@@ -141,7 +140,7 @@ def test_host_package_key_follows_only_the_host_tools(tmp_path: Path) -> None:
     analyzer module's change does not rebuild it, a host module's does."""
     pkg = debs.PACKAGES["pageshare-host"]
     src = tmp_path / "src"
-    for rel in [*pkg.sources, "analyzer/pageshare/analyze.py"]:
+    for rel in [*pkg.sources, "analyzer/pageshare/analysis/analyze.py"]:
         s, d = REPO / rel, src / rel
         d.parent.mkdir(parents=True, exist_ok=True)
         if s.is_dir():
@@ -150,11 +149,11 @@ def test_host_package_key_follows_only_the_host_tools(tmp_path: Path) -> None:
             shutil.copy2(s, d)
     key, inputs = debs.inputs_key(pkg, src)
     assert sorted(f for f in inputs["files"] if f.startswith("analyzer/pageshare/")) == sorted(
-        f"analyzer/pageshare/{m}.py" for m in HOST_MODULES
+        f"analyzer/pageshare/{m}" for m in debs.HOST_MODULES
     )
-    (src / "analyzer/pageshare/analyze.py").write_text("# changed\n")
+    (src / "analyzer/pageshare/analysis/analyze.py").write_text("# changed\n")
     assert debs.inputs_key(pkg, src)[0] == key
-    (src / "analyzer/pageshare/attach.py").write_text("# changed\n")
+    (src / "analyzer/pageshare/host/attach.py").write_text("# changed\n")
     assert debs.inputs_key(pkg, src)[0] != key
 
 
@@ -177,7 +176,7 @@ def test_check_deb_keeps_the_analyzer_and_the_host_tools_apart(tmp_path: Path) -
     debs.check_deb(host, fake_deb(tmp_path / "ok", host_files, list(host.conffiles)))
     for i, extra in enumerate(
         [
-            "usr/lib/pageshare/python/pageshare/analyze.py",
+            "usr/lib/pageshare/python/pageshare/analysis/analyze.py",
             "usr/lib/pageshare/python3.11/drgn/__init__.py",
             "usr/bin/analyze-image",
         ]

@@ -27,7 +27,7 @@ from pathlib import Path
 import debs
 import pytest
 from package_root import Root, built_deb, pageshare_deb
-from pageshare.cli import HOST_MODULES
+from pageshare.cli import HOST_PACKAGE
 from results_samples import make_results_db
 
 pytestmark = pytest.mark.vm  # long: builds roots from the Debian archive
@@ -85,9 +85,11 @@ def test_the_packages_hold_what_they_should() -> None:
     assert "try-reload-or-restart" in postinst and "update-grub" in postinst
     assert "update-grub" in debs.deb_control_file(host, "postrm")
     modules = sorted(
-        p.rsplit("/", 1)[1] for p in hpaths if p.startswith("usr/lib/pageshare/python/pageshare/")
+        p.removeprefix(f"{debs.MODULES}/")
+        for p in hpaths
+        if p.startswith(f"{debs.MODULES}/") and p != f"{debs.MODULES}/{HOST_PACKAGE}"
     )
-    assert modules == sorted(f"{m}.py" for m in HOST_MODULES), modules
+    assert modules == sorted(debs.HOST_MODULES), modules
     for d in (deb, host):
         assert (d.parent / "lintian.txt").exists()
 
@@ -109,7 +111,7 @@ def test_installed_by_apt_and_run_from_the_package(
     vendored = f"/usr/lib/pageshare/python{SUITES[suite]}"
     p = root.run(
         '/usr/bin/python3 -c \'import sys; sys.path[:0] = ["/usr/lib/pageshare/python",'
-        f' "{vendored}"]; import drgn, pageshare.drgn_backend; print(drgn.__file__)\''
+        f' "{vendored}"]; import drgn, pageshare.analysis.drgn_backend; print(drgn.__file__)\''
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(f"{vendored}/drgn/"), p.stdout

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 import debs
 import pytest
-from pageshare import hostcheck
+from pageshare.host import hostcheck
 
 pytestmark = pytest.mark.build
 

@@ -14,9 +14,10 @@ import pytest
 from conftest import Analysis, ksm_settings, qemu_pids, run_analyze
 from listed_blocks import every_listed_block_is_the_images, list_verifies
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import golden, sectorlist
-from pageshare.ext4map import file_sectors
-from pageshare.ksm import host_lock
+from pageshare import golden
+from pageshare.analysis.ksm import host_lock
+from pageshare.image.ext4map import file_sectors
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.vm
 
@@ -96,7 +97,7 @@ def test_workload_files_are_listed(analysed: tuple[str, Path, Analysis, Path]) -
 def test_notebook_runs_on_the_real_results(
     analysed: tuple[str, Path, Analysis, Path], tmp_path: Path
 ) -> None:
-    from pageshare.notebook import run_notebook
+    from pageshare.analysis.notebook import run_notebook
 
     _, _, result, _ = analysed
     figures = tmp_path / "fig"

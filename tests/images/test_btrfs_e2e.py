@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 from conftest import Analysis, analyze_cleanly
 from listed_blocks import every_listed_block_is_the_images, list_verifies
-from pageshare import btrfsmap, golden, sectorlist
-from pageshare.ext4map import fs_image
+from pageshare import golden
+from pageshare.image import btrfsmap
+from pageshare.image.ext4map import fs_image
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.vm
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import Analysis, analyze_cleanly
 from listed_blocks import every_listed_block_is_the_images, list_verifies
 from pageshare import golden
-from pageshare.ext4map import fs_image
+from pageshare.image.ext4map import fs_image
 
 pytestmark = pytest.mark.vm
 

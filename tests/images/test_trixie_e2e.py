@@ -14,8 +14,9 @@ import pytest
 from conftest import Analysis, analyze_cleanly
 from listed_blocks import every_listed_block_is_the_images
 from listed_file_bytes import every_listed_block_is_its_files_page
-from pageshare import golden, sectorlist
-from pageshare.ext4map import file_sectors
+from pageshare import golden
+from pageshare.image.ext4map import file_sectors
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.vm
 

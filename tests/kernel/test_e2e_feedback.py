@@ -24,7 +24,7 @@ from pathlib import Path
 import e2e_vs_ksm as e2e
 import feedback_round
 import pytest
-from pageshare import distribute, feedback
+from pageshare.lists import distribute, feedback
 
 REPO = Path(__file__).resolve().parents[2]
 

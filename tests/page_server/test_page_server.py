@@ -35,7 +35,8 @@ from page_server_helpers import (
     server_binary,
     wait_for,
 )
-from pageshare import golden, sectorlist
+from pageshare import golden
+from pageshare.lists import sectorlist
 from qemu_helpers import SEED_VERDICTS
 
 pytestmark = pytest.mark.build

@@ -39,8 +39,8 @@ from page_server_helpers import (
     server_binary,
     wait_for,
 )
-from pageshare import feedback as refine_feedback
-from pageshare import sectorlist
+from pageshare.lists import feedback as refine_feedback
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 

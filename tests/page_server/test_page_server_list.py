@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from page_server_helpers import REPO, server_binary
-from pageshare import sectorlist
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 

@@ -31,7 +31,7 @@ from page_server_helpers import (
     redis_server,
     wait_for,
 )
-from pageshare import distribute, sectorlist
+from pageshare.lists import distribute, sectorlist
 
 pytestmark = pytest.mark.build
 

@@ -51,13 +51,14 @@ from page_server_helpers import (
     redis_server,
 )
 from page_server_helpers import wait_for as wait_until
-from pageshare import distribute, feedback, golden, sectorlist
-from pageshare.image_inspect import inspect_image
+from pageshare import golden
+from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.workload import Markers, Workload, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import inspect_image
+from pageshare.lists import distribute, feedback, sectorlist
+from pageshare.lists.refine import RefineOptions, refine
 from pageshare.progress import Progress
-from pageshare.qmp import QMP
-from pageshare.refine import RefineOptions, refine
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import Markers, Workload, script
 from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
 pytestmark = pytest.mark.build

@@ -62,8 +62,8 @@ from migration_helpers import (
     workload,
 )
 from page_server_helpers import Server, content_sha256, make_list
-from pageshare import sectorlist
-from pageshare.qmp import QMP
+from pageshare.host.qmp import QMP
+from pageshare.lists import sectorlist
 from qemu_helpers import QemuBuild, blockdev_args, flat_stats, ps_stats, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"

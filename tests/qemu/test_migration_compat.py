@@ -55,7 +55,7 @@ from migration_helpers import (
     start_migration,
     wait_migration,
 )
-from pageshare.qmp import QMPError
+from pageshare.host.qmp import QMPError
 from qemu_helpers import QemuBuild, blockdev_args, ps_stats, qemu_build
 
 assert os.geteuid() == 0, "copy mode reads the page server's memory: run as root"

@@ -34,11 +34,12 @@ from page_server_helpers import (
     nonzero_blocks,
     raw_copy,
 )
-from pageshare import golden, sectorlist
-from pageshare.image_inspect import inspect_image
-from pageshare.qmp import QMP
-from pageshare.vm import _child_setup, choose_accel
-from pageshare.workload import Markers, Workload, script
+from pageshare import golden
+from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.workload import Markers, Workload, script
+from pageshare.host.qmp import QMP
+from pageshare.image.image_inspect import inspect_image
+from pageshare.lists import sectorlist
 from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
 pytestmark = pytest.mark.build

@@ -37,7 +37,8 @@ from page_server_helpers import (
     raw_copy,
     wait_for,
 )
-from pageshare import golden, sectorlist
+from pageshare import golden
+from pageshare.lists import sectorlist
 from qemu_helpers import (
     DiskModel,
     QemuIo,

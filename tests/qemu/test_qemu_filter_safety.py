@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 from page_server_helpers import ImageSpec, Server, make_list, psc, wait_for
-from pageshare import sectorlist
-from pageshare.qmp import QMP, QMPError
+from pageshare.host.qmp import QMP, QMPError
+from pageshare.lists import sectorlist
 from qemu_helpers import QemuBuild, qemu_build
 
 pytestmark = pytest.mark.build
@@ -529,7 +529,7 @@ def test_metadata_changes_share_again_and_a_write_does_not(
     notices first, as a busy guest does.  Then a real write: read from disk
     for good, and the server and host check say which VM does not share
     and why.  Every listed block is checked against the chain throughout."""
-    from pageshare import hostcheck
+    from pageshare.host import hostcheck
 
     path = tmp_path / "golden.raw"
     path.write_bytes(images.a.read_bytes())

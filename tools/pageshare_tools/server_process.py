@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pageshare import sectorlist
 from pageshare.cache import cache_root
+from pageshare.lists import sectorlist
 
 from pageshare_tools import pageshare_client as psc
 from pageshare_tools.cargo import cargo, cargo_target_dir

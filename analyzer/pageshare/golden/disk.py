@@ -13,7 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from pageshare import lvm
+from pageshare.image import lvm
 
 from .disk_geometry import Geometry
 from .host import _run

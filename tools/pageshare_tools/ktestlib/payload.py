@@ -168,7 +168,7 @@ def shared_libs(binary: Path) -> list[Path]:
 def write_pcsl(image: bytes, blocks: list[int], name: str) -> str:
     """A pcsl v1 list (lists/README.md) of the given 4 KiB blocks of image,
     written by the analyzer's own serialiser (standard library only too)."""
-    from pageshare import sectorlist
+    from pageshare.lists import sectorlist
 
     sl = sectorlist.SectorList(
         image=sectorlist.ImageIdentity(len(image), hashlib.sha256(image).hexdigest(), name),

@@ -63,8 +63,8 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from ..errors import print_error
 from . import attach
-from .errors import print_error
 from .libvirt_config import DEFAULT_CONFIG, ConfigError, HostConfig, load
 from .libvirt_qmp import METADATA_ELEMENT, METADATA_NS
 from .qmp import QMPError

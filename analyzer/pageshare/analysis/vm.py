@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import cache_dir
-from .errors import UserError
-from .qmp import QMP
+from ..cache import cache_dir
+from ..errors import UserError
+from ..host.qmp import QMP
 
 PR_SET_PDEATHSIG = 1
 PR_SET_THP_DISABLE = 41

@@ -1,7 +1,7 @@
 """The page server's control socket, as the host tools ask it: `pageshare
 host check`, `attach` and the libvirt watcher (page-server/PROTOCOL.md,
 "Control socket": u32 kind, u32 length, payload; little-endian).
-Standard library only: a host module (cli.HOST_MODULES)."""
+Standard library only: a host module (pageshare-host ships the host subpackage)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import PageshareError, print_error
+from ..errors import PageshareError, print_error
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
 from .qmp import QMP, Monitor, QMPError, qmp_socket_of
 from .server_control import DEFAULT_CONTROL, UNREACHABLE, server_status, unreachable_reason

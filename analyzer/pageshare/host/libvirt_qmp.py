@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import PageshareError
+from ..errors import PageshareError
 from .qmp import QMPError
 
 DEFAULT_URI = "qemu:///system"

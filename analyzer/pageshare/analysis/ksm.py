@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 # Tunables we may change, in the order they are written back.  advisor_mode
 # must go first (in scan-time mode pages_to_scan is read-only) and run last

@@ -34,11 +34,11 @@ import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from . import btrfsmap
-from .ext4map import Extent, _debugfs, read_extents
-from .mapping import WHOLE, Placement, fs_family
-from .xfsmap import ag_blocks
-from .xfsmap import read_extents as xfs_read_extents
+from ..analysis.mapping import WHOLE, Placement, fs_family
+from ..image import btrfsmap
+from ..image.ext4map import Extent, _debugfs, read_extents
+from ..image.xfsmap import ag_blocks
+from ..image.xfsmap import read_extents as xfs_read_extents
 
 PAGE = 4096
 SECTORS_PER_PAGE = PAGE // 512

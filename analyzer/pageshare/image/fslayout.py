@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
 from . import lvm
-from .errors import UserError
 
 PAGE_SECTORS = 8  # a 4 KiB page in 512-byte sectors
 

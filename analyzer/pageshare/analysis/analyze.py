@@ -21,7 +21,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, btrfsmap, diskimage, drgn_backend, resultsdb, sectorlist, xfsmap
+from .. import __version__
+from ..errors import UserError
+from ..image import btrfsmap, diskimage, xfsmap
+from ..image.ext4map import Extent, fs_image, read_extents, read_paths
+from ..image.fslayout import MappedFs, SkippedFs
+from ..image.image_inspect import Inspection, inspect_image, probe_format
+from ..lists import sectorlist
+from ..progress import Progress
+from . import drgn_backend, resultsdb
 from .aggregate import (
     PAGE,
     VMS,
@@ -38,11 +46,7 @@ from .classify import PageRecord
 from .crash_backend import classify_pfns, crash_version
 from .debugsyms import check_vmlinux, find_vmlinux
 from .dump import ElfDump, parse_vmcoreinfo
-from .errors import UserError
-from .ext4map import Extent, fs_image, read_extents, read_paths
-from .fslayout import MappedFs, SkippedFs
 from .hostmap import MergeClass, classify_pair, ram_ranges, snapshot
-from .image_inspect import Inspection, inspect_image, probe_format
 from .ksm import KSM, Sample, ksm_session
 from .mapping import (
     COMPRESSED,
@@ -55,7 +59,6 @@ from .mapping import (
     map_page,
     norm_uuid,
 )
-from .progress import Progress
 from .resultsdb import GuestPage, ListedBlock, connect
 from .vm import BootSpec, Guest, choose_accel, qemu_version, require_qemu
 from .workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, write_script

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import PageshareError
+from ..errors import PageshareError
 from .ext4map import Extent
 
 FS_TREE = 5  # the top-level subvolume

@@ -22,7 +22,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 GRUB_CONFIGS = ("/boot/grub/grub.cfg", "/boot/grub2/grub.cfg")
 BLS_DIR = "/boot/loader/entries"

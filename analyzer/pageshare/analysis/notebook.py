@@ -259,8 +259,8 @@ examples:
 def main(argv: list[str]) -> int:
     import argparse
 
+    from ..errors import print_error
     from .analyze import default_db
-    from .errors import print_error
 
     p = argparse.ArgumentParser(
         prog="pageshare report",

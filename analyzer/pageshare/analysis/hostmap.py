@@ -11,7 +11,7 @@ import struct
 from array import array
 from dataclasses import dataclass
 
-from .qmp import QMP
+from ..host.qmp import QMP
 
 PAGE = 4096
 PM_PRESENT = 1 << 63

@@ -41,8 +41,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import PageshareError
 from .distribute import Store
-from .errors import PageshareError
 
 FEEDBACK_VERSION = 1
 RECORD = struct.Struct("<QIII")  # block, guests, reads, flags

@@ -38,8 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pageshare import sectorlist
 from pageshare.errors import RaisingArgumentParser, UsageError, UserError, print_error
+from pageshare.lists import sectorlist
 
 if TYPE_CHECKING:
     import redis

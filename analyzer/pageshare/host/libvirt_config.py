@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import PageshareError
+from ..errors import PageshareError
 from .server_control import DEFAULT_CONTROL
 
 DEFAULT_CONFIG = Path("/etc/pageshare/libvirt.toml")

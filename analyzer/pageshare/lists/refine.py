@@ -40,13 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, diskimage, distribute, feedback, resultsdb, sectorlist
-from .errors import UserError
-from .ext4map import fs_image
+from .. import __version__
+from ..analysis import resultsdb
+from ..analysis.mapping import Geometry
+from ..errors import UserError
+from ..image import diskimage
+from ..image.ext4map import fs_image
+from ..image.image_inspect import inspect_image, probe_format
+from ..progress import Progress
+from . import distribute, feedback, sectorlist
 from .fileblocks import classify
-from .image_inspect import inspect_image, probe_format
-from .mapping import Geometry
-from .progress import Progress
 
 # Defaults of the thresholds; the --help of `pageshare list refine` and
 # analyzer/README.md explain them.
@@ -71,7 +74,7 @@ BYTES_DIFFER = "bytes-differ"
 
 
 def default_db() -> Path:
-    from .analyze import default_db as analyze_db
+    from ..analysis.analyze import default_db as analyze_db
 
     return analyze_db()
 
@@ -251,7 +254,7 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
     db = resultsdb.connect(opts.db)
     refinement_id = 0
     try:
-        from .analyze import _check_btrfs_chunks, placements
+        from ..analysis.analyze import _check_btrfs_chunks, placements
 
         geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw, content sha256)"):

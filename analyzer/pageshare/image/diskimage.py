@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 QCOW2_MAGIC = b"QFI\xfb"
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .diskimage import image_content_sha256, open_raw
-from .errors import RaisingArgumentParser, UsageError, UserError, print_error
+from ..errors import RaisingArgumentParser, UsageError, UserError, print_error
+from ..image.diskimage import image_content_sha256, open_raw
 from .refine import DEFAULT_MIN_GUESTS, DEFAULT_MIN_HOSTS, DEFAULT_WINDOW
 from .sectorlist import (
     BLOCK_SIZE,
@@ -236,8 +236,8 @@ def _add_refine(sub: Any) -> None:
 
 
 def _cmd_refine(args: argparse.Namespace) -> int:
+    from ..progress import Progress
     from .distribute import Store
-    from .progress import Progress
     from .refine import RefineOptions, format_result, refine
 
     opts = RefineOptions(

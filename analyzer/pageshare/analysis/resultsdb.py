@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .fslayout import MappedFs, SkippedFs
+from ..image.fslayout import MappedFs, SkippedFs
+from ..image.image_inspect import ImageInfo
 from .hostmap import MergeClass
-from .image_inspect import ImageInfo
 from .ksm import Convergence, Sample
 from .mapping import norm_uuid
 

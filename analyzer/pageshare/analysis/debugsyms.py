@@ -16,9 +16,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import debian
-from .cache import cache_dir
-from .errors import UserError
+from .. import debian
+from ..cache import cache_dir
+from ..errors import UserError
 
 DEBIAN_SUITES = ("bookworm", "trixie")
 LogFn = Callable[[str], None]

@@ -17,8 +17,8 @@ tried in turn and the first whose block's bytes equal the page is kept.
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..image.ext4map import Extent, lookup
 from .classify import PageRecord
-from .ext4map import Extent, lookup
 
 PAGE = 4096
 ZERO_PAGE = bytes(PAGE)

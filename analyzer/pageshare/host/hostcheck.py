@@ -153,7 +153,7 @@ def check_kernel(
     release: str | None = None,
 ) -> Iterator[Finding]:
     """The running kernel's series, and which kernel GRUB boots next by default
-    (grub.cfg's default entry, resolved as GRUB does: pageshare.grubboot)."""
+    (grub.cfg's default entry, resolved as GRUB does: pageshare.host.grubboot)."""
     rel = release or platform.release()
     counter = ksm_dir / "merge_page_merged"
     installed = grubboot.pageshare_kernels(boot)

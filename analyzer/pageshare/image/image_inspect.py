@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..cache import cache_dir, inputs_key
+from ..errors import UserError
 from .bootfiles import find_kernel
-from .cache import cache_dir, inputs_key
-from .errors import UserError
 from .fslayout import (
     BTRFS_MAGIC,
     BTRFS_SUPER_OFFSET,

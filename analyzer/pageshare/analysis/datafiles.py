@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 INSTALLED_LIB = Path("/usr/lib/pageshare")
 INSTALLED_SHARE = Path("/usr/share/pageshare")
@@ -26,7 +26,7 @@ INSTALLED_SHARE = Path("/usr/share/pageshare")
 
 def checkout() -> Path | None:
     """The source checkout this module runs from, if it runs from one."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if (root / "crash-ext" / "pagescan.c").is_file() and (root / "analyzer").is_dir():
         return root
     return None

@@ -46,8 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import print_error
 from . import attach
-from .errors import print_error
 from .libvirt_config import DEFAULT_CONFIG, ConfigError, load
 from .libvirt_qmp import (
     DEFAULT_URI,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import drgn
 
+from ..errors import UserError
 from .classify import PageRecord
 from .dump import ElfDump
-from .errors import UserError
 
 ULONG_MASK = (1 << 64) - 1
 # Widths of the C buffers pagescan reads strings into (minus their NUL), so
