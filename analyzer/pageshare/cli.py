@@ -1,8 +1,9 @@
 """Command-line entry points: `analyze-image` and `pageshare`.
 
-The host tools' commands (HOST_PACKAGE) and the analyzer's ship in two
-Debian packages; `pageshare --help` lists what is installed.  Every
-analyzer module is imported only by the command that needs it.
+`pageshare` is one tree of commands (COMMANDS): each names the module whose
+main() it runs, imported only when it runs.  The host tools' commands
+(HOST_COMMANDS, the host subpackage) and the analyzer's (ANALYZER_COMMANDS)
+ship in two Debian packages; `pageshare --help` lists what is installed.
 """
 
 import argparse
@@ -10,6 +11,8 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
@@ -254,10 +257,46 @@ def analyze_image_main() -> int:
     return run_analyze(sys.argv[1:])
 
 
+@dataclass(frozen=True)
+class Command:
+    """What a command (or subcommand) runs: FUNCTION of pageshare.MODULE (of
+    this module when MODULE is ""), imported only when it runs, called with
+    ARGV and then the rest of the command line, and with KWARGS."""
+
+    module: str
+    function: str = "main"
+    argv: tuple[str, ...] = ()
+    kwargs: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A command whose first argument may name one of its SUBCOMMANDS, run
+    with what follows it.  Any other first argument, or none, goes with the
+    rest to OTHERWISE, or, without it, gets USAGE (-h, --help, nothing) or
+    an error."""
+
+    subcommands: Mapping[str, Command]
+    otherwise: Command | None = None
+    usage: str = ""
+
+
 # The host tools: what a hypervisor runs, the pageshare-host package.  Its
 # tree holds the package's HOST_TOP_MODULES and the HOST_PACKAGE subpackage
 # whole (packaging/debs.py ships them); their modules import nothing of the
 # analyzer's (no drgn, libguestfs or redis).
+HOST_TOP_MODULES = ("__init__", "cli", "errors")
+HOST_PACKAGE = "host"
+HOST_COMMANDS: dict[str, Command | Group] = {
+    "host": Group(
+        {"check": Command("host.hostcheck")},
+        usage="pageshare host check [--json] [--control PATH] [--qemu PATH] ...",
+    ),
+    "attach": Command("host.attach", kwargs={"action": "attach"}),
+    "detach": Command("host.attach", kwargs={"action": "detach"}),
+    "libvirt-watch": Command("host.libvirt_watch"),
+    "libvirt-hook": Command("host.libvirt_hook"),
+}
 HOST_USAGE = """\
   host check [--json]   what this host lacks to share pages (kernel, KSM, QEMU, server, guests)
   attach QMP [--json]   put the pageshare filter into a running QEMU's disks (over QMP)
@@ -266,11 +305,19 @@ HOST_USAGE = """\
   libvirt-watch         attach to every libvirt domain as it starts (a daemon)
   libvirt-hook ...      libvirt's qemu hook: the filter on a migration's destination
 """
-HOST_TOP_MODULES = ("__init__", "cli", "errors")
-HOST_PACKAGE = "host"
 
 # The analyzer's commands: the pageshare package, for the machine that
 # analyzes images (it depends on pageshare-host and adds these).
+ANALYZER_COMMANDS: dict[str, Command | Group] = {
+    "analyze": Command("", "run_analyze", kwargs={"prog": "pageshare analyze"}),
+    "list": Group(
+        {name: Command("lists.distribute", argv=(name,)) for name in ("publish", "fetch", "ls")},
+        otherwise=Command("lists.listcli"),
+    ),
+    "fleet": Command("lists.distribute", argv=("fleet",), kwargs={"prog": "pageshare"}),
+    "image": Group({"build": Command("golden")}, otherwise=Command("golden")),
+    "report": Command("analysis.notebook"),
+}
 ANALYZER_USAGE = """\
   analyze IMAGE ...     same as analyze-image (see pageshare analyze --help)
   list show|verify ...  inspect a sector list, or check it against an image
@@ -281,11 +328,12 @@ ANALYZER_USAGE = """\
   report [--analysis ID]     run the results notebook headless on analyze-image's results
   report --refinements [--image IMAGE]  the same for an image's list generations
 """
-ANALYZER_COMMANDS = ("analyze", "list", "fleet", "image", "report")
 NO_ANALYZER = """\
   analyze, list, fleet, image, report: the analyzer, in the pageshare package
   (for the machine that analyzes images), which is not installed here
 """
+
+COMMANDS: dict[str, Command | Group] = {**HOST_COMMANDS, **ANALYZER_COMMANDS}
 
 
 def analyzer_installed() -> bool:
@@ -308,6 +356,36 @@ def usage() -> str:
     )
 
 
+def call(command: Command, argv: list[str]) -> int:
+    """Run COMMAND's function with the rest of the command line."""
+    module = (
+        importlib.import_module(f"{__package__ or 'pageshare'}.{command.module}")
+        if command.module
+        else sys.modules[__name__]
+    )
+    code: int = getattr(module, command.function)([*command.argv, *argv], **command.kwargs)
+    return code
+
+
+def run(name: str, node: Command | Group, argv: list[str]) -> int:
+    """Run command NAME (a COMMANDS entry) with the rest of the command line."""
+    if isinstance(node, Command):
+        return call(node, argv)
+    sub = node.subcommands.get(argv[0]) if argv else None
+    if sub is not None:
+        return call(sub, argv[1:])
+    if node.otherwise is not None:
+        return call(node.otherwise, argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {node.usage}")
+        return 0 if argv else 2
+    print(
+        f"pageshare {name}: unknown subcommand {argv[0]!r} (try: {', '.join(node.subcommands)})",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -326,48 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             prog="pageshare",
         )
         return 2
-    if cmd == "analyze":
-        return run_analyze(rest, prog="pageshare analyze")
-    if cmd == "list":
-        if rest[:1] in (["publish"], ["fetch"], ["ls"]):
-            from .lists import distribute
-
-            return distribute.cli_main(rest)
-        from .lists.listcli import cli_main
-
-        return cli_main(rest)
-    if cmd == "fleet":
-        from .lists import distribute
-
-        return distribute.cli_main(["fleet", *rest], prog="pageshare")
-    if cmd == "image":
-        from . import golden
-
-        if rest[:1] == ["build"]:
-            rest = rest[1:]
-        return golden.main(rest)
-    if cmd == "host":
-        from .host import hostcheck
-
-        return hostcheck.cli_main(rest)
-    if cmd in ("attach", "detach"):
-        from .host import attach
-
-        return attach.main(cmd, rest)
-    if cmd == "report":
-        from .analysis import notebook
-
-        return notebook.main(rest)
-    if cmd == "libvirt-watch":
-        from .host import libvirt_watch
-
-        return libvirt_watch.main(rest)
-    if cmd == "libvirt-hook":
-        from .host import libvirt_hook
-
-        return libvirt_hook.main(rest)
-    print(f"pageshare: unknown command {cmd!r}\n{usage()}", file=sys.stderr, end="")
-    return 2
+    node = COMMANDS.get(cmd)
+    if node is None:
+        print(f"pageshare: unknown command {cmd!r}\n{usage()}", file=sys.stderr, end="")
+        return 2
+    return run(cmd, node, rest)
 
 
 if __name__ == "__main__":

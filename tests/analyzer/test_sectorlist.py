@@ -718,16 +718,16 @@ def _setup(tmp_path: Path) -> tuple[Path, Path, bytes]:
 
 def test_cli_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lst, _, _ = _setup(tmp_path)
-    assert L.cli_main(["show", str(lst)]) == 0
+    assert L.main(["show", str(lst)]) == 0
     out = capsys.readouterr().out
     assert "5 x 4 KiB" in out and "MiB" in out and "contiguous runs: 3" in out
-    assert L.cli_main(["show", str(lst), "--all"]) == 0
+    assert L.main(["show", str(lst), "--all"]) == 0
     assert "sector 200..207" in capsys.readouterr().out
 
 
 def test_cli_show_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lst, _, data = _setup(tmp_path)
-    assert L.cli_main(["show", str(lst), "--json"]) == 0
+    assert L.main(["show", str(lst), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["count"] == 5 and doc["bytes"] == 5 * 4096
     assert doc["runs"] == [[0, 3], [200, 1], [304, 1]] and doc["run_count"] == 3
@@ -738,11 +738,11 @@ def test_cli_show_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_cli_verify_raw(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lst, image, _ = _setup(tmp_path)
-    assert L.cli_main(["verify", str(lst), "--image", str(image)]) == 0
+    assert L.main(["verify", str(lst), "--image", str(image)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("OK: ") and out.count("\n") == 1
 
-    assert L.cli_main(["verify", str(lst), "--image", str(image), "--json"]) == 0
+    assert L.main(["verify", str(lst), "--image", str(image), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is True and doc["bad_sectors"] == [] and doc["image_format"] == "raw"
     assert doc["content_sha256"]["ok"] is True and doc["virtual_size"]["ok"] is True
@@ -750,18 +750,18 @@ def test_cli_verify_raw(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     with open(image, "r+b") as f:
         f.seek(200 * 512 + 7)
         f.write(b"\x00\x01")
-    assert L.cli_main(["verify", str(lst), "--image", str(image)]) == 1
+    assert L.main(["verify", str(lst), "--image", str(image)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("MISMATCH: ") and "1 of 5 blocks differ (sectors 200)" in out
     assert "content sha256 differs" in out
 
-    assert L.cli_main(["verify", str(lst), "--image", str(image), "--json"]) == 1
+    assert L.main(["verify", str(lst), "--image", str(image), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and doc["bad_sectors"] == [200]
     assert doc["content_sha256"]["ok"] is False
 
     args = ["verify", str(lst), "--image", str(image), "--no-content-hash", "--json"]
-    assert L.cli_main(args) == 1
+    assert L.main(args) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["content_sha256"]["ok"] is None and doc["content_sha256"]["image"] is None
 
@@ -773,16 +773,16 @@ def test_cli_verify_content_change_outside_the_list(
     with open(image, "r+b") as f:  # block at sector 96 is not listed
         f.seek(96 * 512)
         f.write(b"changed")
-    assert L.cli_main(["verify", str(lst), "--image", str(image)]) == 1
+    assert L.main(["verify", str(lst), "--image", str(image)]) == 1
     assert "content sha256 differs" in capsys.readouterr().out
-    assert L.cli_main(["verify", str(lst), "--image", str(image), "--no-content-hash"]) == 0
+    assert L.main(["verify", str(lst), "--image", str(image), "--no-content-hash"]) == 0
     assert "content sha256 not checked" in capsys.readouterr().out
 
 
 def test_cli_verify_size_mismatch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lst, image, data = _setup(tmp_path)
     image.write_bytes(data + bytes(4096))
-    assert L.cli_main(["verify", str(lst), "--image", str(image), "--no-content-hash"]) == 1
+    assert L.main(["verify", str(lst), "--image", str(image), "--no-content-hash"]) == 1
     assert f"virtual size {len(data) + 4096} != {len(data)}" in capsys.readouterr().out
 
 
@@ -802,7 +802,7 @@ def test_cli_verify_qcow2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     args = ["verify", str(lst), "--image", str(qcow2), "--tmpdir", str(scratch)]
-    assert L.cli_main([*args, "--json"]) == 0
+    assert L.main([*args, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is True and doc["image_format"] == "qcow2"
     assert doc["content_sha256"]["ok"] is True  # layout independent identity
@@ -812,7 +812,7 @@ def test_cli_verify_qcow2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         f.seek(16 * 512)
         f.write(b"different")
     _qcow2_from(image, qcow2)
-    assert L.cli_main(args) == 1
+    assert L.main(args) == 1
     assert "(sectors 16)" in capsys.readouterr().out
     assert list(scratch.iterdir()) == []
 
@@ -824,34 +824,34 @@ def test_cli_verify_qcow2_without_qemu_img(
     qcow2 = tmp_path / "img.qcow2"
     _qcow2_from(image, qcow2)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert L.cli_main(["verify", str(lst), "--image", str(qcow2)]) == 2
+    assert L.main(["verify", str(lst), "--image", str(qcow2)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "qemu-img is not installed" in err
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lst, image, _ = _setup(tmp_path)
-    assert L.cli_main(["show", str(tmp_path / "missing.pcsl")]) == 2
+    assert L.main(["show", str(tmp_path / "missing.pcsl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "missing.pcsl" in err
 
     bad = tmp_path / "bad.pcsl"
     bad.write_text(lst.read_text().replace("block-size: 4096", "block-size: 512"))
-    assert L.cli_main(["verify", str(bad), "--image", str(image)]) == 2
+    assert L.main(["verify", str(bad), "--image", str(image)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}: line ") and "unsupported block-size" in err
 
-    assert L.cli_main(["verify", str(lst), "--image", str(tmp_path / "none.img")]) == 2
+    assert L.main(["verify", str(lst), "--image", str(tmp_path / "none.img")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
 
     for argv in ([], ["frobnicate"], ["verify", str(lst)], ["show"]):
-        assert L.cli_main(argv) == 2
+        assert L.main(argv) == 2
         assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
-    assert L.cli_main(["--help"]) == 0
+    assert L.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "pageshare list" in out and "lists/README.md" in out
-    assert L.cli_main(["verify", "--help"]) == 0
+    assert L.main(["verify", "--help"]) == 0
     assert "--no-content-hash" in capsys.readouterr().out

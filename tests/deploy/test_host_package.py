@@ -16,6 +16,7 @@ test_host_package_guest.py.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import shutil
@@ -177,6 +178,25 @@ def test_the_checkout_lists_every_command() -> None:
     assert cli.analyzer_installed()
     text = cli.usage()
     assert "analyze IMAGE" in text and "host check" in text and "not installed" not in text
+
+
+def test_every_command_runs_a_function_of_its_package() -> None:
+    """The command tree: every command and subcommand names a function that
+    exists, and the host tools' commands run modules of the host subpackage."""
+    from pageshare import cli
+
+    def commands(node: cli.Command | cli.Group) -> list[cli.Command]:
+        if isinstance(node, cli.Command):
+            return [node]
+        return [*node.subcommands.values(), *([node.otherwise] if node.otherwise else [])]
+
+    assert set(cli.COMMANDS) == set(cli.HOST_COMMANDS) | set(cli.ANALYZER_COMMANDS)
+    for name, node in cli.COMMANDS.items():
+        for c in commands(node):
+            module = importlib.import_module(f"pageshare.{c.module or 'cli'}")
+            assert callable(getattr(module, c.function)), (name, c)
+            if name in cli.HOST_COMMANDS:
+                assert c.module.startswith(f"{cli.HOST_PACKAGE}."), (name, c)
 
 
 def exposure(unit: Path, tmp: Path) -> float:

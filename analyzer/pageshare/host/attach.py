@@ -1019,7 +1019,7 @@ def resolve_qmp(arg: str) -> Path:
     return Path(arg)
 
 
-def main(action: str, argv: list[str]) -> int:
+def main(argv: list[str], action: str = "attach") -> int:
     p = build_parser(action)
     want_json = "--json" in argv
     try:

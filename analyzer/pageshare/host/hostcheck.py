@@ -1261,14 +1261,3 @@ def main(argv: list[str], prog: str = "pageshare host check") -> int:
     else:
         sys.stdout.write(render_text(findings))
     return rc
-
-
-def cli_main(argv: list[str]) -> int:
-    """`pageshare host ...`: only `check` for now."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pageshare host check [--json] [--control PATH] [--qemu PATH] ...")
-        return 0 if argv else 2
-    if argv[0] != "check":
-        print(f"pageshare host: unknown subcommand {argv[0]!r} (try: check)", file=sys.stderr)
-        return 2
-    return main(argv[1:])

@@ -20,7 +20,7 @@ Keys (the page server's src/redis_watch.rs uses the same layout)::
     <prefix>:feedback:<image key>:hosts             set of the hosts that published one
 
 Start from :func:`publish`, :func:`fetch`, :func:`list_images` and
-:func:`fleet`; :func:`cli_main` is the thin command-line layer.
+:func:`fleet`; :func:`main` is the thin command-line layer.
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def _fmt_fleet(hosts: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(argv: list[str], prog: str = "pageshare list") -> int:
+def main(argv: list[str], prog: str = "pageshare list") -> int:
     """``pageshare list publish|fetch|ls`` and ``pageshare fleet``."""
     parser = _build_parser(prog)
     try:

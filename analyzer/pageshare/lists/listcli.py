@@ -371,7 +371,7 @@ def _json_error(kind: str, message: str, hint: str = "") -> None:
     )
 
 
-def cli_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """``pageshare list ...``; argv excludes "pageshare list"."""
     parser = _build_parser()
     as_json = argv[:1] == ["refine"] and "--json" in argv
@@ -407,4 +407,4 @@ def cli_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
