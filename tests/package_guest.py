@@ -27,11 +27,12 @@ from typing import Any
 import pytest
 from page_server_helpers import raw_copy, wait_for
 from pageshare import golden
-from pageshare.analysis.vm import QEMU, _child_setup, choose_accel
-from pageshare.analysis.workload import FW_CFG_NAME, Markers, kernel_cmdline
+from pageshare.analysis.vm import QEMU, choose_accel
+from pageshare.analysis.workload import Markers
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
 from pageshare.image.image_inspect import inspect_image
+from pageshare_tools.qemu_guest import boot_args, console_args, make_overlay, start_qemu
 
 REPO = Path(__file__).resolve().parents[1]
 DEBS = REPO / "packaging" / "debs.py"
@@ -262,11 +263,7 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
     ``disk`` as its read-only second disk (/dev/vdb), and the agent once
     it answers; the guest is killed on the way out."""
     insp = inspect_image(img.path, "qcow2", int(img.manifest["virtual_size"]))
-    ovl = tmp_path / "ovl.qcow2"
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.path), "-F", "qcow2", str(ovl)],
-        check=True,
-    )
+    ovl = make_overlay(img.path, tmp_path / "ovl.qcow2")
     markers = Markers.new()
     agent_script = tmp_path / "agent.sh"
     agent_script.write_text(AGENT.format(port=PORT, marker=markers.booted))
@@ -276,20 +273,7 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
         QEMU,
         "-machine",
         f"q35,accel={accel}",
-        "-m",
-        "1024M",
-        "-smp",
-        "1",
-        "-cpu",
-        "host" if accel == "kvm" else "max,la57=off",
-        "-nodefaults",
-        "-display",
-        "none",
-        "-vga",
-        "none",
-        "-no-reboot",
-        "-serial",
-        f"file:{serial}",
+        *console_args(accel, serial),
         "-drive",
         f"file={ovl},format=qcow2,if=virtio,discard=unmap",
         "-drive",
@@ -300,24 +284,9 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
         f"socket,id=agent,path={agent_sock},server=on,wait=off",
         "-device",
         f"virtserialport,chardev=agent,name={PORT}",
-        "-kernel",
-        str(insp.kernel),
-        "-append",
-        kernel_cmdline(insp.info.root_uuid),
-        "-fw_cfg",
-        f"name={FW_CFG_NAME},file={agent_script}",
+        *boot_args(insp, agent_script),
     ]
-    if insp.initrd:
-        cmd += ["-initrd", str(insp.initrd)]
-    with open(qlog, "wb") as lf:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=lf,
-            stderr=lf,
-            preexec_fn=_child_setup,
-            start_new_session=True,
-        )
+    proc = start_qemu(cmd, qlog)
     try:
         g = Agent(agent_sock, proc, serial)
         wait_until("the guest agent", lambda: markers.booted in g.serial_text(), 600)
