@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from page_server_helpers import raw_copy, wait_for
+from page_server_helpers import make_list, nonzero_blocks, raw_copy, wait_for
 from pageshare import golden
 from pageshare.analysis.vm import QEMU, choose_accel
 from pageshare.analysis.workload import Markers
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
 from pageshare.image.image_inspect import inspect_image
+from pageshare.lists import sectorlist
 from pageshare_tools.qemu_guest import boot_args, console_args, make_overlay, start_qemu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,6 +245,52 @@ class Agent:
 def wait_until(what: str, pred: Any, timeout: float, interval: float = 1.0) -> Any:
     """wait_for with the argument order of these tests, polling once a second."""
     return wait_for(pred, timeout, what, interval)
+
+
+# apt in the guest: the payload disk's repository (mounted on /mnt) as its
+# only source list, dpkg without fsync.
+APT = (
+    "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
+    "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
+)
+USE_REPO = (
+    "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
+    f"apt-get {APT} update -q"
+)
+INSTALL = (
+    f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y --no-install-recommends"
+)
+
+
+def payload_dir(tmp_path: Path, repo: Path, debs: tuple[Path, ...]) -> Path:
+    """tmp_path/payload: the guest repository (guest_repo) in repo/ and the
+    packages DEBS beside it, for payload_disk."""
+    payload = tmp_path / "payload"
+    (payload / "repo").mkdir(parents=True)
+    for f in repo.iterdir():
+        shutil.copy2(f, payload / "repo" / f.name)
+    for deb in debs:
+        shutil.copy2(deb, payload / deb.name)
+    return payload
+
+
+def served_image(payload: Path, data: bytes) -> sectorlist.ImageIdentity:
+    """DATA written as the payload's image test.raw, and its identity."""
+    (payload / "test.raw").write_bytes(data)
+    return sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
+
+
+def payload_list(
+    payload: Path, ident: sectorlist.ImageIdentity, release: str, stride: int
+) -> sectorlist.SectorList:
+    """RELEASE/test.pcsl in the payload: every STRIDE-th non-zero block of
+    test.raw (100000 at the most)."""
+    (payload / release).mkdir()
+    return make_list(
+        ident,
+        nonzero_blocks(payload / "test.raw", 100_000, stride=stride),
+        payload / release / "test.pcsl",
+    )
 
 
 def payload_disk(payload: Path, disk: Path) -> Path:
