@@ -24,7 +24,6 @@ pytest.register_assert_rewrite(
     "listed_blocks",
     "listed_file_bytes",
     "migration_helpers",
-    "notebook_helpers",
     "refine_helpers",
 )
 

@@ -29,7 +29,9 @@ the stock build, its workload with the "cached" phase and its steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -58,18 +60,11 @@ from page_server_helpers import (
     raw_copy,
 )
 from pageshare import golden
-from pageshare.analysis.vm import choose_accel
+from pageshare.analysis.vm import _child_setup, choose_accel
 from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import Inspection, inspect_image
 from pageshare.lists import sectorlist
-from pageshare_tools.qemu_guest import (
-    kill_qemu,
-    make_overlay,
-    make_signal_disk,
-    signal_disk_blockdev,
-    start_qemu,
-)
 from qemu_helpers import QemuBuild, guest_cmd, serial_until
 
 REFS = "block-refs"  # the series' migration capability
@@ -206,7 +201,12 @@ class Vm:
             raise AssertionError(f"{self.name} still runs:\n{self.log_text()[-2000:]}") from None
 
     def kill(self) -> None:
-        kill_qemu(self.proc, self.qmp)
+        with contextlib.suppress(Exception):
+            self.qmp.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 @dataclass
@@ -231,7 +231,23 @@ class Rig:
         return s
 
     def overlay(self) -> Path:
-        return make_overlay(self.base.image, self.tmp / "ovl.qcow2", self.base.q.qemu_img)
+        ovl = self.tmp / "ovl.qcow2"
+        subprocess.run(
+            [
+                self.base.q.qemu_img,
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(self.base.image),
+                "-F",
+                "qcow2",
+                str(ovl),
+            ],
+            check=True,
+        )
+        return ovl
 
     def vm(self, name: str, graph: Sequence[str], *extra: str, q: QemuBuild | None = None) -> Vm:
         """A guest of GRAPH (the -blockdev arguments of the overlay "ovl"
@@ -239,9 +255,13 @@ class Rig:
         base's unless given); EXTRA: more QEMU arguments (-incoming ...)."""
         b = self.base
         serial, qmp, log = (self.tmp / f"{name}.{x}" for x in ("serial", "qmp", "log"))
+        go = [
+            {"driver": "file", "node-name": "go-file", "filename": str(self.go)},
+            {"driver": "raw", "node-name": "go", "file": "go-file"},
+        ]
         disks = [
             *graph,
-            *signal_disk_blockdev(self.go),
+            *(a for n in go for a in ("-blockdev", json.dumps(n))),
             "-device",
             "virtio-blk-pci,drive=ovl,id=disk0",
             "-device",
@@ -260,7 +280,15 @@ class Rig:
             ),
             *extra,
         ]
-        proc = start_qemu(cmd, log)
+        with open(log, "wb") as lf:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=lf,
+                preexec_fn=_child_setup,
+                start_new_session=True,
+            )
         try:
             qm = QMP(qmp, timeout=30)
         except Exception:
@@ -288,7 +316,8 @@ def make_rig(tmp: Path, base: Base, command: str, *, machine: str = "q35") -> Ri
     markers = Markers.new()
     wl = tmp / "workload.sh"
     wl.write_text(script(Workload(command), markers))
-    go = make_signal_disk(tmp / "go.raw")
+    go = tmp / "go.raw"
+    go.write_bytes(bytes(1 << 20))
     return Rig(tmp, base, wl, go, markers, machine)
 
 

@@ -44,34 +44,40 @@ guest has no network.  Checked, on Debian 12 (small) and 13 (trixie):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from package_guest import (
-    INSTALL,
     PERL_CLIENT,
-    USE_REPO,
     Agent,
     booted,
     build_deb,
     guest_repo,
-    payload_dir,
     payload_disk,
-    payload_list,
-    served_image,
     serving,
     wait_until,
 )
+from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden
+from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 
 VARIANTS = {"small": "bookworm", "trixie": "trixie"}
+APT = (
+    "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
+    "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
+)
+INSTALL = (
+    f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y --no-install-recommends"
+)
 WATCH = "pageshare-libvirt-watch.service"
 LIBVIRT = ("libvirt-daemon-system", "python3-libvirt", "apparmor")
 EMULATOR = "/usr/lib/pageshare-qemu/bin/qemu-system-x86_64"
@@ -132,9 +138,22 @@ def test_host_package_on_a_hypervisor(variant: str, tmp_path: Path) -> None:
     )
     lap("build")
 
-    payload = payload_dir(tmp_path, repo, (host_deb, server_deb, qemu_deb))
-    ident = served_image(payload, random.Random(24).randbytes(16 << 20))
-    n1 = len(payload_list(payload, ident, "v1", 3).blocks)
+    payload = tmp_path / "payload"
+    (payload / "repo").mkdir(parents=True)
+    for f in repo.iterdir():
+        shutil.copy2(f, payload / "repo" / f.name)
+    for deb in (host_deb, server_deb, qemu_deb):
+        shutil.copy2(deb, payload / deb.name)
+    data = random.Random(24).randbytes(16 << 20)
+    served = payload / "test.raw"
+    served.write_bytes(data)
+    ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
+    (payload / "v1").mkdir()
+    n1 = len(
+        make_list(
+            ident, nonzero_blocks(served, 100_000, stride=3), payload / "v1" / "test.pcsl"
+        ).blocks
+    )
     (payload / "client.pl").write_text(PERL_CLIENT)
     disk = payload_disk(payload, tmp_path / "payload.ext4")
     with booted(img, disk, tmp_path) as g:
@@ -166,7 +185,11 @@ def score(g: Agent, unit: str) -> float:
 def host_alone(g: Agent, deb: str, lap: Any) -> dict[str, Any]:
     """pageshare-host installed alone, as on a new hypervisor: what came
     with it, and what it runs."""
-    g.ok("mount -o ro /dev/vdb /mnt && " + USE_REPO)
+    g.ok(
+        "mount -o ro /dev/vdb /mnt && "
+        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
+        f"apt-get {APT} update -q"
+    )
     before = installed(g)
     out = g.ok(f"{INSTALL} ./{deb}", timeout=900)
     assert "Setting up pageshare-host" in out, out
