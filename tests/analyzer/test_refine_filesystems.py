@@ -72,7 +72,7 @@ LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 DASH = "/usr/bin/dash"
 # small1k's candidates for whole pages (programs of Debian's minbase and the
 # small image's packages)
-SMALL1K_FILES = [
+SMALL1K_FILES: list[int | str] = [
     LIBC,
     DASH,
     "/usr/bin/bash",
@@ -267,7 +267,7 @@ def test_refine_on_ext4_with_1k_blocks(
     for kind in ("page", "two-files", "data-and-metadata", "one-file-not-a-page"):
         assert kinds.get(kind), f"no 4 KiB block of these files is {kind}: {sorted(kinds)}"
 
-    def pages_of(path: str) -> dict[int, int]:
+    def pages_of(path: int | str) -> dict[int, int]:
         f = files[path]
         return {f.data[u] // 4: u * 2 for u in kinds["page"] if owners[u] == f.ino}
 
