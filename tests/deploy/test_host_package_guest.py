@@ -280,9 +280,15 @@ def under_libvirt(g: Agent, suite: str, server_deb: str, qemu_deb: str, n1: int,
     out = g.ok(f"{INSTALL} ./{qemu_deb}", timeout=900)
     out += g.ok(f"{INSTALL} {' '.join(LIBVIRT)} ./{server_deb}", timeout=1800)
     assert "Setting up libvirt-daemon-system" in out, out
-    assert not re.search(
-        r"^Setting up (qemu-system|qemu-utils|python3-drgn|libguestfs)", out, re.M
-    ), out
+    # Nothing of Debian's QEMU or the analyzer comes with pageshare's
+    # packages.  Debian 13's libvirt QEMU driver itself depends on Debian's
+    # qemu-system-x86 (12's does not): there, and only if apt says that is
+    # why, Debian's emulator is installed beside pageshare-qemu's.
+    unwanted = ["qemu-utils", "python3-drgn", "libguestfs"]
+    libvirt_needs = g.ok("apt-cache depends libvirt-daemon-driver-qemu")
+    if not re.search(r"^\s*\|?Depends: qemu-system-x86\b", libvirt_needs, re.M):
+        unwanted.append("qemu-system")
+    assert not re.search(rf"^Setting up ({'|'.join(unwanted)})", out, re.M), out
     # libvirtd may have started before apparmor loaded its profile, and
     # uses AppArmor for QEMU only when it runs confined itself
     g.ok("systemctl restart libvirtd", timeout=120)
@@ -409,9 +415,14 @@ def under_libvirt(g: Agent, suite: str, server_deb: str, qemu_deb: str, n1: int,
         raise AssertionError(f"{e}\nin the guest:\n{out}") from None
     lap("attach")
 
+    # The domain's QEMU by its command line (the images have no procps)
     qemu = g.ok(
-        f"pgrep -f '^/usr/lib/pageshare-qemu/bin/qemu-system-x86_64 .*guest={DOMAIN}'"
+        "for p in /proc/[0-9]*; do "
+        "tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+        f"grep -q '^/usr/lib/pageshare-qemu/bin/qemu-system-x86_64 .*guest={DOMAIN}' && "
+        "echo ${p#/proc/}; done; true"
     ).strip()
+    assert qemu.isdigit(), f"not one QEMU of {DOMAIN} on pageshare-qemu: {qemu!r}"
     label = g.ok(f"cat /proc/{qemu}/attr/current 2>/dev/null || true").strip()
     user = g.ok(f"stat -c %U /proc/{qemu}").strip()
     print(f"QEMU: user {user}, AppArmor {apparmor or 'absent'}, label {label!r}")
@@ -444,7 +455,13 @@ def under_libvirt(g: Agent, suite: str, server_deb: str, qemu_deb: str, n1: int,
     st = filter_stats(g, node)
     print(f"filter: {st}")
     assert st["connected"] and st["table-entries"] == n1, st
-    assert st["hits"] > 0 and st["merged"] == st["hits"], st
+    # qemu-io's buffer is not guest RAM, so the filter finds the listed
+    # blocks (hits) and reads each from disk (not-guest-ram): the server's
+    # socket and table work in the confined QEMU; a copy into a running
+    # guest's RAM under AppArmor is not shown here (test_libvirt_watch
+    # shows it without AppArmor)
+    assert st["hits"] > 0, st
+    assert st["merged"] + st["fallback-not-guest-ram"] == st["hits"], st
     assert st["fallback-unproven"] == 0 and st["fallback-no-table"] == 0, st
     denied = g.ok(
         f"journalctl -k --no-pager -o cat --since @{since} | grep 'apparmor=\"DENIED\"' || true"
