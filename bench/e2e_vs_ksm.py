@@ -431,23 +431,7 @@ def guest_initramfs(busybox: Path, st: Settings, out: Path) -> None:
         shutil.copy2(busybox, top / "bin/busybox")
         (top / "init").write_text(init)
         (top / "init").chmod(0o755)
-        cpio_gz(top, out)
-
-
-def cpio_gz(top: Path, out: Path) -> None:
-    files = subprocess.run(
-        ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
-    ).stdout
-    cpio = subprocess.run(
-        ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-        cwd=top,
-        input=files,
-        capture_output=True,
-        check=True,
-    ).stdout
-    out.write_bytes(
-        subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
-    )
+        out.write_bytes(ktest.cpio_gz(top))
 
 
 def build_payload(
@@ -512,7 +496,7 @@ def build_payload(
             )
         shutil.copy2(guest_kernel, pd / "guest/vmlinuz")
         guest_initramfs(busybox, st, pd / "guest/initramfs.cpio.gz")
-        cpio_gz(top, out)
+        out.write_bytes(ktest.cpio_gz(top))
 
 
 def guest_args_env(st: Settings) -> str:

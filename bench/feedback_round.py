@@ -31,6 +31,7 @@ import base64
 import gzip
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from typing import Any
 # e2e_vs_ksm is this script's neighbour in bench/ (the script's directory)
 import e2e_vs_ksm as e2e
 from pageshare import cache, golden
+from pageshare_tools.server_process import unix_redis
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,25 +171,7 @@ def main() -> int:
     refined = out / "refined.pcsl"
     with tempfile.TemporaryDirectory(prefix="feedback-round-") as td:
         sock = Path(td) / "redis.sock"
-        redis = subprocess.Popen(
-            [
-                "redis-server",
-                "--unixsocket",
-                str(sock),
-                "--port",
-                "0",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        try:
-            for _ in range(100):
-                if sock.exists():
-                    break
-                time.sleep(0.1)
+        with unix_redis(sock, poll=0.1, stop=signal.SIGTERM):
             keys = load_feedback(out / "round1", ["redis-cli", "-s", str(sock)])
             log(f"loaded {', '.join(keys)}; refining")
             p = subprocess.run(
@@ -216,9 +200,6 @@ def main() -> int:
                 capture_output=True,
                 text=True,
             )
-        finally:
-            redis.terminate()
-            redis.wait()
     (out / "refine.json").write_text(p.stdout)
     if p.returncode != 0:
         log(f"refine failed ({p.returncode}): {p.stderr.strip()}")

@@ -38,24 +38,35 @@ migration under TCG (boot, reading /usr, the migration).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pageshare import golden
-from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.vm import choose_accel
 from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import inspect_image
 from pageshare.lists import sectorlist
+from pageshare_tools.qemu_guest import (
+    Guest,
+    QemuBuild,
+    blockdev_args,
+    guest_cmd,
+    make_overlay,
+    make_signal_disk,
+    qemu_build,
+    signal_disk_blockdev,
+    signal_guest,
+    start_qemu,
+    wait_for,
+)
+from pageshare_tools.qemu_guest import ps_stats as ps
 from pageshare_tools.server_process import (
     ImageSpec,
     Server,
@@ -66,20 +77,6 @@ from pageshare_tools.server_process import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-# The QEMU tests' helpers (the patched build, the filter's -blockdev graph)
-# and the guest's phases are still in tests/, not in the tooling package
-# (tools/pageshare_tools): until they move there, tests/ goes on the path.
-sys.path.insert(0, str(REPO / "tests"))
-
-from guest_phases import signal_guest, wait_for  # noqa: E402
-from qemu_helpers import (  # noqa: E402
-    QemuBuild,
-    blockdev_args,
-    guest_cmd,
-    qemu_build,
-)
-from qemu_helpers import ps_stats as ps  # noqa: E402
-
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # capabilities and parameters of each configuration (both sides get both)
@@ -110,22 +107,6 @@ def log(msg: str) -> None:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-@dataclass
-class Guest:
-    proc: subprocess.Popen[bytes]
-    qmp: QMP
-    serial: Path
-    log: Path
-
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.qmp.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 class Bench:
@@ -165,10 +146,7 @@ class Bench:
             p.unlink(missing_ok=True)
         disks = [
             *blockdev_args(self.image, ovl, self.server.sock("small"), mode="copy"),
-            "-blockdev",
-            json.dumps({"driver": "file", "node-name": "go-file", "filename": str(go)}),
-            "-blockdev",
-            json.dumps({"driver": "raw", "node-name": "go", "file": "go-file"}),
+            *signal_disk_blockdev(go),
             "-device",
             "virtio-blk-pci,drive=ovl,id=disk0",
             "-device",
@@ -186,15 +164,7 @@ class Bench:
             ),
             *extra,
         ]
-        with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=lf,
-                preexec_fn=_child_setup,
-                start_new_session=True,
-            )
+        proc = start_qemu(cmd, qlog)
         return Guest(proc, QMP(qmp_path, timeout=60), serial, qlog)
 
     def configure(self, g: Guest, config: str) -> None:
@@ -210,22 +180,8 @@ class Bench:
     def migrate(self, config: str, rnd: int) -> dict[str, Any]:
         tag = f"{config}-r{rnd}"
         ovl, go = self.out / f"{tag}.qcow2", self.out / f"{tag}.go"
-        subprocess.run(
-            [
-                self.q.qemu_img,
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-b",
-                str(self.image),
-                "-F",
-                "qcow2",
-                str(ovl),
-            ],
-            check=True,
-        )
-        go.write_bytes(bytes(1 << 20))
+        make_overlay(self.image, ovl, self.q.qemu_img)
+        make_signal_disk(go)
         src: Guest | None = None
         dst: Guest | None = None
         try:

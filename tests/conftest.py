@@ -24,6 +24,7 @@ pytest.register_assert_rewrite(
     "listed_blocks",
     "listed_file_bytes",
     "migration_helpers",
+    "notebook_helpers",
     "refine_helpers",
 )
 

@@ -5,15 +5,15 @@ The list serves every non-zero block of some regular files of the image;
 the guest hashes those files in named phases, each after dropping its page
 cache, and between phases waits until the host writes a word into the
 first sector of a small second disk (vdb), which it polls with O_DIRECT
-reads.  Every hash must equal the image's.  The files (regular_files), their
-blocks and hashes in the image are read with debugfs, also for
+reads (wait_for and signal_guest: pageshare_tools.qemu_guest).  Every
+hash must equal the image's.  The files (regular_files), their blocks and
+hashes in the image are read with debugfs, also for
 test_qemu_filter_guest.py and test_attach_guest.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -21,6 +21,10 @@ from pathlib import Path
 
 from page_server_helpers import content_sha256, make_list
 from pageshare.lists import sectorlist
+
+# the signal disk's two ends, shared with the benchmarks
+from pageshare_tools.qemu_guest import signal_guest as signal_guest
+from pageshare_tools.qemu_guest import wait_for as wait_for
 
 CANDIDATES = [
     "/usr/bin/bash",
@@ -81,12 +85,6 @@ def file_sha256(raw: Path, path: str, tmp: Path) -> str:
     return digest
 
 
-WAIT_FOR = (
-    'until [ "$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null '
-    '| head -c {n})" = "{word}" ]; do sleep 0.5; done'
-)
-
-
 @dataclass
 class ListedFiles:
     files: list[str]
@@ -124,19 +122,6 @@ def phase(files: list[str], name: str) -> str:
             f"echo {name}-end",
         ]
     )
-
-
-def wait_for(word: str) -> str:
-    """Shell: wait until vdb's first bytes are WORD."""
-    return WAIT_FOR.format(n=len(word), word=word)
-
-
-def signal_guest(disk: Path, word: bytes) -> None:
-    """Write WORD (or zeros over it) at the start of the signal disk."""
-    with open(disk, "r+b") as f:
-        f.write(word)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def hashes(text: str, name: str) -> dict[str, str]:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from pageshare.analysis.workload import FW_CFG_NAME
+from pageshare.analysis.workload import FW_CFG_NAME, kernel_cmdline
+from pageshare.image.image_inspect import Inspection
 
 REPO = Path(__file__).resolve().parents[1]
 DIRS = {
@@ -143,6 +144,15 @@ def disk(path: Path, fmt: str, dev: str) -> str:
         f"<disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
         f"<source file='{escape(str(path))}'/><target dev='{dev}' bus='virtio'/></disk>"
     )
+
+
+def direct_boot(insp: Inspection) -> dict[str, str]:
+    """domain_xml's BOOT for the image's own kernel and initrd (where it
+    has one) with its root on the command line."""
+    boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
+    if insp.initrd:
+        boot["initrd"] = str(insp.initrd)
+    return boot
 
 
 def domain_xml(

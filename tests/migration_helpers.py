@@ -29,9 +29,7 @@ the stock build, its workload with the "cached" phase and its steps.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -60,11 +58,18 @@ from page_server_helpers import (
     raw_copy,
 )
 from pageshare import golden
-from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.vm import choose_accel
 from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import Inspection, inspect_image
 from pageshare.lists import sectorlist
+from pageshare_tools.qemu_guest import (
+    kill_qemu,
+    make_overlay,
+    make_signal_disk,
+    signal_disk_blockdev,
+    start_qemu,
+)
 from qemu_helpers import QemuBuild, guest_cmd, serial_until
 
 REFS = "block-refs"  # the series' migration capability
@@ -201,12 +206,7 @@ class Vm:
             raise AssertionError(f"{self.name} still runs:\n{self.log_text()[-2000:]}") from None
 
     def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.qmp.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill_qemu(self.proc, self.qmp)
 
 
 @dataclass
@@ -231,23 +231,7 @@ class Rig:
         return s
 
     def overlay(self) -> Path:
-        ovl = self.tmp / "ovl.qcow2"
-        subprocess.run(
-            [
-                self.base.q.qemu_img,
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-b",
-                str(self.base.image),
-                "-F",
-                "qcow2",
-                str(ovl),
-            ],
-            check=True,
-        )
-        return ovl
+        return make_overlay(self.base.image, self.tmp / "ovl.qcow2", self.base.q.qemu_img)
 
     def vm(self, name: str, graph: Sequence[str], *extra: str, q: QemuBuild | None = None) -> Vm:
         """A guest of GRAPH (the -blockdev arguments of the overlay "ovl"
@@ -255,13 +239,9 @@ class Rig:
         base's unless given); EXTRA: more QEMU arguments (-incoming ...)."""
         b = self.base
         serial, qmp, log = (self.tmp / f"{name}.{x}" for x in ("serial", "qmp", "log"))
-        go = [
-            {"driver": "file", "node-name": "go-file", "filename": str(self.go)},
-            {"driver": "raw", "node-name": "go", "file": "go-file"},
-        ]
         disks = [
             *graph,
-            *(a for n in go for a in ("-blockdev", json.dumps(n))),
+            *signal_disk_blockdev(self.go),
             "-device",
             "virtio-blk-pci,drive=ovl,id=disk0",
             "-device",
@@ -280,15 +260,7 @@ class Rig:
             ),
             *extra,
         ]
-        with open(log, "wb") as lf:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=lf,
-                preexec_fn=_child_setup,
-                start_new_session=True,
-            )
+        proc = start_qemu(cmd, log)
         try:
             qm = QMP(qmp, timeout=30)
         except Exception:
@@ -316,8 +288,7 @@ def make_rig(tmp: Path, base: Base, command: str, *, machine: str = "q35") -> Ri
     markers = Markers.new()
     wl = tmp / "workload.sh"
     wl.write_text(script(Workload(command), markers))
-    go = tmp / "go.raw"
-    go.write_bytes(bytes(1 << 20))
+    go = make_signal_disk(tmp / "go.raw")
     return Rig(tmp, base, wl, go, markers, machine)
 
 

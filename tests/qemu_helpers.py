@@ -1,169 +1,62 @@
-"""Helpers for the QEMU pageshare filter tests: the patched build, a
-long-lived qemu-io driven through its command prompt, hexdump parsing, a
-model of the disk chain, and a golden image booted through the filter
-(its -blockdev graph and command line, its serial log, the filter's
-statistics).  (No tests here.)"""
+"""Helpers for the QEMU pageshare filter tests: the patched build (a
+failed build fails the test), a long-lived qemu-io driven through its
+command prompt, hexdump parsing, a model of the disk chain, and a golden
+image booted through the filter: its -blockdev graph, command line and
+the filter's statistics come from pageshare_tools.qemu_guest (shared with
+the benchmarks), its serial log is waited for here.  (No tests here.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import select
 import subprocess
-import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
-from pageshare.analysis.workload import FW_CFG_NAME, kernel_cmdline
-from pageshare.host.qmp import QMP
-from pageshare.image.image_inspect import Inspection
+from pageshare_tools.qemu_guest import (
+    BUILD_PY,
+    QemuBuild,
+    QemuBuildError,
+    blockdev_args,
+    flat_stats,
+    guest_cmd,
+    ps_stats,
+)
+from pageshare_tools.qemu_guest import qemu_build as _qemu_build
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_PY = REPO / "qemu-patches" / "build.py"
 PROMPT = b"qemu-io> "
 
-
-@dataclass(frozen=True)
-class QemuBuild:
-    dir: Path
-
-    def bin(self, name: str) -> str:
-        return str(self.dir / "bin" / name)
-
-    @property
-    def qemu_io(self) -> str:
-        return self.bin("qemu-io")
-
-    @property
-    def qemu_img(self) -> str:
-        return self.bin("qemu-img")
-
-    @property
-    def qemu_system(self) -> str:
-        return self.bin("qemu-system-x86_64")
-
-    @property
-    def info(self) -> dict[str, object]:
-        data: dict[str, object] = json.loads((self.dir / "info.json").read_text())
-        return data
-
-
-_builds: dict[bool, QemuBuild] = {}
+__all__ = [
+    "BUILD_PY",
+    "PROMPT",
+    "REPO",
+    "SEED_VERDICTS",
+    "DiskModel",
+    "QemuBuild",
+    "QemuIo",
+    "blockdev_args",
+    "dump_range",
+    "flat_stats",
+    "guest_cmd",
+    "image_opts",
+    "parse_dump",
+    "ps_stats",
+    "qemu_build",
+    "serial_until",
+    "trace_counters",
+]
 
 
 def qemu_build(*, stock: bool = False) -> QemuBuild:
-    """The patched QEMU (qemu-patches/build.py; cached, a warm run is
-    instant); with STOCK the same source and configuration without the
-    series (build.py --stock)."""
-    if stock not in _builds:
-        argv = [sys.executable, str(BUILD_PY), *(["--stock"] if stock else [])]
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=3 * 3600)
-        if p.returncode != 0:
-            pytest.fail(f"{' '.join(argv[1:])} failed:\n{p.stderr[-4000:]}")
-        _builds[stock] = QemuBuild(Path(p.stdout.strip().splitlines()[-1]))
-    return _builds[stock]
-
-
-def blockdev_args(base: Path, ovl: Path, sock: Path, **ps: object) -> list[str]:
-    """-blockdev JSON for overlay <- pageshare filter (node "ps") <- qcow2
-    base, as the README shows; the guest's disk is node "ovl"."""
-    nodes = [
-        {"driver": "file", "node-name": "base-file", "filename": str(base), "read-only": True},
-        {"driver": "qcow2", "node-name": "base", "file": "base-file", "read-only": True},
-        {
-            "driver": "pageshare",
-            "node-name": "ps",
-            "file": "base",
-            "read-only": True,
-            "server": str(sock),
-            **ps,
-        },
-        {"driver": "file", "node-name": "ovl-file", "filename": str(ovl)},
-        {"driver": "qcow2", "node-name": "ovl", "file": "ovl-file", "backing": "ps"},
-    ]
-    return [arg for n in nodes for arg in ("-blockdev", json.dumps(n))]
-
-
-def flat_stats(driver_specific: dict[str, Any]) -> dict[str, int]:
-    """A filter's query-blockstats counters as one flat dict: booleans as
-    0/1, histograms (lists such as merge-batches) as NAME-I per bucket,
-    the driver name dropped."""
-    out: dict[str, int] = {}
-    for k, v in driver_specific.items():
-        if k == "driver":
-            continue
-        if isinstance(v, list):
-            out.update({f"{k}-{i}": int(x) for i, x in enumerate(v)})
-        else:
-            out[k] = int(v)
-    return out
-
-
-def ps_stats(qmp: QMP) -> dict[str, int]:
-    """The filter's counters of node ps (see flat_stats)."""
-    for s in qmp.command("query-blockstats", **{"query-nodes": True}):
-        if s.get("node-name") == "ps":
-            return flat_stats(s["driver-specific"])
-    raise AssertionError("no stats for node ps")
-
-
-def guest_cmd(
-    q: QemuBuild,
-    insp: Inspection,
-    accel: str,
-    *,
-    serial: Path,
-    qmp: Path,
-    workload: Path,
-    disks: Sequence[str],
-    machine: str = "q35",
-) -> list[str]:
-    """qemu-system for a golden image booted with its own kernel, running
-    WORKLOAD (fw_cfg, pageshare.analysis.workload) and writing its console to
-    SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
-    virtio-blk reads land in buffers the filter accepts as guest RAM (no
-    x-any-buffer).  DISKS: the -blockdev (and other) arguments of its disks;
-    the guest's disks are the "-device" entries among them.  MACHINE: the
-    machine type (q35 is the newest pc-q35-*; a migration between two
-    builds names one)."""
-    cmd = [
-        q.qemu_system,
-        "-machine",
-        f"{machine},accel={accel},memory-backend=pc.ram",
-        "-object",
-        "memory-backend-ram,id=pc.ram,size=1024M,share=off",
-        "-m",
-        "1024M",
-        "-smp",
-        "1",
-        "-cpu",
-        "host" if accel == "kvm" else "max,la57=off",
-        "-nodefaults",
-        "-display",
-        "none",
-        "-vga",
-        "none",
-        "-no-reboot",
-        "-serial",
-        f"file:{serial}",
-        *disks,
-        "-qmp",
-        f"unix:{qmp},server=on,wait=off",
-        "-kernel",
-        str(insp.kernel),
-        "-append",
-        kernel_cmdline(insp.info.root_uuid),
-        "-fw_cfg",
-        f"name={FW_CFG_NAME},file={workload}",
-    ]
-    if insp.initrd:
-        cmd += ["-initrd", str(insp.initrd)]
-    return cmd
+    """pageshare_tools.qemu_guest.qemu_build, a failed build a test failure."""
+    try:
+        return _qemu_build(stock=stock)
+    except QemuBuildError as e:
+        pytest.fail(str(e))
 
 
 def serial_until(

@@ -9,10 +9,6 @@ and shown), and medians that agree with the run's own summary.md; the
 committed notebook carries no outputs.
 """
 
-import os
-import shutil
-import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,55 +20,27 @@ pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
 import nbformat
+from notebook_helpers import (
+    cell_errors,
+    execute,
+    png_size,
+    read_nb,
+    shown_images,
+    stream_text,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks/migration.ipynb"
 RUNS = sorted(p.parent for p in (REPO / "bench/results").glob("migration-*/results.json"))
 FIGURES = ["wire_time", "downtime_cpu", "references"]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _read_nb(path: Path) -> Any:
-    return nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
 
 
 def _execute(run: Path, figures: Path) -> Any:
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-    from nbclient import NotebookClient
-
-    nb = _read_nb(NOTEBOOK)
-    sockets = Path(tempfile.mkdtemp(prefix="migration-kernel-"))
-    km = AsyncKernelManager(
-        kernel_name="python3",
-        kernel_spec_manager=KernelSpecManager(kernel_dirs=[]),
-        transport="ipc",
-        ip=str(sockets / "kernel"),
+    return execute(
+        NOTEBOOK,
+        {"PAGESHARE_MIGRATION_RESULTS": str(run), "PAGESHARE_FIGURES": str(figures)},
+        "migration-kernel-",
     )
-    client = NotebookClient(
-        nb,
-        km=km,
-        kernel_name="python3",
-        timeout=300,
-        resources={"metadata": {"path": str(REPO / "notebooks")}},
-    )
-    env = dict(
-        os.environ,
-        PAGESHARE_MIGRATION_RESULTS=str(run),
-        PAGESHARE_FIGURES=str(figures),
-        MPLBACKEND="Agg",
-    )
-    try:
-        client.execute(cleanup_kc=True, env=env)
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
-    return nb
-
-
-def _cell_text(nb: Any, cell_id: str) -> str:
-    cells = [c for c in nb.cells if c.get("id") == cell_id]
-    assert len(cells) == 1, f"notebook has no single cell {cell_id!r}"
-    return "".join(o.get("text", "") for o in cells[0].outputs if o.output_type == "stream")
 
 
 def _summary_rows(run: Path) -> dict[str, list[str]]:
@@ -92,40 +60,24 @@ def test_a_run_is_recorded() -> None:
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
     nb = _execute(run, tmp_path)
-    errors = [
-        (c.get("id"), o.get("ename"), o.get("evalue"))
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "error"
-    ]
-    assert errors == []
-    assert run.name in _cell_text(nb, "setup")
+    assert cell_errors(nb) == []
+    assert run.name in stream_text(nb, "setup")
 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"migration_{f}.png" for f in FIGURES
     )
     for name in FIGURES:
         data = (tmp_path / f"migration_{name}.png").read_bytes()
-        assert data[:8] == PNG_MAGIC, name
-        assert data[12:16] == b"IHDR", name
-        width, height = struct.unpack(">II", data[16:24])
+        width, height = png_size(data, name)
         assert width >= 400 and height >= 200, (name, width, height)
-    shown = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.outputs
-        if "image/png" in o.get("data", {})
-    ]
-    assert len(shown) == len(FIGURES)
+    assert len(shown_images(nb)) == len(FIGURES)
 
     # the medians table: the same numbers as summary.md, to summary.md's precision
     expected = _summary_rows(run)
     assert expected, f"{run / 'summary.md'} has no table"
     printed = {
         line.split()[0]: line.split()[1:]
-        for line in _cell_text(nb, "table").splitlines()[1:]
+        for line in stream_text(nb, "table").splitlines()[1:]
         if line.strip()
     }
     assert set(printed) == set(expected)
@@ -140,7 +92,7 @@ def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
 
 
 def test_committed_notebook_has_no_outputs() -> None:
-    nb = _read_nb(NOTEBOOK)
+    nb = read_nb(NOTEBOOK)
     nbformat.validate(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":

@@ -7,7 +7,6 @@ would see: no errors, the figures as PNG files, and the breakdown, file and
 verdict tables with the MiB and frame counts that follow from the rows.
 """
 
-import struct
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,6 +20,7 @@ pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
 import nbformat
+from notebook_helpers import cell_errors, png_size, read_nb, shown_images
 from pageshare.analysis.notebook import run_notebook
 from results_samples import (
     CATEGORIES,
@@ -34,7 +34,6 @@ from results_samples import (
 
 MIB = 2**20
 FIGURES = ["breakdown", "ksm", "phases", "top_files", "verdicts"]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _expected_verdicts() -> Counter[str]:
@@ -56,17 +55,13 @@ def executed(results_db: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     figures = out / "figures"
     path = run_notebook(results_db, None, out / "executed.ipynb", figures, timeout=120)
     assert path == (out / "executed.ipynb").resolve()
-    return _read_nb(path), figures
+    return read_nb(path), figures
 
 
 def _cell(nb: Any, cell_id: str) -> Any:
     cells = [c for c in nb.cells if c.get("id") == cell_id]
     assert len(cells) == 1, f"notebook has no single cell {cell_id!r}"
     return cells[0]
-
-
-def _read_nb(path: Path) -> Any:
-    return nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
 
 
 def _text(cell: Any) -> str:
@@ -98,14 +93,7 @@ def _mib(pages: float) -> float:
 
 def test_notebook_runs_without_errors(executed: tuple[Any, Path]) -> None:
     nb, _ = executed
-    errors = [
-        (c.get("id"), o.get("ename"), o.get("evalue"))
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "error"
-    ]
-    assert errors == []
+    assert cell_errors(nb) == []
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
     setup = _text(_cell(nb, "setup"))
     assert "analysis: #2" in setup  # newest 'ok', not the failed #3
@@ -118,19 +106,10 @@ def test_figures_are_saved_as_png(executed: tuple[Any, Path]) -> None:
     assert sorted(p.name for p in figures.iterdir()) == sorted(f"{f}.png" for f in FIGURES)
     for name in FIGURES:
         data = (figures / f"{name}.png").read_bytes()
-        assert data[:8] == PNG_MAGIC, name
-        assert data[12:16] == b"IHDR", name
-        width, height = struct.unpack(">II", data[16:24])
+        width, height = png_size(data, name)
         assert width >= 400 and height >= 200, (name, width, height)
         assert len(data) > 5000, name
-    shown = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.outputs
-        if "image/png" in o.get("data", {})
-    ]
-    assert len(shown) == len(FIGURES)
+    assert len(shown_images(nb)) == len(FIGURES)
 
 
 def test_breakdown_table_has_the_mib_per_category(executed: tuple[Any, Path]) -> None:
@@ -183,7 +162,7 @@ def test_top_files_and_verdicts(executed: tuple[Any, Path]) -> None:
 
 def test_explicit_analysis_without_figures(results_db: Path, tmp_path: Path) -> None:
     out = run_notebook(results_db, 1, tmp_path / "old.ipynb", None)
-    nb = _read_nb(out)
+    nb = read_nb(out)
     assert "analysis: #1" in _text(_cell(nb, "setup"))
     rows = _table_rows(_text(_cell(nb, "breakdown")), [*CATEGORIES, "all merged"])
     assert rows["listed"][:3] == [0.25, 0.25, 0.5]
@@ -207,7 +186,7 @@ def test_failure_names_the_cell_and_error(results_db: Path, tmp_path: Path) -> N
 def test_committed_notebook_has_no_outputs() -> None:
     from pageshare.analysis.notebook import NOTEBOOK
 
-    nb = _read_nb(NOTEBOOK)
+    nb = read_nb(NOTEBOOK)
     nbformat.validate(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":

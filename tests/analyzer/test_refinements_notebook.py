@@ -24,7 +24,6 @@ import io
 import json
 import shutil
 import sqlite3
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
 import nbformat
+from notebook_helpers import cell_errors, png_size, read_nb, shown_images, stream_text
 from page_server_helpers import redis_server
 from pageshare.analysis import notebook
 from pageshare.cli import main
@@ -49,7 +49,6 @@ from refine_helpers import Image, check_against_image, parent_list, publish_summ
 
 PAGE = 4096
 MIB = 2**20
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["refine_blocks", "refine_coverage"]
 COLUMNS = [
     "generation",
@@ -369,16 +368,6 @@ def _from_db(db: Path, lineage: list[int]) -> list[list[float | None]]:
 # --------------------------------------------------------------------------- the notebook
 
 
-def _read_nb(path: Path) -> Any:
-    return nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
-
-
-def _text(nb: Any, cell_id: str) -> str:
-    cells = [c for c in nb.cells if c.get("id") == cell_id]
-    assert len(cells) == 1, f"notebook has no single cell {cell_id!r}"
-    return "".join(o.get("text", "") for o in cells[0].outputs if o.output_type == "stream")
-
-
 def _generations(text: str) -> list[list[float | None]]:
     """The printed generation table: a number per column, None for '-'."""
     lines = [line.split() for line in text.splitlines() if line.strip()]
@@ -409,25 +398,18 @@ def executed(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> tuple[An
     path = notebook.run_refinements_notebook(
         fleet.db, out / "executed.ipynb", out / "figures", timeout=120
     )
-    return _read_nb(path), out / "figures"
+    return read_nb(path), out / "figures"
 
 
 def test_notebook_plots_blocks_and_coverage_per_generation(
     fleet: Fleet, executed: tuple[Any, Path]
 ) -> None:
     nb, figures = executed
-    errors = [
-        (c.get("id"), o.get("ename"), o.get("evalue"))
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "error"
-    ]
-    assert errors == []
-    setup = _text(nb, "setup")
+    assert cell_errors(nb) == []
+    setup = stream_text(nb, "setup")
     assert f"refinement #{fleet.lineage[-1]}" in setup and str(fleet.image.path) in setup
 
-    got = _generations(_text(nb, "generations"))
+    got = _generations(stream_text(nb, "generations"))
     want = _from_db(fleet.db, fleet.lineage)
     _assert_table(got, want)
     _assert_table(got, _from_inputs(fleet))
@@ -444,33 +426,25 @@ def test_notebook_plots_blocks_and_coverage_per_generation(
         pytest.approx(100 * 16 / 35, abs=0.006),
         None,
     ]
-    paths = _text(nb, "generations")
+    paths = stream_text(nb, "generations")
     for g, name in ((1, "gen1"), (2, "gen2"), (3, "gen3")):
         assert f"generation {g}: {fleet.lists[name].resolve()}" in paths
 
     # Every refinement is listed, the unpublished branch not followed.
-    lines = {line.split()[0]: line for line in _text(nb, "refinements").splitlines()[2:]}
+    lines = {line.split()[0]: line for line in stream_text(nb, "refinements").splitlines()[2:]}
     assert set(lines) == {str(i) for i in (*fleet.lineage, fleet.off_lineage)}
     assert all(lines[str(i)].rstrip().endswith("*") for i in fleet.lineage)
     assert not lines[str(fleet.off_lineage)].rstrip().endswith("*")
     assert " 1>2 " in lines[str(fleet.off_lineage)]
-    rejected = _text(nb, "rejected")
+    rejected = stream_text(nb, "rejected")
     assert "below-min-hosts" in rejected and "outside-image" in rejected
 
     assert sorted(p.name for p in figures.iterdir()) == sorted(f"{f}.png" for f in FIGURES)
     for name in FIGURES:
         data = (figures / f"{name}.png").read_bytes()
-        assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", name
-        width, height = struct.unpack(">II", data[16:24])
+        width, height = png_size(data, name)
         assert width >= 400 and height >= 200, (name, width, height)
-    shown = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.outputs
-        if "image/png" in o.get("data", {})
-    ]
-    assert len(shown) == len(FIGURES)
+    assert len(shown_images(nb)) == len(FIGURES)
 
 
 def test_report_refinements_follows_the_refinement_named(
@@ -496,8 +470,8 @@ def test_report_refinements_follows_the_refinement_named(
         == 0
     )
     assert capsys.readouterr().out.strip() == str(out.resolve())
-    nb = _read_nb(out)
-    got = _generations(_text(nb, "generations"))
+    nb = read_nb(out)
+    got = _generations(stream_text(nb, "generations"))
     gen1, alt = _blocks(fleet.lists["gen1"]), _blocks(fleet.lists["alt"])
     reads, covered = _coverage(fleet.rounds[fleet.off_lineage], gen1)
     _assert_table(
@@ -588,7 +562,7 @@ def test_rows_without_a_dropped_blocks_reads(fleet: Fleet, tmp_path: Path) -> No
     con.commit()
     con.close()
     out = notebook.run_refinements_notebook(db, tmp_path / "old.ipynb", None, timeout=120)
-    got = _generations(_text(_read_nb(out), "generations"))
+    got = _generations(stream_text(read_nb(out), "generations"))
     want = _from_db(fleet.db, fleet.lineage)
     want[1][7] = None
     _assert_table(got, want)
@@ -609,7 +583,7 @@ def test_refine_records_what_the_fleet_read_of_a_dropped_block(fleet: Fleet) -> 
 
 
 def test_committed_notebook_has_no_outputs() -> None:
-    nb = _read_nb(notebook.REFINEMENTS_NOTEBOOK)
+    nb = read_nb(notebook.REFINEMENTS_NOTEBOOK)
     nbformat.validate(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":

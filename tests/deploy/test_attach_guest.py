@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,17 @@ import pytest
 from guest_phases import file_blocks, hashes, list_files, phase, signal_guest, wait_for
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.analysis.vm import _child_setup, choose_accel
-from pageshare.analysis.workload import FW_CFG_NAME, Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.vm import choose_accel
+from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import inspect_image
-from qemu_helpers import qemu_build
+from pageshare_tools.qemu_guest import (
+    make_overlay,
+    make_signal_disk,
+    signal_disk_blockdev,
+    start_qemu,
+)
+from qemu_helpers import guest_cmd, qemu_build, serial_until
 
 pytestmark = pytest.mark.build
 
@@ -69,12 +74,8 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
     try:
         server.wait_generation("small", 1)
         ovl = tmp_path / "ovl.qcow2"
-        subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-            check=True,
-        )
-        signal_disk = tmp_path / "go.raw"
-        signal_disk.write_bytes(bytes(1 << 20))
+        make_overlay(image, ovl)
+        signal_disk = make_signal_disk(tmp_path / "go.raw")
 
         markers = Markers.new()
         command = "; ".join(
@@ -102,76 +103,32 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
                 "backing": "base",
                 "discard": "unmap",
             },
-            {"driver": "file", "node-name": "go-file", "filename": str(signal_disk)},
-            {"driver": "raw", "node-name": "go", "file": "go-file"},
         ]
-        cmd = [
-            q.qemu_system,
-            "-machine",
-            f"q35,accel={accel},memory-backend=pc.ram",
-            "-object",
-            "memory-backend-ram,id=pc.ram,size=1024M,share=off",
-            "-m",
-            "1024M",
-            "-smp",
-            "1",
-            "-cpu",
-            "host" if accel == "kvm" else "max,la57=off",
-            "-nodefaults",
-            "-display",
-            "none",
-            "-vga",
-            "none",
-            "-no-reboot",
-            "-serial",
-            f"file:{serial}",
-            *(a for n in nodes for a in ("-blockdev", json.dumps(n))),
-            "-device",
-            "virtio-blk-pci,drive=ovl,id=disk0",
-            "-device",
-            "virtio-blk-pci,drive=go,id=disk1",
-            "-qmp",
-            f"unix:{qmp_path},server=on,wait=off",
-            "-qmp",
-            f"unix:{test_qmp},server=on,wait=off",
-            "-kernel",
-            str(insp.kernel),
-            "-append",
-            kernel_cmdline(insp.info.root_uuid),
-            "-fw_cfg",
-            f"name={FW_CFG_NAME},file={wl}",
-        ]
-        if insp.initrd:
-            cmd += ["-initrd", str(insp.initrd)]
+        cmd = guest_cmd(
+            q,
+            insp,
+            accel,
+            serial=serial,
+            qmp=qmp_path,
+            more_qmp=[test_qmp],
+            workload=wl,
+            disks=[
+                *(a for n in nodes for a in ("-blockdev", json.dumps(n))),
+                *signal_disk_blockdev(signal_disk),
+                "-device",
+                "virtio-blk-pci,drive=ovl,id=disk0",
+                "-device",
+                "virtio-blk-pci,drive=go,id=disk1",
+            ],
+        )
         qlog = tmp_path / "qemu.log"
-        with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=lf,
-                preexec_fn=_child_setup,
-                start_new_session=True,
-            )
+        proc = start_qemu(cmd, qlog)
         qmp = QMP(test_qmp, timeout=30)
-
-        def serial_until(marker: str, timeout: float = 300) -> str:
-            deadline = time.monotonic() + timeout
-            text = ""
-            while marker not in text:
-                assert proc is not None and proc.poll() is None, qlog.read_text(errors="replace")[
-                    -3000:
-                ]
-                assert time.monotonic() < deadline, f"no {marker}:\n" + text[-3000:]
-                assert "Kernel panic" not in text, "guest panicked:\n" + text[-3000:]
-                time.sleep(1)
-                text = serial.read_text(errors="replace") if serial.exists() else ""
-            return text
 
         def go(word: bytes) -> None:
             signal_guest(signal_disk, word)
 
-        text = serial_until("before-end")
+        text = serial_until(proc, serial, qlog, "before-end")
         assert hashes(text, "before") == want
 
         rc, data = pageshare(
@@ -192,7 +149,7 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
         assert st0["merged"] == 0, st0
 
         go(b"GO1")
-        text = serial_until("attached-end")
+        text = serial_until(proc, serial, qlog, "attached-end")
         assert hashes(text, "attached") == want
         st = {
             s["node-name"]: s.get("driver-specific")
@@ -215,7 +172,7 @@ def test_attach_and_detach_a_booted_guest(tmp_path: Path) -> None:
         assert d["filter"] not in names
 
         go(b"GO2")
-        text = serial_until(markers.ready)
+        text = serial_until(proc, serial, qlog, markers.ready)
         assert hashes(text, "detached") == want
         assert f"{markers.ready} rc=0" in text
         qmp.command("quit")

@@ -72,6 +72,7 @@ from libvirt_host import (
     QEMU_CONF,
     PrivateLibvirtd,
     WatchLog,
+    direct_boot,
     disk,
     domain_xml,
     filter_stats,
@@ -79,9 +80,10 @@ from libvirt_host import (
 )
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import inspect_image
+from pageshare_tools.qemu_guest import make_overlay, make_signal_disk
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
@@ -315,15 +317,10 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(
         )
     )
     ovl, go = tmp_path / "ovl.qcow2", tmp_path / "go.raw"
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-        check=True,
-    )
-    go.write_bytes(bytes(1 << 20))
+    make_overlay(image, ovl)
+    make_signal_disk(go)
     serial = tmp_path / "serial.log"
-    boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
-    if insp.initrd:
-        boot["initrd"] = str(insp.initrd)
+    boot = direct_boot(insp)
     xml = tmp_path / "guest.xml"
     xml.write_text(
         domain_xml(

@@ -46,6 +46,7 @@ from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
 from pageshare.image.image_inspect import inspect_image
+from pageshare_tools.qemu_guest import make_overlay, make_signal_disk
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
@@ -196,11 +197,8 @@ def test_an_unprivileged_qemu_reads_from_a_server_of_its_own_user(
     def run_guest(server: Server) -> tuple[dict[str, Any], dict[str, Any]]:
         """Start the domain, attach the filter, let the guest hash the files."""
         ovl.unlink(missing_ok=True)
-        subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-            check=True,
-        )
-        go.write_bytes(bytes(1 << 20))
+        make_overlay(image, ovl)
+        make_signal_disk(go)
         serial.write_text("")
         xml = domain_xml(
             DOMAIN,

@@ -27,6 +27,7 @@ from guest_phases import hashes, list_files, phase, signal_guest, wait_for
 from libvirt_host import (
     PrivateLibvirtd,
     WatchLog,
+    direct_boot,
     disk,
     domain_xml,
     filter_stats,
@@ -34,8 +35,9 @@ from libvirt_host import (
 )
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
-from pageshare.analysis.workload import Markers, Workload, kernel_cmdline, script
+from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.image.image_inspect import inspect_image
+from pageshare_tools.qemu_guest import make_overlay, make_signal_disk
 from qemu_helpers import qemu_build
 
 pytestmark = pytest.mark.vm
@@ -59,15 +61,10 @@ def test_libvirt_domains_get_the_filter_at_every_start(tmp_path: Path) -> None:
         )
     )
     ovl, go = tmp_path / "ovl.qcow2", tmp_path / "go.raw"
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-        check=True,
-    )
-    go.write_bytes(bytes(1 << 20))
+    make_overlay(image, ovl)
+    make_signal_disk(go)
     serial = tmp_path / "serial.log"
-    boot = {"kernel": str(insp.kernel), "cmdline": kernel_cmdline(insp.info.root_uuid)}
-    if insp.initrd:
-        boot["initrd"] = str(insp.initrd)
+    boot = direct_boot(insp)
     guest = domain_xml(
         "ps-guest",
         q.qemu_system,

@@ -43,29 +43,31 @@ about 1.5).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from package_guest import (
+    APT,
+    INSTALL,
     PERL_CLIENT,
+    USE_REPO,
     Agent,
     booted,
     build_deb,
     guest_repo,
+    payload_dir,
     payload_disk,
+    payload_list,
+    served_image,
     serving,
     wait_until,
 )
-from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden
-from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 
@@ -73,10 +75,6 @@ pytestmark = pytest.mark.build
 VARIANTS = {"small": ("bookworm", True), "trixie": ("trixie", False)}
 LIB = "/usr/lib/pageshare-qemu"
 LISTS = "/var/lib/pageshare"
-APT = (
-    "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
-    "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
-)
 DEBIAN_QEMU = ("qemu-system-x86", "qemu-utils")
 
 # QMP over a Unix socket from the guest's shell: qmp_capabilities, then each
@@ -128,23 +126,9 @@ def test_qemu_package_installs_beside_debian_qemu(variant: str, tmp_path: Path) 
     )
     lap("build")
 
-    payload = tmp_path / "payload"
-    (payload / "repo").mkdir(parents=True)
-    for f in repo.iterdir():
-        shutil.copy2(f, payload / "repo" / f.name)
-    for deb in (qemu_deb, server_deb):
-        shutil.copy2(deb, payload / deb.name)
-    rnd = random.Random(13)
-    data = rnd.randbytes(16 << 20)
-    served = payload / "test.raw"
-    served.write_bytes(data)
-    ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
-    (payload / "v1").mkdir()
-    n1 = len(
-        make_list(
-            ident, nonzero_blocks(served, 100_000, stride=3), payload / "v1" / "test.pcsl"
-        ).blocks
-    )
+    payload = payload_dir(tmp_path, repo, (qemu_deb, server_deb))
+    ident = served_image(payload, random.Random(13).randbytes(16 << 20))
+    n1 = len(payload_list(payload, ident, "v1", 3).blocks)
     (payload / "client.pl").write_text(PERL_CLIENT)
     (payload / "qmp.pl").write_text(QMP_CLIENT)
     disk = payload_disk(payload, tmp_path / "payload.ext4")
@@ -155,18 +139,10 @@ def test_qemu_package_installs_beside_debian_qemu(variant: str, tmp_path: Path) 
 
 
 def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool, lap: Any) -> None:
-    g.ok(
-        "mount -o ro /dev/vdb /mnt && "
-        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
-        f"apt-get {APT} update -q"
-    )
-    install = (
-        f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y "
-        "--no-install-recommends"
-    )
+    g.ok("mount -o ro /dev/vdb /mnt && " + USE_REPO)
 
     # --- pageshare-qemu, from the repository, as an operator would.
-    out = g.ok(f"{install} ./{qemu_deb}", timeout=600)
+    out = g.ok(f"{INSTALL} ./{qemu_deb}", timeout=600)
     assert "Setting up pageshare-qemu" in out, out
     lap("install-qemu")
     files = g.ok("dpkg -L pageshare-qemu").split()
@@ -219,7 +195,7 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool, la
     lap("boot-probe")
 
     # --- pageshare-server: its qemu-storage-daemon dependency is pageshare-qemu.
-    out = g.ok(f"{install} ./{server_deb}", timeout=600)
+    out = g.ok(f"{INSTALL} ./{server_deb}", timeout=600)
     assert "Setting up pageshare-server" in out, out
     assert not re.search(r"^Setting up qemu-", out, re.M), out
     assert g.run("command -v qemu-storage-daemon")[0] != 0
@@ -278,7 +254,7 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool, la
 
     # --- Debian's own QEMU beside it.
     pkgs = " ".join(DEBIAN_QEMU)
-    out = g.ok(f"{install} {pkgs}", timeout=900)
+    out = g.ok(f"{INSTALL} {pkgs}", timeout=900)
     assert "Setting up qemu-system-x86" in out, out
     lap("install-debian-qemu")
     debian = g.ok("qemu-system-x86_64 --version && qemu-img --version")

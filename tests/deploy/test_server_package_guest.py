@@ -34,31 +34,33 @@ The guest kernel lacks merge_pages, so the server runs in degraded mode.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from package_guest import (
+    APT,
+    INSTALL,
     PERL_CLIENT,
     UNIT,
+    USE_REPO,
     Agent,
     booted,
     build_deb,
     guest_repo,
+    payload_dir,
     payload_disk,
+    payload_list,
+    served_image,
     serving,
     wait_until,
 )
-from page_server_helpers import make_list, nonzero_blocks
 from pageshare import golden
-from pageshare.lists import sectorlist
 
 pytestmark = pytest.mark.build
 
@@ -91,23 +93,15 @@ def test_server_package_under_systemd(variant: str, tmp_path: Path) -> None:
     lap("build")
 
     # The payload disk: the package, the repository, an image and two lists.
-    payload = tmp_path / "payload"
-    (payload / "repo").mkdir(parents=True)
-    for f in repo.iterdir():
-        shutil.copy2(f, payload / "repo" / f.name)
-    shutil.copy2(deb, payload / deb.name)
+    payload = payload_dir(tmp_path, repo, (deb,))
     rnd = random.Random(12)
     data = bytearray(rnd.randbytes(16 << 20))
     data[4 << 20 : 6 << 20] = bytes(2 << 20)
-    served = payload / "test.raw"
-    served.write_bytes(bytes(data))
-    ident = sectorlist.ImageIdentity(len(data), hashlib.sha256(data).hexdigest(), "test.raw")
-    lists = {}
-    for release, stride in (("v1", 3), ("v2", 5)):
-        (payload / release).mkdir()
-        lists[release] = make_list(
-            ident, nonzero_blocks(served, 100_000, stride=stride), payload / release / "test.pcsl"
-        )
+    ident = served_image(payload, bytes(data))
+    lists = {
+        release: payload_list(payload, ident, release, stride)
+        for release, stride in (("v1", 3), ("v2", 5))
+    }
     n1, n2 = len(lists["v1"].blocks), len(lists["v2"].blocks)
     assert n1 != n2
     (payload / "client.pl").write_text(PERL_CLIENT)
@@ -121,19 +115,8 @@ def test_server_package_under_systemd(variant: str, tmp_path: Path) -> None:
 def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> None:
     # --- install, as an operator would: apt resolves the Depends from a repository.
     g.ok("mount -o ro /dev/vdb /mnt")
-    apt = (
-        "-o Dir::Etc::SourceList=/etc/apt/pageshare-test.list "
-        "-o Dir::Etc::SourceParts=/nonexistent -o Dpkg::Options::=--force-unsafe-io"
-    )
-    g.ok(
-        "echo 'deb [trusted=yes] file:/mnt/repo ./' > /etc/apt/pageshare-test.list && "
-        f"apt-get {apt} update -q"
-    )
-    out = g.ok(
-        f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
-        f"--no-install-recommends ./{deb}",
-        timeout=900,
-    )
+    g.ok(USE_REPO)
+    out = g.ok(f"{INSTALL} ./{deb}", timeout=900)
     assert "Setting up pageshare-server" in out, out
     assert g.ok("command -v qemu-storage-daemon").strip() == "/usr/bin/qemu-storage-daemon"
     lap("install")
@@ -347,7 +330,7 @@ def run_checks(g: Agent, deb: str, n1: int, n2: int, full: bool, lap: Any) -> No
         # and leaves the operator's configuration alone.
         conf = g.ok("sha256sum /etc/pageshare/server.toml")
         out = g.ok(
-            f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {apt} install -y "
+            f"cd /mnt && DEBIAN_FRONTEND=noninteractive apt-get {APT} install -y "
             f"--reinstall ./{deb}",
             timeout=300,
         )

@@ -26,12 +26,12 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import e2e_vs_ksm as e2e
 import pytest
+from notebook_helpers import execute
 from pageshare import cache, golden
 from pageshare_tools import ktestlib as ktest
 
@@ -1040,36 +1040,11 @@ def test_recorded_run_parses_and_agrees_with_its_summary(run: Path) -> None:
 def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
     """notebooks/e2e_vs_ksm.ipynb runs headless on each recorded run and
     draws its three figures."""
-    import nbformat
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(REPO / "notebooks/e2e_vs_ksm.ipynb", as_version=4)  # type: ignore[no-untyped-call]
-    sockets = Path(tempfile.mkdtemp(prefix="e2e-kernel-"))
-    km = AsyncKernelManager(
-        kernel_name="python3",
-        kernel_spec_manager=KernelSpecManager(kernel_dirs=[]),
-        transport="ipc",
-        ip=str(sockets / "kernel"),
+    nb = execute(
+        REPO / "notebooks/e2e_vs_ksm.ipynb",
+        {"PAGESHARE_E2E_RESULTS": str(run), "PAGESHARE_FIGURES": str(tmp_path)},
+        "e2e-kernel-",
     )
-    client = NotebookClient(
-        nb,
-        km=km,
-        kernel_name="python3",
-        timeout=300,
-        resources={"metadata": {"path": str(REPO / "notebooks")}},
-    )
-    env = dict(
-        os.environ,
-        PAGESHARE_E2E_RESULTS=str(run),
-        PAGESHARE_FIGURES=str(tmp_path),
-        MPLBACKEND="Agg",
-    )
-    try:
-        client.execute(cleanup_kc=True, env=env)
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     for name in ("shared_over_time", "pss_over_time", "cpu_per_gib"):

@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import e2e_vs_ksm as e2e
 import feedback_round
 import pytest
 from pageshare.lists import distribute, feedback
+from pageshare_tools.server_process import unix_redis
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,30 +36,9 @@ def redis_sock(tmp_path: Path) -> Iterator[Path]:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (scripts/install-deps.sh)")
     sock = tmp_path / f"redis-{len(list(tmp_path.iterdir()))}.sock"
-    p = subprocess.Popen(
-        [
-            "redis-server",
-            "--unixsocket",
-            str(sock),
-            "--port",
-            "0",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            if sock.exists():
-                break
-            time.sleep(0.05)
+    with unix_redis(sock):
         assert sock.exists(), "redis-server did not start"
         yield sock
-    finally:
-        p.kill()
-        p.wait()
 
 
 def driver_dump(sock: Path, work: Path, cfg: str) -> list[str]:
@@ -131,30 +110,9 @@ def test_feedback_reaches_refine_byte_for_byte(tmp_path: Path, redis_sock: Path)
 
     # into a second, empty Redis, as feedback_round does before refining
     sock2 = tmp_path / "redis2.sock"
-    p = subprocess.Popen(
-        [
-            "redis-server",
-            "--unixsocket",
-            str(sock2),
-            "--port",
-            "0",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            if sock2.exists():
-                break
-            time.sleep(0.05)
+    with unix_redis(sock2):
         assert feedback_round.load_feedback(run, ["redis-cli", "-s", str(sock2)]) == [key]
         fleet = feedback.read_fleet(distribute.Store(f"unix://{sock2}"), IMAGE_KEY)
-    finally:
-        p.kill()
-        p.wait()
     assert not fleet.failures
     [host] = fleet.summaries
     assert host.host == "e2e-bench" and host.guests == 3

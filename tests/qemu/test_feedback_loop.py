@@ -52,13 +52,14 @@ from page_server_helpers import (
 )
 from page_server_helpers import wait_for as wait_until
 from pageshare import golden
-from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.vm import choose_accel
 from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import inspect_image
 from pageshare.lists import distribute, feedback, sectorlist
 from pageshare.lists.refine import RefineOptions, refine
 from pageshare.progress import Progress
+from pageshare_tools.qemu_guest import make_overlay, make_signal_disk, start_qemu
 from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
 pytestmark = pytest.mark.build
@@ -148,12 +149,8 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
         cleanup.callback(server.stop, signal.SIGKILL)
         server.start()
         assert server.wait_generation("small", 1)["generation"] == 1
-        subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-            check=True,
-        )
-        signal_disk = tmp_path / "go.raw"
-        signal_disk.write_bytes(bytes(1 << 20))
+        make_overlay(image, ovl)
+        signal_disk = make_signal_disk(tmp_path / "go.raw")
 
         markers = Markers.new()
         command = "; ".join(
@@ -201,15 +198,7 @@ def test_the_guests_reads_refine_the_list_and_are_then_merged(tmp_path: Path) ->
             ],
         )
         qlog = tmp_path / "qemu.log"
-        with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=lf,
-                preexec_fn=_child_setup,
-                start_new_session=True,
-            )
+        proc = start_qemu(cmd, qlog)
         cleanup.callback(stop_vm, proc)
         qmp = QMP(qmp_path, timeout=30)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -35,11 +34,12 @@ from page_server_helpers import (
     raw_copy,
 )
 from pageshare import golden
-from pageshare.analysis.vm import _child_setup, choose_accel
+from pageshare.analysis.vm import choose_accel
 from pageshare.analysis.workload import Markers, Workload, script
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import inspect_image
 from pageshare.lists import sectorlist
+from pageshare_tools.qemu_guest import make_overlay, start_qemu
 from qemu_helpers import blockdev_args, guest_cmd, ps_stats, qemu_build, serial_until
 
 pytestmark = pytest.mark.build
@@ -82,10 +82,7 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
         server.wait_generation("small", 1)
         sock = server.sock("small")
         ovl = tmp_path / "ovl.qcow2"
-        subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "qcow2", str(ovl)],
-            check=True,
-        )
+        make_overlay(image, ovl)
 
         markers = Markers.new()
         copy = "/root/bash.copy"
@@ -118,15 +115,7 @@ def test_booted_guest_reads_through_the_filter(tmp_path: Path, mode: str) -> Non
             ],
         )
         qlog = tmp_path / "qemu.log"
-        with open(qlog, "wb") as lf:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=lf,
-                stderr=lf,
-                preexec_fn=_child_setup,
-                start_new_session=True,
-            )
+        proc = start_qemu(cmd, qlog)
         qmp = QMP(qmp_path, timeout=30)
 
         # Kill the server while the guest boots, and bring it back.

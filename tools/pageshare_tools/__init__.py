@@ -5,6 +5,8 @@ analyzer/pageshare only.
 
 - cargo: the cargo to build the page server with, and the tests' target directory
 - ktestlib: the kernel series' build, boot and test driver (kernel-syscall/ktest.py)
+- qemu_guest: the patched QEMU's build and a golden image booted on it through
+  the filter (tests/qemu_helpers.py, tests/migration_helpers.py, bench/migration_bench.py)
 
 The cache root and the private apt configuration are the product's
 (pageshare.cache, pageshare.debian): the analyzer needs them too.

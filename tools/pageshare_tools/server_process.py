@@ -2,15 +2,17 @@
 
 Builds the daemon with cargo (target directory in the cache), writes its
 configuration, starts it (optionally as another user), waits for it and
-asks it for its status; runs a throwaway redis-server; makes sector lists
-from real images.  The tests (tests/page_server_helpers.py adds their
-pytest glue) and the benchmarks (page-server/bench, qemu-patches/bench.py,
-bench/migration_bench.py) share it, as QEMU's iotests and benchmarks share
+asks it for its status; runs a throwaway redis-server (on a TCP port,
+Redis, or on a Unix socket alone, unix_redis); makes sector lists from real
+images.  The tests (tests/page_server_helpers.py adds their pytest glue)
+and the benchmarks (page-server/bench, qemu-patches/bench.py,
+bench/migration_bench.py, bench/feedback_round.py) share it, as QEMU's iotests and benchmarks share
 python/qemu/machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,39 @@ def wait_for(
 
 
 # --------------------------------------------------------------------------- Redis
+
+
+@contextlib.contextmanager
+def unix_redis(
+    sock: Path, poll: float = 0.05, stop: int = signal.SIGKILL
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A throwaway redis-server on the Unix socket SOCK alone (no TCP port,
+    nothing saved); on the way in it waits for SOCK (100 polls, POLL seconds
+    apart: the caller checks that it is there), on the way out it is sent
+    STOP and reaped."""
+    p = subprocess.Popen(
+        [
+            "redis-server",
+            "--unixsocket",
+            str(sock),
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(poll)
+        yield p
+    finally:
+        p.send_signal(stop)
+        p.wait()
 
 
 @dataclass

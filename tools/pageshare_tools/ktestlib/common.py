@@ -86,3 +86,19 @@ def nice_prefix() -> list[str]:
 
 def jobs() -> str:
     return os.environ.get("KTEST_JOBS", str(os.cpu_count() or 2))
+
+
+def cpio_gz(top: Path) -> bytes:
+    """The directory TOP as an initramfs: a newc cpio archive of everything
+    under it, owned by root, gzip -1."""
+    files = subprocess.run(
+        ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
+    ).stdout
+    cpio = subprocess.run(
+        ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
+        cwd=top,
+        input=files,
+        capture_output=True,
+        check=True,
+    ).stdout
+    return subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout

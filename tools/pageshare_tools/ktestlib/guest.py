@@ -7,13 +7,12 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import GUEST, LIBDIR, REPO, UAPI, KtestError, log, run
+from .common import GUEST, LIBDIR, REPO, UAPI, KtestError, cpio_gz, log, run
 from .payload import FILTER_TEST, PAYLOAD_DIR
 from .series import checkout_tree
 from .source import PrivateApt, Source
@@ -278,17 +277,7 @@ def build_initramfs(
             script.chmod(0o755)
             lines.append(f"{t.name.replace(' ', '+')} {t.timeout} /tests/run-{i}.sh")
         (root / "tests/list").write_text("\n".join(lines) + "\n")
-        files = subprocess.run(
-            ["find", ".", "-print0"], cwd=root, capture_output=True, check=True
-        ).stdout
-        cpio = subprocess.run(
-            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-            cwd=root,
-            input=files,
-            capture_output=True,
-            check=True,
-        ).stdout
-        data = subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+        data = cpio_gz(root)
         # The kernel unpacks concatenated archives, so the big cached payload
         # is appended as it is.
         out.write_bytes(data + (payload.read_bytes() if payload else b""))

@@ -20,7 +20,7 @@ from pathlib import Path
 from pageshare_tools.cargo import cargo as find_cargo
 from pageshare_tools.cargo import cargo_target_dir
 
-from .common import REPO, KtestError, log, nice_prefix, run
+from .common import REPO, KtestError, cpio_gz, log, nice_prefix, run
 
 FILTER_TEST = "pageshare_filter_merge"
 PAYLOAD_DIR = "/pageshare"
@@ -92,20 +92,8 @@ def build_guest_initramfs(root: Path, busybox: Path) -> Path:
         shutil.copy2(busybox, top / "bin/busybox")
         (top / "init").write_text(init)
         (top / "init").chmod(0o755)
-        files = subprocess.run(
-            ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
-        ).stdout
-        cpio = subprocess.run(
-            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-            cwd=top,
-            input=files,
-            capture_output=True,
-            check=True,
-        ).stdout
         out = root / "guest-initramfs.cpio.gz"
-        out.write_bytes(
-            subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
-        )
+        out.write_bytes(cpio_gz(top))
     return out
 
 
@@ -278,20 +266,8 @@ def build_filter_payload(root: Path, busybox: Path, guest_kernel: Path) -> Path:
         (pd / "base-kept.pcsl").write_text(write_pcsl(image, blocks[::4], "base.raw"))
         (pd / "server.toml").write_text(SERVER_TOML)
         (pd / "server-stall.toml").write_text(STALL_SERVER_TOML)
-        files = subprocess.run(
-            ["find", ".", "-print0"], cwd=top, capture_output=True, check=True
-        ).stdout
-        cpio = subprocess.run(
-            ["cpio", "--null", "-o", "-H", "newc", "--quiet", "--owner=0:0"],
-            cwd=top,
-            input=files,
-            capture_output=True,
-            check=True,
-        ).stdout
         tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(
-            subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
-        )
+        tmp.write_bytes(cpio_gz(top))
         tmp.rename(out)
     log(
         f"filter payload: built {out} ({out.stat().st_size >> 20} MiB) "
