@@ -17,6 +17,7 @@ import sqlite3
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -238,22 +239,11 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     db = connect(opts.db)
     analysis_id = 0
     try:
-        geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw copy, content hash)"):
             raw = workdir / "base.raw"
             diskimage.to_raw(opts.image, raw)
-            read_at, _ = diskimage.raw_file_reader(raw)
-            content = diskimage.image_content_sha256(read_at, vsize)
-            # Where debugfs/xfs_db/btrfs read each file system; xfs_db and
-            # btrfs read none at an offset of a disk, so XFS and btrfs get a
-            # copy (as an LV of several segments does).
-            sources = {
-                fs.key: fs_image(
-                    raw, fs.runs, workdir / f"fs-{i}.img", copy=fs.fstype in ("xfs", "btrfs")
-                )
-                for i, fs in enumerate(geo.filesystems)
-            }
-            insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
+            base = read_base_image(opts.image, raw, vsize, insp, workdir, progress)
+        insp, geo, content, sources = base.insp, base.geo, base.content, base.sources
         image_id = resultsdb.record_image(db, opts.image, fmt, vsize, content, insp.info)
         analysis_id = resultsdb.start_analysis(
             db,
@@ -792,6 +782,35 @@ def placements(filesystems: tuple[MappedFs, ...]) -> tuple[Placement, ...]:
         else:
             out.setdefault(p.key, p)
     return tuple(out.values())
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """The base image as analyze-image and `pageshare list refine` read it."""
+
+    read_at: Callable[[int, int], bytes]  # over the raw virtual disk
+    content: str  # the virtual disk's sha256
+    sources: dict[FsKey, tuple[Path, int]]  # where debugfs/xfs_db/btrfs read each fs
+    insp: Inspection  # without the btrfs file systems that cannot be mapped
+    geo: Geometry
+
+
+def read_base_image(
+    image: Path, raw: Path, vsize: int, insp: Inspection, workdir: Path, progress: Progress
+) -> BaseImage:
+    """IMAGE's content hash and its mapped file systems, read from RAW (its
+    virtual disk as a raw file); copies of file systems go to WORKDIR."""
+    geo = Geometry(placements(insp.info.filesystems), vsize)
+    read_at, _ = diskimage.raw_file_reader(raw)
+    content = diskimage.image_content_sha256(read_at, vsize)
+    # xfs_db and btrfs read no file system at an offset of a disk, so XFS and
+    # btrfs get a copy (as an LV of several segments does).
+    sources = {
+        fs.key: fs_image(raw, fs.runs, workdir / f"fs-{i}.img", copy=fs.fstype in ("xfs", "btrfs"))
+        for i, fs in enumerate(geo.filesystems)
+    }
+    insp, geo = _check_btrfs_chunks(image, insp, geo, sources, progress)
+    return BaseImage(read_at, content, sources, insp, geo)
 
 
 def _check_btrfs_chunks(

@@ -42,10 +42,8 @@ from typing import Any
 
 from .. import __version__
 from ..analysis import resultsdb
-from ..analysis.mapping import Geometry
 from ..errors import UserError
 from ..image import diskimage
-from ..image.ext4map import fs_image
 from ..image.image_inspect import inspect_image, probe_format
 from ..progress import Progress
 from . import distribute, feedback, sectorlist
@@ -254,24 +252,16 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
     db = resultsdb.connect(opts.db)
     refinement_id = 0
     try:
-        from ..analysis.analyze import _check_btrfs_chunks, placements
+        from ..analysis.analyze import read_base_image
 
-        geo = Geometry(placements(info.filesystems), vsize)
         with progress.phase("base-image", "reading the base image (raw, content sha256)"):
             if fmt == "raw":
                 raw = opts.image
             else:
                 raw = workdir / "base.raw"
                 diskimage.to_raw(opts.image, raw)
-            read_at, _ = diskimage.raw_file_reader(raw)
-            content = diskimage.image_content_sha256(read_at, vsize)
-            sources = {
-                fs.key: fs_image(
-                    raw, fs.runs, workdir / f"fs-{i}.img", copy=fs.fstype in ("xfs", "btrfs")
-                )
-                for i, fs in enumerate(geo.filesystems)
-            }
-            insp, geo = _check_btrfs_chunks(opts.image, insp, geo, sources, progress)
+            base = read_base_image(opts.image, raw, vsize, insp, workdir, progress)
+        content, read_at = base.content, base.read_at
         key = f"{vsize}-{content}"
 
         revision: int | None = None
@@ -358,7 +348,7 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
         }
         with progress.phase("map", f"mapping {len(candidates)} candidate block(s) to files"):
             verdicts = classify(
-                sorted(candidates), geo.filesystems, sources, block_sizes, progress.say
+                sorted(candidates), base.geo.filesystems, base.sources, block_sizes, progress.say
             )
         added: dict[int, str] = {}
         with progress.phase("hash", "hashing the blocks to add from the image's bytes"):
