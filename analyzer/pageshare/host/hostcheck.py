@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 from xml.etree import ElementTree
 
 from . import grubboot
-from .qmp import QMP, QMPError, qmp_socket_of
+from .qmp import QMP, QMPError, QMPStream, qmp_socket_of
 from .server_control import (
     DEFAULT_CONTROL,
     UNREACHABLE,
@@ -345,20 +345,11 @@ def _has_driver_system(binary: str, timeout: float = 60.0) -> bool | None:
     timer.start()
     try:
         assert p.stdin is not None and p.stdout is not None
-        p.stdin.write('{"execute":"qmp_capabilities"}\n{"execute":"query-qmp-schema"}\n')
-        p.stdin.flush()
-        for line in p.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            ret = msg.get("return") if isinstance(msg, dict) else None
-            if isinstance(ret, list):
-                return any(
-                    isinstance(e, dict) and "pageshare" in (e.get("values") or []) for e in ret
-                )
-        return None
-    except OSError:
+        schema = QMPStream(p.stdout, p.stdin).command("query-qmp-schema")
+        if not isinstance(schema, list):
+            return None
+        return any(isinstance(e, dict) and "pageshare" in (e.get("values") or []) for e in schema)
+    except (OSError, ValueError, QMPError):
         return None
     finally:
         timer.cancel()

@@ -10,7 +10,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from pageshare.errors import PageshareError
 
@@ -32,7 +32,70 @@ class Monitor(Protocol):
     def close(self) -> None: ...
 
 
-class QMP:
+class QMPStream:
+    """QMP over a pair of text streams: QEMU's -qmp stdio through pipes (whoever
+    started QEMU bounds the exchange in time), or a socket's (QMP below)."""
+
+    def __init__(self, reader: IO[str], writer: IO[str]) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.greeting = self._read()
+        self.events: list[dict[str, Any]] = []
+        self.command("qmp_capabilities")
+
+    def _set_timeout(self, timeout: float) -> None:
+        """Pipes have no timeout of their own."""
+
+    def _read(self) -> dict[str, Any]:
+        line = self._reader.readline()
+        if not line:
+            raise QMPError("QEMU closed the QMP connection")
+        msg: dict[str, Any] = json.loads(line)
+        return msg
+
+    def _reply(self, prefix: str) -> Any:
+        """The next reply, the events before it kept in self.events; PREFIX
+        leads an error's message."""
+        while True:
+            reply = self._read()
+            if "event" in reply:
+                self.events.append(reply)
+                continue
+            if "error" in reply:
+                err = reply["error"]
+                raise QMPError(f"{prefix}{err.get('class')}: {err.get('desc')}")
+            return reply.get("return")
+
+    def command(self, name: str, timeout: float | None = None, **args: Any) -> Any:
+        if timeout is not None:
+            self._set_timeout(timeout)
+        self.send(name, **args)
+        return self._reply(f"{name}: ")
+
+    def send(self, name: str, **args: Any) -> None:
+        """Queue a command without waiting for its reply (see replies());
+        QEMU answers in order, once it runs again if it is stopped."""
+        msg: dict[str, Any] = {"execute": name}
+        if args:
+            msg["arguments"] = args
+        self._writer.write(json.dumps(msg) + "\n")
+        self._writer.flush()
+
+    def replies(self, n: int, timeout: float | None = None) -> list[Any]:
+        """The next ``n`` replies to commands queued with send(), in order."""
+        if timeout is not None:
+            self._set_timeout(timeout)
+        return [self._reply("") for _ in range(n)]
+
+    def hmp(self, line: str) -> str:
+        args: dict[str, Any] = {"command-line": line}
+        out: str = self.command("human-monitor-command", None, **args)
+        return out
+
+
+class QMP(QMPStream):
+    """QMP on QEMU's unix socket."""
+
     def __init__(self, path: Path, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -48,64 +111,10 @@ class QMP:
                     raise QMPError(f"no QMP socket at {path} after {timeout:.0f}s") from None
                 time.sleep(0.1)
         self._file = self._sock.makefile("rw", encoding="utf-8")
-        self.greeting = self._read()
-        self.events: list[dict[str, Any]] = []
-        self.command("qmp_capabilities")
+        super().__init__(self._file, self._file)
 
-    def _read(self) -> dict[str, Any]:
-        line = self._file.readline()
-        if not line:
-            raise QMPError("QEMU closed the QMP connection")
-        msg: dict[str, Any] = json.loads(line)
-        return msg
-
-    def command(self, name: str, timeout: float | None = None, **args: Any) -> Any:
-        if timeout is not None:
-            self._sock.settimeout(timeout)
-        msg: dict[str, Any] = {"execute": name}
-        if args:
-            msg["arguments"] = args
-        self._file.write(json.dumps(msg) + "\n")
-        self._file.flush()
-        while True:
-            reply = self._read()
-            if "event" in reply:
-                self.events.append(reply)
-                continue
-            if "error" in reply:
-                err = reply["error"]
-                raise QMPError(f"{name}: {err.get('class')}: {err.get('desc')}")
-            return reply.get("return")
-
-    def send(self, name: str, **args: Any) -> None:
-        """Queue a command without waiting for its reply (see replies());
-        QEMU answers in order, once it runs again if it is stopped."""
-        msg: dict[str, Any] = {"execute": name}
-        if args:
-            msg["arguments"] = args
-        self._file.write(json.dumps(msg) + "\n")
-        self._file.flush()
-
-    def replies(self, n: int, timeout: float | None = None) -> list[Any]:
-        """The next ``n`` replies to commands queued with send(), in order."""
-        if timeout is not None:
-            self._sock.settimeout(timeout)
-        out: list[Any] = []
-        while len(out) < n:
-            reply = self._read()
-            if "event" in reply:
-                self.events.append(reply)
-                continue
-            if "error" in reply:
-                err = reply["error"]
-                raise QMPError(f"{err.get('class')}: {err.get('desc')}")
-            out.append(reply.get("return"))
-        return out
-
-    def hmp(self, line: str) -> str:
-        args: dict[str, Any] = {"command-line": line}
-        out: str = self.command("human-monitor-command", None, **args)
-        return out
+    def _set_timeout(self, timeout: float) -> None:
+        self._sock.settimeout(timeout)
 
     def peer_pid(self) -> int | None:
         """The pid of the QEMU at the other end (SO_PEERCRED), if known."""
