@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
-from .errors import UserError, print_error
+from .errors import UserError, print_error, print_json_error
 
 ANALYZE_EPILOG = """\
 what it does:
@@ -159,21 +159,6 @@ def analyze_parser(prog: str = "analyze-image") -> argparse.ArgumentParser:
     return p
 
 
-def _json_error(kind: str, message: str, hint: str, exit_code: int) -> None:
-    """The one JSON object `--json` prints on stdout when the analysis fails."""
-    json.dump(
-        {
-            "ok": False,
-            "exit_code": exit_code,
-            "error": {"kind": kind, "message": message, "hint": hint},
-        },
-        sys.stdout,
-        indent=1,
-    )
-    print()
-    sys.stdout.flush()
-
-
 def _wants_json(argv: list[str]) -> bool:
     """--json, also when the rest of the command line does not parse."""
     return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
@@ -189,7 +174,7 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         usage_error = parser.error
 
         def error_as_json(message: str) -> NoReturn:
-            _json_error("usage", message, f"see {prog} --help", 2)
+            print_json_error("usage", message, f"see {prog} --help", 2)
             usage_error(message)  # usage and message on stderr, exit 2, as without --json
 
         parser.error = error_as_json  # type: ignore[method-assign]
@@ -222,13 +207,13 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
     except UserError as e:
         print_error(e.message, e.hint, prog="analyze-image")
         if args.json:
-            _json_error(e.kind, e.message, e.hint, e.exit_code)
+            print_json_error(e.kind, e.message, e.hint, e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         message = "interrupted; guests stopped, KSM settings restored"
         print(f"analyze-image: {message}", file=sys.stderr)
         if args.json:
-            _json_error("interrupted", message, "", 130)
+            print_json_error("interrupted", message, "", 130)
         return 130
     except Exception as e:
         # Not the operator's fault: say what broke, keep the traceback one
@@ -243,7 +228,7 @@ def run_analyze(argv: list[str], prog: str = "analyze-image") -> int:
         print(f"analyze-image: internal error: {message}", file=sys.stderr)
         print(f"analyze-image: hint: {hint}", file=sys.stderr)
         if args.json:
-            _json_error("internal", message, hint, 1)
+            print_json_error("internal", message, hint, 1)
         return 1
     if args.json:
         json.dump({"ok": True, **summary.to_json()}, sys.stdout, indent=1)

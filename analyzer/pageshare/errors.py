@@ -6,12 +6,14 @@ wrong and one saying what to do.  The CLI prints both and exits non-zero; it
 never prints a traceback for these.  `kind` names the class of problem for
 scripts (`analyze-image --json` prints it in its error object): "user-error"
 unless a more precise kind applies, e.g. "image-damaged".  print_error is
-the one way the commands write an error and its hint on stderr.
+the one way the commands write an error and its hint on stderr, and
+print_json_error the one way --json writes it on stdout.
 """
 
 import argparse
+import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class PageshareError(Exception):
@@ -59,6 +61,16 @@ def print_error(message: str, hint: str = "", prog: str = "") -> None:
     print(f"{lead}error: {message}", file=sys.stderr)
     if hint:
         print(f"{lead}hint: {hint}" if prog else f"  hint: {hint}", file=sys.stderr)
+
+
+def print_json_error(
+    kind: str, message: str, hint: str = "", exit_code: int = 2, indent: int = 1, **context: Any
+) -> None:
+    """A failure as the one JSON object a command's --json prints on stdout:
+    {"ok": false, "exit_code", what CONTEXT names, "error": {kind, message, hint}}."""
+    error = {"kind": kind, "message": message, "hint": hint}
+    out = {"ok": False, "exit_code": exit_code, **context, "error": error}
+    print(json.dumps(out, indent=indent), flush=True)
 
 
 class UsageError(PageshareError):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PageshareError, print_error
+from ..errors import PageshareError, print_error, print_json_error
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
 from .qmp import QMP, Monitor, QMPError, qmp_socket_of
 from .server_control import DEFAULT_CONTROL, UNREACHABLE, server_status, unreachable_reason
@@ -1026,41 +1026,14 @@ def main(argv: list[str], action: str = "attach") -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         if want_json and e.code not in (0, None):
-            print(
-                json.dumps(
-                    {
-                        "ok": False,
-                        "exit_code": 2,
-                        "action": action,
-                        "error": {
-                            "kind": "usage",
-                            "message": f"bad arguments: {' '.join(argv)}",
-                            "hint": f"see pageshare {action} --help",
-                        },
-                    },
-                    indent=1,
-                )
-            )
+            message, hint = f"bad arguments: {' '.join(argv)}", f"see pageshare {action} --help"
+            print_json_error("usage", message, hint, action=action)
         return int(e.code or 0)
     target = f"libvirt:{args.libvirt}" if args.libvirt else args.qmp
     if (args.qmp is None) == (args.libvirt is None):
         msg = "give either QMP (a socket or a QEMU pid) or --libvirt DOMAIN"
         if want_json:
-            print(
-                json.dumps(
-                    {
-                        "ok": False,
-                        "exit_code": 2,
-                        "action": action,
-                        "error": {
-                            "kind": "usage",
-                            "message": msg,
-                            "hint": f"see pageshare {action} --help",
-                        },
-                    },
-                    indent=1,
-                )
-            )
+            print_json_error("usage", msg, f"see pageshare {action} --help", action=action)
         else:
             p.print_usage(sys.stderr)
             print_error(msg, prog=f"pageshare {action}")

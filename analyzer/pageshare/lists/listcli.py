@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import RaisingArgumentParser, UsageError, UserError, print_error
+from ..errors import (
+    RaisingArgumentParser,
+    UsageError,
+    UserError,
+    print_error,
+    print_json_error,
+)
 from ..image.diskimage import image_content_sha256, open_raw
 from .refine import DEFAULT_MIN_GUESTS, DEFAULT_MIN_HOSTS, DEFAULT_WINDOW
 from .sectorlist import (
@@ -357,20 +363,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _json_error(kind: str, message: str, hint: str = "") -> None:
-    """A failure as one JSON object on stdout (refine --json), as analyze-image --json."""
-    print(
-        json.dumps(
-            {
-                "ok": False,
-                "exit_code": 2,
-                "error": {"kind": kind, "message": message, "hint": hint},
-            },
-            indent=2,
-        )
-    )
-
-
 def main(argv: list[str]) -> int:
     """``pageshare list ...``; argv excludes "pageshare list"."""
     parser = _build_parser()
@@ -378,7 +370,7 @@ def main(argv: list[str]) -> int:
 
     def fail(kind: str, message: str, hint: str = "") -> int:
         if as_json:
-            _json_error(kind, message, hint)
+            print_json_error(kind, message, hint, indent=2)
         print_error(message, hint)
         return 2
 
