@@ -13,6 +13,7 @@ print_json_error the one way --json writes it on stdout.
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 
@@ -71,6 +72,20 @@ def print_json_error(
     error = {"kind": kind, "message": message, "hint": hint}
     out = {"ok": False, "exit_code": exit_code, **context, "error": error}
     print(json.dumps(out, indent=indent), flush=True)
+
+
+def parse_args_or_exit_code(
+    parser: argparse.ArgumentParser, argv: list[str], print_json_usage: Callable[[], None]
+) -> argparse.Namespace | int:
+    """PARSER's arguments, or the code argparse exits with: 0 after --help, 2
+    after a usage error on stderr, then also print_json_usage's object on
+    stdout if the command line asks for --json."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        if "--json" in argv and e.code not in (0, None):
+            print_json_usage()
+        return int(e.code or 0)
 
 
 class UsageError(PageshareError):

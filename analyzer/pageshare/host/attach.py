@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PageshareError, print_error, print_json_error
+from ..errors import PageshareError, parse_args_or_exit_code, print_error, print_json_error
 from .libvirt_qmp import DEFAULT_URI, LibvirtQMP, LibvirtUnavailable
 from .qmp import QMP, Monitor, QMPError, qmp_socket_of
 from .server_control import DEFAULT_CONTROL, UNREACHABLE, server_status, unreachable_reason
@@ -1022,18 +1022,19 @@ def resolve_qmp(arg: str) -> Path:
 def main(argv: list[str], action: str = "attach") -> int:
     p = build_parser(action)
     want_json = "--json" in argv
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        if want_json and e.code not in (0, None):
-            message, hint = f"bad arguments: {' '.join(argv)}", f"see pageshare {action} --help"
-            print_json_error("usage", message, hint, action=action)
-        return int(e.code or 0)
+    usage = f"see pageshare {action} --help"
+
+    def print_json_usage() -> None:
+        print_json_error("usage", f"bad arguments: {' '.join(argv)}", usage, action=action)
+
+    args = parse_args_or_exit_code(p, argv, print_json_usage)
+    if isinstance(args, int):
+        return args
     target = f"libvirt:{args.libvirt}" if args.libvirt else args.qmp
     if (args.qmp is None) == (args.libvirt is None):
         msg = "give either QMP (a socket or a QEMU pid) or --libvirt DOMAIN"
         if want_json:
-            print_json_error("usage", msg, f"see pageshare {action} --help", action=action)
+            print_json_error("usage", msg, usage, action=action)
         else:
             p.print_usage(sys.stderr)
             print_error(msg, prog=f"pageshare {action}")

@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlparse
 from xml.etree import ElementTree
 
+from ..errors import parse_args_or_exit_code
 from . import grubboot
 from .qmp import QMP, QMPError, QMPStream, qmp_socket_of
 from .server_control import (
@@ -1207,31 +1208,15 @@ def build_parser(prog: str = "pageshare host check") -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str = "pageshare host check") -> int:
     p = build_parser(prog)
-    want_json = "--json" in argv
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        if want_json and e.code not in (0, None):
-            print(
-                json.dumps(
-                    {
-                        "status": "error",
-                        "exit": 2,
-                        "findings": [
-                            asdict(
-                                Finding(
-                                    "usage",
-                                    "error",
-                                    f"bad arguments: {' '.join(argv)}",
-                                    fix=f"see {prog} --help",
-                                )
-                            )
-                        ],
-                    }
-                )
-            )
-            return 2
-        return int(e.code or 0)
+
+    def print_json_usage() -> None:
+        bad = f"bad arguments: {' '.join(argv)}"
+        usage = Finding("usage", "error", bad, fix=f"see {prog} --help")
+        print(json.dumps({"status": "error", "exit": 2, "findings": [asdict(usage)]}))
+
+    args = parse_args_or_exit_code(p, argv, print_json_usage)
+    if isinstance(args, int):
+        return args
     started = time.monotonic()
     findings = run_checks(args)
     rc = worst(findings)
