@@ -790,6 +790,20 @@ def _stats_line(s: dict[str, Any] | None) -> str:
     )
 
 
+def failure(action: str, target: str | None, e: AttachError | QMPError) -> dict[str, Any]:
+    """The result of an action that failed before any drive had one."""
+    error = (
+        e.to_json()
+        if isinstance(e, AttachError)
+        else {
+            "kind": "qemu-refused",
+            "message": f"QMP: {e}",
+            "hint": "nothing was changed; the message is QEMU's own",
+        }
+    )
+    return {"action": action, "qmp": target, "drives": [], "ok": False, "error": error}
+
+
 def render_text(r: dict[str, Any]) -> str:
     lines = []
     for d in r["drives"]:
@@ -1058,20 +1072,8 @@ def main(argv: list[str], action: str = "attach") -> int:
             result = status(opts)
         else:
             result = attach(opts)
-    except AttachError as e:
-        result = {"action": action, "qmp": target, "drives": [], "ok": False, "error": e.to_json()}
-    except QMPError as e:
-        result = {
-            "action": action,
-            "qmp": target,
-            "drives": [],
-            "ok": False,
-            "error": {
-                "kind": "qemu-refused",
-                "message": f"QMP: {e}",
-                "hint": "nothing was changed; the message is QEMU's own",
-            },
-        }
+    except (AttachError, QMPError) as e:
+        result = failure(action, target, e)
     rc = 0 if result["ok"] else 1
     result["exit_code"] = rc
     if args.json:

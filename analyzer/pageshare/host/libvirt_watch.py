@@ -131,26 +131,8 @@ class Watcher:
                 r = attach.attach(opts, q)
                 if r["ok"]:
                     r["migration"] = self.prepare_migration(q)
-        except attach.AttachError as e:
-            r = {
-                "action": "attach",
-                "qmp": opts.target,
-                "drives": [],
-                "ok": False,
-                "error": e.to_json(),
-            }
-        except QMPError as e:
-            r = {
-                "action": "attach",
-                "qmp": opts.target,
-                "drives": [],
-                "ok": False,
-                "error": {
-                    "kind": "qemu-refused",
-                    "message": f"QMP: {e}",
-                    "hint": "nothing was changed; the message is QEMU's own",
-                },
-            }
+        except (attach.AttachError, QMPError) as e:
+            r = attach.failure("attach", opts.target, e)
         self.emit(domain, why, r)
         return r
 
