@@ -968,6 +968,30 @@ def _compile_error(parser: str | None, apparmor_d: Path, profile: Path) -> str:
     return lines[0] if lines else f"{parser} exited with {p.returncode}"
 
 
+def _included(
+    parser: str | None,
+    apparmor_d: Path,
+    profile: Path,
+    ours: Path,
+    ok: str,
+    why_broken: str,
+    details: dict[str, Any],
+) -> Finding:
+    """A profile that includes OURS: OK, or an error if it no longer
+    compiles (WHY_BROKEN: what that breaks)."""
+    error = _compile_error(parser, apparmor_d, profile)
+    if not error:
+        return Finding("apparmor", "ok", ok, details=details)
+    return Finding(
+        "apparmor",
+        "error",
+        f"{profile} does not compile with {ours} included: {error}",
+        why=why_broken,
+        fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
+        details=details,
+    )
+
+
 def _cannot_start(used_by: list[str]) -> str:
     if not used_by:
         return ""
@@ -1017,24 +1041,16 @@ def check_apparmor(
             add = f"echo '{QEMU_INCLUDE}' >> {local}"
         details.update(file=str(local), line=QEMU_INCLUDE)
         if ours.exists() and ours.resolve() in included:
-            error = _compile_error(parser, apparmor_d, profile)
-            if error:
-                yield Finding(
-                    "apparmor",
-                    "error",
-                    f"{profile} does not compile with {ours} included: {error}",
-                    why="virt-aa-helper makes every domain's profile from it: no domain "
-                    "starts, on any QEMU",
-                    fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
-                    details=details,
-                )
-            else:
-                yield Finding(
-                    "apparmor",
-                    "ok",
-                    f"libvirt's AppArmor profile for its domains' QEMU includes {ours}",
-                    details=details,
-                )
+            yield _included(
+                parser,
+                apparmor_d,
+                profile,
+                ours,
+                f"libvirt's AppArmor profile for its domains' QEMU includes {ours}",
+                "virt-aa-helper makes every domain's profile from it: no domain "
+                "starts, on any QEMU",
+                details,
+            )
         else:
             yield Finding(
                 "apparmor",
@@ -1070,25 +1086,16 @@ def check_apparmor(
             "line": LIBVIRTD_INCLUDE,
         }
         if ours.exists() and ours.resolve() in apparmor_includes(profile, apparmor_d):
-            error = _compile_error(parser, apparmor_d, profile)
-            if error:
-                yield Finding(
-                    "apparmor",
-                    "error",
-                    f"{profile} does not compile with {ours} included: {error}",
-                    why=f"AppArmor cannot load it: {daemon} keeps the profile it has until "
-                    "the next boot, and then runs unconfined, so libvirt confines no QEMU",
-                    fix=f"correct what `apparmor_parser -Q -K {profile}` reports",
-                    details=details,
-                )
-            else:
-                yield Finding(
-                    "apparmor",
-                    "ok",
-                    f"{daemon}'s AppArmor profile lets it execute "
-                    f"pageshare-qemu ({ours} is included)",
-                    details=details,
-                )
+            yield _included(
+                parser,
+                apparmor_d,
+                profile,
+                ours,
+                f"{daemon}'s AppArmor profile lets it execute pageshare-qemu ({ours} is included)",
+                f"AppArmor cannot load it: {daemon} keeps the profile it has until "
+                "the next boot, and then runs unconfined, so libvirt confines no QEMU",
+                details,
+            )
             continue
         yield Finding(
             "apparmor",
