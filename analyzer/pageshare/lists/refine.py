@@ -165,25 +165,24 @@ def tally(summaries: list[feedback.HostSummary], listed: set[int]) -> _Tally:
             if block in listed:
                 if guests or reads:
                     t.guest_reads_listed += guests
-                    got = t.listed_read.get(block)
-                    if got is None:
-                        t.listed_read[block] = [guests, 1, reads]
-                    else:
-                        got[0] += guests
-                        got[1] += 1
-                        got[2] += reads
+                    _add_host(t.listed_read, block, guests, reads)
                 continue
             if not guests:
                 continue
             t.guest_reads_unlisted += guests
-            acc = t.unlisted.get(block)
-            if acc is None:
-                t.unlisted[block] = [guests, 1, reads]
-            else:
-                acc[0] += guests
-                acc[1] += 1
-                acc[2] += reads
+            _add_host(t.unlisted, block, guests, reads)
     return t
+
+
+def _add_host(acc: dict[int, list[int]], block: int, guests: int, reads: int) -> None:
+    """One host's record of BLOCK added to its [guests, hosts, reads]."""
+    got = acc.get(block)
+    if got is None:
+        acc[block] = [guests, 1, reads]
+    else:
+        got[0] += guests
+        got[1] += 1
+        got[2] += reads
 
 
 def drop_refusal(
