@@ -15,7 +15,7 @@ device, strings) is read once and cached, as pagescan does.
 """
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import drgn
@@ -196,21 +196,6 @@ def _flag(flags: int, bit: int | None) -> bool:
     return bit is not None and bool((flags >> bit) & 1)
 
 
-@dataclass(frozen=True)
-class InodeFacts:
-    """What a page-cache record says about its inode (pagescan's struct inode_info)."""
-
-    ino: int = 0
-    s_dev: int = 0
-    fstype: str = ""
-    fs_uuid: str = ""
-    bd_dev: int = 0
-    disk: str = ""
-    start_sect: int = 0
-    i_size: int = 0
-    blkbits: int = 0
-
-
 class Scanner:
     """Classifies PFNs of one dump; per-inode and per-section facts are cached."""
 
@@ -222,7 +207,9 @@ class Scanner:
         # SPARSEMEM_VMEMMAP (all x86_64 distribution kernels): struct pages
         # form one virtual array, so a PFN's page is one multiplication away.
         self.page0 = int(pfn_to_page(prog, 0).value_())
-        self._inodes: dict[int, InodeFacts] = {}
+        # Per inode, pagescan's struct inode_info: a record of no page that
+        # holds the inode's columns, which each of its pages' records copies.
+        self._inodes: dict[int, PageRecord] = {}
         self._sections: dict[int, bool] = {}
         self._block: tuple[int, bytes | None] = (-1, None)
         self._init_sections()
@@ -310,13 +297,13 @@ class Scanner:
 
     # --- per-inode facts: pagescan's inode_info() ------------------------
 
-    def _inode(self, inode: int) -> InodeFacts:
+    def _inode(self, inode: int) -> PageRecord:
         facts = self._inodes.get(inode)
         if facts is None:
             facts = self._inodes[inode] = self._read_inode(inode)
         return facts
 
-    def _read_inode(self, inode: int) -> InodeFacts:
+    def _read_inode(self, inode: int) -> PageRecord:
         o = self.o
         ino = self._u64(inode + o.inode_ino) or 0
         size = (self._u64(inode + o.inode_size) or 0) if o.inode_size is not None else 0
@@ -324,7 +311,7 @@ class Scanner:
         if o.inode_blkbits is not None:
             b = self._bytes(inode + o.inode_blkbits, 1)
             blkbits = b[0] if b else 0
-        base = InodeFacts(ino=ino, i_size=size, blkbits=blkbits)
+        base = PageRecord(0, "", ino=ino, i_size=size, blkbits=blkbits)
         sb = self._u64(inode + o.inode_sb)
         if not sb:
             return base
@@ -354,7 +341,9 @@ class Scanner:
                 gd = self._u64(bdev + o.bdev_disk)
                 if gd:
                     disk = self._cstr(gd + o.disk_name, DISK_NAME_MAX)
-        return InodeFacts(
+        return PageRecord(
+            0,
+            "",
             ino=ino,
             s_dev=s_dev,
             fstype=fstype,
@@ -434,22 +423,8 @@ class Scanner:
                         ("P", o.pg_private),
                     )
                 )
-                return PageRecord(
-                    pfn=pfn,
-                    kind=kind,
-                    flags=flags,
-                    index=index,
-                    inode=host,
-                    ino=e.ino,
-                    s_dev=e.s_dev,
-                    fstype=e.fstype,
-                    fs_uuid=e.fs_uuid,
-                    bd_dev=e.bd_dev,
-                    disk=e.disk,
-                    start_sect=e.start_sect,
-                    i_size=e.i_size,
-                    blkbits=e.blkbits,
-                    state=state,
+                return replace(
+                    e, pfn=pfn, kind=kind, flags=flags, index=index, inode=host, state=state
                 )
         return PageRecord(pfn, kind, flags)
 
