@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 from page_server_helpers import make_list, nonzero_blocks, raw_copy, wait_for
 from pageshare import golden
-from pageshare.analysis.vm import QEMU, choose_accel
+from pageshare.analysis.vm import QEMU, choose_accel, console_args
 from pageshare.analysis.workload import Markers
 from pageshare.cache import cache_dir
 from pageshare.debian import PrivateApt, sources
 from pageshare.image.image_inspect import inspect_image
 from pageshare.lists import sectorlist
-from pageshare_tools.qemu_guest import boot_args, console_args, make_overlay, start_qemu
+from pageshare_tools.qemu_guest import boot_args, make_overlay, start_qemu
 
 REPO = Path(__file__).resolve().parents[1]
 DEBS = REPO / "packaging" / "debs.py"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pageshare.analysis.vm import _child_setup
+from pageshare.analysis.vm import child_setup, console_args
 from pageshare.analysis.workload import FW_CFG_NAME, kernel_cmdline
 from pageshare.host.qmp import QMP
 from pageshare.image.image_inspect import Inspection
@@ -131,28 +131,6 @@ def ps_stats(qmp: QMP) -> dict[str, int]:
     raise AssertionError("no stats for node ps")
 
 
-def console_args(accel: str, serial: Path) -> list[str]:
-    """What every guest here runs with: 1 GiB and one vCPU (the host's CPU
-    under KVM, TCG's max without 5-level paging), no default devices, no
-    display, no reboot, its console written to SERIAL."""
-    return [
-        "-m",
-        "1024M",
-        "-smp",
-        "1",
-        "-cpu",
-        "host" if accel == "kvm" else "max,la57=off",
-        "-nodefaults",
-        "-display",
-        "none",
-        "-vga",
-        "none",
-        "-no-reboot",
-        "-serial",
-        f"file:{serial}",
-    ]
-
-
 def boot_args(insp: Inspection, workload: Path) -> list[str]:
     """The image's own kernel and initrd, its root on the kernel command
     line, and WORKLOAD (a shell script) over fw_cfg
@@ -212,7 +190,7 @@ def start_qemu(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stdin=subprocess.DEVNULL,
             stdout=lf,
             stderr=lf,
-            preexec_fn=_child_setup,
+            preexec_fn=child_setup,
             start_new_session=True,
         )
 

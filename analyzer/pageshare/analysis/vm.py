@@ -30,10 +30,32 @@ PR_SET_THP_DISABLE = 41
 QEMU = os.environ.get("PAGESHARE_QEMU", "qemu-system-x86_64")
 
 
-def _child_setup() -> None:
+def child_setup() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
+
+
+def console_args(accel: str, serial: Path, ram_mib: int = 1024) -> list[str]:
+    """What every guest runs with: RAM_MIB of RAM and one vCPU (the host's CPU
+    under KVM, TCG's max without 5-level paging: one variable less), no
+    default devices, no display, no reboot, its console written to SERIAL."""
+    return [
+        "-m",
+        f"{ram_mib}M",
+        "-smp",
+        "1",
+        "-cpu",
+        "host" if accel == "kvm" else "max,la57=off",
+        "-nodefaults",
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-no-reboot",
+        "-serial",
+        f"file:{serial}",
+    ]
 
 
 def qemu_version() -> str:
@@ -93,7 +115,7 @@ def probe_kvm(kernel: Path, timeout: float = 20.0) -> tuple[bool, str]:
             cmd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_child_setup,
+            preexec_fn=child_setup,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout
@@ -154,7 +176,6 @@ class Guest:
         return self.workdir / f"{self.name}.qmp"
 
     def command(self) -> list[str]:
-        cpu = "host" if self.accel == "kvm" else "max,la57=off"  # la57 off: one variable less
         cmd = [
             QEMU,
             "-name",
@@ -164,20 +185,7 @@ class Guest:
             # Private anonymous RAM: KSM ignores shared (memfd) and hugetlb mappings.
             "-object",
             f"memory-backend-ram,id=pc.ram,size={self.ram_mib}M,merge=on",
-            "-m",
-            f"{self.ram_mib}M",
-            "-smp",
-            "1",
-            "-cpu",
-            cpu,
-            "-nodefaults",
-            "-display",
-            "none",
-            "-vga",
-            "none",
-            "-no-reboot",
-            "-serial",
-            f"file:{self.serial_log}",
+            *console_args(self.accel, self.serial_log, self.ram_mib),
             "-device",
             "vmcoreinfo",
             "-drive",
@@ -218,7 +226,7 @@ class Guest:
             stdin=subprocess.DEVNULL,
             stdout=stderr,
             stderr=stderr,
-            preexec_fn=_child_setup,
+            preexec_fn=child_setup,
             start_new_session=True,
         )
         stderr.close()
