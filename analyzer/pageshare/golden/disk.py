@@ -16,7 +16,7 @@ from pathlib import Path
 from pageshare.image import lvm
 
 from .disk_geometry import Geometry
-from .host import _run
+from .host import _run, appliance
 from .layout import GPT_BIOS_BOOT, GPT_ESP, GPT_ROOT_PARTITION, GPT_TYPE, LVM_LV, LVM_VG, SECTOR
 from .spec import _Spec
 
@@ -144,20 +144,11 @@ def _make_lvm(disk: Path, geom: Geometry) -> int:
     The host has no device-mapper, so LVM runs in the libguestfs appliance,
     which only writes LVM's metadata; the file system is copied in afterwards.
     """
-    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
-
     part = f"/dev/sda{GPT_ROOT_PARTITION}"
-    g = guestfs.GuestFS(python_return_dict=True)
-    try:
-        g.set_backend_settings(["force_tcg"])
-        g.add_drive_opts(str(disk), format="raw", readonly=0)
-        g.launch()
+    with appliance(disk) as g:
         g.pvcreate(part)
         g.vgcreate(LVM_VG, [part])
         g.lvcreate(LVM_LV, LVM_VG, geom.fs_bytes // (1024 * 1024))
-        g.shutdown()
-    finally:
-        g.close()
     offset = geom.root_start_sector * SECTOR
     with disk.open("rb") as f:
 

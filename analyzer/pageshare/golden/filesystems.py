@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .host import _run
+from .host import _run, appliance
 from .layout import FS_BLOCK
 
 FS_LABEL = "root"
@@ -68,8 +68,6 @@ def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
     tree's tar.  mkfs.xfs runs on the host; the tar is unpacked by the
     libguestfs appliance, which mounts the image (nothing is mounted on the
     host)."""
-    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
-
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
     _run(
@@ -86,17 +84,10 @@ def _make_xfs(tree: Path, fs_image: Path, fs_bytes: int, fs_uuid: str) -> None:
             str(fs_image),
         ]
     )
-    g = guestfs.GuestFS(python_return_dict=True)
-    try:
-        g.set_backend_settings(["force_tcg"])
-        g.add_drive_opts(str(fs_image), format="raw", readonly=0)
-        g.launch()
+    with appliance(fs_image) as g:
         g.mount("/dev/sda", "/")
         g.tar_in(str(tree), "/", xattrs=True, acls=True)
         g.umount_all()
-        g.shutdown()
-    finally:
-        g.close()
 
 
 def _make_btrfs(
@@ -113,8 +104,6 @@ def _make_btrfs(
     libguestfs appliance's kernel; then the files of compressed are rewritten
     in place through a compress-force mount, so their extents are compressed.
     mkfs.btrfs runs on the host; nothing is mounted on the host."""
-    import guestfs  # Debian's python3-guestfs, as image_inspect uses it
-
     with fs_image.open("wb") as f:
         f.truncate(fs_bytes)
     _run(
@@ -132,11 +121,7 @@ def _make_btrfs(
         ]
     )
     top = f"/{subvol}" if subvol else "/"
-    g = guestfs.GuestFS(python_return_dict=True)
-    try:
-        g.set_backend_settings(["force_tcg"])
-        g.add_drive_opts(str(fs_image), format="raw", readonly=0)
-        g.launch()
+    with appliance(fs_image) as g:
         g.mount("/dev/sda", "/")
         if subvol:
             g.btrfs_subvolume_create(top)
@@ -150,6 +135,3 @@ def _make_btrfs(
                 # extents are compressed.  A copy could reflink the old ones.
                 g.write(inside, g.read_file(inside))
             g.umount_all()
-        g.shutdown()
-    finally:
-        g.close()

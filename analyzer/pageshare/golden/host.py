@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from pageshare.errors import UserError
 
@@ -96,6 +97,25 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(
             f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{proc.stderr.strip()}"
         )
+
+
+@contextmanager
+def appliance(image: Path) -> Iterator[Any]:
+    """A libguestfs appliance (Debian's python3-guestfs) with the raw IMAGE as
+    its writable /dev/sda, launched; its kernel writes the image, so nothing
+    is mounted on the host.  Shut down (which syncs) when the block ends,
+    closed however it ends."""
+    import guestfs
+
+    g = guestfs.GuestFS(python_return_dict=True)
+    try:
+        g.set_backend_settings(["force_tcg"])
+        g.add_drive_opts(str(image), format="raw", readonly=0)
+        g.launch()
+        yield g
+        g.shutdown()
+    finally:
+        g.close()
 
 
 def _tail(path: Path, lines: int = 25) -> str:
