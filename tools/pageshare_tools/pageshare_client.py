@@ -25,6 +25,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+# The framing and the control socket's request as the host tools have them.
+from pageshare.host.server_control import control_request as control_request
+from pageshare.host.server_control import frame as frame
+from pageshare.host.server_control import read_exact
+
 MSG_TABLE = 1
 MSG_NO_TABLE = 2
 MSG_BYE = 3
@@ -205,20 +210,6 @@ class ByeMsg:
 Message = TableMsg | NoTableMsg | ByeMsg
 
 
-def frame(kind: int, payload: bytes = b"") -> bytes:
-    return struct.pack("<II", kind, len(payload)) + payload
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise EOFError("server closed the connection")
-        out += chunk
-    return out
-
-
 def recv_frame(sock: socket.socket, maxfds: int = 4) -> tuple[int, bytes, list[int]] | None:
     """One message as sent: its type, its payload and the descriptors that
     came with it (the caller owns them); None at end of stream."""
@@ -229,9 +220,9 @@ def recv_frame(sock: socket.socket, maxfds: int = 4) -> tuple[int, bytes, list[i
         return None
     try:
         if len(data) < 8:
-            data += _read_exact(sock, 8 - len(data))
+            data += read_exact(sock, 8 - len(data))
         kind, length = struct.unpack("<II", data)
-        return kind, _read_exact(sock, length) if length else b"", fds
+        return kind, read_exact(sock, length) if length else b"", fds
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -379,20 +370,6 @@ class PageshareClient:
     def send_raw(self, kind: int, payload: bytes) -> None:
         """Any message, as is (for tests of what the server refuses)."""
         self.sock.sendall(frame(kind, payload))
-
-
-def control_request(
-    path: str | os.PathLike[str], kind: int, payload: bytes = b"", timeout: float = 10.0
-) -> tuple[int, bytes]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(os.fspath(path))
-        s.sendall(frame(kind, payload))
-        got = recv_frame(s, maxfds=0)
-        if got is None:
-            raise EOFError("no reply")
-        k, body, _fds = got
-        return k, body
 
 
 def read_server_memory(pid: int, addr: int, length: int) -> bytes:

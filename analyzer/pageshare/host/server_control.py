@@ -20,26 +20,32 @@ MSG_STATUS_REPLY = 33
 UNREACHABLE = (OSError, EOFError, ValueError)
 
 
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    """A message as PROTOCOL.md frames it on every socket of the server."""
+    return struct.pack("<II", kind, len(payload)) + payload
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """N bytes of a message whose start has come (EOFError if they do not)."""
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("the server closed the connection mid-reply")
+        buf += chunk
+    return buf
+
+
 def control_request(
-    path: Path, kind: int, payload: bytes = b"", timeout: float = 10.0
+    path: str | os.PathLike[str], kind: int, payload: bytes = b"", timeout: float = 10.0
 ) -> tuple[int, bytes]:
     """One request on pageshare-server's control socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(os.fspath(path))
-        s.sendall(struct.pack("<II", kind, len(payload)) + payload)
-
-        def read(n: int) -> bytes:
-            buf = b""
-            while len(buf) < n:
-                chunk = s.recv(n - len(buf))
-                if not chunk:
-                    raise EOFError("the server closed the connection mid-reply")
-                buf += chunk
-            return buf
-
-        k, n = struct.unpack("<II", read(8))
-        return k, read(n)
+        s.sendall(frame(kind, payload))
+        k, n = struct.unpack("<II", read_exact(s, 8))
+        return k, read_exact(s, n)
 
 
 def server_status(control: Path, timeout: float = 10.0) -> dict[str, Any]:
