@@ -38,15 +38,7 @@ import sys
 # The code is in the tooling package (tools/pageshare_tools/ktestlib/, whose
 # __init__.py says which module holds what; a run starts at commands.py
 # cmd_run()); this file is the command line.
-from pageshare_tools.ktestlib import (
-    KtestError,
-    cmd_build,
-    cmd_check_series,
-    cmd_devtree,
-    cmd_export,
-    cmd_run,
-    cmd_selfcheck,
-)
+from pageshare_tools.ktestlib import COMMANDS, KtestError
 
 
 def main() -> int:
@@ -85,14 +77,7 @@ def main() -> int:
     if args.cmd == "run" and args.config is None:
         args.config = "plain" if args.bench else "debug"
     try:
-        return {
-            "run": cmd_run,
-            "build": cmd_build,
-            "check-series": cmd_check_series,
-            "devtree": cmd_devtree,
-            "export": cmd_export,
-            "selfcheck": cmd_selfcheck,
-        }[args.cmd](args)
+        return COMMANDS[args.cmd](args)
     except KtestError as e:
         print(f"ktest: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from .boot import (
     parse_results,
 )
 from .commands import (
+    COMMANDS,
     SCAN_SAMPLES_BAD,
     SCAN_SAMPLES_GOOD,
     check_series_locked,
@@ -122,6 +123,7 @@ __all__ = [
     "BAD_RE",
     "BENCH_GUEST_CONFIG",
     "BUILD_RECIPE",
+    "COMMANDS",
     "CONFIGS",
     "FILTER_TEST",
     "GIT_ID",

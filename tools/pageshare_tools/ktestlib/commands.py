@@ -1,6 +1,6 @@
 """The subcommands: run (build, boot, TAP report), build, check-series,
-devtree, export and selfcheck.  ktest.py's main() parses the command line
-and calls one of them."""
+devtree, export and selfcheck (COMMANDS).  ktest.py's main() parses the
+command line and calls one of them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .boot import BAD_RE, boot, extract_between, parse_results
@@ -351,3 +352,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             (PATCHES / f.name).write_text(text)
     log(f"exported {len(series_files())} patches and a cover letter to {PATCHES}")
     return 0
+
+
+# By the name ktest.py's command line gives each.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run,
+    "build": cmd_build,
+    "check-series": cmd_check_series,
+    "devtree": cmd_devtree,
+    "export": cmd_export,
+    "selfcheck": cmd_selfcheck,
+}
