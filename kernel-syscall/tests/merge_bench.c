@@ -268,6 +268,39 @@ int main(void)
 	}
 
 	/*
+	 * merge_pages at batch 32 with each destination in a page table of
+	 * its own (2 MiB apart): the kernel maps destinations that share a
+	 * page table as one run (one PTL hold, one TLB flush), so the rows
+	 * above are its best case and this one its worst.  The same 32 pages
+	 * every call, made anon again (CoW) between calls, untimed.
+	 */
+	{
+		enum { BS = 32, CALLS = 200, STRIDE = 512 };
+		struct merge_page_vec vec[BS];
+
+		dst = client_area((size_t)BS * STRIDE, 0);
+		if (!dst)
+			die("mmap");
+		for (int c = 0; c < CALLS; c++) {
+			for (int k = 0; k < BS; k++) {
+				size_t j = (size_t)c * BS + k;
+
+				vec[k].src = (uintptr_t)(srv + (j % npages) * PS);
+				vec[k].dst = (uintptr_t)(dst + (size_t)k * STRIDE * PS);
+				dst[(size_t)k * STRIDE * PS] ^= 1;
+			}
+			t0 = now_ns();
+			if (merge_pages_fd(pidfd, vec, BS, 0) != BS)
+				die("merge_pages (2 MiB apart)");
+			t1 = now_ns();
+			us[c] = (t1 - t0) / 1000.0 / BS;
+		}
+		rows[nrows++] = summarize("merge_pages, batch 32, dst 2 MiB apart, per page",
+					  us, CALLS);
+		munmap(dst, (size_t)BS * STRIDE * PS);
+	}
+
+	/*
 	 * A page mapped many times: merges of one server page into fresh
 	 * pages while it is mapped 150 to 199 times, each timed on its own.
 	 * Below max_page_sharing (256) even with the stale mappings the rows
