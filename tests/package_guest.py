@@ -293,6 +293,24 @@ def payload_list(
     )
 
 
+def serve_payload_image(lists: str, owner: str | None = None) -> str:
+    """Shell that copies the payload's test.raw and its list release v1
+    (payload_list) under LISTS, the image owned by OWNER (user and group)
+    if given, and writes /etc/pageshare/server.toml serving them."""
+    chown = f"chown {owner}:{owner} {lists}/images/test.raw && " if owner else ""
+    return (
+        f"mkdir -p {lists}/images && cp /mnt/test.raw {lists}/images/ && "
+        f"{chown}cp -r /mnt/v1 {lists}/ && "
+        "cat > /etc/pageshare/server.toml <<'EOF'\n"
+        "[[image]]\n"
+        'name = "test"\n'
+        f'path = "{lists}/images/test.raw"\n'
+        'format = "raw"\n'
+        f'list_file = "{lists}/v1/test.pcsl"\n'
+        "EOF\n"
+    )
+
+
 def payload_disk(payload: Path, disk: Path) -> Path:
     """An ext4 image of the directory ``payload``, sized by its contents."""
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())

@@ -63,6 +63,7 @@ from package_guest import (
     payload_dir,
     payload_disk,
     payload_list,
+    serve_payload_image,
     served_image,
     serving,
     wait_until,
@@ -279,16 +280,7 @@ def under_libvirt(g: Agent, suite: str, server_deb: str, qemu_deb: str, n1: int,
         "mkdir -p /etc/systemd/system/pageshare-server.service.d && cp "
         "/usr/share/doc/pageshare-server/examples/unprivileged-qemu.conf "
         "/etc/systemd/system/pageshare-server.service.d/ && systemctl daemon-reload && "
-        f"mkdir -p {LISTS}/images && cp /mnt/test.raw {LISTS}/images/ && "
-        f"chown libvirt-qemu:libvirt-qemu {LISTS}/images/test.raw && "
-        f"cp -r /mnt/v1 {LISTS}/ && "
-        "cat > /etc/pageshare/server.toml <<'EOF'\n"
-        "[[image]]\n"
-        'name = "test"\n'
-        f'path = "{LISTS}/images/test.raw"\n'
-        'format = "raw"\n'
-        f'list_file = "{LISTS}/v1/test.pcsl"\n'
-        "EOF\n"
+        + serve_payload_image(LISTS, owner="libvirt-qemu")
     )
     g.ok("systemctl start pageshare-server", timeout=120)
     serving(g, 1, n1)

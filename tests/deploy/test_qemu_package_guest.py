@@ -63,6 +63,7 @@ from package_guest import (
     payload_dir,
     payload_disk,
     payload_list,
+    serve_payload_image,
     served_image,
     serving,
     wait_until,
@@ -199,17 +200,7 @@ def run_checks(g: Agent, qemu_deb: str, server_deb: str, n1: int, full: bool, la
     assert "Setting up pageshare-server" in out, out
     assert not re.search(r"^Setting up qemu-", out, re.M), out
     assert g.run("command -v qemu-storage-daemon")[0] != 0
-    g.ok(
-        f"mkdir -p {LISTS}/images && cp /mnt/test.raw {LISTS}/images/ && "
-        f"cp -r /mnt/v1 {LISTS}/ && "
-        "cat > /etc/pageshare/server.toml <<'EOF'\n"
-        "[[image]]\n"
-        'name = "test"\n'
-        f'path = "{LISTS}/images/test.raw"\n'
-        'format = "raw"\n'
-        f'list_file = "{LISTS}/v1/test.pcsl"\n'
-        "EOF\n"
-    )
+    g.ok(serve_payload_image(LISTS))
     checked = g.ok("pageshare-server check-config /etc/pageshare/server.toml")
     assert f"images are read with {LIB}/bin/qemu-storage-daemon" in checked, checked
     g.ok("systemctl start pageshare-server", timeout=120)
