@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from package_root import Root, install_root, pageshare_debs
-from pageshare import golden
+from pageshare import cache, golden
 from pageshare.analysis.ksm import KSM, RESTORE_ORDER, host_lock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,9 +54,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.hostksm)
 
 
+# Each test's time, written as the run goes: `--durations` prints only at
+# the end, so a run stopped by CI's time limit would say nothing of where its
+# time went.  Every test goes to a file under the cache (CI runs on the same
+# machine, so the next session reads it there); tests of a minute or more
+# also to the terminal, with the time since the session started.
+_SLOW_TEST_S = 60.0
+_session_start = time.monotonic()
+_times_file = Path(os.devnull)
+_test_seconds: dict[str, float] = {}
+
+
+def _elapsed() -> float:
+    return time.monotonic() - _session_start
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _session_start, _times_file
+    _session_start = time.monotonic()
+    _times_file = cache.cache_dir("test-times") / time.strftime("%Y%m%d-%H%M%S.tsv")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         _skipped.append(report.nodeid)
+    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+    if report.when != "teardown":
+        return
+    took = _test_seconds.pop(report.nodeid)
+    with open(_times_file, "a") as f:
+        f.write(f"{_elapsed():.0f}\t{took:.1f}\t{report.nodeid}\n")
+    if took >= _SLOW_TEST_S:
+        minutes, seconds = divmod(int(_elapsed()), 60)
+        sys.stdout.write(f"\n[{minutes}:{seconds:02d} in] {report.nodeid}: {took:.0f} s\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -64,6 +95,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(f"each test's time: {_times_file}")
     if _skipped and os.environ.get("PAGESHARE_ALLOW_SKIPS") != "1":
         terminalreporter.write_line(
             f"FAILED: {len(_skipped)} test(s) skipped, and a skipped test checks nothing: "
