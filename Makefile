@@ -44,8 +44,10 @@ lint: deps
 check: deps
 	$(PY) -m pytest -q -m "not vm and not build and not hostksm"
 
+# Two workers, one lane each (tests/conftest.py says which test runs where):
+# most of the time one core waits on a single-vCPU TCG guest.
 test: deps lint
-	$(PY) -m pytest -ra --durations=25
+	$(PY) -m pytest -ra --durations=25 -n 2 --dist loadscope
 
 # The kernel series' VM tests alone; `make test` runs them too,
 # through tests/kernel/test_kernel_syscall.py.

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from package_root import Root, install_root, pageshare_debs
@@ -54,6 +55,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.hostksm)
 
 
+# `make test` runs two pytest workers (pytest-xdist), one lane each, because
+# most of its time one core waits on a single-vCPU TCG guest.  The lanes
+# split by what a test shares with the host: "analysis" (tests/analyzer,
+# tests/images) boots analysis guests and takes turns on the host's KSM (its
+# lock); "hosts" (everything else) installs packages in guests and drives
+# QEMU's migration, libvirt, the page server and the kernel series' VM, and
+# is the only lane that touches the host's libvirtd and fixed ports.  What
+# both build (images, apt lists, package roots) is made under a lock
+# (pageshare.cache.locked), once.  Within a lane, tests run in file order.
+ANALYSIS_LANE_DIRS = ("tests/analyzer/", "tests/images/")
+
+
+def lane(nodeid: str) -> str:
+    return "analysis" if nodeid.startswith(ANALYSIS_LANE_DIRS) else "hosts"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # xdist's own loadgroup cannot be used: it renames items' nodeids, which
+    # pytest 9 no longer lets it do.  A scope per lane does the same.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return LaneScheduling(config, log)
+
+
 # Each test's time, written as the run goes: `--durations` prints only at
 # the end, so a run stopped by CI's time limit would say nothing of where its
 # time went.  Every test goes to a file under the cache (CI runs on the same
@@ -72,10 +101,18 @@ def _elapsed() -> float:
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _session_start, _times_file
     _session_start = time.monotonic()
+    if _IN_WORKER:
+        return
     _times_file = cache.cache_dir("test-times") / time.strftime("%Y%m%d-%H%M%S.tsv")
 
 
+# A worker's reports reach the controlling process too: count them there.
+_IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _IN_WORKER:
+        return
     if report.skipped and not hasattr(report, "wasxfail"):
         _skipped.append(report.nodeid)
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration

@@ -29,7 +29,7 @@ from page_server_helpers import make_list, nonzero_blocks, raw_copy, wait_for
 from pageshare import golden
 from pageshare.analysis.vm import QEMU, choose_accel, console_args
 from pageshare.analysis.workload import Markers
-from pageshare.cache import cache_dir
+from pageshare.cache import cache_dir, locked
 from pageshare.debian import PrivateApt, sources
 from pageshare.image.image_inspect import inspect_image
 from pageshare.lists import sectorlist
@@ -96,6 +96,16 @@ def guest_repo(
     repo = cache_dir("guest-repos") / f"{img.variant}-{key[:16]}"
     if (repo / "Packages").exists():
         return repo
+    with locked(Path(str(repo) + ".lock")):  # another worker may be making it
+        if (repo / "Packages").exists():
+            return repo
+        _make_guest_repo(img, deb, also, suite, tmp, repo)
+    return repo
+
+
+def _make_guest_repo(
+    img: golden.GoldenImage, deb: Path, also: tuple[str, ...], suite: str, tmp: Path, repo: Path
+) -> None:
     apt = PrivateApt(cache_dir(f"apt-{suite}"), sources([suite]))
     status = tmp / "status"
     status.write_text(image_dpkg_status(img, tmp))
@@ -141,7 +151,6 @@ def guest_repo(
     ).stdout
     (staging / "Packages").write_text(packages)
     staging.rename(repo)
-    return repo
 
 
 PERL_CLIENT = r"""

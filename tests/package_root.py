@@ -20,7 +20,7 @@ from pathlib import Path
 
 import debs
 from pageshare import debian
-from pageshare.cache import cache_dir
+from pageshare.cache import cache_dir, locked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,10 @@ def install_root(suite: str, debs: tuple[Path, ...], dest: Path) -> Root:
         str(dest),
         *debian.sources([suite]),
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    # One mmdebstrap a suite at a time: each copies the shared archives in
+    # and out, and two at once would read each other's half-written files.
+    with locked(archives.with_name(f".lock-{suite}")):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     if p.returncode != 0:
         raise AssertionError(
             f"installing {' '.join(d.name for d in debs)} into a fresh "

@@ -70,5 +70,8 @@ class PrivateApt:
         return [*opts, "-o", "APT::Get::List-Cleanup=0"]
 
     def command(self, tool: str, *args: str) -> list[str]:
-        """[tool, private options..., args...] for apt-get or apt-cache."""
-        return [tool, *self.opts(), *args]
+        """[flock, lock, tool, private options..., args...] for apt-get or
+        apt-cache.  apt's own locks are off (Debug::NoLocking: they want
+        root's /var/lib/dpkg), so flock(1) on a file in the root keeps two
+        runs (make test's two workers) from writing its lists at once."""
+        return ["flock", str(self.root / ".lock"), tool, *self.opts(), *args]

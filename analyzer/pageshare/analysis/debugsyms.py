@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import debian
-from ..cache import cache_dir
+from ..cache import cache_dir, locked
 from ..errors import UserError
 
 DEBIAN_SUITES = ("bookworm", "trixie")
@@ -79,6 +79,22 @@ def find_vmlinux(kernel_version: str, want_build_id: str | None, log: LogFn | No
     by_version = root / "by-version" / kernel_version
     if by_version.exists() and not want_build_id:
         return by_version.resolve()
+    # One download a kernel version at a time (make test's two workers).
+    with locked(root / f".lock-{kernel_version}"):
+        if want_build_id and (root / want_build_id / "vmlinux").exists():
+            return root / want_build_id / "vmlinux"
+        if by_version.exists() and not want_build_id:
+            return by_version.resolve()
+        return _download_vmlinux(root, by_version, kernel_version, want_build_id, log)
+
+
+def _download_vmlinux(
+    root: Path,
+    by_version: Path,
+    kernel_version: str,
+    want_build_id: str | None,
+    log: LogFn | None,
+) -> Path:
     package = f"linux-image-{kernel_version}-dbg"
     apt = AptCache()
     if log:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pageshare.cache import cache_dir
+from pageshare.cache import cache_dir, locked
 
 from .bootloader import _install_grub_efi
 from .disk import _assemble_disk, _to_qcow2
@@ -184,6 +184,15 @@ def build_image(variant: str, *, force: bool = False, log: Log = _log_stderr) ->
         if cached is not None:
             return cached
     images = cache_dir("images")
+    with locked(images / f".lock-{variant}"):
+        if not force:
+            cached = cached_image(variant)  # built while we waited
+            if cached is not None:
+                return cached
+        return _build_locked(variant, spec, images, force, log)
+
+
+def _build_locked(variant: str, spec: _Spec, images: Path, force: bool, log: Log) -> GoldenImage:
     _preflight(spec, images)
     # The work dir sits beside the final one so publication is a rename
     # within one filesystem, and so big temporaries stay off a small /tmp.
