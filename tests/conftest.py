@@ -55,20 +55,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.hostksm)
 
 
-# `make test` runs two pytest workers (pytest-xdist), one lane each, because
-# most of its time one core waits on a single-vCPU TCG guest.  The lanes
-# split by what a test shares with the host: "analysis" (tests/analyzer,
-# tests/images) boots analysis guests and takes turns on the host's KSM (its
-# lock); "hosts" (everything else) installs packages in guests and drives
-# QEMU's migration, libvirt, the page server and the kernel series' VM, and
-# is the only lane that touches the host's libvirtd and fixed ports.  What
-# both build (images, apt lists, package roots) is made under a lock
-# (pageshare.cache.locked), once.  Within a lane, tests run in file order.
+# `make test` runs two pytest workers (pytest-xdist), because most of the
+# time one core waits on a single-vCPU TCG guest.  Tests that share
+# something of the host's run in one lane, one test at a time, in file
+# order: "analysis" (tests/analyzer, tests/images) boots analysis guests and
+# takes turns on the host's KSM (its lock); "hosts" drives the host's
+# libvirtd, fixed ports, QEMU's migration and the page server.  The files
+# in FREE_FILES share nothing of the host (their guests and VM hold all they
+# test) and are long: each is a unit of its own that the first worker to
+# run dry takes, after both lanes have started.  What two workers may build
+# at once (images, apt lists, package roots) is made under a lock
+# (pageshare.cache.locked), once.
 ANALYSIS_LANE_DIRS = ("tests/analyzer/", "tests/images/")
+FREE_FILES = (
+    "tests/deploy/test_host_package_guest.py",
+    "tests/deploy/test_qemu_package_guest.py",
+    "tests/deploy/test_server_package_guest.py",
+    "tests/kernel/test_kernel_syscall.py",
+)
 
 
 def lane(nodeid: str) -> str:
-    return "analysis" if nodeid.startswith(ANALYSIS_LANE_DIRS) else "hosts"
+    path = nodeid.split("::", 1)[0]
+    if path in FREE_FILES:
+        return path
+    return "analysis" if path.startswith(ANALYSIS_LANE_DIRS) else "hosts"
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -76,10 +87,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     # pytest 9 no longer lets it do.  A scope per lane does the same.
     from xdist.scheduler import LoadScopeScheduling
 
+    gone = [f for f in FREE_FILES if not (REPO / f).exists()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py: FREE_FILES names files that are gone: {gone}")
+
     class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             return lane(nodeid)
 
+        def _reschedule(self, node: Any) -> None:
+            # xdist tops a worker up when 2 of its tests are left, so a
+            # worker still busy with a lane would take a free file ahead of
+            # the other, idle one.  With 1 left a worker is waiting (it runs
+            # a test only once it knows the next one): that is running dry.
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    # Both lanes first, then the free files, in that order (not xdist's
+    # default of the largest unit first).
+    config.option.loadscopereorder = False
     return LaneScheduling(config, log)
 
 
