@@ -117,12 +117,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # Each test's time, written as the run goes: `--durations` prints only at
 # the end, so a run stopped by CI's time limit would say nothing of where its
 # time went.  Every test goes to a file under the cache (CI runs on the same
-# machine, so the next session reads it there); tests of a minute or more
-# also to the terminal, with the time since the session started.
+# machine, so the next session reads it there) with its outcome; tests of a
+# minute or more, and any that did not pass, also to the terminal, with the
+# time since the session started.
 _SLOW_TEST_S = 60.0
 _session_start = time.monotonic()
 _times_file = Path(os.devnull)
 _test_seconds: dict[str, float] = {}
+_test_outcome: dict[str, str] = {}
 
 
 def _elapsed() -> float:
@@ -147,14 +149,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         _skipped.append(report.nodeid)
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+    if report.outcome != "passed":
+        _test_outcome.setdefault(report.nodeid, f"{report.outcome} in {report.when}")
     if report.when != "teardown":
         return
     took = _test_seconds.pop(report.nodeid)
+    outcome = _test_outcome.pop(report.nodeid, "passed")
     with open(_times_file, "a") as f:
-        f.write(f"{_elapsed():.0f}\t{took:.1f}\t{report.nodeid}\n")
-    if took >= _SLOW_TEST_S:
+        f.write(f"{_elapsed():.0f}\t{took:.1f}\t{report.nodeid}\t{outcome}\n")
+    if took >= _SLOW_TEST_S or outcome != "passed":
         minutes, seconds = divmod(int(_elapsed()), 60)
-        sys.stdout.write(f"\n[{minutes}:{seconds:02d} in] {report.nodeid}: {took:.0f} s\n")
+        sys.stdout.write(
+            f"\n[{minutes}:{seconds:02d} in] {report.nodeid}: {took:.0f} s, {outcome}\n"
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
