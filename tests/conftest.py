@@ -68,17 +68,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # order: "analysis" (tests/analyzer, tests/images) boots analysis guests and
 # takes turns on the host's KSM (its lock); "hosts" drives the host's
 # libvirtd, fixed ports, QEMU's migration and the page server.  The files
-# in FREE_FILES share nothing of the host (their guests and VM hold all they
-# test) and are long: each is a unit of its own that the first worker to
+# in FREE_FILES share nothing of the host (their guests, dumps and VM hold
+# all they test) and are long: each is a unit of its own that the first worker to
 # run dry takes, after both lanes have started.  What two workers may build
 # at once (images, apt lists, package roots) is made under a lock
 # (pageshare.cache.locked), once.
 ANALYSIS_LANE_DIRS = ("tests/analyzer/", "tests/images/")
-# Longest first (minutes in a warm two-worker run: 26.5, 13.6, 8.7, 7.3),
-# so that the last one handed out is short.
+# Longest first (minutes in a warm two-worker run: 26.5, 13.6, 9.0, 8.7,
+# 7.3), so that the last one handed out is short.
 FREE_FILES = (
     "tests/deploy/test_host_package_guest.py",
     "tests/kernel/test_kernel_syscall.py",
+    "tests/analyzer/test_drgn_backend.py",
     "tests/deploy/test_server_package_guest.py",
     "tests/deploy/test_qemu_package_guest.py",
 )
