@@ -135,6 +135,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # minute or more, and any that did not pass, also to the terminal, with the
 # time since the session started.
 _SLOW_TEST_S = 60.0
+# A worker's reports reach the controlling process too: count them there.
+_IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 _session_start = time.monotonic()
 _times_file = Path(os.devnull)
 _test_seconds: dict[str, float] = {}
@@ -151,10 +153,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if _IN_WORKER:
         return
     _times_file = cache.cache_dir("test-times") / time.strftime("%Y%m%d-%H%M%S.tsv")
-
-
-# A worker's reports reach the controlling process too: count them there.
-_IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
