@@ -254,13 +254,24 @@ def host_guard(tmp_path: Path) -> Iterator[None]:
     """Fails the test if it changed host KSM settings or left its QEMU running.
 
     Holds the host KSM lock around the comparison, so that a concurrent
-    analysis (another developer's, on a shared machine) cannot make it flaky.
+    analysis (the other worker's, or another developer's on a shared
+    machine) cannot make it flaky.  That means waiting for the analysis,
+    at the start and at the end: tests that do not touch KSM use
+    qemu_guard instead.
     """
     with host_lock():
         before_ksm = ksm_settings()
     yield
     with host_lock():
         assert ksm_settings() == before_ksm, "host KSM settings were not restored"
+    assert qemu_pids(str(tmp_path)) == set(), "a QEMU process was left running"
+
+
+@pytest.fixture
+def qemu_guard(tmp_path: Path) -> Iterator[None]:
+    """Fails the test if it left a QEMU of its own (one running on a file
+    in its tmp_path) running."""
+    yield
     assert qemu_pids(str(tmp_path)) == set(), "a QEMU process was left running"
 
 

@@ -538,7 +538,7 @@ def stop_qemu(p: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.build
-@pytest.mark.usefixtures("host_guard")
+@pytest.mark.usefixtures("qemu_guard")
 def test_guest_without_the_filter_is_reported(tmp_path: Path) -> None:
     build = qemu_build()
     raw = tmp_path / "base.raw"

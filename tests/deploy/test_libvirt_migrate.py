@@ -287,7 +287,7 @@ def watch_migration(sock: Path, node: str, stop: list[bool]) -> dict[str, Any]:
 
 
 def test_virsh_migrate_live_puts_the_filter_in_place_first(
-    tmp_path: Path, host_guard: None
+    tmp_path: Path, qemu_guard: None
 ) -> None:
     q = qemu_build()
     image = golden.build_image("small").path

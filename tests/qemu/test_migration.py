@@ -93,7 +93,7 @@ def require_refs(q: QemuBuild) -> None:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, base: Base, host_guard: None) -> Iterator[Callable[[str], Rig]]:
+def rig(tmp_path: Path, base: Base, qemu_guard: None) -> Iterator[Callable[[str], Rig]]:
     made: list[Rig] = []
 
     def make(command: str) -> Rig:

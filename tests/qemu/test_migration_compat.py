@@ -119,7 +119,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Base:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, base: Base, host_guard: None) -> Iterator[Callable[[], Rig]]:
+def rig(tmp_path: Path, base: Base, qemu_guard: None) -> Iterator[Callable[[], Rig]]:
     made: list[Rig] = []
 
     def make() -> Rig:
