@@ -346,7 +346,7 @@ def booted(img: golden.GoldenImage, disk: Path, tmp_path: Path) -> Iterator[Agen
     cmd = [
         QEMU,
         "-machine",
-        f"q35,accel={accel}",
+        f"q35,accel={accel},mem-merge=off",
         *console_args(accel, serial),
         "-drive",
         f"file={ovl},format=qcow2,if=virtio,discard=unmap",

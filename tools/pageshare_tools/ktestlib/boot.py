@@ -79,6 +79,9 @@ def boot(
         "qemu-system-x86_64",
         "-accel",
         "tcg",
+        # not the host's ksmd's to scan: an analysis may run it beside us
+        "-machine",
+        "mem-merge=off",
         "-cpu",
         "max",
         "-m",
