@@ -93,6 +93,20 @@ def test_trixie_variant_is_small_packages_on_demo_layout() -> None:
     assert len({i for _, i in ids}) == len(ids)
 
 
+def test_libvirt_variants_are_small_and_trixie_with_libvirt() -> None:
+    small = golden._spec("small")
+    for name, suite in (("libvirt", "bookworm"), ("libvirt-trixie", "trixie")):
+        spec = golden._spec(name)
+        assert (spec.suite, spec.mmdebstrap_variant) == (suite, small.mmdebstrap_variant)
+        assert spec.packages[: len(small.packages)] == small.packages
+        assert set(spec.packages) - set(small.packages) == {
+            "libvirt-daemon-system",
+            "python3-libvirt",
+            "apparmor",
+        }
+        assert golden.geometry(name).layout == "whole-disk"
+
+
 def test_bootsplit_variant_is_small_packages_with_a_separate_boot() -> None:
     spec, small = golden._spec("bootsplit"), golden._spec("small")
     assert (spec.packages, spec.mmdebstrap_variant, spec.suite) == (

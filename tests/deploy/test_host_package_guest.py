@@ -1,13 +1,17 @@
 """pageshare-host, the hypervisor's package, in a booted golden image.
 
 pageshare-host, pageshare-server and pageshare-qemu are built on the host
-(``packaging/debs.py``, cached); a golden image boots with systemd as PID 1
-(TCG here) with a second, read-only disk holding the .debs, a flat apt
-repository with what the image lacks for them and for libvirt (Debian's
-libvirt-daemon-system, python3-libvirt, apparmor; resolved and downloaded
-on the host for the image's own dpkg status, as in
-``test_server_package_guest``), a 16 MiB image and a list for it.  The
-guest has no network.  Checked, on Debian 12 (small) and 13 (trixie):
+(``packaging/debs.py``, cached).  Two golden images of the suite boot in
+turn with systemd as PID 1 (TCG here), each with a second, read-only disk
+holding the .debs and a flat apt repository with what the image lacks for
+them (resolved and downloaded on the host for the image's own dpkg status,
+as in ``test_server_package_guest``): first the plain image, a new
+hypervisor without libvirt; then the same suite's image with Debian's
+libvirt in it (golden variants ``libvirt`` and ``libvirt-trixie``:
+libvirt-daemon-system, python3-libvirt, apparmor, installed when the image
+was built, which apt in a TCG guest took 5 minutes to do), with a 16 MiB
+image and a list for it too.  The guests have no network.  Checked, on
+Debian 12 (small) and 13 (trixie):
 
 - ``apt-get install ./pageshare-host_*.deb`` alone brings python3 and
   nothing of the analyzer (no drgn, libguestfs, supermin, crash, QEMU; no
@@ -19,8 +23,9 @@ guest has no network.  Checked, on Debian 12 (small) and 13 (trixie):
 - pageshare-libvirt-watch.service is installed, enabled, skipped while
   libvirtd is missing, verifies, and scores below 4.0 in ``systemd-analyze
   security`` (pageshare-server.service too);
-- with libvirt, AppArmor, the server and the patched QEMU installed, as
-  Debian's libvirt runs QEMU by default (user libvirt-qemu, and the
+- with pageshare-host, the patched QEMU and the server installed where
+  libvirt and AppArmor are (nothing of Debian's QEMU or the analyzer comes
+  with them), as Debian's libvirt runs QEMU by default (user libvirt-qemu, and the
   server with its unprivileged-qemu.conf drop-in): where the guest kernel
   has AppArmor, ``pageshare host check`` warns that libvirt's domains'
   profile and libvirtd's lack pageshare-host's parts, naming the file for
@@ -73,6 +78,8 @@ from pageshare import golden
 pytestmark = pytest.mark.build
 
 VARIANTS = {"small": "bookworm", "trixie": "trixie"}
+# each suite's golden image with Debian's libvirt (LIBVIRT) in it
+HYPERVISORS = {"small": "libvirt", "trixie": "libvirt-trixie"}
 WATCH = "pageshare-libvirt-watch.service"
 LIBVIRT = ("libvirt-daemon-system", "python3-libvirt", "apparmor")
 EMULATOR = "/usr/lib/pageshare-qemu/bin/qemu-system-x86_64"
@@ -128,21 +135,32 @@ def test_host_package_on_a_hypervisor(variant: str, tmp_path: Path) -> None:
     server_deb = build_deb("pageshare-server")
     qemu_deb = build_deb("pageshare-qemu")
     img = golden.build_image(variant)
-    repo = guest_repo(
-        img, suite, host_deb, tmp_path, also=(str(server_deb), str(qemu_deb), *LIBVIRT)
+    repo = guest_repo(img, suite, host_deb, tmp_path)
+    hypervisor = golden.build_image(HYPERVISORS[variant])
+    assert hypervisor.manifest["suite"] == suite, hypervisor.manifest
+    hv_repo = guest_repo(
+        hypervisor, suite, host_deb, tmp_path, also=(str(server_deb), str(qemu_deb))
     )
     lap("build")
 
-    payload = payload_dir(tmp_path, repo, (host_deb, server_deb, qemu_deb))
-    ident = served_image(payload, random.Random(24).randbytes(16 << 20))
-    n1 = len(payload_list(payload, ident, "v1", 3).blocks)
-    (payload / "client.pl").write_text(PERL_CLIENT)
-    disk = payload_disk(payload, tmp_path / "payload.ext4")
-    with booted(img, disk, tmp_path) as g:
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    disk = payload_disk(payload_dir(alone, repo, (host_deb,)), alone / "payload.ext4")
+    with booted(img, disk, alone) as g:
         lap("boot")
         sizes = host_alone(g, host_deb.name, lap)
         print(f"pageshare-host on {suite}: {json.dumps(sizes)}")
-        under_libvirt(g, suite, server_deb.name, qemu_deb.name, n1, lap)
+
+    hv = tmp_path / "libvirt"
+    hv.mkdir()
+    payload = payload_dir(hv, hv_repo, (host_deb, server_deb, qemu_deb))
+    ident = served_image(payload, random.Random(24).randbytes(16 << 20))
+    n1 = len(payload_list(payload, ident, "v1", 3).blocks)
+    (payload / "client.pl").write_text(PERL_CLIENT)
+    disk = payload_disk(payload, hv / "payload.ext4")
+    with booted(hypervisor, disk, hv) as g:
+        lap("boot-libvirt")
+        under_libvirt(g, suite, host_deb.name, server_deb.name, qemu_deb.name, n1, lap)
     print(f"phases (s): {times}")
 
 
@@ -251,26 +269,35 @@ def severities(g: Agent) -> list[str]:
     return [f["severity"] for f in apparmor_findings(g)]
 
 
-def under_libvirt(g: Agent, suite: str, server_deb: str, qemu_deb: str, n1: int, lap: Any) -> None:
+def under_libvirt(
+    g: Agent, suite: str, host_deb: str, server_deb: str, qemu_deb: str, n1: int, lap: Any
+) -> None:
     """libvirt as Debian runs it, the server, the patched QEMU and the
     watcher under its hardened unit, with libvirt's AppArmor profile."""
-    # pageshare-qemu first: it then satisfies the server's qemu-storage-daemon
-    out = g.ok(f"{INSTALL} ./{qemu_deb}", timeout=900)
-    out += g.ok(f"{INSTALL} {' '.join(LIBVIRT)} ./{server_deb}", timeout=1800)
-    assert "Setting up libvirt-daemon-system" in out, out
+    g.ok("mount -o ro /dev/vdb /mnt && " + USE_REPO)
+    have = installed(g)
+    assert not [p for p in have if p.startswith("pageshare")], sorted(have)
+    assert all(p in have for p in LIBVIRT), f"the image lacks some of {LIBVIRT}"
+    # pageshare-qemu before the server: it then satisfies the server's
+    # qemu-storage-daemon
+    out = g.ok(f"{INSTALL} ./{host_deb}", timeout=900)
+    out += g.ok(f"{INSTALL} ./{qemu_deb}", timeout=900)
+    out += g.ok(f"{INSTALL} ./{server_deb}", timeout=900)
+    assert "Setting up pageshare-server" in out, out
     # Nothing of Debian's QEMU or the analyzer comes with pageshare's
     # packages.  Debian 13's libvirt QEMU driver itself depends on Debian's
     # QEMU ("qemu-kvm | qemu-system"; 12's does not): there, and only if apt
-    # says that is why, Debian's emulator is installed beside pageshare-qemu's.
+    # says that is why, Debian's emulator is in the image beside pageshare-qemu's.
     unwanted = ["qemu-utils", "python3-drgn", "libguestfs"]
     libvirt_needs = g.ok("apt-cache depends libvirt-daemon-driver-qemu")
     if not re.search(r"^\s*\|?Depends: <?(qemu-kvm|qemu-system)>?$", libvirt_needs, re.M):
         unwanted.append("qemu-system")
+        assert not [p for p in have if p.startswith("qemu-system")], sorted(have)
     assert not re.search(rf"^Setting up ({'|'.join(unwanted)})", out, re.M), out
     # libvirtd may have started before apparmor loaded its profile, and
     # uses AppArmor for QEMU only when it runs confined itself
     g.ok("systemctl restart libvirtd", timeout=120)
-    lap("install-libvirt")
+    lap("install-on-libvirt")
     server_score = score(g, "pageshare-server.service")
     print(f"systemd-analyze security: pageshare-server.service {server_score}")
     assert server_score < 4.0

@@ -18,6 +18,10 @@ HOSTNAME = "pageshare-golden"
 _SOURCES = debian.sources(["bookworm"])
 _TRIXIE_SOURCES = debian.sources(["trixie"])
 _BOOT_PACKAGES = ["linux-image-cloud-amd64", "systemd-sysv", "udev", "kmod", "initramfs-tools"]
+# Debian's libvirt as a hypervisor runs it (without Recommends, as
+# mmdebstrap installs): the daemon, its Python binding (pageshare
+# libvirt-watch) and AppArmor, which confines libvirt's QEMUs.
+_LIBVIRT_PACKAGES = ["libvirt-daemon-system", "python3-libvirt", "apparmor"]
 
 VARIANTS: dict[str, dict[str, object]] = {
     "demo": {
@@ -230,6 +234,35 @@ VARIANTS: dict[str, dict[str, object]] = {
             "3": "4e9a2c7d-b158-4f03-8d6e-a1c3f5b9e027",
             "4": "a7f1d3b9-62e4-4c8a-95d0-3e8b1c6f4a52",
         },
+        "hostname": HOSTNAME,
+    },
+    # small's packages and libvirt's (Debian 12, then 13): a hypervisor that
+    # has libvirt and not yet pageshare, for pageshare-host's package test
+    # (tests/deploy/test_host_package_guest.py), which would otherwise
+    # install libvirt with apt in a TCG guest (5 minutes each).  Debian
+    # 13's libvirt QEMU driver brings Debian's QEMU too.
+    "libvirt": {
+        "suite": "bookworm",
+        "sources": _SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, *_LIBVIRT_PACKAGES],
+        "layout": "whole-disk",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "1326eec7-624b-43a0-97ae-275ec3605dfd",
+        "disk_guid": None,
+        "partition_guids": {},
+        "hostname": HOSTNAME,
+    },
+    "libvirt-trixie": {
+        "suite": "trixie",
+        "sources": _TRIXIE_SOURCES,
+        "mmdebstrap_variant": "required",
+        "packages": [*_BOOT_PACKAGES, *_LIBVIRT_PACKAGES],
+        "layout": "whole-disk",
+        "virtual_size": 2 * GIB,
+        "fs_uuid": "a86cee3e-78ad-4c8e-8ea3-271e935c89fc",
+        "disk_guid": None,
+        "partition_guids": {},
         "hostname": HOSTNAME,
     },
 }
