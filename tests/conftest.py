@@ -74,11 +74,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # at once (images, apt lists, package roots) is made under a lock
 # (pageshare.cache.locked), once.
 ANALYSIS_LANE_DIRS = ("tests/analyzer/", "tests/images/")
-# Longest first (minutes in a warm two-worker run: 26.5, 13.6, 9.0, 8.7,
-# 7.3), so that the last one handed out is short.
+# The kernel suite first: it is one test of 15-20 minutes, and an xdist
+# worker holds the unit after its running test's (it runs a test only once
+# it knows the next), so a unit handed out behind it waits that long.
+# Then longest first (minutes in the warm two-worker run of 76302ec:
+# 17 in two tests, 7.5, 9, 7), so that the last one handed out is short.
 FREE_FILES = (
-    "tests/deploy/test_host_package_guest.py",
     "tests/kernel/test_kernel_syscall.py",
+    "tests/deploy/test_host_package_guest.py",
     "tests/analyzer/test_drgn_backend.py",
     "tests/deploy/test_server_package_guest.py",
     "tests/deploy/test_qemu_package_guest.py",
