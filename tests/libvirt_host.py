@@ -166,9 +166,7 @@ def domain_xml(
 ) -> str:
     """A domain an operator would define: TCG (type qemu), q35, virtio disks.
     SERIAL_APPEND: QEMU appends to the serial log instead of truncating it
-    (a migration's destination on this host writes the same file).  Its
-    RAM is not KSM's (nosharepages: mem-merge=off): the analyses that run
-    beside these tests drive the host's ksmd, which should not scan it."""
+    (a migration's destination on this host writes the same file)."""
     os_boot = ""
     if boot:
         os_boot = "".join(f"<{k}>{escape(v)}</{k}>" for k, v in boot.items())
@@ -181,7 +179,6 @@ def domain_xml(
     return f"""<domain type='qemu'>
   <name>{name}</name>
   <memory unit='MiB'>1024</memory>
-  <memoryBacking><nosharepages/></memoryBacking>
   <vcpu>1</vcpu>
   <os><type arch='x86_64' machine='q35'>hvm</type>{os_boot}</os>
   {sysinfo}

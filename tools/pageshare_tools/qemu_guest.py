@@ -164,11 +164,10 @@ def guest_cmd(
     WORKLOAD (fw_cfg, pageshare.analysis.workload) and writing its console to
     SERIAL.  Guest RAM is a private anonymous memory-backend-ram, so
     virtio-blk reads land in buffers the filter accepts as guest RAM (no
-    x-any-buffer), and not KSM's to scan (merge=off): these guests share
-    through the filter, and a host ksmd running for something else (an
-    analysis beside the tests) would only spend CPU on them.  DISKS: the
-    -blockdev (and other) arguments of its disks; the guest's disks are the
-    "-device" entries among them.  MACHINE: the
+    x-any-buffer), and mergeable (QEMU's default): merge_pages() refuses a
+    destination that is not VM_MERGEABLE, so merge mode needs it.  DISKS:
+    the -blockdev (and other) arguments of its disks; the guest's disks are
+    the "-device" entries among them.  MACHINE: the
     machine type (q35 is the newest pc-q35-*; a migration between two
     builds names one).  QMP, then each of MORE_QMP: a QMP socket."""
     return [
@@ -176,7 +175,7 @@ def guest_cmd(
         "-machine",
         f"{machine},accel={accel},memory-backend=pc.ram",
         "-object",
-        "memory-backend-ram,id=pc.ram,size=1024M,share=off,merge=off",
+        "memory-backend-ram,id=pc.ram,size=1024M,share=off",
         *console_args(accel, serial),
         *disks,
         *(a for p in (qmp, *more_qmp) for a in ("-qmp", f"unix:{p},server=on,wait=off")),
