@@ -1613,6 +1613,7 @@ def main() -> int:
         args.corunner,
     )
     workload = list_workload(st.grep_dirs) if args.list_from == "workload" else None
+    ktest.exit_on_sigterm()  # a stopped run stops its pageshare host VM too
     t_start = time.monotonic()
     # refuse early: before the golden image, the kernels and QEMU are built
     host_preflight(

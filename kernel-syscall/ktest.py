@@ -38,7 +38,7 @@ import sys
 # The code is in the tooling package (tools/pageshare_tools/ktestlib/, whose
 # __init__.py says which module holds what; a run starts at commands.py
 # cmd_run()); this file is the command line.
-from pageshare_tools.ktestlib import COMMANDS, KtestError
+from pageshare_tools.ktestlib import COMMANDS, KtestError, exit_on_sigterm
 
 
 def main() -> int:
@@ -74,6 +74,7 @@ def main() -> int:
     sub.add_parser("export", help="git format-patch the dev tree back into patches/")
     sub.add_parser("selfcheck", help="check the kernel log scanner on sample lines")
     args = ap.parse_args()
+    exit_on_sigterm()
     if args.cmd == "run" and args.config is None:
         args.config = "plain" if args.bench else "debug"
     try:

@@ -5,6 +5,7 @@ serial lines, the TAP results parsed from them and the kernel log scan
 from __future__ import annotations
 
 import re
+import selectors
 import shlex
 import subprocess
 import time
@@ -112,52 +113,55 @@ def boot(
             errors="replace",
             bufsize=1,
         )
-        assert p.stdout is not None
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(p.stdout, selectors.EVENT_READ)
-        in_dmesg = False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                p.kill()
-                if not any(x.startswith("KTEST-DONE") for x in lines):
-                    lines.append("KTEST-TIMEOUT")
-                    lf.write("KTEST-TIMEOUT\n")
-                break
-            if not sel.select(timeout=min(left, 5)):
-                if p.poll() is not None:
+        # The VM goes with this process on every way out (an exception,
+        # KeyboardInterrupt, SIGTERM where the caller made it an exit:
+        # common.exit_on_sigterm); one left running holds its RAM and a core.
+        try:
+            assert p.stdout is not None
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            in_dmesg = False
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    p.kill()
+                    if not any(x.startswith("KTEST-DONE") for x in lines):
+                        lines.append("KTEST-TIMEOUT")
+                        lf.write("KTEST-TIMEOUT\n")
                     break
-                continue
-            chunk = p.stdout.readline()
-            if not chunk:
-                break
-            line = chunk.rstrip("\r\n")
-            lf.write(line + "\n")
-            lf.flush()
-            lines.append(line)
-            if line.startswith("KTEST-DONE"):
-                # Give the guest a moment to reboot (QEMU exits), then stop it.
-                deadline = min(deadline, time.monotonic() + 10)
-            if line.startswith("KTEST-DMESG-BEGIN"):
-                in_dmesg = True
-            elif line.startswith("KTEST-DMESG-END"):
-                in_dmesg = False
-            elif not in_dmesg and (
-                show(line)
-                if show
-                else (
-                    line.startswith("KTEST-")
-                    or re.match(r"^\s*(not )?ok \d+", line)
-                    or line.startswith("# Totals")
-                    or BAD_RE.search(line)
-                )
-            ):
-                print(f"  | {line}", flush=True)
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=30)
+                if not sel.select(timeout=min(left, 5)):
+                    if p.poll() is not None:
+                        break
+                    continue
+                chunk = p.stdout.readline()
+                if not chunk:
+                    break
+                line = chunk.rstrip("\r\n")
+                lf.write(line + "\n")
+                lf.flush()
+                lines.append(line)
+                if line.startswith("KTEST-DONE"):
+                    # Give the guest a moment to reboot (QEMU exits), then stop it.
+                    deadline = min(deadline, time.monotonic() + 10)
+                if line.startswith("KTEST-DMESG-BEGIN"):
+                    in_dmesg = True
+                elif line.startswith("KTEST-DMESG-END"):
+                    in_dmesg = False
+                elif not in_dmesg and (
+                    show(line)
+                    if show
+                    else (
+                        line.startswith("KTEST-")
+                        or re.match(r"^\s*(not )?ok \d+", line)
+                        or line.startswith("# Totals")
+                        or BAD_RE.search(line)
+                    )
+                ):
+                    print(f"  | {line}", flush=True)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
     return lines
 
 

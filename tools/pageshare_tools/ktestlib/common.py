@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from pageshare import cache
@@ -39,6 +41,17 @@ class KtestError(Exception):
 
 def log(msg: str) -> None:
     print(f"ktest: {msg}", flush=True)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`kill`, a CI runner's stop) an exit that runs the
+    finally blocks, so a booted VM goes with its command (boot()) instead of
+    running on, orphaned, with its RAM and a core.  For command lines only."""
+
+    def stop(signum: int, _frame: object) -> None:
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def cache_root() -> Path:
