@@ -1271,6 +1271,13 @@ def markdown(summary: dict[str, Any], cmdline: str, facts: str) -> str:
             v = (d.get(key[0]) or {}).get(key[1]) if isinstance(key, tuple) else d.get(key)
             vals.append(fmt(v, spec))
         out.append(f"| {label} | " + " | ".join(vals) + " |")
+    if any(c.get("thp_events") == {} for c in summary["configs"].values()):
+        # the events were taken, but /proc/vmstat had none of them
+        out += [
+            "",
+            "- host's huge page events: none in the pageshare host's /proc/vmstat "
+            "(its kernel lacks CONFIG_VM_EVENT_COUNTERS; config/plain.config sets it)",
+        ]
     return "\n".join(out + frontier(summary["configs"]) + corunner(summary["configs"])) + "\n"
 
 

@@ -953,6 +953,21 @@ def test_summary_host_huge_page_events(tmp_path: Path) -> None:
     s = e2e.summarize(e2e.parse(old), st, 10)
     assert s["configs"]["pageshare"]["thp_events"] is None
     assert "| host's huge page PMDs split (thp_split_pmd) | - |" in e2e.markdown(s, "c", "f")
+    assert "CONFIG_VM_EVENT_COUNTERS" not in e2e.markdown(s, "c", "f")
+    # a kernel without VM event counters: the events are taken, and empty
+    bare = [
+        x.partition(" thp-begin ")[0] + " thp-begin "
+        if " thp-begin " in x
+        else x.partition(" thp-end ")[0] + " thp-end "
+        if " thp-end " in x
+        else x
+        for x in lines
+    ]
+    s = e2e.summarize(e2e.parse(bare), st, 10)
+    assert s["configs"]["pageshare"]["thp_events"] == {}
+    md = e2e.markdown(s, "c", "f")
+    assert "| host's huge page PMDs split (thp_split_pmd) | - |" in md
+    assert "its kernel lacks CONFIG_VM_EVENT_COUNTERS" in md
 
 
 def test_symbolize(tmp_path: Path) -> None:
