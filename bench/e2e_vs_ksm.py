@@ -932,6 +932,26 @@ def corunner(configs: dict[str, dict[str, Any]]) -> list[str]:
             else f"MISSED (the worst pair {min(ratios):.3f})"
         )
     )
+    # The yardstick for those ratios: the same configuration run again.
+    # Two none runs that differ by more than the target cannot tell a
+    # filter's cost of that size from the host's noise.
+    nones = [
+        c["corunner_mib_s"]
+        for name, c in configs.items()
+        if base_config(name) == "none" and c.get("corunner_mib_s")
+    ]
+    if len(nones) >= 2:
+        apart = max(nones) / min(nones) - 1
+        out.append(
+            f"- the none runs among themselves: {min(nones):.3f} to {max(nones):.3f} MiB/s, "
+            f"{apart:.1%} apart"
+            + (
+                ": more than the target's 5 %, so this run cannot tell a cost of that "
+                "size from noise"
+                if apart > 0.05
+                else ""
+            )
+        )
     return out
 
 

@@ -862,6 +862,14 @@ def test_summary_corunner_pairs() -> None:
     assert "| 2 | 6.40 | 5.00 | 0.781 |" in md
     assert "co-runner pace beside the filter / beside none: 0.781 to 0.977 over 2 pair(s)" in md
     assert "co-runners within 5 % of no filter: MISSED (the worst pair 0.781)" in md
+    assert "the none runs among themselves: 6.400 to 6.400 MiB/s, 0.0% apart\n" in md + "\n"
+    # none runs 25 % apart: the ratios are not told apart from noise
+    noisy = [
+        x.replace("none-r2 210300 mark 2 CPUEND", "none-r2 212800 mark 2 CPUEND") for x in lines
+    ]
+    md = e2e.markdown(e2e.summarize(e2e.parse(noisy), st, 10), "c", "f")
+    assert "the none runs among themselves: 5.120 to 6.400 MiB/s, 25.0% apart: more than" in md
+    assert "cannot tell a cost of that size from noise" in md
     # without --corunner: no pace, no table
     st0 = dataclasses.replace(st, corunner_mib=0)
     s0 = e2e.summarize(e2e.parse(lines), st0, 10)
