@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,12 +68,12 @@ def test_sigterm_stops_the_booted_vm(tmp_path: Path) -> None:
     qemu = 0
     try:
         assert child.stdout is not None
-        deadline = time.monotonic() + 300
         seen = []
-        # the kernel is up and the VM is what boot() waits on
+        # the kernel is up and the VM is what boot() waits on (should it
+        # never get there, boot()'s own timeout ends the child and its output)
         for line in child.stdout:
             seen.append(line)
-            if "KTEST-BEGIN" in line or time.monotonic() > deadline:
+            if "KTEST-BEGIN" in line:
                 break
         assert any("KTEST-BEGIN 1 idle" in s for s in seen), "".join(seen[-30:])
         (qemu,) = children(child.pid)
