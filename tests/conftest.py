@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import pytest
 from package_root import Root, install_root, pageshare_debs
 from pageshare import cache, golden
 from pageshare.analysis.ksm import KSM, RESTORE_ORDER, host_lock
+from xdist.scheduler import LoadScopeScheduling
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,8 +55,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.build)
         if names & KSM_FIXTURES:
             item.add_marker(pytest.mark.hostksm)
-    # The free files last, longest first (see FREE_FILES), the rest in file
-    # order: xdist hands out units in the order their tests come.
+    # The free files last, in FREE_FILES order, the rest in file order: the
+    # order a run without xdist takes (with it, units go out by
+    # unit_priority) and, within a unit, the order of its tests.
     items.sort(
         key=lambda item: (
             FREE_FILES.index(_path(item.nodeid)) + 1 if _path(item.nodeid) in FREE_FILES else 0
@@ -69,16 +72,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # takes turns on the host's KSM (its lock); "hosts" drives the host's
 # libvirtd, fixed ports, QEMU's migration and the page server.  The files
 # in FREE_FILES share nothing of the host (their guests, dumps and VM hold
-# all they test) and are long: each is a unit of its own that the first worker to
-# run dry takes, after both lanes have started.  What two workers may build
-# at once (images, apt lists, package roots) is made under a lock
+# all they test) and are long: units that the first worker to run dry
+# takes, after both lanes have started.  What two workers may build at
+# once (images, apt lists, package roots) is made under a lock
 # (pageshare.cache.locked), once.
 ANALYSIS_LANE_DIRS = ("tests/analyzer/", "tests/images/")
-# The kernel suite first: it is one test of 15-20 minutes, and an xdist
-# worker holds the unit after its running test's (it runs a test only once
-# it knows the next), so a unit handed out behind it waits that long.
-# Then longest first (minutes in the warm two-worker run of 76302ec:
-# 17 in two tests, 7.5, 9, 7), so that the last one handed out is short.
 FREE_FILES = (
     "tests/kernel/test_kernel_syscall.py",
     "tests/deploy/test_host_package_guest.py",
@@ -86,6 +84,21 @@ FREE_FILES = (
     "tests/deploy/test_server_package_guest.py",
     "tests/deploy/test_qemu_package_guest.py",
 )
+# Free files whose tests share no fixture narrower than the session: each
+# test is a unit of its own.  With a whole file as a unit, a worker took the
+# next unit when the file's last test started (see _reschedule), and the
+# other worker sat idle for 10 minutes at the end of the run of 1838672.
+FREE_BY_TEST = frozenset(
+    {
+        "tests/deploy/test_host_package_guest.py",
+        "tests/deploy/test_server_package_guest.py",
+        "tests/deploy/test_qemu_package_guest.py",
+    }
+)
+# The kernel suite is handed out first: it is one test of about 22 minutes,
+# and the unit a worker holds behind it waits that long.  The other free
+# units go longest first by the times earlier runs recorded (test-times/,
+# each test's newest), in FREE_FILES order where none did.
 
 
 def _path(nodeid: str) -> str:
@@ -94,41 +107,72 @@ def _path(nodeid: str) -> str:
 
 def lane(nodeid: str) -> str:
     path = _path(nodeid)
+    if path in FREE_BY_TEST:
+        return nodeid
     if path in FREE_FILES:
         return path
     return "analysis" if path.startswith(ANALYSIS_LANE_DIRS) else "hosts"
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    # xdist's own loadgroup cannot be used: it renames items' nodeids, which
-    # pytest 9 no longer lets it do.  A scope per lane does the same.
-    from xdist.scheduler import LoadScopeScheduling
+def recorded_seconds(times_dir: Path) -> dict[str, float]:
+    """Each test's time in the newest run that ran it and passed (the files
+    are small: 43 of them, 0.9 MB, after a month of runs)."""
+    seconds: dict[str, float] = {}
+    for f in sorted(times_dir.glob("*.tsv")):
+        for line in f.read_text().splitlines():
+            fields = line.split("\t")
+            if len(fields) == 4 and fields[3] == "passed":
+                seconds[fields[2]] = float(fields[1])
+    return seconds
 
+
+def unit_priority(scope: str, nodeids: Any, seconds: dict[str, float]) -> tuple[int, float, int]:
+    """Sort key of a unit: the lanes, the kernel suite, then the longest."""
+    if scope in ("analysis", "hosts"):
+        return (0, 0.0, 0)
+    path = _path(scope)
+    expected = sum(seconds.get(n, 0.0) for n in nodeids)
+    return (1 if path == FREE_FILES[0] else 2, -expected, FREE_FILES.index(path))
+
+
+class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
+    """xdist's load-by-scope with a scope per lane or free unit (xdist's own
+    loadgroup cannot be used: it renames items' nodeids, which pytest 9 no
+    longer lets it do), handing units out by unit_priority."""
+
+    def __init__(self, config: Any, log: Any, seconds: dict[str, float]) -> None:
+        super().__init__(config, log)
+        self.seconds = seconds
+        config.option.loadscopereorder = False
+
+    def _split_scope(self, nodeid: str) -> str:
+        return lane(nodeid)
+
+    def _assign_work_unit(self, node: Any) -> None:
+        # The workqueue is in collection order; hand out by priority.
+        scope = min(self.workqueue, key=lambda s: unit_priority(s, self.workqueue[s], self.seconds))
+        self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
+
+    def _reschedule(self, node: Any) -> None:
+        # xdist tops a worker up when 2 of its tests are left, so a worker
+        # still busy with a lane would take a free unit ahead of the other,
+        # idle one.  With 1 left a worker is waiting (it runs a test only
+        # once it knows the next one): that is running dry.
+        if node.shutting_down:
+            return
+        if not self.workqueue:
+            node.shutdown()
+            return
+        if self._pending_of(self.assigned_work[node]) <= 1:
+            self._assign_work_unit(node)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     gone = [f for f in FREE_FILES if not (REPO / f).exists()]
     if gone:
         raise pytest.UsageError(f"tests/conftest.py: FREE_FILES names files that are gone: {gone}")
-
-    class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
-
-        def _reschedule(self, node: Any) -> None:
-            # xdist tops a worker up when 2 of its tests are left, so a
-            # worker still busy with a lane would take a free file ahead of
-            # the other, idle one.  With 1 left a worker is waiting (it runs
-            # a test only once it knows the next one): that is running dry.
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            if self._pending_of(self.assigned_work[node]) <= 1:
-                self._assign_work_unit(node)
-
-    # Both lanes first, then the free files, in that order (not xdist's
-    # default of the largest unit first).
-    config.option.loadscopereorder = False
-    return LaneScheduling(config, log)
+    return LaneScheduling(config, log, recorded_seconds(cache.cache_dir("test-times")))
 
 
 # Each test's time, written as the run goes: `--durations` prints only at
@@ -233,23 +277,44 @@ class Analysis:
         return data
 
 
+# What one `make test` makes once for all its workers: the package roots
+# (two to two and a half minutes a suite) were made by each worker that
+# needed them, twice a run.  The controlling process names the directory
+# (its workers inherit the environment) and removes it when the run ends;
+# a run without xdist is its own controlling process.
+_SHARED_ENV = "PAGESHARE_TEST_SHARED_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _IN_WORKER:
+        os.environ[_SHARED_ENV] = tempfile.mkdtemp(prefix="pageshare-test-shared-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = None if _IN_WORKER else os.environ.pop(_SHARED_ENV, None)
+    if shared:
+        subprocess.run(["rm", "-rf", "--one-file-system", shared], check=False)
+
+
 @pytest.fixture(scope="session")
-def pageshare_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Root]]:
+def pageshare_root() -> Callable[[str], Root]:
     """A fresh Debian root of a suite with the pageshare package (and
     pageshare-host) installed by apt (package_root.py), made once per
-    session and suite."""
-    roots: dict[str, Root] = {}
+    run and suite, whichever worker asks first (the other waits)."""
+    shared = Path(os.environ[_SHARED_ENV])
 
     def get(suite: str) -> Root:
-        if suite not in roots:
-            roots[suite] = install_root(
-                suite, pageshare_debs(), tmp_path_factory.mktemp(f"root-{suite}")
-            )
-        return roots[suite]
+        dest, ready = shared / f"root-{suite}", shared / f"root-{suite}.ready"
+        with cache.locked(shared / f"root-{suite}.lock"):
+            if not ready.exists():
+                # a worker whose install failed left a partial root
+                subprocess.run(["rm", "-rf", "--one-file-system", str(dest)], check=True)
+                dest.mkdir()
+                install_root(suite, pageshare_debs(), dest)
+                ready.touch()
+        return Root(dest, suite)
 
-    yield get
-    for r in roots.values():
-        subprocess.run(["rm", "-rf", "--one-file-system", str(r.path)], check=False)
+    return get
 
 
 @pytest.fixture
