@@ -58,6 +58,9 @@ class Result:
     name: str
     rc: int | None
     output: list[str]
+    # the test's wall time in the guest (None: it did not end, or an
+    # initramfs older than the field)
+    secs: int | None = None
 
 
 def boot(
@@ -176,9 +179,10 @@ def parse_results(lines: list[str], tests: list[GuestTest]) -> tuple[list[Result
             cur = Result(m.group(2), None, [])
             results[int(m.group(1))] = cur
             continue
-        m = re.match(r"^KTEST-END (\d+) rc=(\d+)$", line)
+        m = re.match(r"^KTEST-END (\d+) rc=(\d+)(?: secs=(\d+))?$", line)
         if m and int(m.group(1)) in results:
             results[int(m.group(1))].rc = int(m.group(2))
+            results[int(m.group(1))].secs = int(m.group(3)) if m.group(3) else None
             cur = None
             continue
         if line.startswith("KTEST-DONE"):

@@ -129,6 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             (rundir / "bench.md").write_text("\n".join(table) + "\n")
             print("\n".join(table))
             log(f"benchmark table saved to {rundir / 'bench.md'}")
+    # where the VM's time went, for whoever wants the suite faster
+    log("times (s): " + ", ".join(f"{r.name} {r.secs}" for r in results if r.secs is not None))
     status = 0 if (failed == 0 and not bad and done) else 1
     log(
         f"{len(results) - failed}/{len(results)} tests passed, {len(bad)} kernel reports, "

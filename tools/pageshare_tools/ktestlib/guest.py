@@ -233,9 +233,10 @@ while read -r name tmo cmd; do
   echo 0 > $k/run; echo 100 > $k/pages_to_scan; echo 20 > $k/sleep_millisecs
   echo 0 > $k/use_zero_pages; echo 1 > $k/smart_scan
   echo "KTEST-BEGIN $n $name"
+  t0=$(date +%s)
   timeout "$tmo" $cmd
   rc=$?
-  echo "KTEST-END $n rc=$rc"
+  echo "KTEST-END $n rc=$rc secs=$(($(date +%s) - t0))"
 done < /tests/list
 echo "KTEST-DMESG-BEGIN"
 dmesg
