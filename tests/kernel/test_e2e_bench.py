@@ -21,6 +21,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -1075,6 +1076,32 @@ def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert run.name in text
+
+
+def test_notebook_reads_the_newest_finished_run_by_default(tmp_path: Path) -> None:
+    """Without PAGESHARE_E2E_RESULTS the notebook takes the newest run whose
+    configurations all finished, not one stopped part way (its stopped
+    configurations carry an error), which a reader would take for the
+    current comparison."""
+
+    def finished(run: Path) -> bool:
+        configs = json.loads((run / "summary.json").read_text())["configs"].values()
+        return all("error" not in c for c in configs)
+
+    stopped = [r for r in RUNS if not finished(r)]
+    want = max(
+        (r for r in RUNS if finished(r)), key=lambda r: (re.findall(r"\d{8}", r.name), r.name)
+    )
+    env = {"PAGESHARE_FIGURES": str(tmp_path)}
+    old = os.environ.pop("PAGESHARE_E2E_RESULTS", None)
+    try:
+        nb = execute(REPO / "notebooks/e2e_vs_ksm.ipynb", env, "e2e-kernel-")
+    finally:
+        if old is not None:
+            os.environ["PAGESHARE_E2E_RESULTS"] = old
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert want.name in text
+    assert stopped and not [r.name for r in stopped if r.name in text], stopped
 
 
 def test_share_lag_is_the_distance_between_held_and_shared() -> None:
