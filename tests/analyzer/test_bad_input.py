@@ -12,15 +12,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from analysis_failures import assert_clean_failure, json_error
 from conftest import REPO, run_analyze
 from image_trees import mkfs_image
+from pageshare.analysis.analyze import _wait_ready
 from pageshare.analysis.debugsyms import find_vmlinux
+from pageshare.analysis.vm import Guest
+from pageshare.analysis.workload import Markers
 from pageshare.errors import UserError
 from pageshare.image.image_inspect import probe_format
+from pageshare.progress import Progress
 
 
 @pytest.mark.usefixtures("host_guard")
@@ -312,27 +316,47 @@ def test_no_debug_symbols_in_the_archive() -> None:
 
 @pytest.mark.vm
 @pytest.mark.usefixtures("host_guard")
-def test_guest_that_never_boots(tmp_path: Path, small_image: Path) -> None:
-    # The image's init is gone: the initramfs cannot hand over and the guest
-    # never reaches multi-user.
+def test_guest_whose_boot_fails_stops_the_analysis_at_once(
+    tmp_path: Path, small_image: Path
+) -> None:
+    # The image's init is gone, and /bin/sh, the initramfs' last resort:
+    # it finds no init and, with the guests' panic=-1, reboots at once.
     broken = tmp_path / "broken.qcow2"
     raw = tmp_path / "broken.raw"
     subprocess.run(["qemu-img", "convert", "-O", "raw", str(small_image), str(raw)], check=True)
-    subprocess.run(
-        ["debugfs", "-w", "-R", "rm /usr/lib/systemd/systemd", str(raw)],
-        check=True,
-        capture_output=True,
-    )
+    for f in ("/usr/lib/systemd/systemd", "/usr/bin/sh"):
+        subprocess.run(
+            ["debugfs", "-w", "-R", f"rm {f}", str(raw)], check=True, capture_output=True
+        )
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(broken)], check=True)
     raw.unlink()
-    # It never boots, so the whole timeout is waited out: 60 s is time for
-    # the kernel and initramfs to get to the missing init under TCG, so that
-    # the last serial lines show it.
-    r = run_analyze(tmp_path, "--boot-timeout", "60", str(broken))
+    # QEMU exits (-no-reboot) and the analysis stops there, showing why,
+    # not after the boot timeout (which it was before: 15 minutes by default)
+    r = run_analyze(tmp_path, "--boot-timeout", "600", str(broken))
     assert r.rc == 2, r.stderr
-    assert "did not finish booting" in r.stderr or "stopped during the analysis" in r.stderr
-    assert "last serial lines" in r.stderr
+    assert "stopped during the analysis" in r.stderr, r.stderr
+    assert "last serial lines" in r.stderr and "No init found" in r.stderr, r.stderr
     assert list(r.workdir.iterdir()) == []
+
+
+class SilentGuest:
+    """A guest whose serial never shows the boot marker."""
+
+    name = "a"
+
+    def check_alive(self) -> None:
+        pass
+
+    def serial_text(self) -> str:
+        return "Loading, please wait...\nBegin: Running /scripts/local-block ... done.\n"
+
+
+def test_a_guest_that_never_boots_is_given_up_after_the_boot_timeout() -> None:
+    with pytest.raises(UserError) as e:
+        _wait_ready([cast(Guest, SilentGuest())], Markers.new(), 0.5, 60, Progress(quiet=True))
+    assert "guest a: the guest did not finish booting within 0s" in str(e.value)
+    assert "last serial lines:\n    Loading, please wait..." in str(e.value)
+    assert "raise --boot-timeout" in e.value.hint
 
 
 def _default_sigint() -> None:

@@ -72,6 +72,12 @@ def kernel_cmdline(root_uuid: str, rootflags: str = "") -> str:
             *([f"rootflags={rootflags}"] if rootflags else []),
             "ro",
             "console=ttyS0",
+            # A boot that fails in the kernel or the initramfs (no root, no
+            # init) reboots at once, which -no-reboot turns into QEMU's exit:
+            # the analysis then stops with the guest's last serial lines
+            # instead of waiting out --boot-timeout (15 minutes by default).
+            # initramfs-tools' panic() reads the same parameter.
+            "panic=-1",
             "modules_load=qemu_fw_cfg",
             # Keep the guest quiet and deterministic: no kernel messages racing
             # with markers, and no reboot when the workload service ends.

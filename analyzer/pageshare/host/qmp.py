@@ -5,6 +5,7 @@ human-monitor-command, quit) on a socket QEMU created; asyncio and the
 qemu.qmp package would be more machinery than the job needs.
 """
 
+import contextlib
 import json
 import socket
 import struct
@@ -128,8 +129,13 @@ class QMP(QMPStream):
         return pid or None
 
     def close(self) -> None:
+        """Closes the connection.  A command that could not be sent to a QEMU
+        that has exited stays in the stream's buffer, and closing the stream
+        would try to send it again: that is not an error here (it masked the
+        analysis' own message about a guest that stopped)."""
         try:
-            self._file.close()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self._file.close()
         finally:
             self._sock.close()
 
