@@ -36,6 +36,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
+def _check_options(opts: RefineOptions) -> None:
     if opts.min_guests < 1 or opts.min_hosts < 1:
         raise RefineError(
             "--min-guests and --min-hosts must be at least 1",
@@ -235,6 +236,190 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
         )
     if opts.drop_unread and opts.window_s <= 0:
         raise RefineError("--window must be positive", "e.g. --window 7d")
+
+
+@dataclass
+class _Parent:
+    """The list being refined and where it came from."""
+
+    sl: sectorlist.SectorList
+    path: str  # a file, or redis:KEY
+    revision: int | None  # Redis' revision of it, when it came from there
+
+
+def _parent_list(
+    opts: RefineOptions,
+    parent_file: sectorlist.SectorList | None,
+    key: str,
+    vsize: int,
+    content: str,
+    workdir: Path,
+) -> _Parent:
+    """The list given with --list, or the one published in Redis for this
+    image; refused if it is another image's."""
+    store = opts.store
+    revision: int | None = None
+    if parent_file is not None and opts.list_path is not None:
+        parent, parent_path = parent_file, str(opts.list_path)
+    else:
+        try:
+            path, parent = distribute.fetch(store, key, workdir / "parent.pcsl")
+        except distribute.DistributeError as e:
+            if "no list in Redis" not in e.message:
+                raise
+            raise RefineError(
+                f"no list is published in Redis for {opts.image} ({key[:28]}...)",
+                "pass the current list with --list FILE, or publish "
+                "one first (pageshare list publish)",
+            ) from None
+        rev = store._call("fetch", store.r.hget, store.key("meta", key), "revision")
+        revision = int(rev) if rev is not None and bytes(rev).isdigit() else None
+        parent_path = f"redis:{store.key('list', key)}"
+        del path
+    if (parent.image.virtual_size, parent.image.content_sha256) != (vsize, content):
+        raise RefineError(
+            f"the list {parent_path} is for image {distribute.image_key(parent.image)}, "
+            f"not {opts.image} ({key})",
+            "give the list of this image (pageshare list show FILE names its image)",
+        )
+    return _Parent(parent, parent_path, revision)
+
+
+def _read_fleet(opts: RefineOptions, key: str, progress: Progress) -> feedback.Fleet:
+    """The hosts' summaries for this image; refused if there is none."""
+    with progress.phase("feedback", "reading the fleet's summaries from Redis"):
+        fleet = feedback.read_fleet(opts.store, key)
+    for f in fleet.failures:
+        progress.say(f"note: summary of host {f['host']} not used: {f['error']}")
+    if not fleet.summaries:
+        why = f"; {len(fleet.failures)} could not be read" if fleet.failures else ""
+        raise RefineError(
+            f"no host has published feedback for {opts.image} ({key[:28]}...){why}",
+            "page servers publish it every feedback.interval_secs to "
+            f"{feedback.summary_key(opts.store, key, '<host>')}: check that they serve this "
+            "image, reach this Redis (--redis, --prefix) and have feedback enabled",
+        )
+    return fleet
+
+
+def _candidates(
+    t: _Tally, opts: RefineOptions, max_block: int, rejected: Counter[str]
+) -> dict[int, list[int]]:
+    """Unlisted blocks read by enough guests on enough hosts, by first
+    sector; the others counted in REJECTED by why."""
+    candidates: dict[int, list[int]] = {}
+    for block, acc in t.unlisted.items():
+        if block >= max_block:
+            rejected[OUTSIDE_IMAGE] += 1
+        elif acc[1] < opts.min_hosts:
+            rejected[BELOW_HOSTS] += 1
+        elif acc[0] < opts.min_guests:
+            rejected[BELOW_GUESTS] += 1
+        else:
+            candidates[block * SECTORS_PER_PAGE] = acc
+    return candidates
+
+
+def _blocks_to_add(
+    candidates: dict[int, list[int]],
+    verdicts: dict[int, str],
+    read_at: Callable[[int, int], bytes],
+    rejected: Counter[str],
+) -> dict[int, str]:
+    """The candidates that are one page of one file and not zero, with the
+    hash of the image's bytes; the others counted in REJECTED."""
+    added: dict[int, str] = {}
+    for sector in sorted(candidates):
+        why = verdicts.get(sector, "unmapped")
+        if why:
+            rejected[why] += 1
+            continue
+        data = read_at(sector * 512, PAGE)
+        if not any(data):
+            rejected[ZERO] += 1
+            continue
+        added[sector] = sectorlist.block_hash(data)
+    return added
+
+
+def _unread_to_drop(
+    opts: RefineOptions,
+    parent: sectorlist.SectorList,
+    fleet: feedback.Fleet,
+    t: _Tally,
+    window_start: float | None,
+    now: float,
+    progress: Progress,
+) -> tuple[dict[int, str], str | None]:
+    """With --drop-unread, the listed blocks no guest read in the window,
+    unless some host's summary does not cover it (then why, and none)."""
+    if not (opts.drop_unread and window_start is not None):
+        return {}, None
+    refused = drop_refusal(fleet.summaries, fleet.failures, window_start, now)
+    if refused:
+        progress.say(f"note: no unread block dropped: {refused}")
+        return {}, refused
+    return {s: UNREAD for s in parent.blocks if s // SECTORS_PER_PAGE not in t.listed_read}, None
+
+
+def _new_list(
+    opts: RefineOptions,
+    parent: sectorlist.SectorList,
+    added: dict[int, str],
+    dropped: dict[int, str],
+    generation: int,
+    hosts: int,
+    identity: tuple[int, str],
+) -> sectorlist.SectorList:
+    """The parent without DROPPED and with ADDED, as generation GENERATION."""
+    vsize, content = identity
+    blocks = {s: h for s, h in parent.blocks.items() if s not in dropped}
+    blocks.update(added)
+    extra = dict(parent.extra)
+    extra.update(
+        {
+            "x-generation": str(generation),
+            "x-parent-list-digest": parent.digest(),
+            "x-refined": f"{hosts} host(s), guests >= {opts.min_guests}, "
+            f"hosts >= {opts.min_hosts}, +{len(added)} -{len(dropped)}",
+        }
+    )
+    return sectorlist.SectorList(
+        image=sectorlist.ImageIdentity(vsize, content, parent.image.name or opts.image.name),
+        blocks=blocks,
+        generator=f"pageshare list refine {__version__}",
+        criteria=(parent.criteria + "," if parent.criteria else "")
+        + f"fleet-read(guests>={opts.min_guests},hosts>={opts.min_hosts}),regular-file,"
+        "nonzero,verified",
+        runs=parent.runs,
+        extra=extra,
+    )
+
+
+def _write_checked(
+    sl: sectorlist.SectorList, out: Path, read_at: Callable[[int, int], bytes]
+) -> sectorlist.SectorList:
+    """SL written to OUT and read back; removed again unless every block of
+    what was read back holds the image's bytes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sectorlist.write(sl, out)
+    written = sectorlist.read(out)
+    bad = sectorlist.verify_against_image(written, lambda s: read_at(s * 512, PAGE))
+    if bad or written.image != sl.image:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"the written list does not match the image at sectors {bad[:5]}: not kept"
+        )
+    return written
+
+
+def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
+    """The next generation of an image's list from what the fleet's guests
+    read: blocks read on enough guests and hosts added (each one page of one
+    file, not zero, hashed from the image), blocks no longer the image's
+    bytes (and, with --drop-unread, unread ones) dropped; written, checked
+    against the image, recorded in the results database."""
+    _check_options(opts)
     now = time.time() if opts.now is None else opts.now
     store = opts.store
     store._call("ping", store.r.ping)  # Redis down: say so before reading the image
@@ -262,46 +447,11 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             base = read_base_image(opts.image, raw, vsize, insp, workdir, progress)
         content, read_at = base.content, base.read_at
         key = f"{vsize}-{content}"
-
-        revision: int | None = None
-        if parent_file is not None and opts.list_path is not None:
-            parent, parent_path = parent_file, str(opts.list_path)
-        else:
-            try:
-                path, parent = distribute.fetch(store, key, workdir / "parent.pcsl")
-            except distribute.DistributeError as e:
-                if "no list in Redis" not in e.message:
-                    raise
-                raise RefineError(
-                    f"no list is published in Redis for {opts.image} ({key[:28]}...)",
-                    "pass the current list with --list FILE, or publish "
-                    "one first (pageshare list publish)",
-                ) from None
-            rev = store._call("fetch", store.r.hget, store.key("meta", key), "revision")
-            revision = int(rev) if rev is not None and bytes(rev).isdigit() else None
-            parent_path = f"redis:{store.key('list', key)}"
-            del path
-        if (parent.image.virtual_size, parent.image.content_sha256) != (vsize, content):
-            raise RefineError(
-                f"the list {parent_path} is for image {distribute.image_key(parent.image)}, "
-                f"not {opts.image} ({key})",
-                "give the list of this image (pageshare list show FILE names its image)",
-            )
+        pl = _parent_list(opts, parent_file, key, vsize, content, workdir)
+        parent, parent_path, revision = pl.sl, pl.path, pl.revision
         parent_gen = generation_of(parent)
         generation = parent_gen + 1
-
-        with progress.phase("feedback", "reading the fleet's summaries from Redis"):
-            fleet = feedback.read_fleet(store, key)
-        for f in fleet.failures:
-            progress.say(f"note: summary of host {f['host']} not used: {f['error']}")
-        if not fleet.summaries:
-            why = f"; {len(fleet.failures)} could not be read" if fleet.failures else ""
-            raise RefineError(
-                f"no host has published feedback for {opts.image} ({key[:28]}...){why}",
-                "page servers publish it every feedback.interval_secs to "
-                f"{feedback.summary_key(store, key, '<host>')}: check that they serve this "
-                "image, reach this Redis (--redis, --prefix) and have feedback enabled",
-            )
+        fleet = _read_fleet(opts, key, progress)
 
         image_id = resultsdb.record_image(db, opts.image, fmt, vsize, content, info)
         window_start = now - opts.window_s if opts.drop_unread else None
@@ -330,17 +480,7 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             f"read, {len(t.listed_read)} of {len(listed)} listed block(s) read"
         )
         rejected: Counter[str] = Counter()
-        candidates: dict[int, list[int]] = {}
-        max_block = vsize // PAGE
-        for block, acc in t.unlisted.items():
-            if block >= max_block:
-                rejected[OUTSIDE_IMAGE] += 1
-            elif acc[1] < opts.min_hosts:
-                rejected[BELOW_HOSTS] += 1
-            elif acc[0] < opts.min_guests:
-                rejected[BELOW_GUESTS] += 1
-            else:
-                candidates[block * SECTORS_PER_PAGE] = acc
+        candidates = _candidates(t, opts, vsize // PAGE, rejected)
         block_sizes = {
             (f.uuid.replace("-", "").lower(), f.guest_start_sector): f.block_size
             for f in info.filesystems
@@ -349,29 +489,10 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
             verdicts = classify(
                 sorted(candidates), base.geo.filesystems, base.sources, block_sizes, progress.say
             )
-        added: dict[int, str] = {}
         with progress.phase("hash", "hashing the blocks to add from the image's bytes"):
-            for sector in sorted(candidates):
-                why = verdicts.get(sector, "unmapped")
-                if why:
-                    rejected[why] += 1
-                    continue
-                data = read_at(sector * 512, PAGE)
-                if not any(data):
-                    rejected[ZERO] += 1
-                    continue
-                added[sector] = sectorlist.block_hash(data)
+            added = _blocks_to_add(candidates, verdicts, read_at, rejected)
 
-        dropped: dict[int, str] = {}
-        refused: str | None = None
-        if opts.drop_unread and window_start is not None:
-            refused = drop_refusal(fleet.summaries, fleet.failures, window_start, now)
-            if refused:
-                progress.say(f"note: no unread block dropped: {refused}")
-            else:
-                dropped = {
-                    s: UNREAD for s in parent.blocks if s // SECTORS_PER_PAGE not in t.listed_read
-                }
+        dropped, refused = _unread_to_drop(opts, parent, fleet, t, window_start, now, progress)
         with progress.phase("verify", "checking the kept blocks against the image"):
             for sector, digest in parent.blocks.items():
                 if (
@@ -380,38 +501,12 @@ def refine(opts: RefineOptions, progress: Progress) -> RefineResult:
                 ):
                     dropped[sector] = BYTES_DIFFER
 
-        blocks = {s: h for s, h in parent.blocks.items() if s not in dropped}
-        blocks.update(added)
-        extra = dict(parent.extra)
-        extra.update(
-            {
-                "x-generation": str(generation),
-                "x-parent-list-digest": parent.digest(),
-                "x-refined": f"{len(fleet.summaries)} host(s), guests >= {opts.min_guests}, "
-                f"hosts >= {opts.min_hosts}, +{len(added)} -{len(dropped)}",
-            }
-        )
-        sl = sectorlist.SectorList(
-            image=sectorlist.ImageIdentity(vsize, content, parent.image.name or opts.image.name),
-            blocks=blocks,
-            generator=f"pageshare list refine {__version__}",
-            criteria=(parent.criteria + "," if parent.criteria else "")
-            + f"fleet-read(guests>={opts.min_guests},hosts>={opts.min_hosts}),regular-file,"
-            "nonzero,verified",
-            runs=parent.runs,
-            extra=extra,
+        sl = _new_list(
+            opts, parent, added, dropped, generation, len(fleet.summaries), (vsize, content)
         )
         out = opts.output or opts.lists_dir / refined_file_name(sl.image, generation)
-        out.parent.mkdir(parents=True, exist_ok=True)
         with progress.phase("write-list", f"writing {out} and checking it against the image"):
-            sectorlist.write(sl, out)
-            written = sectorlist.read(out)
-            bad = sectorlist.verify_against_image(written, lambda s: read_at(s * 512, PAGE))
-            if bad or written.image != sl.image:
-                out.unlink(missing_ok=True)
-                raise RuntimeError(
-                    f"the written list does not match the image at sectors {bad[:5]}: not kept"
-                )
+            written = _write_checked(sl, out, read_at)
 
         hosts = [s.to_json() for s in fleet.summaries]
         rows = [
