@@ -1078,7 +1078,9 @@ def test_notebook_plots_the_recorded_run(run: Path, tmp_path: Path) -> None:
     assert run.name in text
 
 
-def test_notebook_reads_the_newest_finished_run_by_default(tmp_path: Path) -> None:
+def test_notebook_reads_the_newest_finished_run_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without PAGESHARE_E2E_RESULTS the notebook takes the newest run whose
     configurations all finished, not one stopped part way (its stopped
     configurations carry an error), which a reader would take for the
@@ -1092,13 +1094,10 @@ def test_notebook_reads_the_newest_finished_run_by_default(tmp_path: Path) -> No
     want = max(
         (r for r in RUNS if finished(r)), key=lambda r: (re.findall(r"\d{8}", r.name), r.name)
     )
-    env = {"PAGESHARE_FIGURES": str(tmp_path)}
-    old = os.environ.pop("PAGESHARE_E2E_RESULTS", None)
-    try:
-        nb = execute(REPO / "notebooks/e2e_vs_ksm.ipynb", env, "e2e-kernel-")
-    finally:
-        if old is not None:
-            os.environ["PAGESHARE_E2E_RESULTS"] = old
+    monkeypatch.delenv("PAGESHARE_E2E_RESULTS", raising=False)
+    nb = execute(
+        REPO / "notebooks/e2e_vs_ksm.ipynb", {"PAGESHARE_FIGURES": str(tmp_path)}, "e2e-kernel-"
+    )
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert want.name in text
     assert stopped and not [r.name for r in stopped if r.name in text], stopped
