@@ -2448,6 +2448,14 @@ int main(int argc, char **argv)
 	list_count = strtol(list_header(path, "count"), NULL, 10);
 	ok(access("/sys/kernel/mm/ksm/merge_page_merged", F_OK) == 0,
 	   "the kernel has the merge_pages series");
+	/*
+	 * The counts below are of the whole system's KSM: a stale stable node
+	 * left by an earlier process, pruned by a merge's tree search, would
+	 * take its sharers off them (ktest's INIT unmerges all between tests).
+	 */
+	ok(ksm_sysfs_get("pages_shared") == 0 && ksm_sysfs_get("pages_sharing") == 0,
+	   "KSM starts with nothing merged: pages_shared %ld, pages_sharing %ld",
+	   ksm_sysfs_get("pages_shared"), ksm_sysfs_get("pages_sharing"));
 
 	/* ---- the server, started with ksmd off (INIT's reset) */
 	ksm_set("run", 0);

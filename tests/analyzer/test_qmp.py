@@ -1,14 +1,17 @@
-"""pageshare.host.qmp against a QMP peer on a real unix socket that goes away,
-as a guest's QEMU does when the guest panics with panic=-1 and -no-reboot."""
+"""pageshare.host.qmp against real unix sockets: a QMP peer that goes away,
+as a guest's QEMU does when the guest panics with panic=-1 and -no-reboot,
+and a real QEMU whose socket's path is longer than a unix socket's name."""
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from pageshare.host.qmp import QMP, QMPError
+from pageshare.host.qmp import QMP, UNIX_PATH_MAX, QMPError
 
 
 def qemu_that_exits(path: Path) -> threading.Thread:
@@ -43,3 +46,40 @@ def test_closing_after_qemu_exited_is_quiet(tmp_path: Path) -> None:
     qmp.close()  # raised BrokenPipeError: the unsent quit was still buffered
     with contextlib.suppress(OSError):
         qmp.close()  # twice is harmless
+
+
+def test_a_socket_deeper_than_a_unix_path_holds(tmp_path: Path) -> None:
+    # As analyze-image's work directory under a long PAGESHARE_WORKDIR (CI's
+    # pytest-of-root/pytest-10/popen-gw0/<test name>/work/pageshare-analyze-*):
+    # QEMU runs in the directory and names its socket relative to it.
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    sock = deep / "A.qmp"
+    assert len(os.fsencode(sock)) > UNIX_PATH_MAX
+    qemu = subprocess.Popen(
+        [
+            "qemu-system-x86_64",
+            "-machine",
+            "none",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-qmp",
+            f"unix:{sock.name},server=on,wait=off",
+        ],
+        cwd=deep,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        qmp = QMP(sock, timeout=30)  # raised OSError: AF_UNIX path too long
+        assert qmp.peer_pid() == qemu.pid
+        assert "qemu" in qmp.command("query-version")
+        qmp.command("quit", timeout=10)
+        qmp.close()
+        assert qemu.wait(timeout=30) == 0
+    finally:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()

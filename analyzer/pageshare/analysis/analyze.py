@@ -235,7 +235,9 @@ def analyze(opts: Options, progress: Progress) -> Summary:
     progress.say(f"accelerator: {accel} ({accel_reason})")
 
     opts.workdir_parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="pageshare-analyze-", dir=opts.workdir_parent))
+    # Absolute: the guests' QEMUs run in it (vm.Guest.start) and name their
+    # files by this path.
+    workdir = Path(tempfile.mkdtemp(prefix="pageshare-analyze-", dir=opts.workdir_parent.resolve()))
     db = connect(opts.db)
     analysis_id = 0
     try:

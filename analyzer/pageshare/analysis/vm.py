@@ -190,8 +190,11 @@ class Guest:
             "vmcoreinfo",
             "-drive",
             f"file={self.overlay},format=qcow2,if=virtio,cache=unsafe,discard=ignore",
+            # Relative to QEMU's working directory, the work directory (start()):
+            # a unix socket's path has at most 107 bytes, and the work
+            # directory's own path may be long.
             "-qmp",
-            f"unix:{self.qmp_path},server=on,wait=off",
+            f"unix:{self.qmp_path.name},server=on,wait=off",
             "-kernel",
             str(self.boot.kernel),
             "-append",
@@ -228,6 +231,7 @@ class Guest:
             stderr=stderr,
             preexec_fn=child_setup,
             start_new_session=True,
+            cwd=self.workdir,
         )
         stderr.close()
         try:

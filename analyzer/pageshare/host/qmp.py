@@ -7,6 +7,7 @@ qemu.qmp package would be more machinery than the job needs.
 
 import contextlib
 import json
+import os
 import socket
 import struct
 import time
@@ -18,6 +19,24 @@ from pageshare.errors import PageshareError
 
 class QMPError(PageshareError, RuntimeError):
     """QEMU answered a command with an error, or the connection broke."""
+
+
+# sun_path holds 108 bytes with its NUL (unix(7)); QEMU refuses longer names.
+UNIX_PATH_MAX = 107
+
+
+def connect_unix(sock: socket.socket, path: Path) -> None:
+    """Connects SOCK to the unix socket at PATH, however long PATH is: a
+    longer one is reached through a descriptor of its directory
+    (/proc/self/fd/N/NAME), as a work directory deep in a long path needs."""
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+        sock.connect(str(path))
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
 
 
 class Monitor(Protocol):
@@ -103,7 +122,7 @@ class QMP(QMPStream):
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.settimeout(timeout)
-                self._sock.connect(str(path))
+                connect_unix(self._sock, path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 self._sock.close()

@@ -229,8 +229,15 @@ while read -r name tmo cmd; do
   n=$((n+1))
   name=$(echo "$name" | tr '+' ' ')
   # Each test starts from KSM's boot defaults, whatever the last one left.
+  # run=2 first: an exited test's merged pages leave rmap_items and stable
+  # nodes that only ksmd's next scan or a later merge's stable tree search
+  # prunes, taking them off pages_shared and pages_sharing in the middle of
+  # the next test's counts; unmerging drops them all, at once.
   k=/sys/kernel/mm/ksm
-  echo 0 > $k/run; echo 100 > $k/pages_to_scan; echo 20 > $k/sleep_millisecs
+  was="shared=$(cat $k/pages_shared) sharing=$(cat $k/pages_sharing)"
+  echo 2 > $k/run; echo 0 > $k/run
+  echo "KTEST-KSM-RESET $was -> shared=$(cat $k/pages_shared) sharing=$(cat $k/pages_sharing)"
+  echo 100 > $k/pages_to_scan; echo 20 > $k/sleep_millisecs
   echo 0 > $k/use_zero_pages; echo 1 > $k/smart_scan
   echo "KTEST-BEGIN $n $name"
   t0=$(date +%s)
