@@ -126,6 +126,17 @@ def recorded_seconds(times_dir: Path) -> dict[str, float]:
     return seconds
 
 
+TIMES_KEPT = 100
+
+
+def prune_recorded_times(times_dir: Path, keep: int = TIMES_KEPT) -> None:
+    """Removes all but the KEEP newest runs' times.  Every run writes a file,
+    a single test's too, and the scheduler needs each test's newest: KEEP is
+    some sessions of single tests between two full runs (under 10 MB)."""
+    for f in sorted(times_dir.glob("*.tsv"))[:-keep]:
+        f.unlink(missing_ok=True)
+
+
 def unit_priority(
     scope: str, nodeids: Iterable[str], seconds: dict[str, float]
 ) -> tuple[int, float, int]:
@@ -201,7 +212,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _session_start = time.monotonic()
     if _IN_WORKER:
         return
-    _times_file = cache.cache_dir("test-times") / time.strftime("%Y%m%d-%H%M%S.tsv")
+    times_dir = cache.cache_dir("test-times")
+    prune_recorded_times(times_dir)
+    _times_file = times_dir / time.strftime("%Y%m%d-%H%M%S.tsv")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

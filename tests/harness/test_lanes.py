@@ -16,7 +16,15 @@ from types import SimpleNamespace
 
 import conftest
 import pytest
-from conftest import FREE_BY_TEST, FREE_FILES, LaneScheduling, _path, lane, recorded_seconds
+from conftest import (
+    FREE_BY_TEST,
+    FREE_FILES,
+    LaneScheduling,
+    _path,
+    lane,
+    prune_recorded_times,
+    recorded_seconds,
+)
 
 KERNEL = "tests/kernel/test_kernel_syscall.py::test_kernel_series_in_a_vm"
 HOST = "tests/deploy/test_host_package_guest.py::test_host_package_on_a_hypervisor"
@@ -157,6 +165,17 @@ def test_recorded_seconds_take_the_newest_passed_run(tmp_path: Path) -> None:
         "10\t6.0\tt::a\tpassed\n10\t99.0\tt::b\tfailed in call\nbroken line\n"
     )
     assert recorded_seconds(tmp_path) == {"t::a": 6.0, "t::b": 7.0}
+
+
+def test_recorded_times_keep_the_newest_runs(tmp_path: Path) -> None:
+    runs = [f"202611{d:02d}-120000.tsv" for d in range(1, 8)]
+    for name in reversed(runs):  # created newest first: the name orders them
+        (tmp_path / name).write_text("10\t5.0\tt::a\tpassed\n")
+    (tmp_path / "notes.txt").write_text("not a run")
+    prune_recorded_times(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [*runs[-3:], "notes.txt"]
+    prune_recorded_times(tmp_path, keep=3)  # nothing more to remove
+    assert len(list(tmp_path.glob("*.tsv"))) == 3
 
 
 @pytest.mark.parametrize("idle", [True, False])
