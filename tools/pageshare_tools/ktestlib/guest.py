@@ -79,7 +79,11 @@ def guest_tests(config: str, bench: bool) -> list[GuestTest]:
         GuestTest(
             "ksm_tests -N -m 0", ["/tests/ksm_tests", "-N", "-m", "0"], 600, pre=NO_SMART_SCAN
         ),
-        GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100"], 900),
+        # -l: ksm_tests gives up on a merge after 120 s by default, a guard
+        # against a hang tuned for hardware.  Here, a debug kernel in TCG
+        # merges the 100 MiB in 37-49 s, and in 123 s with the host busy
+        # beside the run: a slow host is not a failure of the kernel.
+        GuestTest("ksm_tests -H -s 100", ["/tests/ksm_tests", "-H", "-s", "100", "-l", "600"], 900),
         # The patched QEMU's pageshare filter in merge mode with the real
         # pageshare-server: needs the payload (build_filter_payload()).
         GuestTest(
