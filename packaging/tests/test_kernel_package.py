@@ -14,7 +14,12 @@ host kernel:
   systemd's multi-user target, where a unit loads modules, reads the
   series' KSM counters in sysfs and runs the series' own kselftest
   (merge_page_tests, built against the same tree), reporting on the serial
-  console; every test passes and the counters moved.
+  console; every test passes and the counters moved;
+- a BIOS disk with Debian 13's own GRUB (grub-pc, grub-install and
+  update-grub run in the libguestfs appliance) and a Debian kernel that
+  10_linux lists first (trixie-backports' cloud kernel) boots, with no
+  -kernel, the pageshare kernel: pageshare-host's grub.d file made it
+  GRUB's default.
 """
 
 from __future__ import annotations
@@ -266,3 +271,162 @@ def test_boots_and_runs_the_series_selftest(
     assert set(before) >= {"merge_page_merged", "merge_page_failed", "merge_page_sources"}
     assert int(after["merge_page_merged"]) > int(before["merge_page_merged"])
     print(json.dumps({k: package[k] for k in ("release", "version", "build_seconds")}))
+
+
+GRUB_ROOT_UUID = "5b0d9a62-3f7e-4c1a-9d28-7e6f0a4c2b91"
+GRUB_DONE = "PAGESHARE-GRUB-DONE"
+# 10_linux's menu, GRUB's own output and the kernels' consoles on ttyS0.
+GRUB_SETTINGS = """GRUB_DEFAULT=0
+GRUB_TIMEOUT=1
+GRUB_DISTRIBUTOR="Debian"
+GRUB_CMDLINE_LINUX_DEFAULT=""
+GRUB_CMDLINE_LINUX="console=ttyS0"
+GRUB_TERMINAL=serial
+GRUB_SERIAL_COMMAND="serial --unit=0 --speed=115200"
+GRUB_DISABLE_OS_PROBER=true
+"""
+GRUB_CHECK_SCRIPT = f"""#!/bin/sh
+exec > /dev/ttyS0 2>&1
+echo "uname: $(uname -r)"
+ls /sys/kernel/mm/ksm/merge_page_merged >/dev/null 2>&1 && echo "series: yes"
+echo "{GRUB_DONE}"
+systemctl --no-block poweroff
+"""
+
+
+def grub_entries(cfg: str) -> list[str]:
+    """The kernels of grub.cfg's menu entries, in its order."""
+    return re.findall(r"^\s*linux\s+/boot/vmlinuz-(\S+)", cfg, re.M)
+
+
+def test_grub_boots_it_over_a_newer_debian_kernel(
+    package: dict[str, object], tmp_path: Path
+) -> None:
+    """A BIOS disk whose own GRUB (Debian 13's grub-pc, installed with
+    grub-install, its menu written by update-grub) boots with no -kernel:
+    beside the pageshare kernel is a Debian kernel that 10_linux lists first
+    (trixie-backports' cloud kernel, a later release), so GRUB_DEFAULT=0
+    would boot Debian's; pageshare-host's grub.d file makes the pageshare
+    kernel the default, and GRUB boots it."""
+    from pageshare.golden.host import appliance
+
+    release = str(package["release"])
+    image = deb(package, "image")
+    snippet = REPO / "packaging/pageshare-host/grub.d/pageshare-kernel.cfg"
+    rootdir = tmp_path / "root"
+    check = tmp_path / "check.sh"
+    check.write_text(GRUB_CHECK_SCRIPT)
+    unit = tmp_path / "check.service"
+    unit.write_text(CHECK_UNIT.replace("/usr/local/lib/pageshare-test/check.sh", "/check.sh"))
+    settings = tmp_path / "grub"
+    settings.write_text(GRUB_SETTINGS)
+    backports = f"deb {debian.MIRROR} trixie-backports main"
+    proc = subprocess.run(
+        [
+            "mmdebstrap",
+            "--mode=root",
+            "--variant=required",
+            "--include=systemd-sysv,udev,kmod,initramfs-tools,grub-pc",
+            # the operator's install of the pageshare kernel and of pageshare-host's file
+            f"--customize-hook=copy-in {image} /tmp",
+            f'--customize-hook=chroot "$1" apt-get install -y /tmp/{image.name}',
+            f'--customize-hook=rm "$1/tmp/{image.name}"',
+            '--customize-hook=mkdir -p "$1/etc/default/grub.d"',
+            f'--customize-hook=cp {snippet} "$1/etc/default/grub.d/pageshare-kernel.cfg"',
+            # then a Debian kernel that sorts first
+            '--customize-hook=chroot "$1" apt-get install -y -t trixie-backports '
+            "linux-image-cloud-amd64",
+            f'--customize-hook=cp {settings} "$1/etc/default/grub"',
+            f'--customize-hook=cp {check} "$1/check.sh"',
+            f'--customize-hook=cp {unit} "$1/etc/systemd/system/pageshare-grub-check.service"',
+            '--customize-hook=chroot "$1" systemctl enable pageshare-grub-check.service',
+            '--customize-hook=chroot "$1" systemctl mask serial-getty@ttyS0.service',
+            "trixie",
+            str(rootdir),
+            *debian.sources(["trixie"]),
+            backports,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (rootdir / "check.sh").chmod(0o755)
+    (rootdir / "etc/fstab").write_text(f"UUID={GRUB_ROOT_UUID}\t/\text4\tdefaults\t0\t1\n")
+    debian_kernels = [
+        p.name.removeprefix("vmlinuz-")
+        for p in (rootdir / "boot").glob("vmlinuz-*")
+        if "-pageshare-" not in p.name
+    ]
+    assert len(debian_kernels) == 1, debian_kernels
+
+    # One MBR partition at 1 MiB (GRUB's core image goes in the gap before it).
+    fs, disk = tmp_path / "root.ext4", tmp_path / "disk.raw"
+    golden._make_ext4(rootdir, fs, 3 << 30, GRUB_ROOT_UUID)
+    shutil.rmtree(rootdir)
+    with disk.open("wb") as f:
+        f.truncate((3 << 30) + (1 << 20))
+    subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
+        input="label: dos\nstart=2048, type=83, bootable\n",
+        text=True,
+        check=True,
+    )
+    golden._copy_sparse(fs, disk, 1 << 20)
+    fs.unlink()
+    with appliance(disk) as g:
+        g.mount("/dev/sda1", "/")
+        g.command(["grub-install", "--target=i386-pc", "/dev/sda"])
+        mkconfig = g.sh("update-grub 2>&1")
+        cfg = g.cat("/boot/grub/grub.cfg")
+    print(mkconfig)
+    assert "pageshare: GRUB_DEFAULT=" in mkconfig and release in mkconfig, mkconfig
+    entries = grub_entries(cfg)
+    # The test means something only if Debian's kernel comes first.
+    assert entries and entries[0] == debian_kernels[0], entries
+    assert release in entries, entries
+    default = re.search(r'^\s*set default="([^"]*)"', cfg, re.M)
+    assert default and f"gnulinux-{release}-advanced-{GRUB_ROOT_UUID}" in default.group(1), (
+        default and default.group(0)
+    )
+
+    serial = tmp_path / "serial.log"
+    qemu = subprocess.Popen(
+        [
+            "qemu-system-x86_64",
+            "-machine",
+            "q35,accel=tcg",
+            "-cpu",
+            "max,la57=off",
+            "-m",
+            "1024",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            f"file:{serial}",
+            "-drive",
+            f"file={disk},if=virtio,format=raw",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log = ""
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and qemu.poll() is None:
+            log = serial.read_text(errors="replace") if serial.exists() else ""
+            if GRUB_DONE in log:
+                qemu.wait(timeout=120)
+                break
+            time.sleep(3)
+    finally:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()
+        log = serial.read_text(errors="replace") if serial.exists() else ""
+    # GRUB's own words on the serial line, then the kernel's, then the unit's.
+    assert f"Booting `Debian GNU/Linux, with Linux {release}'" in log, log[-3000:]
+    assert f"Loading Linux {release}" in log, log[-3000:]
+    assert f"uname: {release}" in log and "series: yes" in log, log[-3000:]
+    print(json.dumps({"grub_entries": entries, "booted": release}))
