@@ -2453,9 +2453,10 @@ int main(int argc, char **argv)
 	 * left by an earlier process, pruned by a merge's tree search, would
 	 * take its sharers off them (ktest's INIT unmerges all between tests).
 	 */
-	ok(ksm_sysfs_get("pages_shared") == 0 && ksm_sysfs_get("pages_sharing") == 0,
+	k0 = ksm_counters();
+	ok(k0.shared == 0 && k0.sharing == 0,
 	   "KSM starts with nothing merged: pages_shared %ld, pages_sharing %ld",
-	   ksm_sysfs_get("pages_shared"), ksm_sysfs_get("pages_sharing"));
+	   k0.shared, k0.sharing);
 
 	/* ---- the server, started with ksmd off (INIT's reset) */
 	ksm_set("run", 0);

@@ -114,6 +114,43 @@ def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, obj
     assert "postinst" in control and "postrm" in control
 
 
+def boot_until(args: list[str], serial: Path, done: str, timeout: float) -> str:
+    """A TCG guest (q35, -cpu max, no display, no reboot) with ARGS and its
+    serial console in SERIAL, until the console shows DONE and QEMU exits
+    (it powers off), or TIMEOUT seconds pass; killed if still running.
+    Returns the console's text."""
+    qemu = subprocess.Popen(
+        [
+            "qemu-system-x86_64",
+            "-machine",
+            "q35,accel=tcg",
+            "-cpu",
+            "max,la57=off",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            f"file:{serial}",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and qemu.poll() is None:
+            if serial.exists() and done in serial.read_text(errors="replace"):
+                qemu.wait(timeout=120)
+                break
+            time.sleep(3)
+    finally:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()
+    return serial.read_text(errors="replace") if serial.exists() else ""
+
+
 def _test_binaries(out: Path) -> Path:
     """merge_page_tests, built static by ktest against the series' uapi headers."""
     out.mkdir(parents=True, exist_ok=True)
@@ -196,22 +233,12 @@ def test_boots_and_runs_the_series_selftest(
     shutil.copyfile(installed_root / f"boot/initrd.img-{release}", initrd)
     disk = tmp_path / "disk.raw"
     golden._make_ext4(installed_root, disk, 2 << 30, ROOT_UUID)
-    serial = tmp_path / "serial.log"
-    qemu = subprocess.Popen(
+    log = boot_until(
         [
-            "qemu-system-x86_64",
-            "-machine",
-            "q35,accel=tcg",
-            "-cpu",
-            "max,la57=off",
             "-m",
             "2048",
             "-smp",
             "2",
-            "-nodefaults",
-            "-display",
-            "none",
-            "-no-reboot",
             # two NUMA nodes, for the selftest's migration case
             "-object",
             "memory-backend-ram,id=m0,size=1G",
@@ -221,8 +248,6 @@ def test_boots_and_runs_the_series_selftest(
             "memory-backend-ram,id=m1,size=1G",
             "-numa",
             "node,memdev=m1,cpus=1",
-            "-serial",
-            f"file:{serial}",
             "-kernel",
             str(kernel),
             "-initrd",
@@ -236,23 +261,10 @@ def test_boots_and_runs_the_series_selftest(
             "-device",
             "virtio-net-pci,netdev=n0",
         ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        tmp_path / "serial.log",
+        DONE,
+        1500,
     )
-    log = ""
-    try:
-        deadline = time.monotonic() + 1500
-        while time.monotonic() < deadline and qemu.poll() is None:
-            log = serial.read_text(errors="replace") if serial.exists() else ""
-            if DONE in log:
-                qemu.wait(timeout=120)
-                break
-            time.sleep(3)
-    finally:
-        if qemu.poll() is None:
-            qemu.kill()
-            qemu.wait()
-        log = serial.read_text(errors="replace") if serial.exists() else ""
     assert f"Linux version {release}" in log, log[-3000:]
     assert f"uname: {release}" in log, log[-3000:]
     assert "modprobe virtio_net: ok" in log and "swap: on" in log
@@ -389,42 +401,13 @@ def test_grub_boots_it_over_a_newer_debian_kernel(
         default and default.group(0)
     )
 
-    serial = tmp_path / "serial.log"
-    qemu = subprocess.Popen(
-        [
-            "qemu-system-x86_64",
-            "-machine",
-            "q35,accel=tcg",
-            "-cpu",
-            "max,la57=off",
-            "-m",
-            "1024",
-            "-nodefaults",
-            "-display",
-            "none",
-            "-no-reboot",
-            "-serial",
-            f"file:{serial}",
-            "-drive",
-            f"file={disk},if=virtio,format=raw",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    # No -kernel: SeaBIOS, then the disk's GRUB.
+    log = boot_until(
+        ["-m", "1024", "-drive", f"file={disk},if=virtio,format=raw"],
+        tmp_path / "serial.log",
+        GRUB_DONE,
+        900,
     )
-    log = ""
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and qemu.poll() is None:
-            log = serial.read_text(errors="replace") if serial.exists() else ""
-            if GRUB_DONE in log:
-                qemu.wait(timeout=120)
-                break
-            time.sleep(3)
-    finally:
-        if qemu.poll() is None:
-            qemu.kill()
-            qemu.wait()
-        log = serial.read_text(errors="replace") if serial.exists() else ""
     # GRUB's own words on the serial line, then the kernel's, then the unit's.
     assert f"Booting `Debian GNU/Linux, with Linux {release}'" in log, log[-3000:]
     assert f"Loading Linux {release}" in log, log[-3000:]
