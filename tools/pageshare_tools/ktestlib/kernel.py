@@ -49,15 +49,41 @@ def parse_fragment(path: Path) -> dict[str, str]:
     return want
 
 
+# Parts of the tree no kernel image is built from: the selftests, which
+# ktest compiles into the guest's payload at run time.  Left out of
+# tree_id(), so a selftest edit does not give every kernel config (and the
+# kernel package) a new key and a rebuild.
+NOT_BUILT_IN = "tools/testing"
+
+
 def tree_id(src: Source, commit: str) -> str:
-    return run(
-        ["git", "rev-parse", f"{commit}^{{tree}}"], cwd=src.repo, capture=True
-    ).stdout.strip()
+    """Hash of the tree at commit without NOT_BUILT_IN: the `git ls-tree`
+    entries (mode, type, object id, name) of each directory on its path,
+    with the path's own entry dropped."""
+    h = hashlib.sha256()
+    parts = NOT_BUILT_IN.split("/")
+    for depth, name in enumerate(parts):
+        where = "/".join(parts[:depth])
+        listing = run(
+            ["git", "ls-tree", "-z", f"{commit}:{where}"], cwd=src.repo, capture=True
+        ).stdout
+        below = False
+        for entry in filter(None, listing.split("\0")):
+            meta, entry_name = entry.split("\t", 1)
+            is_tree = meta.split()[1] == "tree"
+            if entry_name == name and (is_tree or depth == len(parts) - 1):
+                below = is_tree  # listed at the next depth, or left out at the last
+                continue
+            h.update(f"{where}/{entry}\n".encode())
+        if not below:  # a tree without the path: all of it is hashed
+            break
+    return h.hexdigest()
 
 
 def image_key(src: Source, commit: str, config: str) -> str:
     """Hash of what the kernel is built from: the source tree after the series
-    (so a reworded commit message does not cause a rebuild), the config
+    without its selftests (tree_id: so a reworded commit message or a
+    selftest edit does not cause a rebuild), the config
     fragments and the build recipe."""
     h = hashlib.sha256()
     h.update(f"recipe={BUILD_RECIPE}\nsource={src.key}\nconfig={config}\n".encode())
