@@ -33,7 +33,20 @@ What is built:
 
 The result lands in ``$PAGESHARE_CACHE/packages/linux-image/<key>/``, where
 key hashes the source, the patched tree, the configuration, the
-adjustments and this recipe; a warm run finds ``<key>/meta.json``.  The
+adjustments, the module signing certificate and this recipe; a warm run
+finds ``<key>/meta.json``.
+
+Reproducible by its inputs: two builds of the same inputs give the same
+bytes in both .debs (``--check-reproducible`` builds once more from
+scratch in another directory and compares).  What would otherwise differ
+is fixed by the inputs: the build time (uname -v, the changelog, the files'
+times) is the newest ``Date:`` of the series' patches; user, host, build
+number and maintainer are constants; and the modules are signed with a
+kept key, not one made at each build: ``--signing-key`` (or
+``$PAGESHARE_KERNEL_SIGNING_KEY``), a PEM file with the private key and
+its certificate (the one to enroll for Secure Boot, docs/install.md), else
+one made once and kept in the cache (``signing/signing_key.pem``).  The
+private key is not in either package.  The
 build runs in its own git worktree and build directory beside it, so a
 rebuild after a series change recompiles only what changed, and ktest's
 source tree is locked only while the series is applied (not for the build).
@@ -46,13 +59,18 @@ why it is not part of ``make test``: ``make kernel-package`` builds it and
 from __future__ import annotations
 
 import argparse
+import email.utils
 import fcntl
+import filecmp
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pageshare.cache import cache_root
@@ -66,7 +84,16 @@ CONFIG_NAME = "config.amd64_none_cloud-amd64.xz"
 FLAVOUR = "cloud-amd64"
 LOCALVERSION = f"-pageshare-{FLAVOUR}"
 PACKAGE_REVISION = 1
-RECIPE = "2"  # bump when the build below changes what it makes
+RECIPE = "3"  # bump when the build below changes what it makes
+SIGNING_KEY_ENV = "PAGESHARE_KERNEL_SIGNING_KEY"
+# Where the build finds the key, relative to its build directory: the same
+# string in every build's .config (which the package ships), and not the
+# kernel's default certs/signing_key.pem, which its Makefile would replace
+# with a new key.
+SIGNING_KEY_IN_BUILD = "pageshare-signing/signing_key.pem"
+# The same in every build, whoever and wherever builds.
+BUILDER = "pageshare"
+MAINTAINER_EMAIL = "pageshare@localhost"
 # (option, value) set on Debian's configuration; "n" unsets.
 ADJUSTMENTS = (
     ("CONFIG_SYSTEM_TRUSTED_KEYS", '""'),
@@ -134,20 +161,92 @@ def read_config(path: Path) -> dict[str, str]:
     return have
 
 
-def package_key(src: ktest.Source, head: str, config: Path) -> str:
+def package_key(src: ktest.Source, head: str, config: Path, cert_sha256: str) -> str:
     h = hashlib.sha256()
     h.update(f"recipe={RECIPE}\nrevision={PACKAGE_REVISION}\nsource={src.key}\n".encode())
     h.update(ktest.tree_id(src, head).encode())
     h.update(hashlib.sha256(config.read_bytes()).hexdigest().encode())
     h.update(repr(ADJUSTMENTS).encode())
+    h.update(f"signing-cert={cert_sha256}\n".encode())
     return h.hexdigest()[:16]
 
 
-def configure(tree: Path, build: Path, config: Path, logfile: Path) -> None:
+def build_epoch(patches: list[Path]) -> int:
+    """The newest ``Date:`` of the series' patches, as seconds since the
+    epoch: the build's time, fixed by its inputs."""
+    dates = []
+    for p in patches:
+        for line in p.read_text(errors="replace").splitlines():
+            if line.startswith("Date: "):
+                dates.append(email.utils.parsedate_to_datetime(line[6:]).timestamp())
+                break
+            if not line:  # the end of the mail header
+                break
+    if not dates:
+        raise KernelDebError(
+            f"none of the series' {len(patches)} patches has a Date: header "
+            "(git format-patch writes one); the build's time is taken from them"
+        )
+    return int(max(dates))
+
+
+def signing_key(root: Path, given: Path | None) -> Path:
+    """The PEM file the modules are signed with: the operator's (given, else
+    $PAGESHARE_KERNEL_SIGNING_KEY), else one made once and kept in the
+    cache, so that a rebuild signs alike."""
+    if given is None and os.environ.get(SIGNING_KEY_ENV):
+        given = Path(os.environ[SIGNING_KEY_ENV])
+    if given is not None:
+        text = given.read_text(errors="replace") if given.is_file() else ""
+        if "PRIVATE KEY-----" not in text or "BEGIN CERTIFICATE-----" not in text:
+            raise KernelDebError(
+                f"signing key {given}: not a PEM file with both a private key and its "
+                "certificate; make one with `openssl req -new -nodes -utf8 -sha256 "
+                "-days 36500 -batch -x509 -subj '/CN=my kernel key/' -outform PEM "
+                "-out key.pem -keyout key.pem` (or concatenate your key and certificate)"
+            )
+        return given
+    kept = root / "signing" / "signing_key.pem"
+    if not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log(f"making the module signing key, kept for later builds: {kept}")
+        tmp = kept.with_name(kept.name + ".tmp")
+        ktest.run(
+            [
+                "openssl", "req", "-new", "-nodes", "-utf8", "-sha256", "-days", "36500",
+                "-batch", "-x509", "-newkey", "rsa:4096",
+                "-subj", "/CN=pageshare kernel module signing key/",
+                "-addext", "basicConstraints=critical,CA:FALSE",
+                "-addext", "keyUsage=digitalSignature",
+                "-addext", "extendedKeyUsage=codeSigning",
+                "-outform", "PEM", "-out", str(tmp), "-keyout", str(tmp),
+            ],
+            capture=True,
+        )  # fmt: skip
+        tmp.chmod(0o600)
+        tmp.rename(kept)
+    return kept
+
+
+def cert_sha256(key: Path) -> str:
+    """The SHA-256 fingerprint of the key's certificate (DER), as mokutil
+    and `openssl x509 -fingerprint -sha256` show it, lower case, no colons."""
+    der = subprocess.run(
+        ["openssl", "x509", "-in", str(key), "-outform", "DER"], check=True, capture_output=True
+    ).stdout
+    return hashlib.sha256(der).hexdigest()
+
+
+def configure(tree: Path, build: Path, config: Path, key: Path, logfile: Path) -> None:
     build.mkdir(parents=True, exist_ok=True)
     with (build / ".config").open("wb") as f:
         subprocess.run(["xz", "-dc", str(config)], stdout=f, check=True)
+    in_build = build / SIGNING_KEY_IN_BUILD
+    in_build.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(key, in_build)
+    in_build.chmod(0o600)
     cmd = [str(tree / "scripts/config"), "--file", str(build / ".config")]
+    cmd += ["--set-str", "MODULE_SIG_KEY", SIGNING_KEY_IN_BUILD]
     for option, value in ADJUSTMENTS:
         name = option.removeprefix("CONFIG_")
         if value == "n":
@@ -162,7 +261,11 @@ def configure(tree: Path, build: Path, config: Path, logfile: Path) -> None:
     # An empty string option whose dependency is off is simply absent.
     bad = [
         f"{k}={v} (got {have.get(k, 'n')})"
-        for k, v in (*ADJUSTMENTS, *REQUIRED)
+        for k, v in (
+            *ADJUSTMENTS,
+            *REQUIRED,
+            ("CONFIG_MODULE_SIG_KEY", f'"{SIGNING_KEY_IN_BUILD}"'),
+        )
         if have.get(k, "n") != v and not (v == '""' and k not in have)
     ]
     if bad:
@@ -170,7 +273,12 @@ def configure(tree: Path, build: Path, config: Path, logfile: Path) -> None:
 
 
 def make(
-    tree: Path, build: Path, *targets: str, logfile: Path, extra: tuple[str, ...] = ()
+    tree: Path,
+    build: Path,
+    *targets: str,
+    logfile: Path,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> None:
     ktest.run(
         [
@@ -185,6 +293,47 @@ def make(
             *targets,
         ],
         logfile=logfile,
+        env=env,
+    )
+
+
+# 6.12's scripts/package/mkdebian dates the changelog (which dpkg installs
+# as changelog.Debian.gz) with a bare `date -R`, which ignores
+# SOURCE_DATE_EPOCH.  This `date`, first on the build's PATH, answers that
+# one call with SOURCE_DATE_EPOCH's time and passes every other call on.
+DATE_SHIM = """#!/bin/sh
+if [ "$*" = "-R" ] && [ -n "${SOURCE_DATE_EPOCH:-}" ]; then
+    exec /bin/date -R -d "@$SOURCE_DATE_EPOCH"
+fi
+exec /bin/date "$@"
+"""
+
+
+def build_env(inp: Inputs, work: Path) -> dict[str, str]:
+    """The environment that makes the .debs' bytes depend on the inputs
+    alone: the time in uname -v and the headers archive
+    (KBUILD_BUILD_TIMESTAMP), the files' times in the .debs (dpkg-deb clamps
+    them to SOURCE_DATE_EPOCH) and the changelog's date (DATE_SHIM), all the
+    series' time; the build number (else .version counts the builds in
+    this build directory); the user, host and maintainer (else the
+    builder's names) and the changelog's distribution (else the build
+    machine's codename)."""
+    bindir = work / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "date").write_text(DATE_SHIM)
+    (bindir / "date").chmod(0o755)
+    return dict(
+        os.environ,
+        PATH=f"{bindir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        KBUILD_BUILD_TIMESTAMP=email.utils.formatdate(inp.epoch, usegmt=True),
+        KBUILD_BUILD_VERSION="1",
+        KBUILD_BUILD_USER=BUILDER,
+        KBUILD_BUILD_HOST=BUILDER,
+        SOURCE_DATE_EPOCH=str(inp.epoch),
+        DEBEMAIL=MAINTAINER_EMAIL,
+        DEBFULLNAME=BUILDER,
+        KDEB_CHANGELOG_DIST="unstable",
+        TZ="UTC",  # `date -R` writes the local time
     )
 
 
@@ -213,88 +362,211 @@ def _found(outdir: Path) -> dict[str, object] | None:
     return None
 
 
-def build(force: bool = False, config_only: bool = False) -> dict[str, object]:
+@dataclass
+class Inputs:
+    """Everything a build is made from; the package key hashes it."""
+
+    src: ktest.Source
+    version: str  # Debian's source version
+    patches: list[Path]
+    head: str  # the series' last commit in ktest's repository
+    config: Path  # Debian's cloud-amd64 configuration, xz
+    signing_key: Path
+    cert_sha256: str
+    epoch: int
+
+    @property
+    def key(self) -> str:
+        return package_key(self.src, self.head, self.config, self.cert_sha256)
+
+
+def inputs(signing_key_path: Path | None) -> Inputs:
     root = ktest.cache_root()
     src = ktest.ensure_source(root)
     version = (src.repo.parent / ".ready").read_text().strip()
     patches = ktest.series_files()
     with src.locked():
         commits = ktest.apply_series(src, patches)
-    head = commits[-1]
-    config = ensure_config(root, version)
-    key = package_key(src, head, config)
-    outdir = pkg_root() / key
+    key = signing_key(pkg_root(), signing_key_path)
+    return Inputs(
+        src=src,
+        version=version,
+        patches=patches,
+        head=commits[-1],
+        config=ensure_config(root, version),
+        signing_key=key,
+        cert_sha256=cert_sha256(key),
+        epoch=build_epoch(patches),
+    )
+
+
+def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, object]:
+    """Configure and run bindeb-pkg in work/ (its tree and build directory);
+    return the image and headers .debs' paths (in work/) and what was built."""
+    tree, build_dir = work / "tree", work / "build"
+    logfile = work / "build.log"
+    logfile.write_text("")
+    checkout(inp.src, tree, inp.head)
+    configure(tree, build_dir, inp.config, inp.signing_key, logfile)
+    if config_only:
+        log(f"configured: {build_dir}/.config")
+        return {"config": str(build_dir / ".config")}
+    for old in work.glob("*.deb"):
+        old.unlink()
+    pkgversion = f"{inp.version}+pageshare{PACKAGE_REVISION}"
+    log(
+        f"make bindeb-pkg ({len(inp.patches)} patches on Debian's {inp.version}, "
+        f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})"
+    )
+    t0 = time.monotonic()
+    # LOCALVERSION= (set, if empty): setlocalversion would otherwise
+    # append "+" to the release, the tree being a git checkout that is
+    # not at a tag.  The release's suffix is CONFIG_LOCALVERSION's.
+    make_vars = (
+        "LOCALVERSION=",
+        f"KDEB_PKGVERSION={pkgversion}",
+        "KDEB_SOURCENAME=linux-pageshare",
+    )
+    make(tree, build_dir, "bindeb-pkg", logfile=logfile, extra=make_vars, env=build_env(inp, work))
+    seconds = time.monotonic() - t0
+    release = (build_dir / "include/config/kernel.release").read_text().strip()
+    debs = {d.name: d for d in work.glob("*.deb")}
+    image = next((n for n in debs if n.startswith(f"linux-image-{release}_")), None)
+    headers = next((n for n in debs if n.startswith(f"linux-headers-{release}_")), None)
+    if not image or not headers:
+        raise KernelDebError(
+            f"bindeb-pkg made {sorted(debs)}, not linux-image-{release} "
+            f"and linux-headers-{release}; see {logfile}"
+        )
+    for name, path in debs.items():
+        if name not in (image, headers):
+            path.unlink()
+    return {
+        "image": image,
+        "headers": headers,
+        "release": release,
+        "version": pkgversion,
+        "source": inp.version,
+        "commit": inp.head,
+        "series": [p.name for p in inp.patches],
+        "config": CONFIG_NAME,
+        "signing_cert_sha256": inp.cert_sha256,
+        "build_epoch": inp.epoch,
+        "build_seconds": round(seconds),
+        "jobs": ktest.jobs(),
+        "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def build(
+    force: bool = False, config_only: bool = False, signing_key_path: Path | None = None
+) -> dict[str, object]:
+    inp = inputs(signing_key_path)
+    outdir = pkg_root() / inp.key
     found = _found(outdir)
     if found and not force and not config_only:
         log(f"cached: {outdir}")
         return found
-    work = pkg_root() / f"work-{src.key}"
+    work = pkg_root() / f"work-{inp.src.key}"
     work.mkdir(parents=True, exist_ok=True)
     with open(work / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        tree, build_dir = work / "tree", work / "build"
-        logfile = work / "build.log"
-        logfile.write_text("")
-        checkout(src, tree, head)
-        configure(tree, build_dir, config, logfile)
+        meta = make_debs(inp, work, config_only)
         if config_only:
-            log(f"configured: {build_dir}/.config")
-            return {"config": str(build_dir / ".config")}
-        for old in work.glob("*.deb"):
-            old.unlink()
-        pkgversion = f"{version}+pageshare{PACKAGE_REVISION}"
-        log(
-            f"make bindeb-pkg ({len(patches)} patches on Debian's {version}, "
-            f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})"
-        )
-        t0 = time.monotonic()
-        # LOCALVERSION= (set, if empty): setlocalversion would otherwise
-        # append "+" to the release, the tree being a git checkout that is
-        # not at a tag.  The release's suffix is CONFIG_LOCALVERSION's.
-        env_extra = (
-            "LOCALVERSION=",
-            f"KDEB_PKGVERSION={pkgversion}",
-            "KDEB_SOURCENAME=linux-pageshare",
-            "KBUILD_BUILD_USER=pageshare",
-            "KBUILD_BUILD_HOST=pageshare",
-        )
-        make(tree, build_dir, "bindeb-pkg", logfile=logfile, extra=env_extra)
-        seconds = time.monotonic() - t0
-        release = (build_dir / "include/config/kernel.release").read_text().strip()
-        debs = {d.name: d for d in work.glob("*.deb")}
-        image = next((n for n in debs if n.startswith(f"linux-image-{release}_")), None)
-        headers = next((n for n in debs if n.startswith(f"linux-headers-{release}_")), None)
-        if not image or not headers:
-            raise KernelDebError(
-                f"bindeb-pkg made {sorted(debs)}, not linux-image-{release} "
-                f"and linux-headers-{release}; see {logfile}"
-            )
+            return meta
         tmp = outdir.with_name(outdir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name in (image, headers):
-            shutil.move(str(debs[name]), tmp / name)
-        for rest in work.glob("*.deb"):
-            rest.unlink()
-        shutil.copyfile(logfile, tmp / "build.log")
-        meta = {
-            "image": image,
-            "headers": headers,
-            "release": release,
-            "version": pkgversion,
-            "source": version,
-            "commit": head,
-            "series": [p.name for p in patches],
-            "config": CONFIG_NAME,
-            "build_seconds": round(seconds),
-            "jobs": ktest.jobs(),
-            "built_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
+        for which in ("image", "headers"):
+            shutil.move(str(work / str(meta[which])), tmp / str(meta[which]))
+        shutil.copyfile(work / "build.log", tmp / "build.log")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         shutil.rmtree(outdir, ignore_errors=True)
         tmp.rename(outdir)
-    log(f"built in {seconds:.0f} s: {outdir / image}")
+    log(f"built in {meta['build_seconds']} s: {outdir / str(meta['image'])}")
     return {**meta, "dir": str(outdir)}
+
+
+def differing_files(a: Path, b: Path) -> list[str]:
+    """The paths whose bytes differ between two unpacked trees, or that only
+    one of them has."""
+    out: list[str] = []
+
+    def walk(d: filecmp.dircmp[str], prefix: str) -> None:
+        out.extend(f"{prefix}{n} (only in one)" for n in d.left_only + d.right_only)
+        out.extend(f"{prefix}{n}" for n in d.funny_files)
+        _, mismatch, errors = filecmp.cmpfiles(d.left, d.right, d.common_files, shallow=False)
+        out.extend(f"{prefix}{n}" for n in mismatch + errors)
+        for name, sub in d.subdirs.items():
+            walk(sub, f"{prefix}{name}/")
+
+    walk(filecmp.dircmp(a, b), "")
+    return sorted(out)
+
+
+@dataclass
+class Reproduced:
+    dir: str  # the cached package's directory
+    second_build_seconds: int
+    differ: dict[str, list[str]]  # "image"/"headers" -> files inside that differ
+
+    @property
+    def reproducible(self) -> bool:
+        return not self.differ
+
+
+def check_reproducible(signing_key_path: Path | None = None) -> Reproduced:
+    """Build the package (or find it built), build it once more from an
+    empty work directory at another path, and compare the .debs byte for
+    byte; when they differ, name the files inside that differ."""
+    first = build(signing_key_path=signing_key_path)
+    inp = inputs(signing_key_path)
+    if inp.key != Path(str(first["dir"])).name:
+        raise KernelDebError("the inputs changed during the check; run it again")
+    work = pkg_root() / f"repro-{inp.key}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        second = make_debs(inp, work)
+        differ: dict[str, list[str]] = {}
+        for which in ("image", "headers"):
+            a = Path(str(first["dir"])) / str(first[which])
+            b = work / str(second[which])
+            if a.name != b.name:
+                differ[which] = [f"named {a.name} and {b.name}"]
+            elif not filecmp.cmp(a, b, shallow=False):
+                with tempfile.TemporaryDirectory(dir=work) as t:
+                    ua, ub = Path(t) / "first", Path(t) / "second"
+                    for deb, to in ((a, ua), (b, ub)):
+                        ktest.run(["dpkg-deb", "-R", str(deb), str(to)])
+                    differ[which] = differing_files(ua, ub) or ["the .deb (not its files)"]
+        return Reproduced(str(first["dir"]), int(str(second["build_seconds"])), differ)
+    finally:
+        shutil.rmtree(work / "tree", ignore_errors=True)
+        ktest.run(["git", "worktree", "prune"], cwd=inp.src.repo)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report_reproducible(result: Reproduced, as_json: bool) -> int:
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "ok": result.reproducible,
+                    "dir": result.dir,
+                    "second_build_seconds": result.second_build_seconds,
+                    "differ": result.differ,
+                }
+            )
+        )
+    elif result.reproducible:
+        print(f"reproducible: a second build from scratch gave the same bytes ({result.dir})")
+    else:
+        print("NOT reproducible; files that differ:", file=sys.stderr)
+        for which, files in result.differ.items():
+            for f in files[:40]:
+                print(f"  {which}: {f}", file=sys.stderr)
+    return 0 if result.reproducible else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,10 +579,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write and check the configuration, build nothing",
     )
+    ap.add_argument(
+        "--signing-key",
+        type=Path,
+        metavar="PEM",
+        help="sign the modules with this key (a PEM file holding the private key and "
+        f"its certificate; default: ${SIGNING_KEY_ENV}, else a key made once and kept "
+        "in the cache)",
+    )
+    ap.add_argument(
+        "--check-reproducible",
+        action="store_true",
+        help="build (or find built), build again from scratch elsewhere and compare the "
+        ".debs byte for byte; exits 1 if they differ, naming the files that do "
+        "(twice the build time: about two hours cold on 2 cores)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
-        result = build(force=args.force, config_only=args.config_only)
+        if args.check_reproducible:
+            return report_reproducible(check_reproducible(args.signing_key), args.json)
+        else:
+            result = build(
+                force=args.force, config_only=args.config_only, signing_key_path=args.signing_key
+            )
     except (KernelDebError, ktest.KtestError) as e:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}))

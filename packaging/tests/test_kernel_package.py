@@ -114,6 +114,38 @@ def test_the_deb_holds_the_kernel_its_modules_and_scripts(package: dict[str, obj
     assert "postinst" in control and "postrm" in control
 
 
+def test_modules_are_signed_by_the_kept_key_and_no_private_key_is_shipped(
+    package: dict[str, object], tmp_path: Path
+) -> None:
+    """The modules carry the signature of the key kernel_deb kept (the one an
+    operator enrolls for Secure Boot), the shipped .config names it by the
+    build-relative path every build uses, and neither package holds a
+    private key."""
+    release = str(package["release"])
+    for which in ("image", "headers"):
+        out = tmp_path / which
+        subprocess.run(["dpkg-deb", "-x", str(deb(package, which)), str(out)], check=True)
+        found = subprocess.run(
+            ["grep", "-rlI", "PRIVATE KEY-----", str(out)], capture_output=True, text=True
+        ).stdout
+        assert not found, f"a private key in the {which} package: {found}"
+    config = (tmp_path / "image/boot" / f"config-{release}").read_text()
+    assert f'CONFIG_MODULE_SIG_KEY="{kernel_deb.SIGNING_KEY_IN_BUILD}"' in config
+    key = kernel_deb.signing_key(kernel_deb.pkg_root(), None)
+    assert kernel_deb.cert_sha256(key) == package["signing_cert_sha256"]
+    ski = subprocess.run(
+        ["openssl", "x509", "-in", str(key), "-noout", "-ext", "subjectKeyIdentifier"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()[-1]
+    module = next((tmp_path / "image").glob(f"**/modules/{release}/kernel/fs/fat/vfat.ko*"))
+    info = subprocess.run(
+        ["modinfo", "-F", "sig_key", str(module)], capture_output=True, text=True, check=True
+    ).stdout
+    assert info.strip().replace(":", "").lower() == ski.strip().replace(":", "").lower()
+
+
 def boot_until(args: list[str], serial: Path, done: str, timeout: float) -> str:
     """A TCG guest (q35, -cpu max, no display, no reboot) with ARGS and its
     serial console in SERIAL, until the console shows DONE and QEMU exits
