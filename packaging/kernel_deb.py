@@ -36,12 +36,14 @@ key hashes the source, the patched tree, the configuration, the
 adjustments, the module signing certificate and this recipe; a warm run
 finds ``<key>/meta.json``.
 
-Reproducible by its inputs: two builds of the same inputs give the same
-bytes in both .debs (``--check-reproducible`` builds once more from
-scratch in another directory and compares).  What would otherwise differ
-is fixed by the inputs: the build time (uname -v, the changelog, the files'
-times) is the newest ``Date:`` of the series' patches; user, host, build
-number and maintainer are constants; and the modules are signed with a
+Made to be reproducible by its inputs: two builds of the same inputs
+should give the same bytes in both .debs, and ``--check-reproducible``
+checks that (it builds once more from scratch in another directory and
+compares; docs/benchmarks.md has its last result).  What would otherwise
+differ is fixed by the inputs: the build time (uname -v, the changelog,
+the files' times) is the newest ``Date:`` of the series' patches; user,
+host and maintainer are constants (the build number is the package's
+revision); and the modules are signed with a
 kept key, not one made at each build: ``--signing-key`` (or
 ``$PAGESHARE_KERNEL_SIGNING_KEY``), a PEM file with the private key and
 its certificate (the one to enroll for Secure Boot, docs/install.md), else
@@ -314,10 +316,10 @@ def build_env(inp: Inputs, work: Path) -> dict[str, str]:
     alone: the time in uname -v and the headers archive
     (KBUILD_BUILD_TIMESTAMP), the files' times in the .debs (dpkg-deb clamps
     them to SOURCE_DATE_EPOCH) and the changelog's date (DATE_SHIM), all the
-    series' time; the build number (else .version counts the builds in
-    this build directory); the user, host and maintainer (else the
-    builder's names) and the changelog's distribution (else the build
-    machine's codename)."""
+    series' time; the user, host and maintainer (else the builder's
+    names) and the changelog's distribution (else the build machine's
+    codename).  The build number in uname -v needs nothing: bindeb-pkg's
+    debian/rules sets KBUILD_BUILD_VERSION to the package's revision."""
     bindir = work / "bin"
     bindir.mkdir(exist_ok=True)
     (bindir / "date").write_text(DATE_SHIM)
@@ -326,7 +328,6 @@ def build_env(inp: Inputs, work: Path) -> dict[str, str]:
         os.environ,
         PATH=f"{bindir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
         KBUILD_BUILD_TIMESTAMP=email.utils.formatdate(inp.epoch, usegmt=True),
-        KBUILD_BUILD_VERSION="1",
         KBUILD_BUILD_USER=BUILDER,
         KBUILD_BUILD_HOST=BUILDER,
         SOURCE_DATE_EPOCH=str(inp.epoch),
