@@ -263,7 +263,8 @@ mod tests {
 
     #[test]
     fn check_config_says_whether_feedback_is_on() {
-        let path = std::env::temp_dir().join(format!("pageshare-fb-{}.toml", std::process::id()));
+        let dir = crate::test_dir::TestDir::new("feedback-line");
+        let path = dir.join("pageshare.toml");
         let line = |text: &str| {
             std::fs::write(&path, text).unwrap();
             super::feedback_line(&crate::config::Config::load(&path).unwrap())
@@ -275,7 +276,6 @@ mod tests {
             "feedback: off (feedback.enabled = false)"
         );
         assert!(line(redis).contains("every 60 s, at most 1048576 blocks per image"));
-        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

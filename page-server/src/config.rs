@@ -449,6 +449,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_dir::TestDir;
 
     const IMAGE: &str =
         "[[image]]\nname = \"deb\"\npath = \"/img/deb.qcow2\"\nlist_file = \"/lists/deb.pcsl\"\n";
@@ -466,11 +467,8 @@ mod tests {
     }
 
     /// A scratch directory with fake binaries: `(name, mode)`.
-    fn bin_dir(name: &str, files: &[(&str, u32)]) -> PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("pageshare-config-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
+    fn bin_dir(name: &str, files: &[(&str, u32)]) -> TestDir {
+        let d = TestDir::new(&format!("config-{name}"));
         for (f, mode) in files {
             let p = d.join(f);
             std::fs::write(&p, "#!/bin/sh\n").unwrap();
@@ -487,7 +485,7 @@ mod tests {
         let other = bin_dir("other", &[("qemu-img", 0o755)]);
         let not_exec = bin_dir("not-exec", &[(QSD, 0o644)]);
         let find = |path: Option<&std::ffi::OsString>| {
-            find_qemu_storage_daemon(path.map(|p| p.as_os_str()), &[ours.as_path()])
+            find_qemu_storage_daemon(path.map(|p| p.as_os_str()), &[&*ours])
         };
         let path = |dirs: &[&Path]| Some(std::env::join_paths(dirs).unwrap());
         // Debian's on PATH is used even when pageshare-qemu is installed.
@@ -502,10 +500,7 @@ mod tests {
             Some(ours.join(QSD))
         );
         // Neither: None, and the message says what to install.
-        assert_eq!(
-            find_qemu_storage_daemon(path(&[&other]).as_deref(), &[not_exec.as_path()]),
-            None
-        );
+        assert_eq!(find_qemu_storage_daemon(path(&[&other]).as_deref(), &[&*not_exec]), None);
         let msg = NoQemuStorageDaemon { path_var: "/usr/bin:/bin".into() }.to_string();
         assert!(
             msg.contains("(/usr/bin:/bin)")
@@ -513,9 +508,6 @@ mod tests {
                 && msg.contains("pageshare-qemu"),
             "{msg}"
         );
-        for d in [debian, ours, other, not_exec] {
-            std::fs::remove_dir_all(d).unwrap();
-        }
     }
 
     #[test]

@@ -552,14 +552,11 @@ pub fn content_hash(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_dir::TestDir;
     use std::io::Write;
 
-    fn tmpdir(name: &str) -> PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("pageshare-identity-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn tmpdir(name: &str) -> TestDir {
+        TestDir::new(&format!("identity-{name}"))
     }
 
     fn stamp(ctime_ns: i64) -> FileStamp {
@@ -614,7 +611,6 @@ mod tests {
         assert_eq!(st.mtime_ns, md.mtime() * S + md.mtime_nsec());
         assert_eq!(FileStamp::of_file(&File::open(&f).unwrap()).unwrap(), st);
         assert!(FileStamp::of_path(&d).is_err(), "a directory is not an image");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -651,7 +647,6 @@ mod tests {
         std::fs::write(&other, b"first second!").unwrap();
         std::fs::rename(&other, &f).unwrap();
         assert!(img2.check_unchanged(&f).is_err(), "a file renamed over the path is another file");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -664,7 +659,6 @@ mod tests {
         assert!(matches!(e, ImageError::Cancelled), "{e}");
         assert!(t0.elapsed() < Duration::from_millis(1500));
         assert!(open_stable(&d.join("missing"), &|| false).is_err());
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -703,6 +697,5 @@ mod tests {
         std::fs::write(d.join("content-hash.json"), r#"{"/a|1|2|3|4.5|6.7": [4096, "00"]}"#)
             .unwrap();
         assert_eq!(IdentityCache::new(&d).entries.lock().unwrap().len(), 0);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 }

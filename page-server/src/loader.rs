@@ -487,28 +487,20 @@ mod tests {
     use super::*;
     use crate::arena::tests::vm_read;
     use crate::sectorlist::test_list_text;
+    use crate::test_dir::TestDir;
 
     const BLOCKS: u64 = 16;
 
     struct Setup {
-        dir: PathBuf,
+        dir: TestDir,
         image: PathBuf,
         /// The image's bytes.
         data: Vec<u8>,
     }
 
-    impl Drop for Setup {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-
     /// A raw image of BLOCKS distinct blocks in a directory of its own.
     fn setup(name: &str) -> Setup {
-        let dir =
-            std::env::temp_dir().join(format!("pageshare-loader-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = TestDir::new(&format!("loader-{name}"));
         let data: Vec<u8> = (0..BLOCKS * BLOCK_SIZE)
             .map(|i| ((i / BLOCK_SIZE) as u8).wrapping_mul(37) ^ (i as u8))
             .collect();
@@ -541,7 +533,8 @@ mod tests {
 
         fn loader(&self, limits: &str) -> Loader {
             let cfg: Config =
-                toml::from_str(&format!("cache_dir = {:?}\n[limits]\n{limits}", self.dir)).unwrap();
+                toml::from_str(&format!("cache_dir = {:?}\n[limits]\n{limits}", &*self.dir))
+                    .unwrap();
             std::fs::create_dir_all(cfg.cache_dir.join("lists")).unwrap();
             Loader {
                 ids: IdentityCache::new(&cfg.cache_dir),

@@ -23,6 +23,8 @@ mod table;
 
 #[cfg(test)]
 mod fuzz_tests;
+#[cfg(test)]
+mod test_dir;
 
 use cli::Command;
 use std::fmt;

@@ -98,12 +98,14 @@ pub(super) fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, Socket
 #[cfg(test)]
 mod tests {
     use super::bind_socket;
+    use crate::test_dir::TestDir;
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     use std::os::unix::net::UnixStream;
 
     #[test]
     fn bind_socket_publishes_a_listening_socket_with_its_mode() {
-        let dir = std::env::temp_dir().join(format!("ps-bind-{}", std::process::id()));
+        let tmp = TestDir::new("bind");
+        let dir = tmp.join("run"); // made by bind_socket
         let path = dir.join("img.sock");
         let l = bind_socket(&path, 0o660).unwrap();
         let md = std::fs::symlink_metadata(&path).unwrap();
@@ -125,13 +127,11 @@ mod tests {
         // The first one gone, its stale socket file is replaced.
         let _l2 = bind_socket(&path, 0o600).unwrap();
         UnixStream::connect(&path).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn bind_socket_never_replaces_another_kind_of_file() {
-        let dir = std::env::temp_dir().join(format!("ps-bind-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = TestDir::new("bind-file");
         let path = dir.join("img.sock");
         std::fs::write(&path, b"data").unwrap();
         let e = bind_socket(&path, 0o660).unwrap_err();
@@ -142,6 +142,5 @@ mod tests {
             "{e}"
         );
         assert_eq!(std::fs::read(&path).unwrap(), b"data");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
