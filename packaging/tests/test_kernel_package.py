@@ -133,17 +133,36 @@ def test_modules_are_signed_by_the_kept_key_and_no_private_key_is_shipped(
     assert f'CONFIG_MODULE_SIG_KEY="{kernel_deb.SIGNING_KEY_IN_BUILD}"' in config
     key = kernel_deb.signing_key(kernel_deb.pkg_root(), None)
     assert kernel_deb.cert_sha256(key) == package["signing_cert_sha256"]
-    ski = subprocess.run(
-        ["openssl", "x509", "-in", str(key), "-noout", "-ext", "subjectKeyIdentifier"],
+    # A PKCS#7 module signature names its signer by issuer and serial number:
+    # modinfo shows the signer's CN and the serial as sig_key.
+    cert = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-in",
+            str(key),
+            "-noout",
+            "-serial",
+            "-subject",
+            "-nameopt",
+            "RFC2253",
+        ],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.splitlines()[-1]
-    module = next((tmp_path / "image").glob(f"**/modules/{release}/kernel/fs/fat/vfat.ko*"))
-    info = subprocess.run(
-        ["modinfo", "-F", "sig_key", str(module)], capture_output=True, text=True, check=True
     ).stdout
-    assert info.strip().replace(":", "").lower() == ski.strip().replace(":", "").lower()
+    serial = re.search(r"^serial=(\w+)$", cert, re.M)
+    cn = re.search(r"^subject=.*CN=([^,\n]+)", cert, re.M)
+    assert serial and cn, cert
+    module = next((tmp_path / "image").glob(f"**/modules/{release}/kernel/fs/fat/vfat.ko*"))
+    signer, sig_key = (
+        subprocess.run(
+            ["modinfo", "-F", field, str(module)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for field in ("signer", "sig_key")
+    )
+    assert signer == cn.group(1), (signer, cert)
+    assert sig_key.replace(":", "").lower() == serial.group(1).lower(), (sig_key, cert)
 
 
 def boot_until(args: list[str], serial: Path, done: str, timeout: float) -> str:
