@@ -4,7 +4,9 @@ built from, and nothing else.
 The selftests under tools/testing/ are compiled into the guest's payload
 when ktest runs, never into a bzImage or the kernel package, so an edit
 there must not give every kernel config a new key (a rebuild of each on
-the next run, and a cold one in a CI cache).  Every other path must.
+the next run, and a cold one in a CI cache).  Every other path must.  The
+test binaries' key (commands.binaries_key) must follow the selftests, or a
+selftest edit would run the old binaries.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 from pageshare_tools import ktestlib as ktest
+from pageshare_tools.ktestlib.commands import binaries_key
 from pageshare_tools.ktestlib.kernel import tree_id
 
 
@@ -60,3 +63,19 @@ def test_only_the_selftests_are_left_out_of_the_key(tmp_path: Path) -> None:
     (repo / "Makefile").chmod(0o755)
     git(repo, "commit", "-q", "-am", "mode")
     assert tree_id(src, git(repo, "rev-parse", "HEAD")) not in keys
+
+
+def test_a_selftest_edit_gives_the_test_binaries_a_new_key(tmp_path: Path) -> None:
+    repo = tmp_path / "linux"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    commit_with(repo, "mm/ksm.c", "v1\n")
+    base = commit_with(repo, "tools/testing/selftests/mm/merge_page_tests.c", "v1\n")
+    src = ktest.Source("6.12-test", repo, repo)
+    kdir = tmp_path / "debug-0123456789abcdef"
+    key = binaries_key(src, base, kdir)
+    assert binaries_key(src, base, kdir) == key
+    edited = commit_with(repo, "tools/testing/selftests/mm/merge_page_tests.c", "v2\n")
+    assert tree_id(src, edited) == tree_id(src, base)
+    assert binaries_key(src, edited, kdir) != key
+    assert binaries_key(src, base, tmp_path / "debug-fedcba9876543210") != key

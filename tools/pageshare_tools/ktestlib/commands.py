@@ -24,10 +24,26 @@ from .guest import (
     ensure_busybox,
     guest_tests,
 )
-from .kernel import GUEST_CONFIG, configure, ensure_kernel, make
+from .kernel import GUEST_CONFIG, configure, ensure_kernel, make, selftests_id
 from .payload import build_filter_payload
 from .series import AUTHOR, apply_series, checkout_tree, series_files
 from .source import Source, ensure_source
+
+
+def binaries_key(src: Source, commit: str, kdir: Path) -> str:
+    """The static test binaries' cache key: the kernel image they run on,
+    the series' selftests in the tree (tools/testing/, which the image's
+    key leaves out), ktest's own test sources, the table header they
+    include, and the driver's code (ktest.py and ktestlib/)."""
+    th = hashlib.sha256(kdir.name.encode())
+    th.update(selftests_id(src, commit).encode())
+    for d in (GUEST, LIBDIR):
+        for f in sorted(d.glob("*.[ch]")):
+            th.update(f.name.encode() + f.read_bytes())
+    th.update((REPO / "page-server/client/pageshare_table.h").read_bytes())
+    for f in [HERE / "ktest.py", *sorted(Path(__file__).parent.glob("*.py"))]:
+        th.update(f.read_bytes())
+    return th.hexdigest()[:16]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -40,16 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         commits = apply_series(src, patches)
     check_uapi_header(src, commits[-1])
 
-    # Tests: cached by (kernel image, test sources).
-    th = hashlib.sha256(kdir.name.encode())
-    for d in (GUEST, LIBDIR):
-        for f in sorted(d.glob("*.[ch]")):
-            th.update(f.name.encode() + f.read_bytes())
-    th.update((REPO / "page-server/client/pageshare_table.h").read_bytes())
-    # and by the driver's own code (ktest.py and ktestlib/), as when it was one file
-    for f in [HERE / "ktest.py", *sorted(Path(__file__).parent.glob("*.py"))]:
-        th.update(f.read_bytes())
-    testdir = root / "tests" / th.hexdigest()[:16]
+    testdir = root / "tests" / binaries_key(src, commits[-1], kdir)
     if not (testdir / ".ready").exists():
         if testdir.exists():
             shutil.rmtree(testdir)

@@ -52,7 +52,8 @@ def parse_fragment(path: Path) -> dict[str, str]:
 # Parts of the tree no kernel image is built from: the selftests, which
 # ktest compiles into the guest's payload at run time.  Left out of
 # tree_id(), so a selftest edit does not give every kernel config (and the
-# kernel package) a new key and a rebuild.
+# kernel package) a new key and a rebuild; the test binaries' key takes
+# them in instead (selftests_id(), commands.binaries_key).
 NOT_BUILT_IN = "tools/testing"
 
 
@@ -78,6 +79,15 @@ def tree_id(src: Source, commit: str) -> str:
         if not below:  # a tree without the path: all of it is hashed
             break
     return h.hexdigest()
+
+
+def selftests_id(src: Source, commit: str) -> str:
+    """The git tree id of NOT_BUILT_IN at commit: what the test binaries'
+    key (commands.binaries_key) takes from the tree, which tree_id() leaves
+    out."""
+    return run(
+        ["git", "rev-parse", f"{commit}:{NOT_BUILT_IN}"], cwd=src.repo, capture=True
+    ).stdout.strip()
 
 
 def image_key(src: Source, commit: str, config: str) -> str:
