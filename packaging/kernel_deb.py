@@ -61,6 +61,7 @@ why it is not part of ``make test``: ``make kernel-package`` builds it and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import email.utils
 import fcntl
 import filecmp
@@ -212,21 +213,29 @@ def signing_key(root: Path, given: Path | None) -> Path:
     if not kept.exists():
         kept.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         log(f"making the module signing key, kept for later builds: {kept}")
-        tmp = kept.with_name(kept.name + ".tmp")
-        ktest.run(
-            [
-                "openssl", "req", "-new", "-nodes", "-utf8", "-sha256", "-days", "36500",
-                "-batch", "-x509", "-newkey", "rsa:4096",
-                "-subj", "/CN=pageshare kernel module signing key/",
-                "-addext", "basicConstraints=critical,CA:FALSE",
-                "-addext", "keyUsage=digitalSignature",
-                "-addext", "extendedKeyUsage=codeSigning",
-                "-outform", "PEM", "-out", str(tmp), "-keyout", str(tmp),
-            ],
-            capture=True,
-        )  # fmt: skip
-        tmp.chmod(0o600)
-        tmp.rename(kept)
+        fd, name = tempfile.mkstemp(dir=kept.parent, suffix=".tmp")  # mode 0600
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            ktest.run(
+                [
+                    "openssl", "req", "-new", "-nodes", "-utf8", "-sha256", "-days", "36500",
+                    "-batch", "-x509", "-newkey", "rsa:4096",
+                    "-subj", "/CN=pageshare kernel module signing key/",
+                    "-addext", "basicConstraints=critical,CA:FALSE",
+                    "-addext", "keyUsage=digitalSignature",
+                    "-addext", "extendedKeyUsage=codeSigning",
+                    "-outform", "PEM", "-out", str(tmp), "-keyout", str(tmp),
+                ],
+                capture=True,
+            )  # fmt: skip
+            tmp.chmod(0o600)
+            # link, not rename: of two builds making a key at once, the first
+            # one's stays and both sign with it
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, kept)
+        finally:
+            tmp.unlink(missing_ok=True)
     return kept
 
 
@@ -460,9 +469,12 @@ def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, o
 
 
 def build(
-    force: bool = False, config_only: bool = False, signing_key_path: Path | None = None
+    force: bool = False,
+    config_only: bool = False,
+    signing_key_path: Path | None = None,
+    inp: Inputs | None = None,
 ) -> dict[str, object]:
-    inp = inputs(signing_key_path)
+    inp = inp or inputs(signing_key_path)
     outdir = pkg_root() / inp.key
     found = _found(outdir)
     if found and not force and not config_only:
@@ -520,10 +532,8 @@ def check_reproducible(signing_key_path: Path | None = None) -> Reproduced:
     """Build the package (or find it built), build it once more from an
     empty work directory at another path, and compare the .debs byte for
     byte; when they differ, name the files inside that differ."""
-    first = build(signing_key_path=signing_key_path)
     inp = inputs(signing_key_path)
-    if inp.key != Path(str(first["dir"])).name:
-        raise KernelDebError("the inputs changed during the check; run it again")
+    first = build(inp=inp)
     work = pkg_root() / f"repro-{inp.key}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -155,3 +155,16 @@ def test_the_build_environment_dates_the_changelog_with_the_series(tmp_path: Pat
     assert date("-d", "@0", "+%Y") == "1970"
     assert env["SOURCE_DATE_EPOCH"] == str(epoch)
     assert email.utils.parsedate_to_datetime(env["KBUILD_BUILD_TIMESTAMP"]).timestamp() == epoch
+
+
+def test_two_builds_making_the_key_at_once_sign_with_the_same_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(kernel_deb.SIGNING_KEY_ENV, raising=False)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        keys = list(pool.map(lambda _: kernel_deb.signing_key(tmp_path, None), range(2)))
+    assert keys[0] == keys[1]
+    assert len({kernel_deb.cert_sha256(k) for k in keys}) == 1
+    assert [p.name for p in (tmp_path / "signing").iterdir()] == ["signing_key.pem"]
