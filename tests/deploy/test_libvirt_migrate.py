@@ -53,11 +53,10 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -81,7 +80,7 @@ from libvirt_host import (
 from page_server_helpers import ImageSpec, Server, raw_copy
 from pageshare import golden
 from pageshare.analysis.workload import Markers, Workload, script
-from pageshare.host.qmp import QMP
+from pageshare.host.qmp import connect_unix
 from pageshare.image.image_inspect import inspect_image
 from pageshare_tools.qemu_guest import make_overlay, make_signal_disk
 from qemu_helpers import qemu_build
@@ -261,29 +260,96 @@ def check_arrival(dst: Host, src: Host, after: int, refs: bool) -> tuple[int, st
     return n, d["filter"]
 
 
-def watch_migration(sock: Path, node: str, stop: list[bool]) -> dict[str, Any]:
-    """On the source of a migration: over the hook's private monitor,
-    query-migrate until it completes, then the filter's counters at once
-    (libvirt ends that QEMU soon after).  This QEMU was a migration's
-    destination: until its own migration starts, query-migrate reports that
-    one's status (completed)."""
-    q = QMP(sock, timeout=30)
-    started = False
-    try:
+class MigrationWatch:
+    """On the source of a migration, over the hook's private monitor: the
+    migration's statistics and the filter's counters at the moment it
+    completes.  libvirt ends the source's QEMU soon after that moment
+    (Finish on the destination, then Confirm here), so the watch does not
+    poll: it waits for QEMU's MIGRATION event and asks for both at once in
+    one write, which QEMU answers before it reads another command.  (A
+    poll every 20 ms lost that race in CI once: the QEMU had gone before
+    the next query.)  The connection is made before the migration starts,
+    so every MIGRATION event it sees is this migration's, not the incoming
+    one that brought the guest here."""
+
+    def __init__(self, sock: Path, node: str) -> None:
+        self.node = node
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(30)
+        connect_unix(self.s, sock)
+        self.buf = b""
+        self.statuses: list[str] = []
+        assert "QMP" in self.message(30), "no QMP greeting"
+        self.execute(["qmp_capabilities"])
+        # libvirt turns migration events on; turned on here too so that
+        # the watch does not depend on it
+        self.execute(
+            ["migrate-set-capabilities"],
+            capabilities=[{"capability": "events", "state": True}],
+        )
+
+    def message(self, timeout: float) -> dict[str, Any]:
+        """The next message from QEMU; {} when none came within TIMEOUT."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {}
+            self.s.settimeout(left)
+            try:
+                chunk = self.s.recv(65536)
+            except TimeoutError:
+                return {}
+            if not chunk:
+                raise EOFError(f"QEMU closed its monitor; migration statuses seen: {self.statuses}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        msg: dict[str, Any] = json.loads(line)
+        return msg
+
+    def execute(self, names: list[str], **args: Any) -> list[Any]:
+        """Sends the commands NAMES in one write (ARGS go to the last) and
+        returns their answers in order."""
+        msgs: list[dict[str, Any]] = [{"execute": n} for n in names]
+        if args:
+            msgs[-1]["arguments"] = args
+        self.s.sendall(b"".join(json.dumps(m).encode() + b"\n" for m in msgs))
+        out: list[Any] = []
+        while len(out) < len(names):
+            msg = self.message(30)
+            assert msg, f"QEMU did not answer {names} within 30 s"
+            if "event" in msg:
+                self.note(msg)
+                continue
+            assert "error" not in msg, (names, msg)
+            out.append(msg["return"])
+        return out
+
+    def note(self, msg: dict[str, Any]) -> None:
+        if msg["event"] == "MIGRATION":
+            self.statuses.append(msg["data"]["status"])
+
+    def watch(self, stop: list[bool]) -> dict[str, Any]:
         while not stop:
-            info = q.command("query-migrate")
-            started = started or info.get("status") in ("setup", "active", "device")
-            if started and info.get("status") == "completed":
-                for s in q.command("query-blockstats", **{"query-nodes": True}):
-                    if s.get("node-name") == node:
+            msg = self.message(0.2)
+            if msg.get("event") != "MIGRATION":
+                continue
+            self.note(msg)
+            status = msg["data"]["status"]
+            if status == "completed":
+                info, stats = self.execute(
+                    ["query-migrate", "query-blockstats"], **{"query-nodes": True}
+                )
+                for s in stats:
+                    if s.get("node-name") == self.node:
                         return {"migrate": info, "filter": s["driver-specific"]}
-                raise AssertionError(f"no node {node}")
-            if info.get("status") in ("failed", "cancelled"):
-                return {"migrate": info}
-            time.sleep(0.02)
-    finally:
-        q.close()
-    return {}
+                raise AssertionError(f"no node {self.node}")
+            if status in ("failed", "cancelled"):
+                return {"migrate": {"status": status}}
+        return {"statuses": self.statuses}
+
+    def close(self) -> None:
+        self.s.close()
 
 
 def test_virsh_migrate_live_puts_the_filter_in_place_first(
@@ -339,7 +405,6 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(
     hosts = [a, b]
     a.configure(server.control, block_refs=False)
     b.configure(server.control, block_refs=True)
-    cleanup: list[Path] = []
     server.start()
     try:
         server.wait_generation("small", 1)
@@ -397,17 +462,14 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(
         # 4. B -> A with block-refs; B's counters over the hook's monitor
         sock_b = b.lv.root / "lib" / "qemu" / f"pageshare-{dom_uuid}.qmp"
         assert sock_b.exists(), sorted((b.lv.root / "lib" / "qemu").iterdir())
-        # a socket's path must fit in 108 bytes: a short link to it
-        short = Path(tempfile.mkdtemp(prefix="psmig-", dir="/tmp"))
-        cleanup.append(short)
-        (short / "b.qmp").symlink_to(sock_b)
         na = len(a.log.records())
         stop: list[bool] = []
         seen: dict[str, Any] = {}
+        watcher = MigrationWatch(sock_b, node_b)
 
         def watch() -> None:
             try:
-                seen.update(watch_migration(short / "b.qmp", node_b, stop))
+                seen.update(watcher.watch(stop))
             except Exception as e:
                 seen["error"] = f"{type(e).__name__}: {e}"
 
@@ -418,6 +480,7 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(
         finally:
             stop.append(True)
             t.join(60)
+            watcher.close()
         assert p.returncode == 0, p.stderr + a.domain_log()[-3000:]
         na, node_a = check_arrival(a, b, na, refs=True)
         argv = the_qemu(dom_uuid)
@@ -535,5 +598,3 @@ def test_virsh_migrate_live_puts_the_filter_in_place_first(
             with contextlib.suppress(Exception):
                 h.lv.stop()
         server.stop(signal.SIGKILL)
-        for d in cleanup:
-            shutil.rmtree(d, ignore_errors=True)
