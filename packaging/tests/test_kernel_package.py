@@ -19,7 +19,12 @@ host kernel:
   update-grub run in the libguestfs appliance) and a Debian kernel that
   10_linux lists first (trixie-backports' cloud kernel) boots, with no
   -kernel, the pageshare kernel: pageshare-host's grub.d file made it
-  GRUB's default.
+  GRUB's default;
+- under Secure Boot (OVMF with Microsoft's keys, Debian's shim and signed
+  GRUB), docs/install.md's steps boot it: the image signed with sbsign,
+  the certificate in shim's MOK list; the kernel comes up locked down,
+  loads the package's signed modules and rejects an unsigned one, and the
+  unsigned image, or the signed one without the MOK entry, stops in GRUB.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,11 +171,11 @@ def test_modules_are_signed_by_the_kept_key_and_no_private_key_is_shipped(
     assert sig_key.replace(":", "").lower() == serial.group(1).lower(), (sig_key, cert)
 
 
-def boot_until(args: list[str], serial: Path, done: str, timeout: float) -> str:
+def boot_until(args: list[str], serial: Path, done: str, timeout: float, exits: bool = True) -> str:
     """A TCG guest (q35, -cpu max, no display, no reboot) with ARGS and its
     serial console in SERIAL, until the console shows DONE and QEMU exits
-    (it powers off), or TIMEOUT seconds pass; killed if still running.
-    Returns the console's text."""
+    (it powers off; not waited for unless EXITS), or TIMEOUT seconds pass;
+    killed if still running.  Returns the console's text."""
     qemu = subprocess.Popen(
         [
             "qemu-system-x86_64",
@@ -192,7 +198,8 @@ def boot_until(args: list[str], serial: Path, done: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and qemu.poll() is None:
             if serial.exists() and done in serial.read_text(errors="replace"):
-                qemu.wait(timeout=120)
+                if exits:
+                    qemu.wait(timeout=120)
                 break
             time.sleep(3)
     finally:
@@ -469,3 +476,228 @@ def test_grub_boots_it_over_a_newer_debian_kernel(
     assert f"Loading Linux {release}" in log, log[-3000:]
     assert f"uname: {release}" in log and "series: yes" in log, log[-3000:]
     print(json.dumps({"grub_entries": entries, "booted": release}))
+
+
+SB_ROOT_UUID = "8e3f1c52-6a0d-4b7e-9f13-2c5d8a7b4e06"
+SB_DONE = "PAGESHARE-SB-DONE"
+# shim's GUID: the owner of MokList entries (shim's lib/guid.c, SHIM_LOCK_GUID)
+SHIM_LOCK_GUID = "605dab50-e046-4300-abb6-3dd810dd8b23"
+OVMF = Path("/usr/share/OVMF")
+MODULE_SIG_MAGIC = b"~Module signature appended~\n"
+SB_CHECK_SCRIPT = f"""#!/bin/sh
+exec > /dev/ttyS0 2>&1
+echo "uname: $(uname -r)"
+echo "sb-state: $(mokutil --sb-state 2>&1)"
+echo "lockdown: $(cat /sys/kernel/security/lockdown)"
+mokutil --list-enrolled 2>&1 | grep 'Subject:' | sed 's/^ */mok: /'
+modprobe dummy && echo "signed module: loaded" && rmmod dummy
+if insmod /root/dummy-unsigned.ko 2>/tmp/insmod.err; then
+    echo "unsigned module: loaded"
+else
+    echo "unsigned module: refused: $(cat /tmp/insmod.err)"
+fi
+dmesg | grep -iE 'secure ?boot|lockdown|X.509|rejected' | sed 's/^/dmesg: /'
+echo "{SB_DONE}"
+systemctl --no-block poweroff
+"""
+
+
+def without_module_signature(ko: bytes) -> bytes:
+    """A module's bytes with its appended signature cut off (the signature,
+    then struct module_signature, 12 bytes ending in the signature's length,
+    big-endian, then the magic string)."""
+    assert ko.endswith(MODULE_SIG_MAGIC), "the module is not signed"
+    end = len(ko) - len(MODULE_SIG_MAGIC)
+    sig_len = int.from_bytes(ko[end - 4 : end], "big")
+    return ko[: end - 12 - sig_len]
+
+
+def esp_disk(tree: Path, disk: Path) -> None:
+    """DISK: a GPT with one EFI system partition (64 MiB, at 1 MiB) holding TREE."""
+    from pageshare.golden.filesystems import _make_vfat
+
+    fs = disk.with_suffix(".vfat")
+    _make_vfat(tree, fs, 64 << 20, "5EC0-B007", "ESP")
+    with disk.open("wb") as f:
+        f.truncate(66 << 20)
+    subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
+        input="label: gpt\nstart=2048, size=131072, type=U\n",
+        text=True,
+        check=True,
+    )
+    golden._copy_sparse(fs, disk, 1 << 20)
+    fs.unlink()
+
+
+def sb_grub_cfg(kernel: str) -> str:
+    """What Debian's signed GRUB reads first: $prefix/grub.cfg, its prefix
+    /EFI/debian on the disk it started from (no menu: the one kernel)."""
+    return (
+        "serial --unit=0 --speed=115200\nterminal_input serial console\n"
+        "terminal_output serial console\n"
+        f"search --no-floppy --fs-uuid --set=root {SB_ROOT_UUID}\n"
+        f"echo 'Loading Linux {kernel} ...'\n"
+        f"linux /boot/vmlinuz-{kernel} root=UUID={SB_ROOT_UUID} ro console=ttyS0\n"
+        f"initrd /boot/initrd.img-{kernel.removesuffix('.unsigned')}\nboot\n"
+    )
+
+
+def test_secure_boot_boots_the_kernel_signed_as_docs_install_says(
+    package: dict[str, object], tmp_path: Path
+) -> None:
+    """docs/install.md's Secure Boot steps, followed: the image signed with
+    `sbsign` by the key the modules are signed with, its certificate in
+    shim's MOK list; OVMF with Secure Boot on (Microsoft's keys, which sign
+    Debian's shim), shim and Debian's signed GRUB from the ESP's removable
+    path.  The kernel boots, locked down, loads a module the package signed
+    and refuses one whose signature was cut off; the same disk with the
+    unsigned image stops in GRUB.  What MokManager does at the boot after
+    `mokutil --import` (write the certificate into MokList once a person
+    confirms it) is done to the firmware's variables with virt-fw-vars."""
+    release = str(package["release"])
+    image = deb(package, "image")
+    key = kernel_deb.signing_key(kernel_deb.pkg_root(), None)
+    assert kernel_deb.cert_sha256(key) == package["signing_cert_sha256"]
+    crt = tmp_path / "sb.crt"
+    subprocess.run(["openssl", "x509", "-in", str(key), "-out", str(crt)], check=True)
+    check = tmp_path / "check.sh"
+    check.write_text(SB_CHECK_SCRIPT)
+    unit = tmp_path / "check.service"
+    unit.write_text(CHECK_UNIT.replace("/usr/local/lib/pageshare-test/check.sh", "/check.sh"))
+    rootdir = tmp_path / "root"
+    vmlinuz = f"/boot/vmlinuz-{release}"
+    proc = subprocess.run(
+        [
+            "mmdebstrap",
+            "--mode=root",
+            "--variant=required",
+            "--include=systemd-sysv,udev,kmod,initramfs-tools,mokutil,sbsigntool,"
+            "shim-signed,grub-efi-amd64-signed",
+            f"--customize-hook=copy-in {image} /tmp",
+            f'--customize-hook=chroot "$1" apt-get install -y /tmp/{image.name}',
+            f'--customize-hook=rm "$1/tmp/{image.name}"',
+            # docs/install.md: after every install of the kernel package, sign its image
+            f'--customize-hook=cp "$1{vmlinuz}" "$1{vmlinuz}.unsigned"',
+            f"--customize-hook=copy-in {key} {crt} /root",
+            f'--customize-hook=chroot "$1" sbsign --key /root/{key.name} --cert /root/{crt.name}'
+            f" --output {vmlinuz} {vmlinuz}",
+            f'--customize-hook=chroot "$1" sbverify --cert /root/{crt.name} {vmlinuz}',
+            f'--customize-hook=rm "$1/root/{key.name}" "$1/root/{crt.name}"',
+            f'--customize-hook=cp {check} "$1/check.sh"',
+            f'--customize-hook=cp {unit} "$1/etc/systemd/system/pageshare-sb-check.service"',
+            '--customize-hook=chroot "$1" systemctl enable pageshare-sb-check.service',
+            '--customize-hook=chroot "$1" systemctl mask serial-getty@ttyS0.service',
+            "trixie",
+            str(rootdir),
+            *debian.sources(["trixie"]),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not list((rootdir / "root").glob("*.pem")), "the private key stayed in the root"
+    (rootdir / "check.sh").chmod(0o755)
+    (rootdir / "etc/fstab").write_text(f"UUID={SB_ROOT_UUID}\t/\text4\tdefaults\t0\t1\n")
+    dummy = next(rootdir.glob(f"lib/modules/{release}/kernel/drivers/net/dummy.ko.xz"))
+    signed = subprocess.run(["xz", "-dc", str(dummy)], capture_output=True, check=True).stdout
+    (rootdir / "root/dummy-unsigned.ko").write_bytes(without_module_signature(signed))
+    # the ESP, as Debian's grub-install --removable lays it out with shim
+    esp = tmp_path / "esp"
+    (esp / "EFI/BOOT").mkdir(parents=True)
+    (esp / "EFI/debian").mkdir(parents=True)
+    shutil.copyfile(rootdir / "usr/lib/shim/shimx64.efi.signed", esp / "EFI/BOOT/BOOTX64.EFI")
+    shutil.copyfile(
+        rootdir / "usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed",
+        esp / "EFI/BOOT/grubx64.efi",
+    )
+    (esp / "EFI/debian/grub.cfg").write_text(sb_grub_cfg(release))
+    esp_signed = tmp_path / "esp-signed.raw"
+    esp_disk(esp, esp_signed)
+    (esp / "EFI/debian/grub.cfg").write_text(sb_grub_cfg(f"{release}.unsigned"))
+    esp_unsigned = tmp_path / "esp-unsigned.raw"
+    esp_disk(esp, esp_unsigned)
+    root = tmp_path / "root.ext4"
+    golden._make_ext4(rootdir, root, 3 << 30, SB_ROOT_UUID)
+    shutil.rmtree(rootdir)
+
+    # the firmware's variables: Microsoft's keys, Secure Boot on, and the
+    # certificate in MokList as MokManager leaves it
+    vars_fd = tmp_path / "OVMF_VARS.fd"
+    tool = Path(sys.executable).parent / "virt-fw-vars"
+    subprocess.run(
+        [
+            str(tool),
+            "--input",
+            str(OVMF / "OVMF_VARS_4M.ms.fd"),
+            "--output",
+            str(vars_fd),
+            "--add-mok",
+            SHIM_LOCK_GUID,
+            str(crt),
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+    def firmware(esp_disk_path: Path, root_opts: str, nvram: Path = vars_fd) -> list[str]:
+        return [
+            "-machine",
+            "smm=on",
+            "-global",
+            "driver=cfi.pflash01,property=secure,value=on",
+            "-drive",
+            f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF / 'OVMF_CODE_4M.secboot.fd'}",
+            "-drive",
+            f"if=pflash,format=raw,unit=1,file={nvram}",
+            "-m",
+            "1024",
+            "-drive",
+            f"file={esp_disk_path},if=virtio,format=raw",
+            "-drive",
+            f"file={root},if=virtio,format=raw{root_opts}",
+        ]
+
+    log = boot_until(firmware(esp_signed, ""), tmp_path / "serial.log", SB_DONE, 1200)
+    assert f"uname: {release}" in log, log[-4000:]
+    assert "sb-state: SecureBoot enabled" in log, log[-4000:]
+    assert "lockdown: none [integrity] confidentiality" in log, log[-4000:]
+    # shim copied MokList to MokListRT (after its own vendor certificate),
+    # which mokutil reads and the kernel loads into its machine keyring
+    cn = "pageshare kernel module signing key"
+    mok = [m.strip() for m in re.findall(r"^mok: .*CN ?= ?([^,/\n]+)", log, re.M)]
+    assert cn in mok, log[-4000:]
+    loaded = re.search(rf"UEFI:MokListRT.*\n[^\n]*integrity: Loaded X.509 cert '{cn}: ", log)
+    assert loaded, log[-4000:]
+    assert "signed module: loaded" in log, log[-4000:]
+    # Debian's lockdown enforces module signatures: an unsigned one is rejected
+    assert "unsigned module: refused" in log and "Key was rejected by service" in log, log[-4000:]
+    assert "Loading of unsigned module is rejected" in log, log[-4000:]
+
+    # The same chain refuses the image as the package ships it.
+    log = boot_until(
+        firmware(esp_unsigned, ",snapshot=on"),
+        tmp_path / "serial-unsigned.log",
+        "bad shim signature",
+        600,
+        exits=False,
+    )
+    assert f"Loading Linux {release}.unsigned" in log, log[-4000:]
+    assert "bad shim signature" in log, log[-4000:]
+    assert "EFI stub" not in log and "Linux version" not in log, log[-4000:]
+
+    # The signed image, but its certificate not enrolled: refused too, so
+    # the MOK entry is what let it boot.
+    no_mok = tmp_path / "OVMF_VARS-no-mok.fd"
+    shutil.copyfile(OVMF / "OVMF_VARS_4M.ms.fd", no_mok)
+    log = boot_until(
+        firmware(esp_signed, ",snapshot=on", no_mok),
+        tmp_path / "serial-no-mok.log",
+        "bad shim signature",
+        600,
+        exits=False,
+    )
+    assert f"Loading Linux {release} ..." in log, log[-4000:]
+    assert "bad shim signature" in log, log[-4000:]
+    assert "EFI stub" not in log and "Linux version" not in log, log[-4000:]
+    print(json.dumps({"secure_boot": "enabled", "booted": release}))
