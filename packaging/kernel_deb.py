@@ -87,13 +87,20 @@ CONFIG_NAME = "config.amd64_none_cloud-amd64.xz"
 FLAVOUR = "cloud-amd64"
 LOCALVERSION = f"-pageshare-{FLAVOUR}"
 PACKAGE_REVISION = 1
-RECIPE = "3"  # bump when the build below changes what it makes
+RECIPE = "4"  # bump when the build below changes what it makes
 SIGNING_KEY_ENV = "PAGESHARE_KERNEL_SIGNING_KEY"
 # Where the build finds the key, relative to its build directory: the same
 # string in every build's .config (which the package ships), and not the
 # kernel's default certs/signing_key.pem, which its Makefile would replace
 # with a new key.
 SIGNING_KEY_IN_BUILD = "pageshare-signing/signing_key.pem"
+# The build directory, inside the source tree: the kernel's Makefile then
+# names the tree "..", not by its absolute path, which would otherwise land
+# in the headers package (the -fverbose-asm comments of
+# scripts/mod/devicetable-offsets.s, which no prefix map rewrites), and
+# the package would depend on where it was built.
+BUILD_DIR_IN_TREE = "pageshare-build"
+DEB_OUTPUTS = (".deb", ".buildinfo", ".changes")
 # The same in every build, whoever and wherever builds.
 BUILDER = "pageshare"
 MAINTAINER_EMAIL = "pageshare@localhost"
@@ -359,7 +366,7 @@ def checkout(src: ktest.Source, tree: Path, head: str) -> None:
         )
         return
     ktest.run(["git", *ktest.GIT_ID, "checkout", "-q", "-f", "--detach", head], cwd=tree)
-    ktest.run(["git", "clean", "-q", "-f", "-d"], cwd=tree)
+    ktest.run(["git", "clean", "-q", "-f", "-d", "-e", f"/{BUILD_DIR_IN_TREE}/"], cwd=tree)
 
 
 def _found(outdir: Path) -> dict[str, object] | None:
@@ -411,17 +418,26 @@ def inputs(signing_key_path: Path | None) -> Inputs:
 
 
 def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, object]:
-    """Configure and run bindeb-pkg in work/ (its tree and build directory);
+    """Configure and run bindeb-pkg in work/ (its tree, the build directory inside);
     return the image and headers .debs' paths (in work/) and what was built."""
-    tree, build_dir = work / "tree", work / "build"
+    tree = work / "tree"
+    build_dir = tree / BUILD_DIR_IN_TREE
     logfile = work / "build.log"
     logfile.write_text("")
+    # recipe 3 and before built in work/build, beside the tree
+    shutil.rmtree(work / "build", ignore_errors=True)
     checkout(inp.src, tree, inp.head)
     configure(tree, build_dir, inp.config, inp.signing_key, logfile)
     if config_only:
         log(f"configured: {build_dir}/.config")
         return {"config": str(build_dir / ".config")}
-    for old in work.glob("*.deb"):
+
+    # dpkg-buildpackage writes the .debs, .buildinfo and .changes in the
+    # build directory's parent: the tree
+    def outputs() -> list[Path]:
+        return [f for d in (work, tree) for f in d.glob("*.*") if f.suffix in DEB_OUTPUTS]
+
+    for old in outputs():
         old.unlink()
     pkgversion = f"{inp.version}+pageshare{PACKAGE_REVISION}"
     log(
@@ -432,7 +448,11 @@ def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, o
     # LOCALVERSION= (set, if empty): setlocalversion would otherwise
     # append "+" to the release, the tree being a git checkout that is
     # not at a tag.  The release's suffix is CONFIG_LOCALVERSION's.
+    # HOSTCFLAGS: objtool, which the headers package ships, is the one host
+    # program built with -g; its DWARF names its source and build
+    # directories, here relative to the tree.
     make_vars = (
+        f"HOSTCFLAGS=-ffile-prefix-map={tree}/=",
         "LOCALVERSION=",
         f"KDEB_PKGVERSION={pkgversion}",
         "KDEB_SOURCENAME=linux-pageshare",
@@ -440,7 +460,7 @@ def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, o
     make(tree, build_dir, "bindeb-pkg", logfile=logfile, extra=make_vars, env=build_env(inp, work))
     seconds = time.monotonic() - t0
     release = (build_dir / "include/config/kernel.release").read_text().strip()
-    debs = {d.name: d for d in work.glob("*.deb")}
+    debs = {d.name: d for d in tree.glob("*.deb")}
     image = next((n for n in debs if n.startswith(f"linux-image-{release}_")), None)
     headers = next((n for n in debs if n.startswith(f"linux-headers-{release}_")), None)
     if not image or not headers:
@@ -448,9 +468,11 @@ def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, o
             f"bindeb-pkg made {sorted(debs)}, not linux-image-{release} "
             f"and linux-headers-{release}; see {logfile}"
         )
-    for name, path in debs.items():
-        if name not in (image, headers):
-            path.unlink()
+    for name in (image, headers):
+        debs[name].rename(work / name)
+    for other in outputs():
+        if other.parent == tree:
+            other.unlink()
     return {
         "image": image,
         "headers": headers,
