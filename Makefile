@@ -60,7 +60,7 @@ packages: deps
 	$(PY) packaging/debs.py
 
 # The patched kernel as a Debian host kernel package (Debian's cloud-amd64
-# configuration; about an hour cold on 2 cores, so not part of `make test`),
+# configuration; about 40 minutes cold on 2 cores, so not part of `make test`),
 # and its test: installed by apt into a clean Debian 13 root, booted, the
 # series' selftest run on it.
 kernel-package: deps

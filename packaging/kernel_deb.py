@@ -49,11 +49,11 @@ kept key, not one made at each build: ``--signing-key`` (or
 its certificate (the one to enroll for Secure Boot, docs/install.md), else
 one made once and kept in the cache (``signing/signing_key.pem``).  The
 private key is not in either package.  The
-build runs in its own git worktree and build directory beside it, so a
+build runs in its own git worktree, with its build directory inside, so a
 rebuild after a series change recompiles only what changed, and ktest's
 source tree is locked only while the series is applied (not for the build).
 
-A cold build takes about an hour on 2 cores (docs/benchmarks.md), which is
+A cold build takes about 40 minutes on 2 cores (docs/benchmarks.md), which is
 why it is not part of ``make test``: ``make kernel-package`` builds it and
 ``make kernel-package-test`` installs it into a golden image and boots it.
 """
@@ -442,7 +442,7 @@ def make_debs(inp: Inputs, work: Path, config_only: bool = False) -> dict[str, o
     pkgversion = f"{inp.version}+pageshare{PACKAGE_REVISION}"
     log(
         f"make bindeb-pkg ({len(inp.patches)} patches on Debian's {inp.version}, "
-        f"{FLAVOUR} configuration; about an hour on 2 cores; log: {logfile})"
+        f"{FLAVOUR} configuration; about 40 minutes on 2 cores; log: {logfile})"
     )
     t0 = time.monotonic()
     # LOCALVERSION= (set, if empty): setlocalversion would otherwise

@@ -1,9 +1,9 @@
 """The patched kernel's Debian package, installed by apt into a clean root and booted.
 
 Run by `make kernel-package-test` (not by `make test`: a cold build of the
-package takes about an hour on 2 cores, longer than CI's whole budget; see
-packaging/kernel_deb.py).  From outside, as an operator would check a new
-host kernel:
+package takes about 40 minutes on 2 cores, two thirds of the hour a cold
+`make test` is meant to fit in; see packaging/kernel_deb.py).  From
+outside, as an operator would check a new host kernel:
 
 - the .deb holds the kernel, its modules and the maintainer scripts, under
   a release that does not collide with Debian's kernels;
