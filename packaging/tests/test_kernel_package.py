@@ -369,6 +369,23 @@ systemctl --no-block poweroff
 """
 
 
+def one_partition_disk(fs: Path, disk: Path, label: str, kind: str) -> None:
+    """DISK: a partition table (sfdisk's LABEL, "dos" or "gpt") with one
+    partition of type KIND at 1 MiB holding the file system image FS, which
+    is removed.  1 MiB after it for a GPT's backup header."""
+    size = fs.stat().st_size
+    with disk.open("wb") as f:
+        f.truncate(size + (2 << 20))
+    subprocess.run(
+        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
+        input=f"label: {label}\nstart=2048, size={size // 512}, {kind}\n",
+        text=True,
+        check=True,
+    )
+    golden._copy_sparse(fs, disk, 1 << 20)
+    fs.unlink()
+
+
 def grub_entries(cfg: str) -> list[str]:
     """The kernels of grub.cfg's menu entries, in its order."""
     return re.findall(r"^\s*linux\s+/boot/vmlinuz-(\S+)", cfg, re.M)
@@ -438,16 +455,7 @@ def test_grub_boots_it_over_a_newer_debian_kernel(
     fs, disk = tmp_path / "root.ext4", tmp_path / "disk.raw"
     golden._make_ext4(rootdir, fs, 3 << 30, GRUB_ROOT_UUID)
     shutil.rmtree(rootdir)
-    with disk.open("wb") as f:
-        f.truncate((3 << 30) + (1 << 20))
-    subprocess.run(
-        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
-        input="label: dos\nstart=2048, type=83, bootable\n",
-        text=True,
-        check=True,
-    )
-    golden._copy_sparse(fs, disk, 1 << 20)
-    fs.unlink()
+    one_partition_disk(fs, disk, "dos", "type=83, bootable")
     with appliance(disk) as g:
         g.mount("/dev/sda1", "/")
         g.command(["grub-install", "--target=i386-pc", "/dev/sda"])
@@ -518,16 +526,7 @@ def esp_disk(tree: Path, disk: Path) -> None:
 
     fs = disk.with_suffix(".vfat")
     _make_vfat(tree, fs, 64 << 20, "5EC0-B007", "ESP")
-    with disk.open("wb") as f:
-        f.truncate(66 << 20)
-    subprocess.run(
-        ["sfdisk", "-q", "--no-reread", "--no-tell-kernel", str(disk)],
-        input="label: gpt\nstart=2048, size=131072, type=U\n",
-        text=True,
-        check=True,
-    )
-    golden._copy_sparse(fs, disk, 1 << 20)
-    fs.unlink()
+    one_partition_disk(fs, disk, "gpt", "type=U")
 
 
 def sb_grub_cfg(kernel: str) -> str:
