@@ -662,7 +662,7 @@ def test_secure_boot_boots_the_kernel_signed_as_docs_install_says(
     assert "sb-state: SecureBoot enabled" in log, log[-4000:]
     assert "lockdown: none [integrity] confidentiality" in log, log[-4000:]
     # shim copied MokList to MokListRT (after its own vendor certificate),
-    # which mokutil reads and the kernel loads into its machine keyring
+    # which mokutil reads and the kernel loads its certificates from
     cn = "pageshare kernel module signing key"
     mok = [m.strip() for m in re.findall(r"^mok: .*CN ?= ?([^,/\n]+)", log, re.M)]
     assert cn in mok, log[-4000:]
